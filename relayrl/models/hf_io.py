@@ -1,0 +1,149 @@
+"""Read and write Hugging Face model directories (config.json + safetensors, one file or sharded
+with `model.safetensors.index.json`), so the same code path serves tiny and real models."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from relayrl.errors import ModelDirError
+from relayrl.models.config import ModelConfig
+from relayrl.models.rope import rope_inv_freq
+from relayrl.models.transformer import CausalLM
+
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
+)
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelDirError(f"model directory not found: {p} (expected a Hugging Face directory with config.json and *.safetensors)")
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise ModelDirError(f"{p} has no config.json: not a Hugging Face model directory")
+    try:
+        d = json.loads(cfg_file.read_text())
+        return ModelConfig.from_hf_dict(d)
+    except json.JSONDecodeError as e:
+        raise ModelDirError(f"malformed {cfg_file}: {e}") from None
+    except KeyError as e:
+        raise ModelDirError(f"malformed {cfg_file}: missing field {e}") from None
+    except ValueError as e:
+        raise ModelDirError(f"{cfg_file}: {e}") from None
+
+
+def _weight_files(p: Path) -> list[Path]:
+    index = p / INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelDirError(f"malformed {index}: {e}") from None
+        files = [p / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelDirError(f"{p}: {INDEX} lists missing shard(s) {', '.join(missing)}")
+        return files
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ModelDirError(f"{p} has no *.safetensors weights")
+    return files
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(path)):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    out[k] = fh.get_tensor(k)
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ModelDirError(f"cannot read weights {f}: {e}") from None
+    return out
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+    """Build the model from `path/config.json` and load its safetensors weights."""
+    cfg = load_config(path)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device)
+    # built on the meta device (no wasted random init); the rope buffer is not in the checkpoint
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    sd = load_state_dict(path)
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+        model.lm_head.weight = model.model.embed_tokens.weight
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(expected - set(sd))
+    if missing:
+        raise ModelDirError(f"{path}: weights missing tensor '{missing[0]}' ({len(missing)} missing in all)")
+    own = model.state_dict()
+    for k in expected:
+        if tuple(sd[k].shape) != tuple(own[k].shape):
+            raise ModelDirError(f"{path}: tensor '{k}' has shape {tuple(sd[k].shape)}, config implies {tuple(own[k].shape)}")
+    model.load_state_dict({k: sd[k] for k in expected}, strict=False, assign=False)
+    return model.to(dtype)
+
+
+def save_pretrained(
+    model: CausalLM,
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write `model` as a Hugging Face directory (written under a temporary name, then renamed)."""
+    final = Path(path)
+    tmp = final.parent / f".tmp_{final.name}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cfg = model.config
+    sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    hf = cfg.to_hf_dict()
+    hf["torch_dtype"] = str(next(iter(sd.values())).dtype).replace("torch.", "")
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file():
+                shutil.copy2(src, tmp / name)
+    if final.exists():
+        old = final.parent / f".old_{final.name}_{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    return final
