@@ -1,0 +1,86 @@
+"""AlgoConfig: which algorithm pieces to use and their coefficients (the `algo:` config section).
+
+Names (advantage, loss, agg, kl_kind) are checked against the registries, so a typo is an error
+naming the key and listing the choices:
+
+    config error: loss: Value error, unknown loss 'ppo2'; known: gspo, ppo (got 'ppo2')
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from relayrl.algorithms import advantages as _advantages  # noqa: F401  (registers estimators)
+from relayrl.algorithms import aggregation as _aggregation  # noqa: F401
+from relayrl.algorithms import kl as _kl  # noqa: F401
+from relayrl.algorithms import policy_loss as _policy_loss  # noqa: F401
+from relayrl.algorithms.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LOSSES, Registry
+from relayrl.config import Config
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+def _check_name(registry: Registry, name: str) -> str:
+    registry.get(name)  # raises ValueError listing the known names
+    return name
+
+
+class AlgoConfig(Config):
+    # advantage estimator: grpo | dr_grpo | rloo; norm_std divides by the group std (grpo only)
+    advantage: str = "grpo"
+    norm_std: bool = True
+    # policy loss: ppo (token ratios) | gspo (sequence ratio); agg: how tokens reduce to a scalar
+    loss: str = "ppo"
+    agg: str = "token-mean"
+    # clip range [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO clip-higher.
+    # clip_low < 1 so the lower bound stays a positive ratio.
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.28, gt=0)
+    # KL(pi || ref) penalty, added to the loss when kl_coef > 0 and a reference model is run
+    kl_coef: float = Field(0.0, ge=0)
+    kl_kind: str = "k3"
+    # entropy bonus: loss -= entropy_coef * entropy (negative values minimise entropy)
+    entropy_coef: float = 0.0
+    # rollout-vs-trainer correction: TIS weight cap (None: no TIS); MIS band on the
+    # geometric-mean sequence ratio (both None: no MIS)
+    tis_cap: Optional[PositiveFloat] = 2.0
+    mis_low: Optional[NonNegFloat] = None
+    mis_high: Optional[PositiveFloat] = None
+    # DAPO dynamic sampling: drop groups without reward spread, resample up to N rounds
+    filter_groups: bool = False
+    max_resample_rounds: int = Field(3, ge=0)
+
+    @field_validator("advantage")
+    @classmethod
+    def _advantage_known(cls, v: str) -> str:
+        return _check_name(ADVANTAGES, v)
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_known(cls, v: str) -> str:
+        return _check_name(LOSSES, v)
+
+    @field_validator("agg")
+    @classmethod
+    def _agg_known(cls, v: str) -> str:
+        return _check_name(AGGREGATIONS, v)
+
+    @field_validator("kl_kind")
+    @classmethod
+    def _kl_known(cls, v: str) -> str:
+        return _check_name(KL_ESTIMATORS, v)
+
+    @model_validator(mode="after")
+    def _mis_band(self) -> "AlgoConfig":
+        if (self.mis_low is None) != (self.mis_high is None):
+            raise ValueError("mis_low and mis_high must be set together (or both left unset)")
+        if self.mis_low is not None and self.mis_high is not None and self.mis_low >= self.mis_high:
+            raise ValueError(f"mis_low ({self.mis_low}) must be below mis_high ({self.mis_high})")
+        return self
+
+    @property
+    def uses_mis(self) -> bool:
+        return self.mis_low is not None and self.mis_high is not None
