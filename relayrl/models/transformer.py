@@ -113,9 +113,17 @@ class DecoderModel(nn.Module):
 
 
 def build_attention_mask(
-    attention_mask: torch.Tensor, q_len: int, past_len: int, sliding_window: int | None
+    attention_mask: torch.Tensor,
+    q_len: int,
+    past_len: int,
+    sliding_window: int | None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Boolean [B, 1, q_len, past_len + q_len] mask (True = may attend); see the module docstring."""
+    """Boolean [B, 1, q_len, past_len + q_len] mask (True = may attend); see the module docstring.
+
+    segment_ids [B, q_len] (no cache): several sequences packed in one row attend only within
+    their own segment — the padding-free layout of the trainer.
+    """
     kv_len = past_len + q_len
     q_pos = torch.arange(past_len, kv_len, device=attention_mask.device)[:, None]
     k_pos = torch.arange(kv_len, device=attention_mask.device)[None, :]
@@ -123,6 +131,8 @@ def build_attention_mask(
     if sliding_window is not None:
         allowed = allowed & (k_pos > q_pos - sliding_window)
     allowed = allowed[None] & attention_mask[:, None, :kv_len].bool()
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
     allowed = allowed | (k_pos == q_pos)[None]
     return allowed[:, None]
 
@@ -146,12 +156,14 @@ class CausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCacheLike | None = None,
         return_hidden: bool = False,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, q, V] for `input_ids` [B, q].
 
         attention_mask: [B, past + q], 1 on real tokens (left or right padding both work).
         position_ids: [B, q]; default = number of real tokens before each slot.
         return_hidden: return the final normed hidden states instead of logits.
+        segment_ids: [B, q] packed sequences (give position_ids restarting at each segment).
         """
         B, q_len = input_ids.shape
         past_len = kv_cache.past_len if kv_cache is not None else 0
@@ -159,7 +171,7 @@ class CausalLM(nn.Module):
             attention_mask = torch.ones(B, past_len + q_len, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-        mask = build_attention_mask(attention_mask, q_len, past_len, self.config.sliding_window)
+        mask = build_attention_mask(attention_mask, q_len, past_len, self.config.sliding_window, segment_ids)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, h.dtype)
         for layer in self.model.layers:

@@ -1,0 +1,68 @@
+"""TrainBatch: what one update consumes — rows of [prompt | response | padding].
+
+    input_ids       [B, T]  prompt then response tokens, right-padded
+    attention_mask  [B, T]  1 on prompt and response tokens
+    response_mask   [B, T]  1.0 on response tokens (the only tokens that get loss)
+    advantages      [B]
+    old_logp        [B, T]  trainer logprobs before the update (recomputed, not the engine's)
+    rollout_logp    [B, T]  what the engine reported when sampling (for the IS correction)
+    ref_logp        [B, T]  reference model logprobs (KL), or None
+
+Logprobs are aligned to tokens: logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None
+    rollout_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor | slice) -> "TrainBatch":
+        return TrainBatch(**{
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx])
+            for f in dataclasses.fields(self)
+        })
+
+    def split(self, size: int) -> list["TrainBatch"]:
+        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def replace(self, **kw) -> "TrainBatch":
+        return dataclasses.replace(self, **kw)
+
+
+def build_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0):
+    """Right-padded rows [prompt | response]; returns (input_ids, attention_mask, response_mask)."""
+    T = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    B = len(prompts)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    resp = torch.zeros(B, T)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r)
+        attn[i, :n] = 1
+        resp[i, len(p):n] = 1.0
+    return ids, attn, resp
+
+
+def scatter_per_token(values: list[list[float]], prompts: list[list[int]], T: int) -> torch.Tensor:
+    """Place per-response-token values (e.g. the engine's logprobs) at their row positions."""
+    out = torch.zeros(len(values), T)
+    for i, (v, p) in enumerate(zip(values, prompts)):
+        out[i, len(p):len(p) + len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out
