@@ -1,0 +1,30 @@
+"""TrainerConfig: optimiser, schedule and batching of the actor update (the `trainer:` section)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from relayrl.config import Config
+
+
+class TrainerConfig(Config):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: Optional[float] = Field(1.0, gt=0)  # None: no clipping (the norm is still reported)
+    # the schedule steps once per RL step: linear warm-up, then constant or cosine to min_lr_ratio
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    # per rollout batch: ppo_epochs passes, each split into mini_batches optimiser steps;
+    # each mini-batch runs as micro-batches of micro_batch_size sequences (gradient accumulation)
+    ppo_epochs: int = Field(1, ge=1)
+    mini_batches: int = Field(1, ge=1)
+    micro_batch_size: int = Field(32, ge=1)
+    shuffle: bool = True  # shuffle sequences between mini-batches (seeded)
+    bf16: bool = False  # autocast the forward to bf16; master weights and optimiser stay fp32
+    padding_free: bool = False  # pack sequences into one row instead of padding

@@ -1,0 +1,35 @@
+"""AdamW and the learning-rate schedule.
+
+    lr(step) = lr * (step + 1) / warmup                                    step < warmup
+             = lr                                                          constant
+             = lr * (min + (1 - min) * (1 + cos(pi * progress)) / 2)       cosine,
+               progress = (step - warmup) / (total - warmup)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from relayrl.trainer.config import TrainerConfig
+
+
+def lr_factor(step: int, cfg: TrainerConfig, total_steps: int) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, total_steps: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay, foreach=True,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
+    return opt, sched
