@@ -1,0 +1,154 @@
+"""Metrics sinks: one JSON object per line in run_dir/metrics.jsonl, plus TensorBoard scalars.
+
+metrics.jsonl is the record the report, the CLI summary and the golden-curve tests read; TensorBoard
+is for watching a run live. Each line is written and flushed on its own, so a run killed at any
+moment loses at most the line being written — `read_metrics` skips such a truncated last line.
+
+Resuming from a checkpoint at step S replays steps S+1.. that the killed run may already have
+logged; `truncate_metrics(run_dir, S)` drops those lines first (and the logger tells TensorBoard to
+purge them), so a resumed run's file equals the one a never-stopped run would have written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from relayrl.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+
+
+def metrics_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / METRICS_FILE
+
+
+def _to_float(key: str, value: Any) -> float:
+    # Tensors (0-d or one element) and numpy scalars both have .item(); anything else must be a
+    # plain number. Failing here, at the call site, beats a TypeError from json deep in the writer.
+    wrong = TypeError(f"metric {key!r} must be a number or a one-element tensor, got {value!r}")
+    if hasattr(value, "item"):
+        try:
+            value = value.item()
+        except (RuntimeError, ValueError):  # torch / numpy refusing a multi-element .item()
+            raise wrong from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise wrong
+    return float(value)
+
+
+class MetricsLogger:
+    """Appends `{"step": step, **metrics}` to metrics.jsonl and mirrors scalars to TensorBoard.
+
+    `resume_step`: when resuming from a checkpoint at that step, lines (and TensorBoard events) of
+    later steps left by the interrupted run are dropped before anything new is written.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        use_tensorboard: bool = True,
+        resume_step: int | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            truncate_metrics(self.run_dir, resume_step)
+        # Line buffering is not enough for a guarantee (the line may exceed the buffer), so `log`
+        # flushes explicitly; append mode keeps what a previous (resumed) run wrote.
+        self._file = open(metrics_path(self.run_dir), "a", encoding="utf-8")
+        self._writer = None
+        if use_tensorboard:
+            # Imported lazily: tensorboard is slow to import and not needed without it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides events at steps >= purge_step that the interrupted run wrote.
+            purge = resume_step + 1 if resume_step is not None else None
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._file.closed:
+            raise RuntimeError("MetricsLogger.log called after close()")
+        values = {key: _to_float(key, value) for key, value in metrics.items()}
+        if "step" in values:
+            raise ValueError("'step' is reserved for the step number; rename that metric")
+        record = {"step": int(step), **values}
+        # NaN/inf are written as JSON's common extension (NaN, Infinity) rather than dropped: a NaN
+        # loss is exactly what someone reading the file needs to see. Python's json reads it back.
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in values.items():
+                self._writer.add_scalar(key, value, global_step=int(step))
+            self._writer.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _parse_lines(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    records: list[dict[str, Any]] = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            # Only the final line can be half-written by a killed run; damage anywhere else means
+            # the file was edited or corrupted, which silently skipping would hide.
+            if i == last:
+                break
+            raise UserError(f"{path} line {i + 1} is not valid JSON; fix or remove that line")
+        records.append(record)
+    return records
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of run_dir/metrics.jsonl in file order; [] when the file does not exist."""
+    path = metrics_path(run_dir)
+    if not path.exists():
+        return []
+    return _parse_lines(path)
+
+
+def truncate_metrics(run_dir: str | os.PathLike[str], last_step: int) -> None:
+    """Drops records with step > last_step (and a truncated last line), atomically.
+
+    The new content goes to a temporary file in the same directory, is fsynced, then replaces the
+    old file by rename, so a crash during truncation leaves either the old or the new file whole.
+    """
+    path = metrics_path(run_dir)
+    if not path.exists():
+        return
+    kept = [r for r in _parse_lines(path) if r.get("step", -math.inf) <= last_step]
+    fd, tmp = tempfile.mkstemp(prefix=".metrics.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for record in kept:
+                f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,208 @@
+"""Plots and a short summary of a run, read back from run_dir/metrics.jsonl.
+
+    metrics.jsonl ──> reward.png      reward/mean and training accuracy per step, eval accuracy dots
+                      mismatch.png    |logp_trainer - logp_engine| mean and max per step
+                      time_share.png  each stage's share of the timed step (stacked)
+                      lengths.png     response length mean and max per step
+
+Any metric a run did not log is simply left out; a plot with nothing to show is not written.
+Figures are drawn on matplotlib's Agg canvas directly (no pyplot), so making a report never opens a
+window, needs no display, and does not change the process-wide pyplot backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from relayrl.errors import UserError
+from relayrl.observe.metrics import metrics_path, read_metrics
+
+REPORT_DIR = "report"
+
+REWARD_MEAN = "reward/mean"
+# Training accuracy: the first of these that the run logged.
+ACCURACY_KEYS = ("reward/accuracy", "accuracy")
+EVAL_ACCURACY = "eval/accuracy"
+MISMATCH_MEAN = "mismatch/logp_abs_mean"
+MISMATCH_MAX = "mismatch/logp_abs_max"
+LENGTH_MEAN = "response_length/mean"
+LENGTH_MAX = "response_length/max"
+STEP_TIME = "time/step"
+
+SUMMARY_KEYS = (
+    REWARD_MEAN,
+    *ACCURACY_KEYS,
+    EVAL_ACCURACY,
+    MISMATCH_MEAN,
+    MISMATCH_MAX,
+    LENGTH_MEAN,
+    STEP_TIME,
+)
+
+Series = tuple[list[int], list[float]]
+
+
+def _load(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    records = [r for r in read_metrics(run_dir) if "step" in r]
+    if not records:
+        raise UserError(
+            f"no metrics in RUN_DIR: {metrics_path(run_dir)} is missing or empty; "
+            "pass the directory of a run that has logged at least one step"
+        )
+    return records
+
+
+def _series(records: list[dict[str, Any]], key: str) -> Series:
+    # Records are filtered per key because train and eval metrics may be logged as separate lines.
+    steps = [int(r["step"]) for r in records if key in r]
+    values = [float(r[key]) for r in records if key in r]
+    return steps, values
+
+
+def _first_key(records: list[dict[str, Any]], keys: tuple[str, ...]) -> str | None:
+    return next((k for k in keys if any(k in r for r in records)), None)
+
+
+def _new_axes(title: str) -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    fig.suptitle(title)
+    ax = fig.add_subplot()
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    return fig, ax
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _plot_reward(records: list[dict[str, Any]], out: Path) -> Path | None:
+    acc_key = _first_key(records, ACCURACY_KEYS)
+    keys = [k for k in (REWARD_MEAN, acc_key) if k is not None and _series(records, k)[0]]
+    eval_steps, eval_values = _series(records, EVAL_ACCURACY)
+    if not keys and not eval_steps:
+        return None
+    fig, ax = _new_axes("reward and accuracy")
+    for key in keys:
+        ax.plot(*_series(records, key), label=key)
+    if eval_steps:
+        ax.plot(eval_steps, eval_values, "o", label=EVAL_ACCURACY)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, out / "reward.png")
+
+
+def _plot_mismatch(records: list[dict[str, Any]], out: Path) -> Path | None:
+    present = [(k, _series(records, k)) for k in (MISMATCH_MEAN, MISMATCH_MAX)]
+    present = [(k, s) for k, s in present if s[0]]
+    if not present:
+        return None
+    fig, ax = _new_axes("trainer vs engine logprob mismatch")
+    for key, (steps, values) in present:
+        ax.plot(steps, values, label=key)
+    finite = [v for _, (_, vs) in present for v in vs if math.isfinite(v)]
+    # Mismatch spans orders of magnitude (1e-6 in fp32, 1e-2 in bf16); a log axis shows both, but
+    # cannot show zero (an exact match), so it is used only when every value is positive.
+    if finite and min(finite) > 0:
+        ax.set_yscale("log")
+    ax.set_ylabel("|Δ logp|")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, out / "mismatch.png")
+
+
+def _plot_time_share(records: list[dict[str, Any]], out: Path) -> Path | None:
+    stages = sorted({k for r in records for k in r if k.startswith("time/") and k != STEP_TIME})
+    rows = [r for r in records if any(s in r for s in stages)]
+    if not rows:
+        return None
+    steps = [int(r["step"]) for r in rows]
+    seconds = {s: [float(r.get(s, 0.0)) for r in rows] for s in stages}
+    if any(STEP_TIME in r for r in rows):
+        # Whatever the step spent outside the named stages (logging, Python overhead) is shown as
+        # "other" so the shares add up to the real step time, not just to the timed parts.
+        timed = [sum(seconds[s][i] for s in stages) for i in range(len(rows))]
+        seconds["other"] = [
+            max(float(r.get(STEP_TIME, t)) - t, 0.0) for r, t in zip(rows, timed, strict=True)
+        ]
+    names = list(seconds)
+    labels = [n.removeprefix("time/") for n in names]
+    totals = [sum(seconds[n][i] for n in names) or 1.0 for i in range(len(rows))]
+    shares = {n: [v / t for v, t in zip(seconds[n], totals, strict=True)] for n in names}
+
+    fig, ax = _new_axes("share of step time per stage")
+    if len(rows) >= 2:
+        ax.stackplot(steps, [shares[n] for n in names], labels=labels)
+    else:
+        # One step cannot be drawn as an area; a single stacked bar says the same thing.
+        bottom = 0.0
+        for n, label in zip(names, labels, strict=True):
+            ax.bar([str(steps[0])], [shares[n][0]], bottom=bottom, label=label)
+            bottom += shares[n][0]
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("share of step")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, out / "time_share.png")
+
+
+def _plot_lengths(records: list[dict[str, Any]], out: Path) -> Path | None:
+    present = [(k, _series(records, k)) for k in (LENGTH_MEAN, LENGTH_MAX)]
+    present = [(k, s) for k, s in present if s[0]]
+    if not present:
+        return None
+    fig, ax = _new_axes("response length (tokens)")
+    for key, (steps, values) in present:
+        ax.plot(steps, values, label=key)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, out / "lengths.png")
+
+
+def make_report(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Writes the PNGs the run's metrics allow under run_dir/report/ and returns their paths."""
+    records = _load(run_dir)
+    out = Path(run_dir) / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    plots = (_plot_reward, _plot_mismatch, _plot_time_share, _plot_lengths)
+    return [p for plot in plots if (p := plot(records, out)) is not None]
+
+
+def summarize(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """First and last value of each key metric the run logged, for the CLI to print.
+
+    {"first_step": 1, "last_step": 50, "records": 55, "total_time_s": 812.4 (when time/step was
+    logged), "metrics": {"reward/mean": {"first": 0.1, "last": 0.6, "first_step": 1,
+    "last_step": 50}, ...}}
+    """
+    records = _load(run_dir)
+    steps = [int(r["step"]) for r in records]
+    summary: dict[str, Any] = {
+        "first_step": min(steps),
+        "last_step": max(steps),
+        "records": len(records),
+    }
+    step_steps, step_times = _series(records, STEP_TIME)
+    if step_steps:
+        summary["total_time_s"] = sum(step_times)
+    metrics: dict[str, dict[str, float | int]] = {}
+    for key in SUMMARY_KEYS:
+        key_steps, values = _series(records, key)
+        if key_steps:
+            metrics[key] = {
+                "first": values[0],
+                "last": values[-1],
+                "first_step": key_steps[0],
+                "last_step": key_steps[-1],
+            }
+    summary["metrics"] = metrics
+    return summary
