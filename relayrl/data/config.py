@@ -1,0 +1,98 @@
+"""`DataConfig` and `build_datasets`: from the `data:` config section to train and eval examples.
+
+Built-in task (`task: arith`, `sort`, ...): both splits are generated, see `split.py`.
+
+File (`task: file`, `path: train.jsonl`):
+    with `eval_path`: train = every row of `path`, eval = the first `n_eval` rows of `eval_path`;
+    without:          rows are shuffled with `seed` and the last `n_eval` become eval, the rest train.
+    In both cases train rows whose prompt appears in eval are dropped, so eval is truly held out.
+    `n_train` applies to built-in tasks only: a file's train split is all of its remaining rows
+    (the sampler cycles through them for as many steps as the run takes).
+
+Prompts are returned raw; the driver applies `format_prompt` with the policy's tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from relayrl.config import Config
+from relayrl.data.files import load_dataset_file
+from relayrl.data.split import split_train_eval
+from relayrl.data.tasks import Example, get_task, task_names
+from relayrl.errors import ConfigError, DataError
+
+FILE_TASK = "file"
+
+
+class DataConfig(Config):
+    task: str = "arith"
+    task_params: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = None
+    eval_path: str | None = None
+    prompt_field: str = "prompt"
+    answer_field: str | None = "answer"
+    n_train: int = Field(default=2000, gt=0)
+    n_eval: int = Field(default=200, gt=0)
+    seed: int = 0
+    use_chat_template: bool = False
+    system_prompt: str | None = None
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        known = task_names()
+        if v != FILE_TASK and v not in known:
+            raise ValueError(f"unknown task '{v}': use one of {', '.join(known + [FILE_TASK])}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DataConfig":
+        if self.task == FILE_TASK and not self.path:
+            raise ValueError("task 'file' needs path: set data.path to a .jsonl or .parquet file")
+        if self.task != FILE_TASK and (self.path or self.eval_path):
+            raise ValueError(
+                f"path/eval_path are only used with task 'file' (task is '{self.task}'); set data.task=file"
+            )
+        if self.system_prompt is not None and not self.use_chat_template:
+            raise ValueError("system_prompt needs use_chat_template: true (without a template it would be dropped)")
+        if self.task != FILE_TASK:
+            try:  # bad task_params fail when the config loads, not after the model is built
+                get_task(self.task, **self.task_params)
+            except ConfigError as e:
+                raise ValueError(f"task_params: {e}") from None
+        return self
+
+
+def build_task(cfg: DataConfig):
+    """The built-in task of `cfg` (None for files), e.g. to get `task.alphabet` for a tokenizer."""
+    return None if cfg.task == FILE_TASK else get_task(cfg.task, **cfg.task_params)
+
+
+def build_datasets(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    if cfg.task != FILE_TASK:
+        return split_train_eval(build_task(cfg), cfg.n_train, cfg.n_eval, cfg.seed)
+    rows = load_dataset_file(cfg.path, cfg.prompt_field, cfg.answer_field)
+    if cfg.eval_path:
+        train = rows
+        eval_set = load_dataset_file(cfg.eval_path, cfg.prompt_field, cfg.answer_field)[: cfg.n_eval]
+    else:
+        if len(rows) <= cfg.n_eval:
+            raise DataError(
+                f"dataset {cfg.path} has {len(rows)} rows, not enough to hold out data.n_eval={cfg.n_eval} "
+                f"for eval and still train; lower data.n_eval or set data.eval_path"
+            )
+        order = list(range(len(rows)))
+        random.Random(f"{cfg.seed}/file-split").shuffle(order)
+        eval_set = [rows[i] for i in order[-cfg.n_eval :]]
+        train = [rows[i] for i in order[: -cfg.n_eval]]
+    held_out = {ex.prompt for ex in eval_set}
+    train = [ex for ex in train if ex.prompt not in held_out]
+    if not train:
+        raise DataError(
+            f"every training prompt in {cfg.path} also appears in the eval split; use a different data.eval_path"
+        )
+    return train, eval_set

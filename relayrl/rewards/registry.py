@@ -1,0 +1,105 @@
+"""Reward functions by name: built-ins registered here, user functions imported by spec.
+
+A reward function is `fn(completion: str, example: Example, **params) -> float`, where params
+come from the config entry (`{name: format, params: {pattern: ...}}`). Names resolve as
+
+    "exact_match", "math", ...    a registered built-in
+    "pkg.module:function"         imported with importlib (must be importable: on sys.path)
+    "path/to/file.py:function"    loaded from that file
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+from relayrl.errors import RewardError
+
+RewardFn = Callable[..., float]
+
+_REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str):
+    """`@register_reward("math")` makes the function available as `name` in reward configs."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in _REWARDS:
+            raise ValueError(f"reward '{name}' is registered twice")
+        _REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+def reward_names() -> list[str]:
+    _load_builtins()
+    return sorted(_REWARDS)
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    _load_builtins()
+    if name in _REWARDS:
+        return _REWARDS[name]
+    if ":" in name:
+        return load_user_function(name)
+    raise RewardError(
+        f"unknown reward function '{name}': built-ins are {', '.join(sorted(_REWARDS))}; "
+        f"for your own use 'module:function' or 'path/to/file.py:function'"
+    )
+
+
+def load_user_function(spec: str) -> RewardFn:
+    module_part, _, attr = spec.rpartition(":")
+    if not module_part or not attr:
+        raise RewardError(f"cannot load reward function '{spec}': expected 'module:function' or 'file.py:function'")
+    try:
+        module = _import_file(module_part) if _is_path(module_part) else importlib.import_module(module_part)
+    except Exception as e:  # a user module can fail in any way while importing; report it, don't crash
+        raise RewardError(f"cannot load reward function '{spec}': {type(e).__name__}: {_one_line(e)}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise RewardError(f"cannot load reward function '{spec}': module '{module_part}' has no attribute '{attr}'")
+    if not callable(fn):
+        raise RewardError(f"cannot load reward function '{spec}': '{attr}' is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _is_path(module_part: str) -> bool:
+    return module_part.endswith(".py") or "/" in module_part or "\\" in module_part
+
+
+def _import_file(path_str: str):
+    path = Path(path_str)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file {path}")
+    # A private module name per absolute path: two user files both called rewards.py must not
+    # collide, and we must not shadow an installed module of the same name.
+    name = "relayrl_user_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"cannot import {path} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _load_builtins() -> None:
+    # Lazy: the built-in modules import this one to register themselves.
+    from relayrl.rewards import builtin, math_answer  # noqa: F401
