@@ -1,0 +1,162 @@
+"""`relayrl` command line: thin entry points — parse, build, run, close.
+
+A user error (bad config, bad model directory, empty dataset, ...) prints one line and exits 2;
+`--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from relayrl.errors import UserError
+
+
+def _split_config(a) -> None:
+    """`relayrl sft key=value` has no CONFIG: the first positional is then an override."""
+    if a.config and "=" in a.config and not Path(a.config).exists():
+        a.overrides = [a.config] + a.overrides
+        a.config = None
+
+
+def _cmd_train(a) -> int:
+    from relayrl.config import apply_overrides, load_yaml
+    from relayrl.controller.config import RunConfig
+    from relayrl.controller.run import train
+
+    _split_config(a)
+    if a.resume:
+        run_dir = Path(a.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise UserError(f"{run_dir} is not a run directory (no config.yaml); pass the run's out_dir to --resume")
+        if a.config:
+            raise UserError("with --resume the run's own config.yaml is used; give only key=value overrides")
+        data = apply_overrides(load_yaml(run_dir / "config.yaml"), a.overrides + [f"run.out_dir={run_dir}"])
+    else:
+        if not a.config:
+            raise UserError("relayrl train needs a CONFIG.yaml (or --resume RUN_DIR)")
+        data = apply_overrides(load_yaml(a.config), a.overrides)
+    res = train(RunConfig.from_dict(data), resume=bool(a.resume))
+    last = res["eval_last"] or {}
+    print(f"run: {res['run_dir']}  steps: {res['steps']}  held-out accuracy: {last.get('eval/accuracy', float('nan')):.3f}")
+    return 0
+
+
+def _cmd_sft(a) -> int:
+    from relayrl.config import apply_overrides, load_yaml
+    from relayrl.controller.sft_job import SFTJobConfig, run_sft
+
+    _split_config(a)
+    data = apply_overrides(load_yaml(a.config) if a.config else {}, a.overrides)
+    res = run_sft(SFTJobConfig.from_dict(data))
+    print(f"model: {res['model_dir']}  held-out accuracy: {res['eval_first']['eval/accuracy']:.3f} -> "
+          f"{res['eval_last']['eval/accuracy']:.3f}")
+    return 0
+
+
+def _cmd_eval(a) -> int:
+    from relayrl.controller.evaluate import evaluate
+    from relayrl.data import DataConfig, build_datasets
+    from relayrl.engine import LLMEngine
+    from relayrl.rewards import RewardConfig, build_scorer
+
+    data = DataConfig.from_dict({"task": a.task, "n_eval": a.n, "seed": a.seed, **({"path": a.path} if a.path else {})})
+    _, eval_set = build_datasets(data)
+    engine = LLMEngine.from_pretrained(a.model)
+    res = evaluate(engine, eval_set, data, build_scorer(RewardConfig()), a.max_tokens, a.temperature, a.seed)
+    print("  ".join(f"{k}={v:.4g}" for k, v in res.items()))
+    return 0
+
+
+def _cmd_generate(a) -> int:
+    from relayrl.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_pretrained(a.model)
+    bos = [engine.tokenizer.bos_token_id] if engine.tokenizer.bos_token_id is not None else []
+    prompts = [bos + engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in a.prompts]
+    params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
+    for p, out in zip(a.prompts, engine.generate(prompts, params)):
+        for s in out.samples:
+            print(f"{p}{s.text}\t[{s.finish_reason}, {len(s.token_ids)} tokens, logprob {sum(s.logprobs):.3f}]")
+    return 0
+
+
+def _cmd_report(a) -> int:
+    from relayrl.observe.report import make_report
+
+    for path in make_report(a.run_dir):
+        print(path)
+    return 0
+
+
+def _cmd_demo(a) -> int:
+    from relayrl.controller.demo import run_demo
+
+    run_demo(Path(a.out), steps=a.steps)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relayrl", description="RL post-training for language models")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="run GRPO-family RL: relayrl train CONFIG.yaml [key=value ...]")
+    t.add_argument("config", nargs="?")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-4")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last complete checkpoint")
+    t.set_defaults(fn=_cmd_train)
+
+    s = sub.add_parser("sft", help="supervised warm-start: relayrl sft [CONFIG.yaml] [key=value ...]")
+    s.add_argument("config", nargs="?")
+    s.add_argument("overrides", nargs="*")
+    s.set_defaults(fn=_cmd_sft)
+
+    e = sub.add_parser("eval", help="held-out accuracy of a model directory on a task")
+    e.add_argument("--model", required=True)
+    e.add_argument("--task", default="arith")
+    e.add_argument("--path", help="dataset file when --task file")
+    e.add_argument("--n", type=int, default=200)
+    e.add_argument("--max-tokens", type=int, default=16)
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(fn=_cmd_eval)
+
+    g = sub.add_parser("generate", help="sample completions: relayrl generate --model DIR PROMPT ...")
+    g.add_argument("--model", required=True)
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(fn=_cmd_generate)
+
+    r = sub.add_parser("report", help="PNG plots of a run: relayrl report RUN_DIR")
+    r.add_argument("run_dir")
+    r.set_defaults(fn=_cmd_report)
+
+    d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the demo's)")
+    d.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"relayrl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("relayrl: interrupted (complete checkpoints are kept)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

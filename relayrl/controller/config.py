@@ -1,0 +1,84 @@
+"""RunConfig: the whole job, composed of each layer's own config section.
+
+    model:    where the policy comes from (a Hugging Face directory, or the tiny model of the task)
+    data:     relayrl.data.DataConfig        reward:  relayrl.rewards.RewardConfig
+    algo:     relayrl.algorithms.AlgoConfig  trainer: relayrl.trainer.TrainerConfig
+    rollout:  sampling and batch shape       eval:    held-out evaluation
+    run:      steps, seed, output, checkpoints
+
+Loaded from YAML with dotted overrides (`trainer.lr=1e-4`); every error names the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from relayrl.algorithms import AlgoConfig
+from relayrl.config import Config, apply_overrides, load_yaml
+from relayrl.data.config import DataConfig
+from relayrl.models.tiny import TinyModelConfig
+from relayrl.rewards import RewardConfig
+from relayrl.trainer.config import TrainerConfig
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+class ModelSection(Config):
+    path: Optional[str] = None  # a Hugging Face directory; None builds the tiny model of the task
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+
+
+class RolloutConfig(Config):
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=2)  # samples per prompt: a group of one has no baseline
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(16, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    engine_dtype: Dtype = "float32"  # bfloat16: the engine rounds, the trainer keeps fp32 masters
+    max_num_seqs: int = Field(256, ge=1)
+
+
+class EvalConfig(Config):
+    every: int = Field(0, ge=0)  # also before the first and after the last step; 0: only those
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0)  # 0: greedy, so accuracy is a property of the policy
+
+
+class RunSection(Config):
+    steps: int = Field(20, ge=1)
+    seed: int = 0
+    out_dir: str = "runs/grpo"
+    save_every: int = Field(0, ge=0)  # 0: only at the end
+    keep_last: Optional[int] = Field(2, ge=1)
+    tensorboard: bool = True
+
+
+class RunConfig(Config):
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunSection = Field(default_factory=RunSection)
+
+    @model_validator(mode="after")
+    def _batch_fits(self) -> "RunConfig":
+        n = self.rollout.prompts_per_step * self.rollout.group_size
+        if self.trainer.mini_batches > n:
+            raise ValueError(
+                f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the sequences per step "
+                f"(rollout.prompts_per_step x rollout.group_size = {n})"
+            )
+        return self
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    data = load_yaml(path) if path is not None else {}
+    return RunConfig.from_dict(apply_overrides(data, list(overrides)))

@@ -1,0 +1,152 @@
+"""The driver: one RL step, written as a single-machine program.
+
+    sync ──> rollout ──> reward ──> advantage ──> old_logp (+ ref_logp) ──> update
+    trainer   engine:     scorer:    group-        trainer recomputes        clipped loss,
+    weights   G samples   rewards,   normalised    on its own weights;       IS-corrected
+    → engine  per prompt  accuracy   (GRPO/RLOO)   gap to engine = mismatch  with engine logprobs
+
+Every stage is timed (`time/<stage>`). Sampling seeds derive from (run seed, step, round, prompt),
+so a run resumed from a checkpoint draws exactly the samples the uninterrupted run drew.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from relayrl.algorithms import get_advantage, group_has_signal, mismatch_stats
+from relayrl.controller.config import RunConfig
+from relayrl.controller.prompts import encode_prompt
+from relayrl.data import Example, PromptSampler
+from relayrl.engine import LLMEngine, SamplingParams
+from relayrl.models import CausalLM
+from relayrl.observe import StageTimer
+from relayrl.rewards import Scorer
+from relayrl.trainer.actor import Actor
+from relayrl.trainer.batch import TrainBatch, build_rows, scatter_per_token
+from relayrl.trainer.logprobs import token_logprobs
+
+STAGES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "update")
+
+
+@dataclass
+class Rollout:
+    """G samples for each of a set of prompts (samples of one prompt are contiguous)."""
+
+    examples: list[Example]  # one per sample
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logp: list[list[float]]
+    texts: list[str]
+    rewards: torch.Tensor
+    correct: list[bool]
+    reward_metrics: dict[str, float]
+
+    def select_groups(self, groups: list[int], G: int) -> "Rollout":
+        idx = [g * G + j for g in groups for j in range(G)]
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        return Rollout(pick(self.examples), pick(self.prompt_ids), pick(self.response_ids), pick(self.rollout_logp),
+                       pick(self.texts), self.rewards[idx], pick(self.correct), self.reward_metrics)
+
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        cat = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
+        return Rollout(cat("examples"), cat("prompt_ids"), cat("response_ids"), cat("rollout_logp"), cat("texts"),
+                       torch.cat([p.rewards for p in parts]), cat("correct"), parts[0].reward_metrics)
+
+
+class Driver:
+    def __init__(self, cfg: RunConfig, actor: Actor, engine: LLMEngine, scorer: Scorer,
+                 sampler: PromptSampler, ref_model: CausalLM | None = None):
+        self.cfg, self.actor, self.engine, self.scorer, self.sampler = cfg, actor, engine, scorer, sampler
+        self.ref_model = ref_model
+        self.step = 0
+        self.timer = StageTimer()
+
+    def sync_weights(self) -> None:
+        self.engine.load_weights(self.actor.model.state_dict().items())
+
+    def _params(self, step: int, round_: int, i: int) -> SamplingParams:
+        r = self.cfg.rollout
+        seed = ((self.cfg.run.seed * 1_000_003 + step) * 101 + round_) * 100_003 + i
+        return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_tokens=r.max_tokens, stop=list(r.stop), seed=seed)
+
+    def rollout(self, examples: list[Example], round_: int = 0) -> Rollout:
+        G = self.cfg.rollout.group_size
+        tok = self.engine.tokenizer
+        with self.timer.stage("rollout"):
+            prompts = [encode_prompt(tok, ex, self.cfg.data) for ex in examples]
+            outs = self.engine.generate(prompts, [self._params(self.step, round_, i) for i in range(len(examples))])
+        samples = [(ex, o.prompt_token_ids, s) for ex, o in zip(examples, outs) for s in o.samples]
+        assert len(samples) == G * len(examples)
+        with self.timer.stage("reward"):
+            texts = [s.text for _, _, s in samples]
+            exs = [ex for ex, _, _ in samples]
+            res = self.scorer.score(texts, exs)
+        return Rollout(exs, [p for _, p, _ in samples], [s.token_ids for _, _, s in samples],
+                       [s.logprobs for _, _, s in samples], texts, torch.tensor(res.rewards, dtype=torch.float32),
+                       res.correct, res.metrics())
+
+    def collect(self) -> tuple[Rollout, float]:
+        """Roll out prompts_per_step prompts; with DAPO dynamic sampling, keep drawing prompts until
+        that many groups have reward spread (or the rounds run out). Returns (rollout, no-signal share)."""
+        r, algo = self.cfg.rollout, self.cfg.algo
+        first = self.rollout(self.sampler.next_batch(r.prompts_per_step))
+        signal = group_has_signal(first.rewards, r.group_size)
+        no_signal = 1.0 - float(signal.float().mean())
+        if not algo.filter_groups:
+            return first, no_signal
+        kept = [first.select_groups(signal.nonzero().flatten().tolist(), r.group_size)]
+        have = int(signal.sum())
+        for round_ in range(1, algo.max_resample_rounds + 1):
+            if have >= r.prompts_per_step:
+                break
+            more = self.rollout(self.sampler.next_batch(r.prompts_per_step), round_)
+            sig = group_has_signal(more.rewards, r.group_size).nonzero().flatten().tolist()
+            kept.append(more.select_groups(sig, r.group_size))
+            have += len(sig)
+        if have == 0:  # nothing to learn from: train on the first round (zero advantages)
+            return first, no_signal
+        merged = Rollout.concat(kept)
+        merged.reward_metrics = first.reward_metrics
+        return merged.select_groups(list(range(min(have, r.prompts_per_step))), r.group_size), no_signal
+
+    def train_step(self) -> dict[str, float]:
+        cfg, G = self.cfg, self.cfg.rollout.group_size
+        t0 = time.perf_counter()
+        with self.timer.stage("sync"):
+            self.sync_weights()
+        ro, no_signal = self.collect()
+        adv = get_advantage(cfg.algo.advantage)(ro.rewards, G, norm_std=cfg.algo.norm_std)
+        ids, attn, resp = build_rows(ro.prompt_ids, ro.response_ids, pad_id=self.engine.pad_id)
+        rollout_logp = scatter_per_token(ro.rollout_logp, ro.prompt_ids, ids.shape[1])
+        batch = TrainBatch(ids, attn, resp, advantages=adv, rollout_logp=rollout_logp)
+        with self.timer.stage("old_logp"):
+            batch.old_logp = self.actor.compute_logprobs(batch)
+        if self.ref_model is not None:
+            with self.timer.stage("ref_logp"), torch.no_grad():
+                ref = torch.cat([token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask,
+                                                cfg.rollout.temperature)[0]
+                                 for mb in batch.split(cfg.trainer.micro_batch_size)])
+                batch.ref_logp = ref * resp
+        mismatch = mismatch_stats(batch.old_logp, rollout_logp, resp)
+        with self.timer.stage("update"):
+            stats = self.actor.update(batch)
+        times = {f"time/{s}": 0.0 for s in STAGES} | self.timer.pop()
+        times["time/step"] = time.perf_counter() - t0
+        lengths = [len(x) for x in ro.response_ids]
+        self.step += 1
+        return {
+            **ro.reward_metrics,  # reward/mean, reward/accuracy, reward/failures, reward/<fn>/mean
+            "reward/std": float(ro.rewards.std()) if len(ro.rewards) > 1 else 0.0,
+            "response_length/mean": sum(lengths) / len(lengths),
+            "response_length/max": float(max(lengths)),
+            "groups/no_signal_frac": no_signal,
+            **{k: float(v) for k, v in mismatch.items()},
+            **stats,
+            **times,
+            "throughput/gen_tokens_per_s": sum(lengths) / max(times["time/rollout"], 1e-9),
+        }

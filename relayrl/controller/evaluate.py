@@ -1,0 +1,28 @@
+"""Held-out evaluation: generate for each eval prompt, score, report accuracy and reward."""
+
+from __future__ import annotations
+
+from relayrl.controller.prompts import encode_prompt
+from relayrl.data import DataConfig, Example
+from relayrl.engine import LLMEngine, SamplingParams
+from relayrl.rewards import Scorer
+
+
+def evaluate(
+    engine: LLMEngine, examples: list[Example], data: DataConfig, scorer: Scorer,
+    max_tokens: int, temperature: float = 0.0, seed: int = 0, stop: list[str] = (),
+) -> dict[str, float]:
+    tok = engine.tokenizer
+    prompts = [encode_prompt(tok, ex, data) for ex in examples]
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, stop=list(stop))
+    outs = engine.generate(prompts, params)
+    texts = [o.samples[0].text for o in outs]
+    res = scorer.score(texts, examples)
+    n = max(len(examples), 1)
+    lengths = [len(o.samples[0].token_ids) for o in outs]
+    return {
+        "eval/accuracy": sum(res.correct) / n,
+        "eval/reward": sum(res.rewards) / n,
+        "eval/response_length": sum(lengths) / n,
+        "eval/n": float(len(examples)),
+    }

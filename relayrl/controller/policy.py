@@ -1,0 +1,23 @@
+"""Where the policy comes from: a given Hugging Face directory, or the tiny model of the task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from relayrl.data import DataConfig, build_task
+from relayrl.errors import ConfigError
+from relayrl.models import load_config
+from relayrl.models.tiny import TinyModelConfig, build_tiny_model
+
+
+def policy_dir(model_path: str | None, tiny: TinyModelConfig, data: DataConfig, run_dir: Path) -> Path:
+    if model_path is not None:
+        load_config(model_path)  # a missing or malformed directory fails here, before any work
+        return Path(model_path)
+    task = build_task(data)
+    if task is None:
+        raise ConfigError("model.path is required for file datasets (the tiny model is only built for built-in tasks)")
+    out = run_dir / "base_model"
+    if not (out / "config.json").is_file():
+        build_tiny_model(out, task.alphabet, tiny)
+    return out

@@ -1,0 +1,21 @@
+"""Prompt text → token ids, the one place both rollout and SFT turn examples into model input."""
+
+from __future__ import annotations
+
+from relayrl.data import DataConfig, Example, format_prompt
+
+
+def encode_prompt(tokenizer, example: Example, data: DataConfig) -> list[int]:
+    """The prompt's ids: BOS (when the tokenizer has one) + the (chat-formatted) prompt."""
+    text = format_prompt(tokenizer, example.prompt, data.use_chat_template, data.system_prompt)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and not data.use_chat_template:
+        ids = [bos] + ids
+    return ids
+
+
+def encode_answer(tokenizer, answer: str) -> list[int]:
+    """The SFT target: the answer's ids, then EOS so the model learns to stop."""
+    ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])

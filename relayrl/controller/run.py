@@ -1,0 +1,137 @@
+"""`relayrl train`: build the roles, run the driver for `run.steps` steps, log, evaluate,
+checkpoint, and resume from the last complete checkpoint.
+
+    run_dir/
+      config.yaml          the resolved config (resume reads it back)
+      base_model/          the tiny model, when model.path is unset
+      metrics.jsonl, tb/   one line / TensorBoard scalars per step (eval lines share the step)
+      eval.jsonl           held-out evaluations
+      checkpoints/step_N/  model, optimizer, scheduler, sampler, RNG (atomic: temp name + rename)
+      final_model/         the trained policy as a Hugging Face directory
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import yaml
+
+from relayrl.checkpoint import capture_rng_state, latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
+from relayrl.controller.config import RunConfig
+from relayrl.controller.driver import Driver
+from relayrl.controller.evaluate import evaluate
+from relayrl.controller.policy import policy_dir
+from relayrl.data import PromptSampler, build_datasets
+from relayrl.engine import LLMEngine
+from relayrl.errors import UserError
+from relayrl.models import load_pretrained, save_pretrained
+from relayrl.models.tokenizer import load_tokenizer
+from relayrl.observe import MetricsLogger, Progress
+from relayrl.rewards import build_scorer
+from relayrl.trainer.actor import Actor
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
+    src = policy_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
+    torch.manual_seed(cfg.run.seed)
+    tokenizer = load_tokenizer(src)
+    train_set, eval_set = build_datasets(cfg.data)
+    actor = Actor(load_pretrained(src), cfg.trainer, cfg.algo, total_steps=cfg.run.steps,
+                  temperature=cfg.rollout.temperature, seed=cfg.run.seed)
+    engine = LLMEngine(load_pretrained(src, dtype=DTYPES[cfg.rollout.engine_dtype]), tokenizer,
+                       max_num_seqs=cfg.rollout.max_num_seqs, seed=cfg.run.seed)
+    ref = load_pretrained(src).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+    driver = Driver(cfg, actor, engine, build_scorer(cfg.reward), PromptSampler(train_set, cfg.run.seed), ref)
+    return driver, eval_set, src
+
+
+def _state(driver: Driver) -> dict:
+    a = driver.actor
+    return {
+        "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(), "scheduler": a.scheduler.state_dict(),
+        "sampler": driver.sampler.state_dict(), "shuffle": a.shuffle_gen.get_state(), "rng": capture_rng_state(),
+    }
+
+
+def _restore(driver: Driver, ckpt: Path) -> int:
+    state, meta = load_checkpoint(ckpt)
+    a = driver.actor
+    a.model.load_state_dict(state["model"])
+    a.optimizer.load_state_dict(state["optimizer"])
+    a.scheduler.load_state_dict(state["scheduler"])
+    driver.sampler.load_state_dict(state["sampler"])
+    a.shuffle_gen.set_state(state["shuffle"])
+    restore_rng_state(state["rng"])
+    driver.step = int(meta["step"])
+    return driver.step
+
+
+def _eval(driver: Driver, eval_set, cfg: RunConfig, run_dir: Path, logger: MetricsLogger) -> dict[str, float]:
+    driver.sync_weights()
+    res = evaluate(driver.engine, eval_set, cfg.data, driver.scorer, cfg.eval.max_tokens,
+                   cfg.eval.temperature, seed=cfg.run.seed, stop=cfg.rollout.stop)
+    logger.log(driver.step, res)
+    with open(run_dir / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"step": driver.step, **res}) + "\n")
+    return res
+
+
+def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict:
+    """Run (or resume) the job of `cfg`; returns {"eval_first", "eval_last", "run_dir", ...}."""
+    run_dir = Path(cfg.run.out_dir)
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a new directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    driver, eval_set, src = build_driver(cfg, run_dir)
+    start = 0
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise UserError(f"no complete checkpoint in {run_dir}/checkpoints to resume from")
+    if ckpt is not None:
+        start = _restore(driver, ckpt)
+    logger = MetricsLogger(run_dir, use_tensorboard=cfg.run.tensorboard, resume_step=start if resume else None)
+    if resume:
+        _truncate_jsonl(run_dir / "eval.jsonl", start)
+    first = _eval(driver, eval_set, cfg, run_dir, logger) if start == 0 else None
+    last = first
+    progress = Progress(cfg.run.steps, desc="grpo", initial=start, disable=not show_progress)
+    try:
+        while driver.step < cfg.run.steps:
+            m = driver.train_step()
+            logger.log(driver.step, m)
+            progress.update(driver.step, {"reward": m["reward/mean"], "acc": m["reward/accuracy"]})
+            done = driver.step == cfg.run.steps
+            if done or (cfg.eval.every and driver.step % cfg.eval.every == 0):
+                last = _eval(driver, eval_set, cfg, run_dir, logger)
+            if done or (cfg.run.save_every and driver.step % cfg.run.save_every == 0):
+                save_checkpoint(run_dir, driver.step, _state(driver), {"step": driver.step}, keep_last=cfg.run.keep_last)
+    finally:
+        progress.close()
+        logger.close()
+    save_pretrained(driver.actor.model, run_dir / "final_model", tokenizer_dir=src)
+    return {"run_dir": str(run_dir), "eval_first": first, "eval_last": last, "steps": driver.step}
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue  # a line cut short by a kill
+    write_atomic(path, "".join(k + "\n" for k in keep))

@@ -1,0 +1,92 @@
+"""`relayrl sft`: supervised warm-start on prompt/answer pairs (loss on the answer tokens only).
+
+    run_dir/  config.yaml  metrics.jsonl  eval.jsonl  model/ (Hugging Face directory)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+from pydantic import Field
+
+from relayrl.config import Config
+from relayrl.controller.config import EvalConfig, ModelSection
+from relayrl.controller.evaluate import evaluate
+from relayrl.controller.policy import policy_dir
+from relayrl.controller.prompts import encode_answer, encode_prompt
+from relayrl.controller.run import write_atomic
+from relayrl.data import DataConfig, PromptSampler, build_datasets
+from relayrl.engine import LLMEngine
+from relayrl.errors import DataError, UserError
+from relayrl.models import load_pretrained, save_pretrained
+from relayrl.models.tokenizer import load_tokenizer
+from relayrl.observe import MetricsLogger, Progress
+from relayrl.rewards import RewardConfig, build_scorer
+from relayrl.trainer.batch import TrainBatch, build_rows
+from relayrl.trainer.config import TrainerConfig
+from relayrl.trainer.sft import SFTTrainer
+
+
+class SFTSection(Config):
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(64, ge=1)
+    seed: int = 0
+    out_dir: str = "runs/sft"
+    tensorboard: bool = True
+
+
+class SFTJobConfig(Config):
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)  # scores the held-out eval
+    trainer: TrainerConfig = Field(default_factory=lambda: TrainerConfig(lr=1e-3, micro_batch_size=64))
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft: SFTSection = Field(default_factory=SFTSection)
+
+
+def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
+    run_dir = Path(cfg.sft.out_dir)
+    if (run_dir / "metrics.jsonl").exists():
+        raise UserError(f"{run_dir} already holds a run; set sft.out_dir to a new directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    src = policy_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
+    torch.manual_seed(cfg.sft.seed)
+    tok = load_tokenizer(src)
+    train_set, eval_set = build_datasets(cfg.data)
+    if any(ex.answer is None for ex in train_set):
+        raise DataError("SFT needs an answer for every training example; set data.answer_field")
+    model = load_pretrained(src)
+    trainer = SFTTrainer(model, cfg.trainer, cfg.sft.steps)
+    sampler = PromptSampler(train_set, cfg.sft.seed)
+    scorer = build_scorer(cfg.reward)
+    logger = MetricsLogger(run_dir, use_tensorboard=cfg.sft.tensorboard)
+
+    def run_eval(step: int) -> dict:
+        engine = LLMEngine(model, tok)
+        res = evaluate(engine, eval_set, cfg.data, scorer, cfg.eval.max_tokens, cfg.eval.temperature, cfg.sft.seed)
+        logger.log(step, res)
+        with open(run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **res}) + "\n")
+        return res
+
+    first = run_eval(0)
+    progress = Progress(cfg.sft.steps, desc="sft", disable=not show_progress)
+    try:
+        for step in range(1, cfg.sft.steps + 1):
+            exs = sampler.next_batch(cfg.sft.batch_size)
+            prompts = [encode_prompt(tok, ex, cfg.data) for ex in exs]
+            answers = [encode_answer(tok, ex.answer) for ex in exs]
+            ids, attn, resp = build_rows(prompts, answers, pad_id=tok.pad_token_id or 0)
+            m = trainer.step(TrainBatch(ids, attn, resp))
+            logger.log(step, m)
+            progress.update(step, {"loss": m["sft/loss"]})
+    finally:
+        progress.close()
+    last = run_eval(cfg.sft.steps)
+    logger.close()
+    save_pretrained(model, run_dir / "model", tokenizer_dir=src)
+    return {"run_dir": str(run_dir), "model_dir": str(run_dir / "model"), "eval_first": first, "eval_last": last}

@@ -1,0 +1,40 @@
+"""Supervised fine-tuning on prompt/answer pairs (loss on the answer only), to warm-start a policy.
+
+    loss = - sum_{answer tokens} log p(token | prefix) / (number of answer tokens in the batch)
+
+Micro-batches use the batch's token count as denominator, so accumulation equals the full batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relayrl.models import CausalLM
+from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.config import TrainerConfig
+from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.optim import build_optimizer
+
+
+class SFTTrainer:
+    def __init__(self, model: CausalLM, cfg: TrainerConfig, total_steps: int):
+        self.model, self.cfg = model, cfg
+        self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = batch.response_mask.sum().clamp(min=1)
+        total = 0.0
+        for mb in batch.split(self.cfg.micro_batch_size):
+            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.bf16 else torch.autocast("cpu", enabled=False)
+            with ctx:
+                logp, _ = token_logprobs(self.model, mb.input_ids, mb.attention_mask, padding_free=self.cfg.padding_free)
+            loss = -(logp * mb.response_mask).sum() / num_tokens
+            loss.backward()
+            total += float(loss.detach())
+        clip = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        return {"sft/loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}

@@ -1,0 +1,93 @@
+"""Bad input: one line naming the problem, exit code 2, no traceback, nothing written lost."""
+
+import json
+
+import pytest
+
+from relayrl.cli.main import main
+
+TINY = ["model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=1",
+        "data.n_train=32", "data.n_eval=8", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "rollout.max_tokens=4", "eval.max_tokens=4", "run.tensorboard=false"]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.fixture
+def cfg_file(tmp_path):
+    def write(text):
+        p = tmp_path / "cfg.yaml"
+        p.write_text(text)
+        return str(p)
+    return write
+
+
+CASES = {
+    "malformed yaml": ("run: {steps: [1,\n", [], "malformed YAML"),
+    "unknown key": ("trainer:\n  lrr: 0.1\n", [], "unknown key 'trainer.lrr'"),
+    "wrong type": ("trainer:\n  lr: fast\n", [], "trainer.lr"),
+    "group size 1": ("{}", ["rollout.group_size=1"], "rollout.group_size"),
+    "negative lr": ("trainer:\n  lr: -0.001\n", [], "trainer.lr"),
+    "missing model dir": ("model:\n  path: /nonexistent/model\n", [], "model directory not found: /nonexistent/model"),
+    "reward not importable": ("reward:\n  functions: [{name: 'nosuchmod:fn'}]\n", [], "nosuchmod:fn"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_config_one_line_exit_2(case, cfg_file, tmp_path, capsys):
+    text, extra, needle = CASES[case]
+    code, err = run_cli(capsys, "train", cfg_file(text), f"run.out_dir={tmp_path / 'run'}", *TINY, *extra)
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert needle in err, err
+
+
+def test_dataset_errors(tmp_path, cfg_file, capsys):
+    no_prompt = tmp_path / "d.jsonl"
+    no_prompt.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    model = tmp_path / "m"
+    code, err = run_cli(capsys, "sft", f"sft.out_dir={tmp_path / 's'}", "sft.steps=1", *TINY[:3], "data.n_eval=1")
+    assert code == 0
+    model = tmp_path / "s" / "model"
+    for path, needle in ((no_prompt, "prompt"), (empty, "empty")):
+        code, err = run_cli(capsys, "train", cfg_file("{}"), f"model.path={model}", "data.task=file",
+                            f"data.path={path}", "data.n_eval=1", f"run.out_dir={tmp_path / 'r'}")
+        assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_existing_run_is_not_overwritten(tmp_path, cfg_file, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    code, err = run_cli(capsys, "train", cfg_file("{}"), f"run.out_dir={out}", *TINY)
+    assert code == 2 and "--resume" in err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_debug_shows_traceback(cfg_file, capsys):
+    from relayrl.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        main(["--debug", "train", cfg_file("trainer:\n  lrr: 1\n")])
+
+
+def test_train_report_generate_eval_roundtrip(tmp_path, cfg_file, capsys):
+    out = tmp_path / "run"
+    code, _ = run_cli(capsys, "train", cfg_file("{}"), f"run.out_dir={out}", "run.steps=2", *TINY)
+    assert code == 0
+    code, _ = run_cli(capsys, "train", "run.steps=3", "--resume", str(out))
+    assert code == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 2, 3, 3]  # eval@0, train 1, train 2, eval@2, then resumed: train 3, eval@3
+    code, _ = run_cli(capsys, "report", str(out))
+    assert code == 0 and (out / "report" / "reward.png").stat().st_size > 1000
+    code = main(["generate", "--model", str(out / "final_model"), "12+3=", "--max-tokens", "3"])
+    assert code == 0 and capsys.readouterr().out.startswith("12+3=")
+    code = main(["eval", "--model", str(out / "final_model"), "--task", "arith", "--n", "4", "--max-tokens", "3"])
+    assert code == 0 and "eval/accuracy=" in capsys.readouterr().out
