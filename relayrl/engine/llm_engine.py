@@ -155,7 +155,9 @@ class LLMEngine:
         min_p = per_row(lambda p: p.min_p, torch.float32)
         cache = StaticKVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, P + max_new, cfg.head_dim, self.dtype)
         live = list(range(B))
-        logits = model(ids, attention_mask=mask[:, :P], kv_cache=cache)[:, -1]
+        # only the last prompt position's logits are needed: skip lm_head on the rest of the prefill
+        hidden = model(ids, attention_mask=mask[:, :P], kv_cache=cache, return_hidden=True)
+        logits = model.lm_head(hidden[:, -1])
         cache.advance(P)
         for t in range(max_new):
             u = torch.tensor([seqs[i].rng.random() for i in live], dtype=torch.float64).float()
