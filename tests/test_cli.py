@@ -91,3 +91,15 @@ def test_train_report_generate_eval_roundtrip(tmp_path, cfg_file, capsys):
     assert code == 0 and capsys.readouterr().out.startswith("12+3=")
     code = main(["eval", "--model", str(out / "final_model"), "--task", "arith", "--n", "4", "--max-tokens", "3"])
     assert code == 0 and "eval/accuracy=" in capsys.readouterr().out
+
+
+def test_shipped_configs_validate():
+    from pathlib import Path
+
+    from relayrl.config import load_yaml
+    from relayrl.controller.config import load_run_config
+    from relayrl.controller.sft_job import SFTJobConfig
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    assert load_run_config(root / "grpo_arith.yaml").rollout.group_size == 8
+    assert SFTJobConfig.from_dict(load_yaml(root / "sft_arith.yaml")).sft.steps == 300

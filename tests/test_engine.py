@@ -12,6 +12,7 @@ from relayrl.trainer.logprobs import token_logprobs
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20], [30, 31, 32, 33]]
 
 
+@torch.no_grad()
 def _greedy_reference(model, prompt, n):
     ids = list(prompt)
     out, lps = [], []
