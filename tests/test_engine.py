@@ -105,3 +105,39 @@ def test_load_weights_bumps_version_and_takes_effect(tiny_model):
     assert out.weights_version == 1
     ref, _ = _greedy_reference(other, PROMPTS[0], 6)
     assert out.samples[0].token_ids == ref
+
+
+def test_sampler_frequencies_match_filtered_distribution():
+    from relayrl.engine.sampler import sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12).repeat(40000, 1)
+    u = torch.rand(40000, generator=torch.Generator().manual_seed(1))
+    temp = torch.full((40000,), 0.8)
+    top_k = torch.full((40000,), 6)
+    tokens, logps = sample(logits, temp, top_k, torch.ones(40000), torch.zeros(40000), u)
+    scaled = logits[0] / 0.8
+    keep = scaled.topk(6).indices
+    want = torch.zeros(12)
+    want[keep] = scaled[keep].softmax(-1)
+    freq = torch.bincount(tokens, minlength=12).float() / 40000
+    assert (freq - want).abs().max() < 0.01
+    # the reported logprob is the full-vocabulary temperature-scaled one (not renormalised)
+    torch.testing.assert_close(logps, scaled.log_softmax(-1)[tokens])
+
+
+def test_stop_strings_cut_text_and_keep_completing_token(tiny_model, tmp_path):
+    from relayrl.models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(tmp_path, "abcdefghijklmnopqrstuvwxyz0123456789+-=")
+    model = copy.deepcopy(tiny_model)
+    assert len(tok) <= model.config.vocab_size
+    eng = LLMEngine(model, tok)
+    base = eng.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].samples[0]
+    text = tok.decode(base.token_ids, skip_special_tokens=True)
+    stop = text[3:5]
+    assert stop and stop not in text[:4]
+    out = eng.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0].samples[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
+    assert out.token_ids == base.token_ids[: len(out.token_ids)]
+    assert tok.decode(out.token_ids, skip_special_tokens=True).endswith(stop)

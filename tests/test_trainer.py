@@ -97,3 +97,25 @@ def test_schedule_hand_computed():
     want = [0.5, 1.0, 1.0, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2, 0.55,
             0.1 + 0.9 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.1]
     assert got == pytest.approx(want)
+
+
+def test_sft_loss_is_answer_only_cross_entropy(tiny_model):
+    from relayrl.trainer.sft import SFTTrainer
+
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    answers = [[11, 12, 2], [13, 2]]
+    ids, attn, resp = build_rows(prompts, answers)
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():  # reference: cross-entropy of each answer token given its prefix
+        nll = []
+        for p, a in zip(prompts, answers):
+            logits = model(torch.tensor([p + a]))[0]
+            for j, t in enumerate(a):
+                nll.append(torch.nn.functional.cross_entropy(logits[len(p) + j - 1][None], torch.tensor([t])))
+        want = torch.stack(nll).mean()
+    trainer = SFTTrainer(model, TrainerConfig(lr=1e-2, micro_batch_size=1), total_steps=10)
+    stats = trainer.step(TrainBatch(ids, attn, resp))
+    assert stats["sft/loss"] == pytest.approx(float(want), rel=1e-5)
+    for _ in range(20):
+        last = trainer.step(TrainBatch(ids, attn, resp))["sft/loss"]
+    assert last < 0.2 * stats["sft/loss"]  # it learns the answers
