@@ -27,8 +27,14 @@ def _greedy_reference(model, prompt, n):
     return out, lps
 
 
+def engine(model, tokenizer=None, **kw):
+    kw.setdefault("num_blocks", 256)
+    kw.setdefault("block_size", 4)  # small blocks: every prompt spans several, so paging is exercised
+    return LLMEngine.from_model(model, tokenizer, **kw)
+
+
 def test_greedy_matches_full_recompute(tiny_model):
-    eng = LLMEngine(tiny_model, max_num_seqs=3)  # waves of 3: prompts of mixed lengths share a batch
+    eng = engine(tiny_model, max_num_seqs=3)  # 3 slots for 4 prompts: one joins as another finishes
     outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
     with torch.no_grad():
         for prompt, o in zip(PROMPTS, outs):
@@ -38,7 +44,7 @@ def test_greedy_matches_full_recompute(tiny_model):
 
 
 def test_engine_and_trainer_logprobs_agree_fp32(tiny_model):
-    eng = LLMEngine(tiny_model)
+    eng = engine(tiny_model)
     sp = SamplingParams(n=4, temperature=0.7, top_p=0.9, max_tokens=16, seed=3)
     outs = eng.generate(PROMPTS, sp)
     prompts = [o.prompt_token_ids for o in outs for _ in o.samples]
@@ -53,7 +59,7 @@ def test_engine_and_trainer_logprobs_agree_fp32(tiny_model):
 
 
 def test_bf16_engine_shows_mismatch(tiny_model):
-    eng = LLMEngine(copy.deepcopy(tiny_model).to(torch.bfloat16))
+    eng = engine(copy.deepcopy(tiny_model).to(torch.bfloat16))
     outs = eng.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=1))
     prompts = [o.prompt_token_ids for o in outs for _ in o.samples]
     responses = [s.token_ids for o in outs for s in o.samples]
@@ -67,7 +73,7 @@ def test_bf16_engine_shows_mismatch(tiny_model):
 
 def test_seeded_sampling_independent_of_batch(tiny_model):
     sp = SamplingParams(n=3, temperature=1.0, top_k=20, max_tokens=10, seed=11)
-    eng = LLMEngine(tiny_model)
+    eng = engine(tiny_model)
     together = eng.generate(PROMPTS, sp)
     alone = [eng.generate([p], sp)[0] for p in PROMPTS]
     for a, b in zip(together, alone):
@@ -78,7 +84,7 @@ def test_seeded_sampling_independent_of_batch(tiny_model):
 
 
 def test_max_tokens_eos_and_stop_ids(tiny_model):
-    eng = LLMEngine(tiny_model)
+    eng = engine(tiny_model)
     o = eng.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].samples[0]
     assert len(o.token_ids) == 5 and o.finish_reason == "length"
     stop_tok = o.token_ids[2]
@@ -96,7 +102,7 @@ def test_filters_hand_computed():
 
 
 def test_load_weights_bumps_version_and_takes_effect(tiny_model):
-    eng = LLMEngine(copy.deepcopy(tiny_model))
+    eng = engine(copy.deepcopy(tiny_model))
     other = copy.deepcopy(tiny_model)
     other.reset_parameters(std=0.3, seed=7)
     v = eng.load_weights(other.state_dict().items())
@@ -132,7 +138,7 @@ def test_stop_strings_cut_text_and_keep_completing_token(tiny_model, tmp_path):
     tok = build_char_tokenizer(tmp_path, "abcdefghijklmnopqrstuvwxyz0123456789+-=")
     model = copy.deepcopy(tiny_model)
     assert len(tok) <= model.config.vocab_size
-    eng = LLMEngine(model, tok)
+    eng = engine(model, tok)
     base = eng.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].samples[0]
     text = tok.decode(base.token_ids, skip_special_tokens=True)
     stop = text[3:5]

@@ -41,6 +41,9 @@ class RolloutConfig(Config):
     stop: list[str] = Field(default_factory=list)
     engine_dtype: Dtype = "float32"  # bfloat16: the engine rounds, the trainer keeps fp32 masters
     max_num_seqs: int = Field(256, ge=1)
+    block_size: int = Field(16, ge=1)
+    kv_cache_bytes: Optional[int] = Field(None, ge=1)  # None: a share of free memory
+    enable_prefix_caching: bool = True
 
 
 class EvalConfig(Config):

@@ -49,8 +49,10 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     train_set, eval_set = build_datasets(cfg.data)
     actor = Actor(load_pretrained(src), cfg.trainer, cfg.algo, total_steps=cfg.run.steps,
                   temperature=cfg.rollout.temperature, seed=cfg.run.seed)
-    engine = LLMEngine(load_pretrained(src, dtype=DTYPES[cfg.rollout.engine_dtype]), tokenizer,
-                       max_num_seqs=cfg.rollout.max_num_seqs, seed=cfg.run.seed)
+    r = cfg.rollout
+    engine = LLMEngine.from_pretrained(src, dtype=DTYPES[r.engine_dtype], max_num_seqs=r.max_num_seqs,
+                                       block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes,
+                                       enable_prefix_caching=r.enable_prefix_caching, seed=cfg.run.seed)
     ref = load_pretrained(src).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
     driver = Driver(cfg, actor, engine, build_scorer(cfg.reward), PromptSampler(train_set, cfg.run.seed), ref)
     return driver, eval_set, src

@@ -66,7 +66,7 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     logger = MetricsLogger(run_dir, use_tensorboard=cfg.sft.tensorboard)
 
     def run_eval(step: int) -> dict:
-        engine = LLMEngine(model, tok)
+        engine = LLMEngine.from_model(model, tok, max_num_seqs=len(eval_set))
         res = evaluate(engine, eval_set, cfg.data, scorer, cfg.eval.max_tokens, cfg.eval.temperature, cfg.sft.seed)
         logger.log(step, res)
         with open(run_dir / "eval.jsonl", "a") as f:

@@ -1,182 +1,262 @@
-"""The first rollout engine: batched sampling over a contiguous KV cache.
+"""The rollout engine: continuous batching over a paged KV cache with prefix caching.
 
-    prompts x n ──expand──> sequences ──waves of max_num_seqs──> prefill (left-padded)
-                                                                 └─> decode step by step:
-                                                                     sample → append → finish? → drop finished rows
+    add_request ──> Sequence(s) ──> scheduler.waiting
+    step():  schedule (prefill first, under a token budget; else decode; preempt when out of blocks)
+             ──> run (model runner, every TP rank) ──> sample (per-sequence settings and seeds)
+             ──> postprocess (append token, check stops, free finished sequences' blocks)
 
-Finished rows are dropped from the batch (and the cache) as they end, so a long tail of lengths
-does not keep computing dead rows. Each output carries the engine's `weights_version`, bumped by
-every `load_weights`, so the driver can tell which policy produced a sample.
+New sequences join as others finish, so a long tail of lengths keeps the batch full. Every output
+carries `weights_version`, bumped by each `load_weights`, so the driver knows which policy sampled.
+For RL: `sleep()` frees the KV cache (level 2 also the weights), `wake()` restores it;
+`abort()` returns what requests produced so far and `add_request(..., prior=...)` resumes them.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence as Seq
 
 import torch
 
-from relayrl.engine.kv_cache import StaticKVCache
+from relayrl.engine.block_manager import BlockManager
+from relayrl.engine.model import EngineModel
+from relayrl.engine.model_runner import ModelRunner, kv_bytes_per_block, prepare
+from relayrl.engine.outputs import CompletionSample, RequestOutput
+from relayrl.engine.parallel_state import TPInfo, head_layout
 from relayrl.engine.sampler import sample
 from relayrl.engine.sampling_params import SamplingParams
-from relayrl.models import CausalLM, load_pretrained
+from relayrl.engine.scheduler import Scheduler
+from relayrl.engine.sequence import Sequence
+from relayrl.models.config import ModelConfig
 
 
-@dataclass
-class CompletionSample:
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: list[int]
-    samples: list[CompletionSample]
-    weights_version: int
-
-
-@dataclass
-class _Seq:
-    request: int
-    prompt: list[int]
-    params: SamplingParams
-    rng: random.Random
-    tokens: list[int]
-    logprobs: list[float]
-    text: str | None = None
-    finish: str | None = None
+def _available_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer=None, max_num_seqs: int = 256, seed: int = 0):
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.max_num_seqs = max_num_seqs
-        self.eos_ids = set(model.config.eos_ids)
+    def __init__(
+        self, config: ModelConfig, tokenizer=None, *, dtype: torch.dtype = torch.float32,
+        tensor_parallel_size: int = 1, device: str = "cpu", block_size: int = 16,
+        num_blocks: int | None = None, kv_cache_bytes: int | None = None, kv_cache_fraction: float = 0.05,
+        enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+        seed: int = 0,
+    ):
+        self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
+        self.block_size, self.tp_size = block_size, tensor_parallel_size
+        self.eos_ids = set(config.eos_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
-        self.pad_id = model.config.pad_token_id or 0
+        self.pad_id = config.pad_token_id or 0
+        if tensor_parallel_size > 1:
+            from relayrl.engine.tp_workers import TPWorkerGroup
+
+            self.workers = TPWorkerGroup(config, dtype, tensor_parallel_size, device)
+            self.runner = None
+        else:
+            self.workers = None
+            self.runner = ModelRunner(config, dtype, TPInfo(), device)
+        _, kv_heads = head_layout(config.num_attention_heads, config.num_key_value_heads, TPInfo(0, tensor_parallel_size))
+        per_block = kv_bytes_per_block(config, dtype, block_size, len(kv_heads))
+        if num_blocks is None:
+            budget = kv_cache_bytes if kv_cache_bytes is not None else int(_available_memory(device) * kv_cache_fraction)
+            num_blocks = budget // per_block
+            if kv_cache_bytes is None:  # a fraction of memory: never more than max_num_seqs full-length sequences use
+                per_seq = -(-config.max_position_embeddings // block_size)
+                num_blocks = min(num_blocks, max_num_seqs * per_seq)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget holds no block of {per_block} bytes; raise kv_cache_bytes")
+        self.num_blocks, self.max_num_seqs = num_blocks, max_num_seqs
+        self.max_num_batched_tokens, self.enable_prefix_caching = max_num_batched_tokens, enable_prefix_caching
+        self._new_scheduler()
+        self._call("allocate_kv_cache", num_blocks, block_size)
+        with torch.device("meta"):  # names only: the same on every rank
+            self._expected_loads = EngineModel(config).expected_loads()
+        self.asleep = 0
         self.weights_version = 0
         self._rng = random.Random(seed)
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+        self._requests: dict[int, list[Sequence]] = {}
+        self.peak_used_fraction = 0.0
 
+    # ---- construction ----
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, **kwargs) -> "LLMEngine":
+    def from_pretrained(cls, path, **kwargs) -> "LLMEngine":
+        from relayrl.models import load_config, load_state_dict
         from relayrl.models.tokenizer import load_tokenizer
 
-        return cls(load_pretrained(path, dtype=dtype), load_tokenizer(path), **kwargs)
+        engine = cls(load_config(path), load_tokenizer(path), **kwargs)
+        engine.load_weights(load_state_dict(path).items())
+        engine.weights_version = 0  # version 0: the weights it was built with
+        return engine
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **kwargs) -> "LLMEngine":
+        kwargs.setdefault("dtype", next(model.parameters()).dtype)
+        engine = cls(model.config, tokenizer, **kwargs)
+        engine.load_weights(model.state_dict().items())
+        engine.weights_version = 0
+        return engine
 
+    def _new_scheduler(self) -> None:
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
+
+    def _call(self, method: str, *args):
+        if self.workers is not None:
+            return self.workers.call(method, *args)
+        return getattr(self.runner, method)(*args)
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- weights and lifecycle ----
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy (name, tensor) pairs in Hugging Face names into the engine's parameters, casting to
-        the engine's dtype. Every parameter must be given exactly once (a partial sync is a bug)."""
-        # tied embeddings: lm_head.weight and embed_tokens.weight are one tensor under two names
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        seen = set()
-        for name, t in weights:
-            if name not in params:
-                raise KeyError(f"engine has no parameter '{name}'")
-            params[name].copy_(t)
-            seen.add(id(params[name]))
-        missing = [n for n, p in params.items() if id(p) not in seen]
+        """Load (Hugging Face name, full logical tensor) pairs into every rank's shard. Every engine
+        parameter (each fused component counted) must be written: a partial sync is an error."""
+        weights = [(n, t.detach().cpu()) for n, t in weights]
+        if self.asleep >= 2:
+            self._call("restore_weight_storage")
+        missing = self._expected_loads - self._call("load_weights", weights)
         if missing:
-            raise KeyError(f"weight sync left {len(missing)} parameter(s) stale, e.g. '{sorted(missing)[0]}'")
+            raise KeyError(f"weight sync left {len(missing)} engine tensor(s) stale, e.g. {sorted(missing, key=str)[0]}")
+        if self.asleep >= 2:
+            self.asleep = 1  # weights are back; the KV cache comes back with wake()
         self.weights_version += 1
         return self.weights_version
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: free the KV cache (and the prefix cache with it). Level 2: also the weights,
+        which must be reloaded with load_weights() before wake()."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("sleep() with requests in flight: abort them first")
+        self._call("free_kv_cache")
+        if level >= 2:
+            self._call("free_weights")
+        self.asleep = max(self.asleep, level)
+
+    def wake(self) -> None:
+        if self.asleep >= 2:
+            raise RuntimeError("the weights were released by sleep(level=2): load_weights() before wake()")
+        if self.asleep:
+            self._new_scheduler()  # cached prefixes died with the cache
+            self._call("allocate_kv_cache", self.num_blocks, self.block_size)
+            self.asleep = 0
+
+    # ---- requests ----
+    def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer")
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return list(prompt)
 
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+    def add_request(self, prompt, params: SamplingParams, request_id: int | None = None,
+                    prior: Seq[tuple[list[int], list[float]]] | None = None) -> int:
+        """Queue `params.n` samples of `prompt`. `prior` resumes them from partial completions
+        (one (token_ids, logprobs) per sample, e.g. from `abort`): their seeded streams continue
+        where they stopped, so the result equals an uninterrupted run under the same weights."""
+        ids = self._encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        rid = next(self._req_ids) if request_id is None else request_id
+        seqs = []
+        for j in range(params.n):
+            done_tokens, done_lps = prior[j] if prior else ([], [])
+            stream = random.Random(f"{params.seed}:{j}" if params.seed is not None else self._rng.getrandbits(64))
+            for _ in done_tokens:
+                stream.random()
+            seqs.append(Sequence(next(self._seq_ids), ids, params, self.block_size, request_id=rid, sample_index=j,
+                                 rng=stream, completion_token_ids=list(done_tokens), completion_logprobs=list(done_lps)))
+        self._requests[rid] = seqs
+        for s in seqs:
+            self.scheduler.add(s)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _output(self, rid: int) -> RequestOutput:
+        seqs = self._requests.pop(rid)
+        samples = [CompletionSample(list(s.completion_token_ids), list(s.logprobs),
+                                    s.text if s.text is not None else self._decode(s.completion_token_ids),
+                                    s.finish_reason) for s in seqs]
+        return RequestOutput(rid, seqs[0].token_ids[: seqs[0].num_prompt_tokens], samples, self.weights_version)
+
+    def abort(self, request_ids: Iterable[int]) -> list[RequestOutput]:
+        ids = set(request_ids)
+        seq_ids = {s.seq_id for rid in ids if rid in self._requests for s in self._requests[rid]}
+        self.scheduler.abort(seq_ids)
+        return [self._output(rid) for rid in sorted(ids) if rid in self._requests]
+
+    # ---- the step ----
+    def step(self) -> list[RequestOutput]:
+        if self.asleep:
+            raise RuntimeError("the engine is asleep: call wake() before generating")
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        self.peak_used_fraction = max(self.peak_used_fraction, self.block_manager.used_fraction())
+        input_ids, batch = prepare(seqs, is_prefill, self.block_size, self.config.sliding_window)
+        logits = self._call("run", input_ids, batch)
+        row = lambda f, dt: torch.tensor([f(s.params) for s in seqs], dtype=dt)  # noqa: E731
+        u = torch.tensor([s.rng.random() for s in seqs], dtype=torch.float64).float()
+        tokens, logps = sample(logits, row(lambda p: p.temperature, torch.float32), row(lambda p: p.top_k, torch.long),
+                               row(lambda p: p.top_p, torch.float32), row(lambda p: p.min_p, torch.float32), u)
+        done_requests = set()
+        for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist()):
+            s.append_token(t, lp)
+            reason = self._finish_reason(s)
+            if reason is not None:
+                self.scheduler.finish(s, reason)
+                if all(x.is_finished for x in self._requests[s.request_id]):
+                    done_requests.add(s.request_id)
+        return [self._output(rid) for rid in sorted(done_requests)]
+
+    def _decode(self, tokens) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _finish_reason(self, s: Sequence) -> str | None:
+        tok, sp = s.last_token, s.params
+        if (tok in self.eos_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
+            return "stop"
+        if sp.stop and self.tokenizer is not None:
+            text = self._decode(s.completion_token_ids)
+            hits = [i for i in (text.find(x) for x in sp.stop) if i >= 0]
+            if hits:
+                s.text = text[: min(hits)]
+                return "stop"
+        if s.num_completion_tokens >= sp.max_tokens or s.num_tokens >= self.config.max_position_embeddings:
+            return "length"
+        return None
+
+    def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion; one output per prompt (in order), `params.n` samples each."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        encoded = [self._encode(p) for p in prompts]
-        seqs = []
-        for r, (ids, sp) in enumerate(zip(encoded, params)):
-            if not ids:
-                raise ValueError(f"prompt {r} is empty")
-            for j in range(sp.n):
-                stream = f"{sp.seed}:{j}" if sp.seed is not None else self._rng.getrandbits(64)
-                seqs.append(_Seq(r, ids, sp, random.Random(stream), [], []))
-        # waves of similar prompt length waste less padding
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].prompt))
-        for start in range(0, len(order), self.max_num_seqs):
-            self._run_wave([seqs[i] for i in order[start:start + self.max_num_seqs]])
-        outputs = [RequestOutput(r, ids, [], self.weights_version) for r, ids in enumerate(encoded)]
-        for s in seqs:
-            outputs[s.request].samples.append(
-                CompletionSample(s.tokens, s.logprobs, s.text if s.text is not None else self._decode(s.tokens), s.finish)
-            )
-        return outputs
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[int, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[r] for r in rids]
 
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    def _check_finished(self, s: _Seq) -> bool:
-        tok, sp = s.tokens[-1], s.params
-        if (tok in self.eos_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
-            s.finish = "stop"
-        elif sp.stop and self.tokenizer is not None:
-            text = self._decode(s.tokens)
-            hits = [i for i in (text.find(x) for x in sp.stop) if i >= 0]
-            if hits:
-                s.finish, s.text = "stop", text[: min(hits)]
-        if s.finish is None and len(s.tokens) >= sp.max_tokens:
-            s.finish = "length"
-        return s.finish is not None
-
-    def _run_wave(self, seqs: list[_Seq]) -> None:
-        cfg, model = self.model.config, self.model
-        B, P = len(seqs), max(len(s.prompt) for s in seqs)
-        max_new = max(s.params.max_tokens for s in seqs)
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(B, P + max_new, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, P - len(s.prompt):] = torch.tensor(s.prompt)
-            mask[i, P - len(s.prompt):P] = 1
-        per_row = lambda f, dt: torch.tensor([f(s.params) for s in seqs], dtype=dt)  # noqa: E731
-        temp = per_row(lambda p: p.temperature, torch.float32)
-        top_k = per_row(lambda p: p.top_k, torch.long)
-        top_p = per_row(lambda p: p.top_p, torch.float32)
-        min_p = per_row(lambda p: p.min_p, torch.float32)
-        cache = StaticKVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, P + max_new, cfg.head_dim, self.dtype)
-        live = list(range(B))
-        # only the last prompt position's logits are needed: skip lm_head on the rest of the prefill
-        hidden = model(ids, attention_mask=mask[:, :P], kv_cache=cache, return_hidden=True)
-        logits = model.lm_head(hidden[:, -1])
-        cache.advance(P)
-        for t in range(max_new):
-            u = torch.tensor([seqs[i].rng.random() for i in live], dtype=torch.float64).float()
-            tokens, logps = sample(logits, temp, top_k, top_p, min_p, u)
-            keep = []
-            for row, (i, tok, lp) in enumerate(zip(live, tokens.tolist(), logps.tolist())):
-                s = seqs[i]
-                s.tokens.append(tok)
-                s.logprobs.append(lp)
-                if not self._check_finished(s):
-                    keep.append(row)
-            if not keep:
-                break
-            if len(keep) < len(live):
-                rows = torch.tensor(keep)
-                cache.keep_rows(rows)
-                mask, tokens = mask[rows], tokens[rows]
-                temp, top_k, top_p, min_p = temp[rows], top_k[rows], top_p[rows], min_p[rows]
-                live = [live[r] for r in keep]
-            mask[:, P + t] = 1
-            logits = model(tokens[:, None], attention_mask=mask[:, : P + t + 1], kv_cache=cache)[:, -1]
-            cache.advance(1)
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {"engine/prefix_hit_rate": bm.hit_rate, "engine/block_utilisation": bm.utilisation(),
+                "engine/peak_blocks_used": self.peak_used_fraction, "engine/preemptions": float(self.scheduler.num_preemptions)}

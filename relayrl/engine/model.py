@@ -1,0 +1,213 @@
+"""The engine's inference model: fused projections, tensor-parallel shards, paged attention.
+
+    per layer:  x ─norm─> qkv_proj (column-parallel, fused) ─> q | k | v ─rope─> paged attention
+                  ─> o_proj (row-parallel, all-reduce) ─+─ norm ─> gate_up_proj (column-parallel,
+                  fused) ─> silu(gate) * up ─> down_proj (row-parallel, all-reduce) ─+
+
+Every parallel layer knows how to load its parameters from the trainer-side (Hugging Face) names
+through its `weight_loader(param, tensor, shard)`: q, k and v each land in their own rows of this rank's
+`qkv_proj` (its Q heads, then the KV heads those Q heads use), gate and up in their halves of
+`gate_up_proj`. Fused tensors are only ever filled component by component — never by slicing an
+assembled fused matrix, whose row blocks would not line up with q/k/v boundaries under TP.
+Embedding, lm_head and norms are replicated on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from relayrl.engine.attention import PagedBatch, paged_attention
+from relayrl.engine.parallel_state import TPInfo, head_layout
+from relayrl.models.config import ModelConfig
+from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from relayrl.models.transformer import RMSNorm
+
+# trainer (HF) module name -> (engine module name, shard id)
+FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+
+def _copy_weight(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
+    param.data.copy_(loaded)
+
+
+class QKVParallelLinear(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo):
+        super().__init__()
+        self.q_heads, self.kv_heads = head_layout(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.hd = cfg.head_dim
+        rows = (len(self.q_heads) + 2 * len(self.kv_heads)) * self.hd
+        self.weight = nn.Parameter(torch.empty(rows, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(rows)) if cfg.qkv_bias else None
+
+    def rows_of(self, shard: str) -> tuple[slice, range]:
+        """(destination rows in qkv_proj, logical heads of q_proj / k_proj / v_proj they hold)."""
+        nq, nkv = len(self.q_heads) * self.hd, len(self.kv_heads) * self.hd
+        if shard == "q":
+            return slice(0, nq), self.q_heads
+        if shard == "k":
+            return slice(nq, nq + nkv), self.kv_heads
+        return slice(nq + nkv, nq + 2 * nkv), self.kv_heads
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        dst, heads = self.rows_of(shard)
+        src = loaded[heads.start * self.hd: heads.stop * self.hd]
+        param.data[dst].copy_(src)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over ranks; `parts` logical tensors fused side by side (gate, up)."""
+
+    def __init__(self, in_features: int, out_per_part: int, parts: tuple[str, ...], tp: TPInfo, bias: bool):
+        super().__init__()
+        self.parts, self.tp = parts, tp
+        self.local = out_per_part // tp.size
+        self.weight = nn.Parameter(torch.empty(self.local * len(parts), in_features))
+        self.bias = nn.Parameter(torch.empty(self.local * len(parts))) if bias else None
+
+    def weight_loader(self, param, loaded, shard: str) -> None:
+        i = self.parts.index(shard)
+        src = loaded[self.tp.rank * self.local: (self.tp.rank + 1) * self.local]
+        param.data[i * self.local: (i + 1) * self.local].copy_(src)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPInfo, bias: bool, col_ranges=None):
+        super().__init__()
+        self.tp = tp
+        # which input columns this rank holds (o_proj: its Q heads' columns)
+        self.cols = col_ranges or range(tp.rank * in_features // tp.size, (tp.rank + 1) * in_features // tp.size)
+        self.weight = nn.Parameter(torch.empty(out_features, len(self.cols)))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def weight_loader(self, param, loaded, shard=None) -> None:
+        if param is self.bias:  # added once after the all-reduce: every rank holds all of it
+            param.data.copy_(loaded)
+        else:
+            param.data.copy_(loaded[:, self.cols.start:self.cols.stop])
+
+    def forward(self, x):
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
+
+
+class EngineAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPInfo):
+        super().__init__()
+        self.layer, self.hd, self.window = layer, cfg.head_dim, cfg.sliding_window
+        self.qkv_proj = QKVParallelLinear(cfg, tp)
+        self.nq, self.nkv = len(self.qkv_proj.q_heads), len(self.qkv_proj.kv_heads)
+        q = self.qkv_proj.q_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.hd, cfg.hidden_size, tp, cfg.o_bias,
+                                        col_ranges=range(q.start * self.hd, q.stop * self.hd))
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, batch: PagedBatch, kv_cache):
+        N = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q, k, v = q.view(N, self.nq, self.hd), k.view(N, self.nkv, self.hd), v.view(N, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # rope over [1, heads, N, hd] with cos/sin [1, N, hd]
+        q = apply_rope(q.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
+        k = apply_rope(k.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
+        out = paged_attention(q, k, v, kv_cache[self.layer], batch)
+        return self.o_proj(out.reshape(N, self.nq * self.hd))
+
+
+class EngineMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, ("gate", "up"), tp, cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class EngineLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPInfo):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = EngineAttention(cfg, layer, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = EngineMLP(cfg, tp)
+
+    def forward(self, x, cos, sin, batch, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EngineModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo()):
+        super().__init__()
+        self.config, self.tp = cfg, tp
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(EngineLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, batch: PagedBatch, kv_cache) -> torch.Tensor:
+        """input_ids [N] (all new tokens of the batch, flattened) -> logits [B] at each sequence's last token."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions[None], h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch, kv_cache)
+        h = self.norm(h[batch.last_index])
+        return self.lm_head(h)
+
+    # ---- weight loading from trainer-side (Hugging Face) names ----
+    def engine_name(self, hf_name: str) -> tuple[str, str | None]:
+        """'model.layers.0.self_attn.k_proj.weight' -> ('layers.0.self_attn.qkv_proj.weight', 'k')."""
+        name = hf_name.removeprefix("model.")
+        for src, (dst, shard) in FUSED.items():
+            if f".{src}." in name:
+                return name.replace(f".{src}.", f".{dst}."), shard
+        return name, None
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> set[str]:
+        """Load (HF name, full logical tensor) pairs; returns the engine parameter names touched."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        touched = set()
+        for hf_name, tensor in weights:
+            name, shard = self.engine_name(hf_name)
+            if name not in params:
+                raise KeyError(f"engine has no parameter for '{hf_name}' (looked for '{name}')")
+            p = params[name]
+            # the owning module slices its own shard; plain (replicated) parameters copy whole
+            owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
+            loader = getattr(owner, "weight_loader", _copy_weight)
+            loader(p, tensor.to(p.dtype), shard)
+            touched.add((name, shard))
+        return touched
+
+    def expected_loads(self) -> set[tuple[str, str | None]]:
+        """Every (engine parameter, shard) a complete sync must write."""
+        out = set()
+        for name, p in self.named_parameters(remove_duplicate=False):
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            mod = name.rsplit(".", 2)[-2]
+            if mod == "qkv_proj":
+                out |= {(name, s) for s in ("q", "k", "v")}
+            elif mod == "gate_up_proj":
+                out |= {(name, s) for s in ("gate", "up")}
+            else:
+                out.add((name, None))
+        return out

@@ -1,0 +1,83 @@
+"""How a batch runs: the engine model on one tensor-parallel rank, with its slice of the KV cache.
+
+    sequences ──prepare (on the scheduler's side)──> input ids [N] + PagedBatch
+              ──run (on every TP rank)──────────────> logits [B, V] at each sequence's last token
+
+The KV cache is one tensor [layers, 2, num_blocks * block_size, local kv heads, head_dim], sized
+from a byte budget; `free_kv_cache` / `allocate_kv_cache` are what sleep and wake do to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relayrl.engine.attention import PagedBatch, build_batch
+from relayrl.engine.model import EngineModel
+from relayrl.engine.parallel_state import TPInfo
+from relayrl.models.config import ModelConfig
+from relayrl.models.rope import rope_inv_freq
+
+
+def kv_bytes_per_block(cfg: ModelConfig, dtype: torch.dtype, block_size: int, kv_heads_local: int) -> int:
+    return cfg.num_hidden_layers * 2 * block_size * kv_heads_local * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+def prepare(seqs, is_prefill: bool, block_size: int, sliding_window: int | None):
+    """Flatten a scheduled batch: (input_ids [N], PagedBatch)."""
+    starts = [s.num_cached_tokens if is_prefill else s.num_tokens - 1 for s in seqs]
+    ids = [t for s, st in zip(seqs, starts) for t in s.token_ids[st:]]
+    batch = build_batch(starts, [s.num_tokens for s in seqs], [s.block_table for s in seqs], block_size, sliding_window)
+    return torch.tensor(ids, dtype=torch.long), batch
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPInfo = TPInfo(), device: str = "cpu"):
+        self.cfg, self.dtype, self.tp, self.device = cfg, dtype, tp, torch.device(device)
+        with torch.device("meta"):
+            model = EngineModel(cfg, tp)
+        self.model = model.to_empty(device=self.device).to(dtype).eval()
+        self.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(self.device)
+        self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._weights_freed = False
+
+    @property
+    def kv_heads_local(self) -> int:
+        return self.model.layers[0].self_attn.nkv
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        shape = (self.cfg.num_hidden_layers, 2, num_blocks * block_size, self.kv_heads_local, self.cfg.head_dim)
+        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = [(cache[i, 0], cache[i, 1]) for i in range(self.cfg.num_hidden_layers)]
+
+    def free_kv_cache(self) -> None:
+        self.kv_cache = None
+
+    def free_weights(self) -> None:
+        """Deep sleep: drop parameter storage (shapes are kept by the module definitions)."""
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._weights_freed = True
+
+    def restore_weight_storage(self) -> None:
+        if not self._weights_freed:
+            return
+        with torch.device("meta"):
+            shapes = EngineModel(self.cfg, self.tp)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, p in shapes.named_parameters(remove_duplicate=False):
+            params[name].data = torch.zeros(p.shape, dtype=self.dtype, device=self.device)
+        if self.cfg.tie_word_embeddings:
+            self.model.lm_head.weight = self.model.embed_tokens.weight
+        self._weights_freed = False
+
+    def load_weights(self, weights) -> set:
+        return self.model.load_weights((n, t.to(self.device)) for n, t in weights)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("the engine is asleep: call wake() before generating")
+        if self.device.type != "cpu":
+            batch = PagedBatch(**{k: v.to(self.device) for k, v in vars(batch).items()})
+            input_ids = input_ids.to(self.device)
+        return self.model(input_ids, batch, self.kv_cache).float()

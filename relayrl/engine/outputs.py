@@ -1,0 +1,21 @@
+"""What the engine returns: per prompt, its samples with tokens, logprobs, text and why they ended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompletionSample:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token, as defined in relayrl.engine.sampler
+    text: str
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort"
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    samples: list[CompletionSample]
+    weights_version: int

@@ -1,0 +1,137 @@
+"""What runs next: continuous batching over a paged KV pool, prefill first, preempt by recompute.
+
+    add ──> waiting (FIFO) ──prefill──> running (FIFO) ──finish / abort──> FINISHED (blocks freed)
+               ^                            │
+               └─────── preempt (last) ─────┘   blocks freed; tokens and logprobs kept
+
+Each call to `schedule()` returns one batch, either all prefill or all decode:
+
+1. Prefill, if any waiting sequence can start. Take waiting sequences in FIFO order while
+     - running + batch stays under max_num_seqs (so a decode step always covers every running
+       sequence and none of them waits behind the others),
+     - the batch's new tokens fit in max_num_batched_tokens (a sequence is estimated at num_tokens
+       before allocation and charged num_tokens - num_cached_tokens after, so prefix hits leave room
+       for more; the first sequence is always admitted, so a huge prompt cannot starve),
+     - the block manager can allocate it.
+   The first sequence that does not fit stops the scan (FIFO: no overtaking).
+2. Otherwise decode every running sequence (FIFO, at most max_num_seqs). Each needs a slot for the
+   KV of its newest token; while the pool has none, the LAST running sequence is preempted (it is
+   the most recently admitted, so it has the least work to redo). If that is the sequence itself,
+   it is preempted and the scan stops.
+
+The step protocol with the engine (see block_manager for the block side):
+
+    schedule() ── prefill: allocate -> blocks for every token; KV of [num_cached_tokens, num_tokens)
+               └─ decode:  can_append + may_append -> block for the newest token
+                  after either, every scheduled seq has len(block_table) == seq.num_blocks
+    run        ── write that KV, sample one token per sequence
+    postprocess── seq.append_token(t, lp); if it is done: scheduler.finish(seq, reason)
+                  (the new token's KV is written by the next decode step)
+
+A preempted sequence loses its blocks and goes back to the FRONT of the waiting queue; its next
+prefill recomputes the KV of all its tokens (prompt + completion so far, the newest included), which
+prefix caching often shortens. Nothing sampled is ever dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from relayrl.engine.block_manager import BlockManager
+from relayrl.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and {max_num_batched_tokens}"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        # the most tokens that ever need KV: the final sampled token finishes the sequence and is
+        # never fed back, so it needs no slot
+        max_kv_tokens = max(seq.num_tokens, seq.num_prompt_tokens + seq.params.max_tokens - 1)
+        bm = self.block_manager
+        needed = -(-max_kv_tokens // bm.block_size)
+        if needed > bm.num_blocks:
+            raise ValueError(
+                f"sequence {seq.seq_id} may grow to {max_kv_tokens} tokens = {needed} KV blocks of "
+                f"{bm.block_size}, but the pool has {bm.num_blocks}; lower max_tokens or give the engine more KV memory"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        batch = self._schedule_prefill()
+        if batch:
+            return batch, True
+        return self._schedule_decode(), False
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+
+    def abort(self, seq_ids: set[int]) -> list[Sequence]:
+        aborted = []
+        for queue in (self.waiting, self.running):
+            for seq in [s for s in queue if s.seq_id in seq_ids]:
+                queue.remove(seq)
+                self.block_manager.deallocate(seq)  # no-op for a waiting seq: it holds no blocks
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+                aborted.append(seq)
+        return aborted
+
+    # -- the two kinds of step -----------------------------------------------------------------------
+    def _schedule_prefill(self) -> list[Sequence]:
+        bm = self.block_manager
+        batch: list[Sequence] = []
+        new_tokens = 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if batch and new_tokens + seq.num_tokens > self.max_num_batched_tokens:
+                break
+            if not bm.can_allocate(seq):
+                break
+            bm.allocate(seq)
+            new_tokens += seq.num_tokens - seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+            batch.append(seq)
+        return batch
+
+    def _schedule_decode(self) -> list[Sequence]:
+        bm = self.block_manager
+        batch: list[Sequence] = []
+        while self.running and len(batch) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not bm.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                bm.may_append(seq)
+                batch.append(seq)
+        # the scheduled ones go back to the front, in their order, ahead of any left unscheduled
+        self.running.extendleft(reversed(batch))
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,111 @@
+"""One sequence the paged engine is generating: its tokens, logprobs, status and block table.
+
+    token_ids:   [ prompt ........................ | completion ............ ]
+                   0 .. num_prompt_tokens-1          one logprob per token
+    blocks:      [ blk 0 ][ blk 1 ][ blk 2 ][ blk 3 (last, maybe partial) ]
+    block_table:  physical block id of each logical block (filled by the BlockManager)
+    num_cached_tokens: the leading tokens whose KV is already valid in the blocks (prefix-cache hits),
+                       so the next prefill computes only token_ids[num_cached_tokens:]
+
+A sequence may start with a partial completion (a request resumed after an abort): its completion
+tokens are then ordinary tokens that need KV at the next prefill, exactly like the prompt's.
+The engine owns `params` (a SamplingParams) and `rng`; nothing here reads them except
+`params.max_tokens`, which the scheduler uses to check that the sequence can ever fit in the pool.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()   # in the scheduler's waiting queue: no blocks held
+    RUNNING = enum.auto()   # holds blocks for all its tokens (except, between steps, the newest one)
+    FINISHED = enum.auto()  # done (stop, length or abort): blocks released
+
+
+class Sequence:
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        params,
+        block_size: int,
+        *,
+        request_id: int = 0,
+        sample_index: int = 0,
+        rng=None,
+        completion_token_ids: list[int] = (),
+        completion_logprobs: list[float] = (),
+    ):
+        if not prompt_token_ids:
+            raise ValueError(f"sequence {seq_id}: the prompt is empty; give at least one token")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if len(completion_token_ids) != len(completion_logprobs):
+            raise ValueError(
+                f"sequence {seq_id}: {len(completion_token_ids)} completion tokens but "
+                f"{len(completion_logprobs)} logprobs; a resumed completion needs one logprob per token"
+            )
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.rng = rng
+        self.block_size = block_size
+        self.token_ids: list[int] = [int(t) for t in prompt_token_ids] + [int(t) for t in completion_token_ids]
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.logprobs: list[float] = [float(x) for x in completion_logprobs]
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.text: str | None = None
+
+    # -- sizes ---------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_blocks(self) -> int:
+        """Logical blocks needed to hold the KV of every token (ceil(num_tokens / block_size))."""
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block_tokens(self, i: int) -> list[int]:
+        """The tokens of logical block i (fewer than block_size only for the last block)."""
+        if not 0 <= i < self.num_blocks:
+            raise IndexError(f"sequence {self.seq_id} has {self.num_blocks} blocks, asked for block {i}")
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    # -- growth --------------------------------------------------------------------------------------
+    def append_token(self, token_id: int, logprob: float) -> None:
+        """Record a sampled token. Its KV is not written yet: the next decode step writes it."""
+        self.token_ids.append(int(token_id))
+        self.logprobs.append(float(logprob))
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_prompt_tokens}+"
+            f"{self.num_completion_tokens}, blocks={self.block_table}, cached={self.num_cached_tokens})"
+        )
