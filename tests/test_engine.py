@@ -147,3 +147,16 @@ def test_stop_strings_cut_text_and_keep_completing_token(tiny_model, tmp_path):
     assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
     assert out.token_ids == base.token_ids[: len(out.token_ids)]
     assert tok.decode(out.token_ids, skip_special_tokens=True).endswith(stop)
+
+
+def test_top_logprobs_follow_the_same_definition(tiny_model):
+    eng = engine(tiny_model)
+    s = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.5, max_tokens=4, logprobs=3, seed=1))[0].samples[0]
+    assert len(s.top_logprobs) == len(s.token_ids)
+    with torch.no_grad():
+        ids = PROMPTS[0] + s.token_ids
+        logits = tiny_model(torch.tensor([ids]))[0, len(PROMPTS[0]) - 1:-1] / 0.5
+    for step, top in zip(logits.log_softmax(-1), s.top_logprobs):
+        want = step.topk(3)
+        assert list(top) == want.indices.tolist()
+        torch.testing.assert_close(torch.tensor(list(top.values())), want.values, atol=1e-5, rtol=0)

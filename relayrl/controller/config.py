@@ -39,6 +39,7 @@ class RolloutConfig(Config):
     top_k: int = Field(0, ge=0)
     max_tokens: int = Field(16, ge=1)
     stop: list[str] = Field(default_factory=list)
+    backend: Literal["relayrl", "vllm"] = "relayrl"  # vllm: GPU machines with vllm installed
     engine_dtype: Dtype = "float32"  # bfloat16: the engine rounds, the trainer keeps fp32 masters
     max_num_seqs: int = Field(256, ge=1)
     block_size: int = Field(16, ge=1)

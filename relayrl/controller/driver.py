@@ -149,4 +149,5 @@ class Driver:
             **stats,
             **times,
             "throughput/gen_tokens_per_s": sum(lengths) / max(times["time/rollout"], 1e-9),
+            **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
         }

@@ -42,6 +42,17 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def build_engine(cfg: RunConfig, src: Path):
+    r = cfg.rollout
+    kwargs = dict(dtype=DTYPES[r.engine_dtype], enable_prefix_caching=r.enable_prefix_caching, seed=cfg.run.seed)
+    if r.backend == "vllm":
+        from relayrl.engine.vllm_backend import VLLMEngine
+
+        return VLLMEngine(src, **kwargs)
+    return LLMEngine.from_pretrained(src, max_num_seqs=r.max_num_seqs, block_size=r.block_size,
+                                     kv_cache_bytes=r.kv_cache_bytes, **kwargs)
+
+
 def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     src = policy_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
     torch.manual_seed(cfg.run.seed)
@@ -49,10 +60,7 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     train_set, eval_set = build_datasets(cfg.data)
     actor = Actor(load_pretrained(src), cfg.trainer, cfg.algo, total_steps=cfg.run.steps,
                   temperature=cfg.rollout.temperature, seed=cfg.run.seed)
-    r = cfg.rollout
-    engine = LLMEngine.from_pretrained(src, dtype=DTYPES[r.engine_dtype], max_num_seqs=r.max_num_seqs,
-                                       block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes,
-                                       enable_prefix_caching=r.enable_prefix_caching, seed=cfg.run.seed)
+    engine = build_engine(cfg, src)
     ref = load_pretrained(src).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
     driver = Driver(cfg, actor, engine, build_scorer(cfg.reward), PromptSampler(train_set, cfg.run.seed), ref)
     return driver, eval_set, src

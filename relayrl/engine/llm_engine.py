@@ -193,7 +193,7 @@ class LLMEngine:
         seqs = self._requests.pop(rid)
         samples = [CompletionSample(list(s.completion_token_ids), list(s.logprobs),
                                     s.text if s.text is not None else self._decode(s.completion_token_ids),
-                                    s.finish_reason) for s in seqs]
+                                    s.finish_reason, list(s.top_logprobs)) for s in seqs]
         return RequestOutput(rid, seqs[0].token_ids[: seqs[0].num_prompt_tokens], samples, self.weights_version)
 
     def abort(self, request_ids: Iterable[int]) -> list[RequestOutput]:
@@ -216,6 +216,7 @@ class LLMEngine:
         u = torch.tensor([s.rng.random() for s in seqs], dtype=torch.float64).float()
         tokens, logps = sample(logits, row(lambda p: p.temperature, torch.float32), row(lambda p: p.top_k, torch.long),
                                row(lambda p: p.top_p, torch.float32), row(lambda p: p.min_p, torch.float32), u)
+        self._record_top_logprobs(seqs, logits)
         done_requests = set()
         for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist()):
             s.append_token(t, lp)
@@ -225,6 +226,18 @@ class LLMEngine:
                 if all(x.is_finished for x in self._requests[s.request_id]):
                     done_requests.add(s.request_id)
         return [self._output(rid) for rid in sorted(done_requests)]
+
+    @staticmethod
+    def _record_top_logprobs(seqs, logits: torch.Tensor) -> None:
+        k = max(s.params.logprobs for s in seqs)
+        if k == 0:
+            return
+        temp = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs])
+        top = (logits / temp[:, None]).log_softmax(-1).topk(k, dim=-1)
+        for i, s in enumerate(seqs):
+            n = s.params.logprobs
+            if n:
+                s.top_logprobs.append(dict(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist())))
 
     def _decode(self, tokens) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -80,4 +80,5 @@ class ModelRunner:
         if self.device.type != "cpu":
             batch = PagedBatch(**{k: v.to(self.device) for k, v in vars(batch).items()})
             input_ids = input_ids.to(self.device)
-        return self.model(input_ids, batch, self.kv_cache).float()
+        # logits come back to the host: the sampler (and any TP pipe) works on CPU tensors
+        return self.model(input_ids, batch, self.kv_cache).float().cpu()

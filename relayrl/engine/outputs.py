@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,6 +11,7 @@ class CompletionSample:
     logprobs: list[float]  # of each sampled token, as defined in relayrl.engine.sampler
     text: str
     finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort"
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when SamplingParams.logprobs > 0
 
 
 @dataclass

@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int = 0  # also return the top-`logprobs` tokens' logprobs at each step (same definition)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -42,5 +43,7 @@ class SamplingParams:
             raise ValueError("SamplingParams.top_k must be >= 0 (0 = off)")
         if not 0 <= self.min_p < 1:
             raise ValueError("SamplingParams.min_p must be in [0, 1)")
+        if self.logprobs < 0:
+            raise ValueError("SamplingParams.logprobs must be >= 0")
         if self.max_tokens < 1:
             raise ValueError("SamplingParams.max_tokens must be >= 1")

@@ -61,6 +61,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.text: str | None = None
+        # per completion token, {token id: logprob} of the params.logprobs most likely tokens (when asked)
+        self.top_logprobs: list[dict[int, float]] = []
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property

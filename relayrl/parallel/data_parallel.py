@@ -1,0 +1,79 @@
+"""Data parallelism: FSDP2 (fully_shard, ZeRO-3), HSDP on a 2-D mesh, and DDP (composable replicate).
+
+Gradients are SUMMED over data-parallel ranks by default, not averaged: relayrl's losses divide by
+the token / sequence counts of the GLOBAL batch (relayrl.algorithms.aggregation), so each rank's
+loss is already its share of the full-batch loss and the full gradient is the sum of the ranks'.
+(grad_reduce="mean" gives the usual average, for losses normalised per rank.)
+
+FSDP grouping (one all-gather / reduce-scatter per group):
+
+    fully_shard(layer) for each decoder layer     reshard_after_forward=True: ZeRO-3, params are
+    fully_shard(root)                             gathered again in backward
+      └─ embed_tokens, norm, lm_head — and a tied lm_head.weight IS embed_tokens.weight, one
+         parameter in one group, so the tie survives sharding (its two gradient contributions are
+         accumulated before the root group's single reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from relayrl.errors import ConfigError
+
+GRAD_REDUCE = ("sum", "mean")
+
+
+def _check_reduce(grad_reduce: str) -> None:
+    if grad_reduce not in GRAD_REDUCE:
+        raise ConfigError(f"grad_reduce must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    grad_reduce: str = "sum",
+) -> nn.Module:
+    """fully_shard each decoder layer, then the root (in place). A 2-D mesh (dp_replicate, dp_shard)
+    gives HSDP: sharded within a row, replicated (gradients all-reduced) across rows."""
+    _check_reduce(grad_reduce)
+    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    if grad_reduce == "sum":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # SUM collectives, divided by 1: portable (gloo has no PREMUL_SUM) and exact
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _allreduce_sum_hook(group, bucket):
+    """DDP comm hook: sum the bucket over the group (the default hook averages)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, grad_reduce: str = "sum") -> nn.Module:
+    """Replicate `model` over a 1-D mesh (DDP semantics, bucketed all-reduce), in place.
+
+    Uses the composable replicate (the DDP engine without the wrapper), so parameter names stay the
+    Hugging Face ones that checkpoints and weight sync rely on."""
+    from torch.distributed._composable.replicate import replicate
+
+    _check_reduce(grad_reduce)
+    if mesh.ndim != 1:
+        raise ConfigError(f"DDP takes a 1-D data-parallel mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}")
+    replicate(model, device_mesh=mesh)
+    if grad_reduce == "sum":
+        model.register_comm_hook(mesh.get_group(), _allreduce_sum_hook)
+    return model

@@ -1,0 +1,120 @@
+"""ParallelDims: the one object that owns a role's topology; it is passed explicitly, never global.
+
+    world = dp_replicate x dp_shard x tp         (rank order: tp fastest, so a TP group is
+                                                  contiguous ranks, e.g. one node's GPUs)
+    mesh dims, always all three (size 1 allowed):  ("dp_replicate", "dp_shard", "tp")
+    plus the flattened "dp" = dp_replicate x dp_shard (data-parallel rank / size, loss counts)
+
+Why all three dims even when some are 1: sub-mesh names never depend on the layout, so callers
+write `mesh["tp"]` without branching, and a size-1 dim costs one trivial process group.
+
+    dp_replicate > 1, dp_shard = 1  → DDP (or HSDP with nothing to shard)
+    dp_shard > 1                    → FSDP; with dp_replicate > 1 → HSDP on (dp_replicate, dp_shard)
+    tp > 1                          → tensor parallel inside each data-parallel replica
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from relayrl.errors import ConfigError
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+def backend_for(device: str | torch.device) -> str:
+    """The collective backend for a device: gloo on CPU, nccl on CUDA."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return "gloo"
+    if kind == "cuda":
+        return "nccl"
+    raise ConfigError(f"no collective backend known for device type {kind!r} (supported: cpu → gloo, cuda → nccl)")
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees of one role. dp_shard=-1 takes whatever the world leaves."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    world_size: int = 1
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel degree {name} must be an integer >= 1, got {value!r}")
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.tp
+            if self.world_size % rest:
+                raise ConfigError(f"dp_shard=-1: world_size {self.world_size} is not divisible by "
+                                  f"dp_replicate ({self.dp_replicate}) x tp ({self.tp}) = {rest}")
+            self.dp_shard = self.world_size // rest
+        if not isinstance(self.dp_shard, int) or self.dp_shard < 1:
+            raise ConfigError(f"parallel degree dp_shard must be an integer >= 1 or -1, got {self.dp_shard!r}")
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ConfigError(
+                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x tp ({self.tp}) = {product}, "
+                f"but world_size is {self.world_size}: the degrees must multiply to the number of ranks"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batch shards are trained at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the (dp_replicate, dp_shard, tp) mesh and its flattened "dp" dim; once per dims."""
+        if self._mesh is not None:
+            raise RuntimeError("ParallelDims.build_mesh was already called; pass the mesh it returned around")
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+        # private but the established way (torchtitan does the same) to get one group over both dp dims
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("call ParallelDims.build_mesh(device_type) first")
+        return self._mesh
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """1-D mesh over all data-parallel ranks (batch sharding, global token counts, DDP)."""
+        return self.mesh["dp"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh fully_shard takes: 1-D over dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP."""
+        return fsdp_mesh_of(self.mesh)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+
+def fsdp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
+    """1-D dp_shard mesh, or the 2-D (dp_replicate, dp_shard) one when dp_replicate > 1 (HSDP)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]

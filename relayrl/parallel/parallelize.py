@@ -1,0 +1,86 @@
+"""parallelize_model: the one ordered function that turns a plain CausalLM into a parallel one.
+
+    plain model (same weights on every rank)
+      1. tensor parallel      plan as data → DTensor shards on mesh["tp"]          (tp > 1)
+      2. activation ckpt      each decoder layer recomputes its forward in backward (optional)
+      3. data parallel        fsdp: fully_shard per layer + root on dp_shard (HSDP with dp_replicate)
+                              ddp:  replicate over the flattened "dp" mesh
+
+The order matters: FSDP shards the DTensors TP produced (2-D parameters), and checkpointing sits
+inside the FSDP unit so recompute happens while the layer's parameters are gathered.
+Everything is in place; module and parameter names stay the Hugging Face ones.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.utils.checkpoint
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from relayrl.errors import ConfigError
+from relayrl.parallel.data_parallel import apply_ddp, apply_fsdp
+from relayrl.parallel.dims import ParallelDims, fsdp_mesh_of
+from relayrl.parallel.tensor_parallel import apply_tensor_parallel
+
+DP_MODES = ("fsdp", "ddp")
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each decoder layer's forward during backward (non-reentrant checkpoint).
+
+    The layer's own forward is replaced on the instance instead of wrapping the module, so names do
+    not gain a wrapper prefix and module hooks (FSDP, TP) still run around the checkpointed region."""
+    for layer in model.model.layers:
+        if getattr(layer, "_relayrl_checkpointed", False):
+            continue
+        inner = layer.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+        layer._relayrl_checkpointed = True
+    return model
+
+
+def parallelize_model(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    *,
+    activation_checkpointing: bool = False,
+    dp_mode: str = "fsdp",
+    gather_logits: bool = False,
+    grad_reduce: str = "sum",
+    reshard_after_forward: bool = True,
+    mp_policy=None,
+) -> nn.Module:
+    """Apply TP → activation checkpointing → data parallel to `model` in place; return it.
+
+    With tp > 1 the model returns vocab-sharded logits [B, T, V/tp] unless gather_logits.
+    grad_reduce="sum" (default) sums gradients over data-parallel ranks, matching losses that
+    divide by global token counts (see relayrl.parallel.data_parallel)."""
+    if dp_mode not in DP_MODES:
+        raise ConfigError(f"dp_mode must be one of {DP_MODES}, got {dp_mode!r}")
+    if dp_mode == "ddp" and dims.dp_shard > 1:
+        raise ConfigError(f"dp_mode='ddp' replicates the model, but dp_shard={dims.dp_shard}: "
+                          "use dp_replicate for DDP, or dp_mode='fsdp' to shard")
+    if dp_mode == "ddp" and dims.tp > 1:
+        raise ConfigError("dp_mode='ddp' with tp > 1 is not supported; use dp_mode='fsdp' (FSDP / HSDP + TP)")
+    if tuple(mesh.shape) != (dims.dp_replicate, dims.dp_shard, dims.tp):
+        raise ConfigError(f"mesh shape {tuple(mesh.shape)} does not match {dims}")
+
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], gather_logits=gather_logits)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if dims.dp > 1:
+        if dp_mode == "fsdp":
+            apply_fsdp(model, fsdp_mesh_of(mesh), reshard_after_forward=reshard_after_forward,
+                       mp_policy=mp_policy, grad_reduce=grad_reduce)
+        else:
+            apply_ddp(model, mesh["dp"], grad_reduce=grad_reduce)
+    return model

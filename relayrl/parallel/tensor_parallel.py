@@ -1,0 +1,119 @@
+"""Tensor parallelism for relayrl.models.CausalLM, from a plan written as data.
+
+The plan maps module-name patterns (fnmatch, on Hugging Face names) to a style name; styles become
+DTensor ParallelStyles, applied with torch.distributed.tensor.parallel.parallelize_module:
+
+    style            weight held by TP rank r            activations
+    colwise          rows r*n/tp ... of W [out, in]      x replicated → y sharded on the last dim
+    rowwise          columns r*n/tp ... of W [out, in]   x sharded on the last dim → y all-reduced
+    vocab_embedding  rows (token ids) of E [V, h]        ids replicated → h all-reduced (masked lookup)
+    vocab_output     rows of lm_head [V, h]              h replicated → logits [B, T, V/tp] (local),
+                                                         or gathered to [B, T, V] with gather_logits
+    head_norm        replicated per-head norm weight     q / k sharded on the head dim (dim 2): each rank
+                                                         normalises its heads; the weight's gradient is
+                                                         summed over ranks (qk-norm, Qwen3)
+
+Attention: q_proj / k_proj / v_proj colwise give rank r heads [r*H/tp, (r+1)*H/tp) of Q and
+[r*K/tp, (r+1)*K/tp) of K/V — the same GQA grouping as the full model (Q head i uses KV head
+i // (H/K), and H/tp is a multiple of H/K), so attention runs locally; o_proj rowwise sums the heads'
+contributions. The model reads its head counts from attributes, so apply_tensor_parallel sets the
+per-rank counts on each Attention module; the model code itself stays unaware of parallelism.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from relayrl.errors import ConfigError
+
+# Module name pattern → style. Order does not matter: every module matches at most one pattern.
+TP_PLAN: dict[str, str] = {
+    "model.embed_tokens": "vocab_embedding",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.q_norm": "head_norm",
+    "model.layers.*.self_attn.k_norm": "head_norm",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "vocab_output",
+}
+
+# The weight dim each style shards (None: replicated) — what a reshard planner needs to know.
+WEIGHT_SHARD_DIM: dict[str, int | None] = {
+    "colwise": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_output": 0, "head_norm": None,
+}
+
+
+def _style(name: str, gather_logits: bool) -> ParallelStyle:
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "vocab_output":
+        return ColwiseParallel(output_layouts=Replicate() if gather_logits else Shard(-1))
+    if name == "head_norm":
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    raise ConfigError(f"unknown tensor-parallel style {name!r} (known: {', '.join(WEIGHT_SHARD_DIM)})")
+
+
+def check_tp_divisibility(cfg, tp: int) -> None:
+    """Every sharded size must split evenly over tp ranks; name the first one that does not."""
+    sizes = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+    }
+    for name, size in sizes.items():
+        if size % tp:
+            raise ConfigError(f"tensor parallel degree {tp} does not divide {name} = {size}; "
+                              f"choose tp among the divisors of {name}")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str] | None = None,
+                          *, gather_logits: bool = False) -> nn.Module:
+    """Shard `model` (a CausalLM) over tp_mesh in place, following `plan` (default TP_PLAN).
+
+    After this, model(...) returns logits sharded on the vocab, [B, T, V/tp] on each rank (use
+    relayrl.parallel.vocab_parallel for logprobs), or the full [B, T, V] with gather_logits=True.
+    """
+    plan = TP_PLAN if plan is None else plan
+    tp = tp_mesh.size()
+    cfg = model.config
+    check_tp_divisibility(cfg, tp)
+    tied = cfg.tie_word_embeddings
+    for name, module in model.named_modules():
+        styles = [s for pattern, s in plan.items() if fnmatch(name, pattern)]
+        if len(styles) > 1:
+            raise ConfigError(f"module {name!r} matches several tensor-parallel styles: {styles}")
+        if styles:
+            parallelize_module(module, tp_mesh, _style(styles[0], gather_logits))
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.n_heads = cfg.num_attention_heads // tp
+        attn.n_kv = cfg.num_key_value_heads // tp
+    if tied:
+        # Each style made its own DTensor from the once-shared parameter; share it again. Both
+        # shard the [V, h] weight on dim 0, so one DTensor serves the lookup and the projection.
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        if embed.placements != head.placements:
+            raise ConfigError("tied embeddings need the same TP layout for embed_tokens and lm_head "
+                              f"(got {embed.placements} and {head.placements})")
+        model.lm_head.weight = embed
+    return model
