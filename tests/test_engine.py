@@ -160,3 +160,15 @@ def test_top_logprobs_follow_the_same_definition(tiny_model):
         want = step.topk(3)
         assert list(top) == want.indices.tolist()
         torch.testing.assert_close(torch.tensor(list(top.values())), want.values, atol=1e-5, rtol=0)
+
+
+def test_checkpoint_of_tied_model_loads_into_engine(tiny_model, tmp_path):
+    from relayrl.models import load_config, load_state_dict, save_pretrained
+
+    assert tiny_model.config.tie_word_embeddings  # so the checkpoint holds no lm_head.weight
+    save_pretrained(tiny_model, tmp_path / "m")
+    eng = LLMEngine(load_config(tmp_path / "m"), num_blocks=64, block_size=4)  # what from_pretrained does
+    eng.load_weights(load_state_dict(tmp_path / "m").items())
+    out = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
+    for p, o in zip(PROMPTS, out):
+        assert o.samples[0].token_ids == _greedy_reference(tiny_model, p, 8)[0]

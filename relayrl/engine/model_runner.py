@@ -36,6 +36,8 @@ class ModelRunner:
         with torch.device("meta"):
             model = EngineModel(cfg, tp)
         self.model = model.to_empty(device=self.device).to(dtype).eval()
+        if cfg.tie_word_embeddings:  # to_empty materialises each parameter anew: tie them again
+            self.model.lm_head.weight = self.model.embed_tokens.weight
         self.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(self.device)
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._weights_freed = False
