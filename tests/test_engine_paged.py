@@ -95,6 +95,16 @@ def test_abort_then_resume_equals_uninterrupted(tiny_model):
     torch.testing.assert_close(logprobs(resumed), logprobs(full), atol=1e-5, rtol=0)
 
 
+def test_resuming_an_ended_sample_keeps_it_ended(tiny_model):
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
+    eng = engine(tiny_model)
+    done = eng.generate([PROMPTS[0]], params)[0]
+    eng.add_request(PROMPTS[0], params, prior=[(done.samples[0].token_ids, done.samples[0].logprobs)])
+    out = eng.step()
+    assert len(out) == 1 and out[0].samples[0].token_ids == done.samples[0].token_ids
+    assert out[0].samples[0].finish_reason == "length" and not eng.has_unfinished()
+
+
 def _prefill_logits(eng, prompts):
     """Logits at the last prompt token of each prompt, through the engine's runner(s)."""
     seqs = [Sequence(i, p, SamplingParams(), eng.block_size) for i, p in enumerate(prompts)]

@@ -28,7 +28,7 @@ from relayrl.engine.parallel_state import TPInfo, head_layout
 from relayrl.engine.sampler import sample
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.engine.scheduler import Scheduler
-from relayrl.engine.sequence import Sequence
+from relayrl.engine.sequence import Sequence, SequenceStatus
 from relayrl.models.config import ModelConfig
 
 
@@ -82,6 +82,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self._requests: dict[int, list[Sequence]] = {}
+        self._ready: list[int] = []  # requests complete on arrival (resumed after they had ended)
         self.peak_used_fraction = 0.0
 
     # ---- construction ----
@@ -183,11 +184,18 @@ class LLMEngine:
                                  rng=stream, completion_token_ids=list(done_tokens), completion_logprobs=list(done_lps)))
         self._requests[rid] = seqs
         for s in seqs:
-            self.scheduler.add(s)
+            # a resumed sample that had already ended (EOS, stop, max tokens) stays ended
+            reason = self._finish_reason(s) if s.num_completion_tokens else None
+            if reason is None:
+                self.scheduler.add(s)
+            else:
+                s.status, s.finish_reason = SequenceStatus.FINISHED, reason
+        if all(s.is_finished for s in seqs):
+            self._ready.append(rid)
         return rid
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._ready)
 
     def _output(self, rid: int) -> RequestOutput:
         seqs = self._requests.pop(rid)
@@ -206,9 +214,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.asleep:
             raise RuntimeError("the engine is asleep: call wake() before generating")
+        ready, self._ready = [self._output(rid) for rid in self._ready], []
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            return []
+            return ready
         self.peak_used_fraction = max(self.peak_used_fraction, self.block_manager.used_fraction())
         input_ids, batch = prepare(seqs, is_prefill, self.block_size, self.config.sliding_window)
         logits = self._call("run", input_ids, batch)
@@ -225,7 +234,7 @@ class LLMEngine:
                 self.scheduler.finish(s, reason)
                 if all(x.is_finished for x in self._requests[s.request_id]):
                     done_requests.add(s.request_id)
-        return [self._output(rid) for rid in sorted(done_requests)]
+        return ready + [self._output(rid) for rid in sorted(done_requests)]
 
     @staticmethod
     def _record_top_logprobs(seqs, logits: torch.Tensor) -> None:
