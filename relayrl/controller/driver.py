@@ -149,5 +149,13 @@ class Driver:
             **stats,
             **times,
             "throughput/gen_tokens_per_s": sum(lengths) / max(times["time/rollout"], 1e-9),
-            **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
+            **self._engine_stats(),
         }
+
+    def _engine_stats(self) -> dict[str, float]:
+        """The engine's prefix-cache and block figures for this step (the vLLM backend has none)."""
+        if not hasattr(self.engine, "stats"):
+            return {}
+        stats = self.engine.stats()
+        self.engine.reset_stats()
+        return stats

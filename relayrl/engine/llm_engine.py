@@ -83,7 +83,7 @@ class LLMEngine:
         self._req_ids = itertools.count()
         self._requests: dict[int, list[Sequence]] = {}
         self._ready: list[int] = []  # requests complete on arrival (resumed after they had ended)
-        self.peak_used_fraction = 0.0
+        self.peak_used_fraction = self.utilisation_at_peak = 0.0
 
     # ---- construction ----
     @classmethod
@@ -154,6 +154,7 @@ class LLMEngine:
             raise RuntimeError("the weights were released by sleep(level=2): load_weights() before wake()")
         if self.asleep:
             self._new_scheduler()  # cached prefixes died with the cache
+            self.reset_stats()
             self._call("allocate_kv_cache", self.num_blocks, self.block_size)
             self.asleep = 0
 
@@ -218,7 +219,10 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return ready
-        self.peak_used_fraction = max(self.peak_used_fraction, self.block_manager.used_fraction())
+        used = self.block_manager.used_fraction()
+        if used >= self.peak_used_fraction:  # at the peak: how full are the blocks in use? (the
+            # last step at the peak counts: blocks fill up while no new one is needed)
+            self.peak_used_fraction, self.utilisation_at_peak = used, self.block_manager.utilisation()
         input_ids, batch = prepare(seqs, is_prefill, self.block_size, self.config.sliding_window)
         logits = self._call("run", input_ids, batch)
         row = lambda f, dt: torch.tensor([f(s.params) for s in seqs], dtype=dt)  # noqa: E731
@@ -278,7 +282,15 @@ class LLMEngine:
                 done[out.request_id] = out
         return [done[r] for r in rids]
 
+    def reset_stats(self) -> None:
+        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        self.scheduler.num_preemptions = 0
+        self.peak_used_fraction = self.utilisation_at_peak = 0.0
+
     def stats(self) -> dict[str, float]:
-        bm = self.block_manager
-        return {"engine/prefix_hit_rate": bm.hit_rate, "engine/block_utilisation": bm.utilisation(),
-                "engine/peak_blocks_used": self.peak_used_fraction, "engine/preemptions": float(self.scheduler.num_preemptions)}
+        """Since construction or the last wake(): prefix-cache hit rate (tokens), the peak share of
+        blocks in use and how full those blocks were then (live KV slots / slots), preemptions."""
+        return {"engine/prefix_hit_rate": self.block_manager.hit_rate,
+                "engine/peak_blocks_used": self.peak_used_fraction,
+                "engine/block_utilisation_at_peak": self.utilisation_at_peak,
+                "engine/preemptions": float(self.scheduler.num_preemptions)}

@@ -80,7 +80,7 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("the engine is asleep: call wake() before generating")
         if self.device.type != "cpu":
-            batch = PagedBatch(**{k: v.to(self.device) for k, v in vars(batch).items()})
+            batch = PagedBatch(**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in vars(batch).items()})
             input_ids = input_ids.to(self.device)
         # logits come back to the host: the sampler (and any TP pipe) works on CPU tensors
         return self.model(input_ids, batch, self.kv_cache).float().cpu()
