@@ -1,14 +1,25 @@
-"""Rollout throughput: relayrl's engine vs Hugging Face `generate`, on an RL-shaped workload.
+"""Rollout throughput: relayrl's paged engine vs Hugging Face `generate`, on an RL-shaped workload.
 
-    16 prompts x n=8 samples, temperature 1, no top-k/top-p, per-prompt max_tokens from a long tail
-    (most short, a few at --max-tokens), ignore_eos / min_new_tokens so both systems generate exactly
-    the same tokens count; both return the logprob of every sampled token.
+    32 prompts x n=8 samples, temperature 1, no top-k/top-p, per-prompt max_tokens from a long tail
+    (most short, ~1 in 8 at --max-tokens), ignore_eos / min_new_tokens so both systems generate
+    exactly the same token count; both return the logprob of every sampled token.
+
+Prompts: a shared few-shot prefix of --shots solved examples ("12+7=19 3*4=12 ... "; a stand-in for
+an RL prompt template / system prompt) followed by the problem. With --shots 0 prompts are 4-17
+tokens, nearly all shorter than one 16-token block, so almost nothing is a prefix hit (the block of
+a sequence's last token never is); the shared prefix is what the engine's prefix cache exists for.
 
 Both systems load the same HF directory, run in one process with the same torch threads, and are
 timed interleaved (relayrl, HF, relayrl, HF, ...) after one warm-up each; the machine is noisy, so
 read the RATIO columns, not the absolute tokens/s. --threads defaults to 1: on a 2-core box shared
 with other jobs, 2 intra-op threads can make every small op wait for a busy core (seen: a 128x128
 linear at 15 ms instead of 0.12 ms), which then measures op count, not work.
+
+relayrl: `LLMEngine.from_pretrained(dir, dtype, block_size, num_blocks, enable_prefix_caching=True,
+max_num_seqs=256)`; the KV pool is sized so every sequence of the workload can hold its full length
+at once (no sharing assumed), so the timed runs never preempt (reported). Before every run the
+engine is put to sleep and woken (untimed), which drops the prefix cache: each run starts cold, as
+a new RL step with new prompts would, instead of hitting the previous repeat's prompts.
 
 HF cannot give each row its own length in one `generate` call (without EOS), so it is run two ways
 and compared against its faster one:
@@ -18,6 +29,13 @@ and compared against its faster one:
 HF logprobs: `output_logits=True` and log_softmax/gather of the sampled tokens inside the timed
 region (the engine computes them too). HF's EOS ban from `min_new_tokens` and relayrl's ignore_eos
 differ in distribution, not in cost.
+
+Untimed extras (after the timed runs): one run stepped by hand (add_request + step) that samples the
+block manager right after every schedule() — blocks in use, used_fraction(), utilisation() = live KV
+slots / slots of the blocks in use — and reports utilisation at the step with the most blocks in use.
+--profile adds, for one run of the first dtype: a per-phase split of step time (schedule, prepare
+[build_batch inside], model run [prefill/decode], sample, the rest of step() in Python), cProfile,
+and torch.profiler's top ops.
 
     python benchmarks/bench_rollout.py --dtype both [--preset 25m] [--profile]
 """
@@ -33,12 +51,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import relayrl.engine.llm_engine as llm_engine_mod  # noqa: E402
+import relayrl.engine.model_runner as model_runner_mod  # noqa: E402
 from relayrl.engine import LLMEngine, SamplingParams  # noqa: E402
 from relayrl.models import load_pretrained  # noqa: E402
 from relayrl.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
@@ -62,25 +83,48 @@ def long_tail_lengths(k: int, max_tokens: int, seed: int) -> list[int]:
     return lens
 
 
-def make_prompts(tok, k: int, seed: int) -> list[list[int]]:
-    """Arithmetic prompts of varying length ("12+345=", "7*8-90="), as token ids."""
+def _expr(rng: random.Random) -> str:
+    terms = [str(rng.randint(0, 10 ** rng.randint(1, 4))) for _ in range(rng.randint(2, 4))]
+    return "".join(t + rng.choice("+-*") for t in terms[:-1]) + terms[-1]
+
+
+def make_prompts(tok, k: int, shots: int, seed: int) -> list[list[int]]:
+    """Arithmetic prompts ("12+345=", "7*8-90="), after a few-shot prefix shared by all, as token ids."""
     rng = random.Random(seed)
-    texts = []
-    for _ in range(k):
-        terms = [str(rng.randint(0, 10 ** rng.randint(1, 4))) for _ in range(rng.randint(2, 4))]
-        texts.append("".join(t + rng.choice("+-*") for t in terms[:-1]) + terms[-1] + "=")
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    shot_rng = random.Random(seed + 1)
+    prefix = ""
+    for _ in range(shots):
+        a, b, op = shot_rng.randint(0, 99), shot_rng.randint(0, 99), shot_rng.choice("+-*")
+        prefix += f"{a}{op}{b}={eval(f'{a}{op}{b}')} "
+    return [tok(prefix + _expr(rng) + "=", add_special_tokens=False)["input_ids"] for _ in range(k)]
 
 
-def run_relayrl(engine: LLMEngine, prompts, lens, n: int, seed: int) -> int:
-    params = [SamplingParams(n=n, temperature=1.0, max_tokens=L, ignore_eos=True, seed=seed + i) for i, L in enumerate(lens)]
-    outs = engine.generate(prompts, params)
+def kv_blocks_needed(prompts, lens, n: int, block_size: int) -> int:
+    """Blocks for every sequence at its full length at once, no prefix sharing: never preempts."""
+    return sum(n * -(-(len(p) + L - 1) // block_size) for p, L in zip(prompts, lens))
+
+
+def fresh(engine: LLMEngine) -> None:
+    """Untimed: drop the KV cache and prefix cache (new block manager and scheduler)."""
+    engine.sleep(1)
+    engine.wake()
+
+
+def sampling_params(lens, n: int, seed: int) -> list[SamplingParams]:
+    return [SamplingParams(n=n, temperature=1.0, max_tokens=L, ignore_eos=True, seed=seed + i) for i, L in enumerate(lens)]
+
+
+def check(outs, lens) -> int:
     total = 0
     for out, L in zip(outs, lens):
         for s in out.samples:
             assert len(s.token_ids) == len(s.logprobs) == L, (len(s.token_ids), L)
             total += L
     return total
+
+
+def run_relayrl(engine: LLMEngine, prompts, lens, n: int, seed: int) -> int:
+    return check(engine.generate(prompts, sampling_params(lens, n, seed)), lens)
 
 
 def hf_batches(lens, mode: str) -> list[tuple[list[int], int]]:
@@ -121,37 +165,141 @@ def bench_dtype(model_dir: Path, dtype_name: str, prompts, lens, args) -> dict:
 
     dtype = DTYPES[dtype_name]
     tok = load_tokenizer(model_dir)
-    engine = LLMEngine(load_pretrained(model_dir, dtype=dtype), tok, max_num_seqs=256)
+    num_blocks = args.num_blocks or kv_blocks_needed(prompts, lens, args.n, args.block_size)
+    engine = LLMEngine.from_pretrained(model_dir, dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,
+                                       enable_prefix_caching=True, max_num_seqs=args.max_num_seqs)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     pad_id = tok.pad_token_id
-    systems = {"relayrl": lambda s: run_relayrl(engine, prompts, lens, args.n, s)}
+    stats: list[dict] = []
+
+    def relayrl_run(seed: int, timed: list | None = None) -> int:
+        fresh(engine)
+        t0 = time.perf_counter()
+        total = run_relayrl(engine, prompts, lens, args.n, seed)
+        if timed is not None:
+            timed.append(time.perf_counter() - t0)
+        stats.append(engine.stats())
+        return total
+
+    times: dict[str, list[float]] = {"relayrl": []}
+    systems = {"relayrl": lambda s: relayrl_run(s, times["relayrl"])}
     for mode in args.hf_modes:
-        systems[f"hf-{mode}"] = lambda s, m=mode: run_hf(hf, prompts, lens, args.n, m, s, pad_id)
-    times = {k: [] for k in systems}
+        times[f"hf-{mode}"] = []
+
+        def hf_run(s, m=mode):
+            t0 = time.perf_counter()
+            total = run_hf(hf, prompts, lens, args.n, m, s, pad_id)
+            times[f"hf-{m}"].append(time.perf_counter() - t0)
+            return total
+
+        systems[f"hf-{mode}"] = hf_run
     tokens = {k: f(1000) for k, f in systems.items()}  # warm-up, also gives the token counts
     if len(set(tokens.values())) != 1:
         raise SystemExit(f"generated token counts differ: {tokens}")
+    for t in times.values():
+        t.clear()
     for r in range(args.repeats):
-        for name, f in systems.items():  # interleaved: A, B, C, A, B, C, ...
-            t0 = time.perf_counter()
+        for f in systems.values():  # interleaved: A, B, C, A, B, C, ...
             f(args.seed + r)
-            times[name].append(time.perf_counter() - t0)
-    return {"tokens": tokens["relayrl"], "times": times, "engine": engine}
+    return {"tokens": tokens["relayrl"], "times": times, "engine": engine, "stats": stats[-1],
+            "preemptions": [s["engine/preemptions"] for s in stats], "num_blocks": num_blocks}
+
+
+def block_trace(engine: LLMEngine, prompts, lens, args) -> dict:
+    """Untimed: step the engine by hand, sampling the block manager right after every schedule()."""
+    fresh(engine)
+    sched, bm = engine.scheduler, engine.block_manager
+    trace = []
+    orig = sched.schedule
+
+    def schedule():
+        seqs, is_prefill = orig()
+        if seqs:
+            used = bm.num_blocks - bm.num_free_blocks
+            trace.append((len(trace), is_prefill, len(seqs), used, bm.used_fraction(), bm.utilisation()))
+        return seqs, is_prefill
+
+    sched.schedule = schedule
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params(lens, args.n, args.seed))]
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    check([outs[r] for r in rids], lens)
+    peak = max(trace, key=lambda t: (t[3], -t[0]))  # most blocks in use (first such step)
+    slots = sum(t[3] for t in trace)
+    return {"stats": engine.stats(), "steps": len(trace), "prefill_steps": sum(t[1] for t in trace), "peak": peak,
+            "min_util": min(t[5] for t in trace),
+            "mean_util": sum(t[3] * t[5] for t in trace) / slots}  # weighted by blocks in use
+
+
+def phase_profile(engine: LLMEngine, prompts, lens, args) -> None:
+    """Untimed: wall time of one run split by phase, by wrapping the engine's callees (no code change)."""
+    fresh(engine)
+    acc: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    state = {"prefill": False}
+
+    def timed(name, f):
+        def g(*a, **k):
+            t0 = time.perf_counter()
+            r = f(*a, **k)
+            key = name(r) if callable(name) else name
+            acc[key] += time.perf_counter() - t0
+            calls[key] += 1
+            return r
+        return g
+
+    orig = {"prepare": llm_engine_mod.prepare, "sample": llm_engine_mod.sample, "bb": model_runner_mod.build_batch}
+    sched_orig = engine.scheduler.schedule
+
+    def schedule():
+        r = sched_orig()
+        state["prefill"] = r[1]
+        return r
+
+    engine.scheduler.schedule = timed("schedule", schedule)
+    llm_engine_mod.prepare = timed("prepare (incl. build_batch)", orig["prepare"])
+    model_runner_mod.build_batch = timed("  of which build_batch", orig["bb"])
+    llm_engine_mod.sample = timed("sample()", orig["sample"])
+    engine.runner.run = timed(lambda _: "model run, prefill" if state["prefill"] else "model run, decode", engine.runner.run)
+    step_orig = engine.step
+    engine.step = timed("step() total", step_orig)
+    try:
+        t0 = time.perf_counter()
+        run_relayrl(engine, prompts, lens, args.n, args.seed)
+        total = time.perf_counter() - t0
+    finally:
+        llm_engine_mod.prepare, llm_engine_mod.sample, model_runner_mod.build_batch = orig["prepare"], orig["sample"], orig["bb"]
+        del engine.runner.run, engine.step
+    step = acc["step() total"]
+    named = sum(v for k, v in acc.items() if k not in ("step() total", "  of which build_batch"))
+    rows = [(k, acc[k], calls[k]) for k in ("schedule", "prepare (incl. build_batch)", "  of which build_batch",
+                                            "model run, prefill", "model run, decode", "sample()")]
+    rows += [("rest of step() (param tensors, RNG draws, append/finish, outputs)", step - named, calls["step() total"]),
+             ("outside step() (add_request, generate loop)", total - step, 1)]
+    print(f"\n### Where one relayrl run's wall time goes ({total:.3f} s, {calls['step() total']} steps)\n")
+    print("| phase | s | % of run | calls | ms/call |\n|---|---|---|---|---|")
+    for k, v, c in rows:
+        print(f"| {k} | {v:.3f} | {100 * v / total:.1f}% | {c} | {1000 * v / max(c, 1):.2f} |")
 
 
 def profile_engine(engine, prompts, lens, args) -> None:
+    phase_profile(engine, prompts, lens, args)
+    fresh(engine)
     pr = cProfile.Profile()
     pr.enable()
     run_relayrl(engine, prompts, lens, args.n, args.seed)
     pr.disable()
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(15)
-    print("\n### cProfile of one relayrl run (top 15 by cumulative time)")
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(15)
+    print("\n### cProfile of one relayrl run (top 15 by own time)")
     print("\n".join(line for line in s.getvalue().splitlines() if line.strip()))
+    fresh(engine)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run_relayrl(engine, prompts, lens, args.n, args.seed)
-    print("\n### torch.profiler of one relayrl run (top 12 ops by self CPU time)")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    print("\n### torch.profiler of one relayrl run (top 15 ops by self CPU time)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def main() -> None:
@@ -159,9 +307,13 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, help="HF model directory (default: build --preset into a temp dir)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=32, help="distinct prompts (default 32)")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
+    ap.add_argument("--shots", type=int, default=4, help="solved examples in the shared prompt prefix (default 4)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, help="KV pool size (default: every sequence at full length at once)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-modes", nargs="+", choices=["group", "pad"], default=["group", "pad"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both (default 1: see the docstring)")
@@ -173,15 +325,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or build_tiny_model(Path(tmp) / args.preset, ALPHABET, PRESETS[args.preset])
         tok = load_tokenizer(model_dir)
-        prompts = make_prompts(tok, args.prompts, args.seed)
+        prompts = make_prompts(tok, args.prompts, args.shots, args.seed)
         lens = long_tail_lengths(args.prompts, args.max_tokens, args.seed)
         n_params = sum(p.numel() for p in load_pretrained(model_dir).parameters())
         print(f"model {model_dir.name if args.model_dir else args.preset}: {n_params / 1e6:.2f}M params, "
-              f"vocab {len(tok)}; threads {torch.get_num_threads()}; {args.prompts} prompts x n={args.n}")
+              f"vocab {len(tok)}; threads {torch.get_num_threads()}; {args.prompts} prompts x n={args.n}, "
+              f"{args.shots}-shot prefix; block_size {args.block_size}")
         print(f"prompt lengths {[len(p) for p in prompts]}")
         print(f"max_tokens per prompt {lens} -> {args.n * sum(lens)} generated tokens per run")
         dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
-        results = {d: bench_dtype(model_dir, d, prompts, lens, args) for d in dtypes}
+        results = {}
+        for d in dtypes:
+            results[d] = bench_dtype(model_dir, d, prompts, lens, args)
+            results[d]["trace"] = block_trace(results[d]["engine"], prompts, lens, args)
 
         print(f"\n| dtype | system | tokens | median s | tokens/s | relayrl / system (ratio of medians) "
               f"| median of paired ratios |\n|---|---|---|---|---|---|---|")
@@ -196,6 +352,16 @@ def main() -> None:
             hf_best = min((k for k in res["times"] if k != "relayrl"), key=lambda k: statistics.median(res["times"][k]))
             ratio = statistics.median(res["times"][hf_best]) / statistics.median(res["times"]["relayrl"])
             print(f"{d}: relayrl / best HF ({hf_best}) tokens/s = {ratio:.2f}x")
+        for d, res in results.items():
+            st, tr = res["stats"], res["trace"]
+            step, prefill, nseqs, used, frac, util = tr["peak"]
+            print(f"\n{d}: KV pool {res['num_blocks']} blocks of {args.block_size}; preemptions per run "
+                  f"(warm-up + timed) {[int(p) for p in res['preemptions']]}")
+            print(f"{d}: engine.stats() after the last timed run: {st}")
+            print(f"{d}: stepped run: {tr['steps']} steps ({tr['prefill_steps']} prefill); peak {used} blocks in use "
+                  f"({frac:.1%} of the pool) at step {step} ({'prefill' if prefill else 'decode'}, {nseqs} seqs), "
+                  f"utilisation there {util:.1%}; min over steps {tr['min_util']:.1%}, "
+                  f"block-weighted mean {tr['mean_util']:.1%}; hit rate {tr['stats']['engine/prefix_hit_rate']:.1%}")
         if args.profile:
             profile_engine(results[dtypes[0]]["engine"], prompts, lens, args)
 

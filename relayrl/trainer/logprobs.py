@@ -4,9 +4,10 @@
 
 over the full vocabulary, computed in fp32 whatever the model's dtype.
 
-Padding-free: rows are packed into one row with segment ids (attention stays within a sequence)
-and positions restarting per sequence, so no compute is spent on padding; the result is unpacked
-to the padded [B, T] layout and equals the padded computation.
+Padding-free: sequences are packed into rows (first-fit, each row at most as long as the longest
+sequence) with segment ids (attention stays within a sequence) and positions restarting per
+sequence, so the linear layers spend nothing on padding; the result is unpacked to the padded
+[B, T] layout and equals the padded computation.
 """
 
 from __future__ import annotations
@@ -45,21 +46,50 @@ def token_logprobs(
     return _shift_pad(logp), _shift_pad(ent)
 
 
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: sequence indices grouped into rows of at most `capacity` tokens.
+    Rows as long as the longest sequence keep attention (quadratic per row) no dearer than padding,
+    while the linear layers see no padding at all."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+    return rows
+
+
 def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy):
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
-    packed = torch.cat([input_ids[i, :n] for i, n in enumerate(lengths)])[None]
-    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    logits = model(packed, attention_mask=torch.ones_like(packed), position_ids=pos, segment_ids=seg)[:, :-1]
+    rows = pack_rows(lengths, max(lengths))
+    L = max(sum(lengths[i] for i in row) for row in rows)
+    packed = torch.zeros(len(rows), L, dtype=input_ids.dtype)
+    seg = torch.full((len(rows), L), -1)  # -1: the padding at the end of a row
+    pos = torch.zeros(len(rows), L, dtype=torch.long)
+    where = {}  # sequence -> (row, offset)
+    for r, row in enumerate(rows):
+        off = 0
+        for i in row:
+            n = lengths[i]
+            packed[r, off:off + n] = input_ids[i, :n]
+            seg[r, off:off + n] = i
+            pos[r, off:off + n] = torch.arange(n)
+            where[i] = (r, off)
+            off += n
+    logits = model(packed, attention_mask=(seg >= 0).long(), position_ids=pos, segment_ids=seg)[:, :-1]
     logp_p, ent_p = _from_logits(logits, packed[:, 1:], temperature, with_entropy)
     logp = torch.zeros(B, T, dtype=logp_p.dtype)
     ent = torch.zeros(B, T, dtype=logp_p.dtype) if with_entropy else None
-    start = 0
-    for i, n in enumerate(lengths):
-        # packed position start + t - 1 predicts token t of sequence i (t >= 1)
-        logp[i, 1:n] = logp_p[0, start:start + n - 1]
+    for i, (r, off) in where.items():
+        n = lengths[i]
+        # packed position off + t - 1 predicts token t of sequence i (t >= 1)
+        logp[i, 1:n] = logp_p[r, off:off + n - 1]
         if with_entropy:
-            ent[i, 1:n] = ent_p[0, start:start + n - 1]
-        start += n
+            ent[i, 1:n] = ent_p[r, off:off + n - 1]
     return logp, ent

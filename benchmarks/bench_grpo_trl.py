@@ -1,0 +1,235 @@
+"""GRPO step: relayrl vs TRL's GRPOTrainer, same model directory, task, prompts, batch and lengths.
+
+    SFT warm-start (relayrl, or --skip-sft-dir) ──> one HF directory ──┬─> relayrl Driver.train_step
+                                                                       └─> trl GRPOTrainer (CPU, HF generate)
+
+Both start from the same directory and see the SAME prompts in the same order: relayrl's
+PromptSampler(train, seed) draws them, and TRL gets them as a dataset in that order with
+shuffle_dataset=False. TRL prompt text is "<bos>" + prompt, which its tokenizer call maps to exactly
+relayrl's ids (BOS + characters; checked for every prompt). Matched settings: group size G,
+max completion length, temperature 1, top-k/top-p off, lr (constant, no warm-up: HF's warm-up starts
+at 0, relayrl's at lr/warmup, so neither warms up), clip [1-0.2, 1+0.28], no KL (beta=0),
+token-mean loss (TRL "dapo" == relayrl "token-mean"), group-std-normalised advantages, grad clip 1,
+AdamW(0.9, 0.999, 1e-8, wd 0), one rollout of P x G completions per RL step split into
+--mini-batches optimiser steps (TRL: steps_per_generation; both then recompute old logprobs).
+relayrl's TIS correction is off (TRL has none without vLLM). Reward: relayrl's task scorer
+(exact match of the first line) for both.
+
+Interleaved: TRL drives the loop; a callback runs one relayrl step after every TRL RL step, so
+both see the same machine load. TRL's step time is the wall time between callbacks (it includes its
+logging, data loading and generation); relayrl's is its own `time/step` (sync+rollout+...+update).
+Reported: median seconds per RL step over steps 2..N, completions/s, mean training reward over the
+last K steps, and held-out greedy accuracy after N steps (relayrl's evaluate() for both; TRL's
+model is saved with save_pretrained and loaded back into relayrl's engine).
+
+    python benchmarks/bench_grpo_trl.py [--steps 100] [--threads 1] [--skip-sft-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from relayrl.controller.config import RunConfig  # noqa: E402
+from relayrl.controller.demo import DATA, GRPO, SFT  # noqa: E402
+from relayrl.controller.evaluate import evaluate  # noqa: E402
+from relayrl.controller.prompts import encode_prompt  # noqa: E402
+from relayrl.controller.run import build_driver  # noqa: E402
+from relayrl.controller.sft_job import SFTJobConfig, run_sft  # noqa: E402
+from relayrl.data import DataConfig, PromptSampler, build_datasets  # noqa: E402
+from relayrl.engine import LLMEngine  # noqa: E402
+from relayrl.models import load_pretrained  # noqa: E402
+from relayrl.models.tokenizer import load_tokenizer  # noqa: E402
+from relayrl.rewards import RewardConfig, build_scorer  # noqa: E402
+
+STAGES = ("sync", "rollout", "reward", "old_logp", "update")
+
+
+def sft_model(tmp: Path, threads: int) -> Path:
+    cfg = SFTJobConfig.from_dict({**SFT, "sft": {**SFT["sft"], "out_dir": str(tmp / "sft"), "tensorboard": False}})
+    t0 = time.perf_counter()
+    res = run_sft(cfg, show_progress=False)
+    print(f"SFT warm-start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f} s, "
+          f"held-out accuracy {res['eval_last']['eval/accuracy']:.3f} -> {res['model_dir']}")
+    torch.set_num_threads(threads)  # in case anything above changed it
+    return Path(res["model_dir"])
+
+
+def relayrl_driver(model_dir: Path, args, run_dir: Path):
+    cfg = RunConfig.from_dict({
+        **GRPO,
+        "model": {"path": str(model_dir)},
+        "rollout": {**GRPO["rollout"], "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
+                    "max_tokens": args.max_tokens, "temperature": 1.0},
+        "algo": {**GRPO["algo"], "tis_cap": None, "kl_coef": 0.0},
+        "trainer": {**GRPO["trainer"], "lr": args.lr, "warmup_steps": 0, "schedule": "constant",
+                    "micro_batch_size": args.prompts_per_step * args.group_size, "mini_batches": args.mini_batches},
+        "run": {"steps": args.steps, "seed": args.seed, "out_dir": str(run_dir), "tensorboard": False},
+    })
+    driver, _, _ = build_driver(cfg, run_dir)
+    return driver
+
+
+def trl_trainer(model_dir: Path, schedule, args, out_dir: Path, on_rewards):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    ds = Dataset.from_dict({"prompt": ["<bos>" + ex.prompt for ex in schedule], "idx": list(range(len(schedule)))})
+    n = args.prompts_per_step * args.group_size
+    if n % args.mini_batches:
+        raise SystemExit(f"prompts x group ({n}) must divide into --mini-batches ({args.mini_batches})")
+    cfg = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, use_vllm=False, seed=args.seed,
+        per_device_train_batch_size=n // args.mini_batches, gradient_accumulation_steps=1,
+        steps_per_generation=args.mini_batches, num_iterations=1, num_generations=args.group_size,
+        max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, optim="adamw_torch",
+        beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
+        max_steps=args.steps * args.mini_batches, shuffle_dataset=False, logging_steps=1,
+        report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+    def task_reward(prompts, completions, completion_ids, idx, **_):
+        return on_rewards(completions, completion_ids, [schedule[i] for i in idx])
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return GRPOTrainer(model=str(model_dir), reward_funcs=task_reward, args=cfg, train_dataset=ds,
+                       processing_class=tok)
+
+
+def greedy_accuracy(model_dir: Path, eval_set, data_cfg, scorer, max_tokens: int) -> float:
+    if hasattr(LLMEngine, "from_model"):  # the paged engine
+        engine = LLMEngine.from_model(load_pretrained(model_dir), load_tokenizer(model_dir))
+    else:
+        engine = LLMEngine(load_pretrained(model_dir), load_tokenizer(model_dir))
+    return evaluate(engine, eval_set, data_cfg, scorer, max_tokens)["eval/accuracy"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100, help="RL steps (rollouts) per system")
+    ap.add_argument("--prompts-per-step", type=int, default=GRPO["rollout"]["prompts_per_step"])
+    ap.add_argument("--group-size", type=int, default=GRPO["rollout"]["group_size"])
+    ap.add_argument("--max-tokens", type=int, default=GRPO["rollout"]["max_tokens"])
+    ap.add_argument("--mini-batches", type=int, default=GRPO["trainer"]["mini_batches"],
+                    help="optimiser steps per rollout (TRL: steps_per_generation)")
+    ap.add_argument("--lr", type=float, default=GRPO["trainer"]["lr"])
+    ap.add_argument("--last-k", type=int, default=20, help="training reward: mean over the last K steps")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for both (see bench_rollout.py)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-sft-dir", type=Path, help="reuse this HF model directory instead of the SFT warm-start")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 renames used inside TRL
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    from transformers import PrinterCallback, TrainerCallback
+    import transformers
+    import trl
+
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        model_dir = args.skip_sft_dir or sft_model(tmp, args.threads)
+        data_cfg = DataConfig.from_dict(DATA)
+        train_set, eval_set = build_datasets(data_cfg)
+        scorer = build_scorer(RewardConfig())
+        tok = load_tokenizer(model_dir)
+        # the prompts relayrl's driver will draw (same sampler, same seed), in order
+        sampler = PromptSampler(train_set, args.seed)
+        schedule = [ex for _ in range(args.steps) for ex in sampler.next_batch(args.prompts_per_step)]
+
+        driver = relayrl_driver(model_dir, args, tmp / "relayrl")
+        rl_metrics: list[dict] = []
+        trl_log = {"reward": [], "length": [], "gen": [], "step": []}
+
+        def on_rewards(completions, completion_ids, examples):
+            res = scorer.score(completions, examples)
+            trl_log["reward"].append(sum(res.rewards) / len(res.rewards))
+            trl_log["length"].append(sum(len(c) for c in completion_ids) / len(completion_ids))
+            return res.rewards
+
+        trainer = trl_trainer(model_dir, schedule, args, tmp / "trl", on_rewards)
+        # TRL tokenizes plain-text prompts with processing_class(text=...): check it gives relayrl's ids
+        trl_ids = trainer.processing_class(text=["<bos>" + ex.prompt for ex in schedule])["input_ids"]
+        ours = [encode_prompt(tok, ex, data_cfg) for ex in schedule]
+        if trl_ids != ours:
+            raise SystemExit(f"TRL prompt ids differ from relayrl's, e.g. {trl_ids[0]} vs {ours[0]}")
+        gen = trainer._generate_single_turn  # time TRL's HF generate (wrapped, behaviour unchanged)
+
+        def timed_gen(*a, **k):
+            t0 = time.perf_counter()
+            out = gen(*a, **k)
+            trl_log["gen"].append(time.perf_counter() - t0)
+            return out
+
+        trainer._generate_single_turn = timed_gen
+
+        class Interleave(TrainerCallback):
+            def on_train_begin(self, *_, **__):
+                torch.set_num_threads(args.threads)
+                self.t = time.perf_counter()
+
+            def on_step_end(self, _args, state, control, **__):
+                if state.global_step % args.mini_batches:
+                    return
+                trl_log["step"].append(time.perf_counter() - self.t)
+                assert torch.get_num_threads() == args.threads
+                rl_metrics.append(driver.train_step())
+                self.t = time.perf_counter()
+
+        trainer.add_callback(Interleave())
+        trainer.remove_callback(PrinterCallback)  # one dict per optimiser step on stdout otherwise
+        acc0 = greedy_accuracy(model_dir, eval_set, data_cfg, scorer, args.max_tokens)
+        print(f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}; "
+              f"threads {torch.get_num_threads()}; {args.steps} steps x {args.prompts_per_step} prompts x "
+              f"G={args.group_size}, max {args.max_tokens} tokens, {args.mini_batches} optimiser steps per rollout")
+        trainer.train()
+        assert len(trl_log["step"]) == len(rl_metrics) == args.steps, (len(trl_log["step"]), len(rl_metrics))
+        assert len(trl_log["reward"]) == args.steps, len(trl_log["reward"])
+
+        trl_dir = tmp / "trl_final"
+        trainer.model.save_pretrained(str(trl_dir))
+        trainer.processing_class.save_pretrained(str(trl_dir))
+        acc_trl = greedy_accuracy(trl_dir, eval_set, data_cfg, scorer, args.max_tokens)
+        driver.sync_weights()
+        acc_rl = evaluate(driver.engine, eval_set, data_cfg, scorer, args.max_tokens)["eval/accuracy"]
+
+    n = args.prompts_per_step * args.group_size
+    k = min(args.last_k, args.steps)
+    rl_step = [m["time/step"] for m in rl_metrics][1:] or [rl_metrics[0]["time/step"]]
+    trl_step = trl_log["step"][1:] or trl_log["step"]
+    med_rl, med_trl = statistics.median(rl_step), statistics.median(trl_step)
+    rows = {
+        "relayrl": (med_rl, [m["reward/mean"] for m in rl_metrics], [m["response_length/mean"] for m in rl_metrics],
+                    acc_rl, statistics.median(m["time/rollout"] for m in rl_metrics[1:] or rl_metrics)),
+        "trl": (med_trl, trl_log["reward"], trl_log["length"], acc_trl, statistics.median(trl_log["gen"][1:] or trl_log["gen"])),
+    }
+    print(f"\nheld-out greedy accuracy of the start model: {acc0:.3f} (n={len(eval_set)})")
+    print(f"\n| system | s/step (median, steps 2..{args.steps}) | completions/s | generation s/step | "
+          f"mean resp. tokens | train reward, last {k} | held-out acc after {args.steps} |\n|---|---|---|---|---|---|---|")
+    for name, (med, rew, lens, acc, gen_s) in rows.items():
+        print(f"| {name} | {med:.3f} | {n / med:.0f} | {gen_s:.3f} | {statistics.mean(lens):.2f} | "
+              f"{statistics.mean(rew[-k:]):.3f} | {acc:.3f} |")
+    paired = statistics.median(b / a for a, b in zip(rl_step, trl_step))
+    print(f"\nrelayrl / TRL completions per second: {med_trl / med_rl:.2f}x (ratio of medians), "
+          f"{paired:.2f}x (median of per-step paired ratios)")
+    stage = {s: statistics.median(m[f"time/{s}"] for m in rl_metrics[1:] or rl_metrics) for s in STAGES}
+    print("relayrl median stage times (s): " + ", ".join(f"{s} {v:.3f}" for s, v in stage.items())
+          + f"; rest {med_rl - sum(stage.values()):.3f}")
+    print(f"TRL: generate {rows['trl'][4]:.3f} s, everything else {med_trl - rows['trl'][4]:.3f} s per step")
+    print(f"total wall time {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
