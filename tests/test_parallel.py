@@ -47,16 +47,20 @@ CONFIGS = {
     "qwen3_tied": dict(model_type="qwen3", tie_word_embeddings=True, qk_norm=True, qkv_bias=True),
 }
 
-# name: (world size, ParallelDims degrees, dp_mode, config, activation checkpointing, gather_logits)
+# name: (world size, ParallelDims degrees, dp_mode, config, activation checkpointing, gather_logits,
+#        sequence_parallel)
 CASES = {
-    "ddp2": (2, dict(dp_replicate=2), "ddp", "llama", False, False),
-    "fsdp2_tied_ac": (2, dict(dp_shard=2), "fsdp", "qwen3_tied", True, False),
-    "tp2": (2, dict(tp=2), "fsdp", "llama", False, False),
-    "tp2_tied_qknorm_gathered": (2, dict(tp=2), "fsdp", "qwen3_tied", False, True),
-    "fsdp4": (4, dict(dp_shard=4), "fsdp", "llama", False, False),
-    "hsdp2x2_tied": (4, dict(dp_replicate=2, dp_shard=2), "fsdp", "qwen3_tied", False, False),
-    "tp2_fsdp2_ac": (4, dict(dp_shard=2, tp=2), "fsdp", "llama", True, False),
-    "tp2_fsdp2_tied_qknorm": (4, dict(dp_shard=2, tp=2), "fsdp", "qwen3_tied", False, False),
+    "ddp2": (2, dict(dp_replicate=2), "ddp", "llama", False, False, False),
+    "fsdp2_tied_ac": (2, dict(dp_shard=2), "fsdp", "qwen3_tied", True, False, False),
+    "tp2": (2, dict(tp=2), "fsdp", "llama", False, False, False),
+    "tp2_tied_qknorm_gathered": (2, dict(tp=2), "fsdp", "qwen3_tied", False, True, False),
+    "fsdp4": (4, dict(dp_shard=4), "fsdp", "llama", False, False, False),
+    "hsdp2x2_tied": (4, dict(dp_replicate=2, dp_shard=2), "fsdp", "qwen3_tied", False, False, False),
+    "tp2_fsdp2_ac": (4, dict(dp_shard=2, tp=2), "fsdp", "llama", True, False, False),
+    "tp2_fsdp2_tied_qknorm": (4, dict(dp_shard=2, tp=2), "fsdp", "qwen3_tied", False, False, False),
+    "hsdp2x1_tp2_tied_qknorm": (4, dict(dp_replicate=2, tp=2), "fsdp", "qwen3_tied", False, False, False),
+    "tp2_sp_tied_qknorm": (2, dict(tp=2), "fsdp", "qwen3_tied", False, False, True),
+    "tp2_fsdp2_sp_ac": (4, dict(dp_shard=2, tp=2), "fsdp", "llama", True, False, True),
 }
 
 
@@ -132,12 +136,12 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train_case(world_size, degrees, dp_mode, config, ac, gather_logits):
+def _train_case(world_size, degrees, dp_mode, config, ac, gather_logits, sp):
     dims = ParallelDims(**degrees, world_size=world_size)
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
     model = parallelize_model(build_model(config), dims, mesh, activation_checkpointing=ac,
-                              dp_mode=dp_mode, gather_logits=gather_logits)
+                              dp_mode=dp_mode, gather_logits=gather_logits, sequence_parallel=sp)
     tp_group = mesh["tp"].get_group()
     ids, attn, loss_mask = global_batch()
     rows = ids.shape[0] // dims.dp
@@ -291,7 +295,7 @@ def assert_close_scaled(actual, expected, what, rel=REL):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layout_matches_single_process(case):
-    world_size, degrees, _, config, _, _ = CASES[case]
+    world_size, degrees, _, config = CASES[case][:4]
     ranks = _case_results(world_size, case)
     ref_logits, ref_losses, ref_grads, ref_weights = reference(config)
     dims = ParallelDims(**degrees, world_size=world_size)
@@ -343,3 +347,26 @@ def test_tp_degree_must_divide_heads():
     check_tp_divisibility(cfg, 2)
     with pytest.raises(ConfigError, match="num_key_value_heads = 2"):
         check_tp_divisibility(cfg, 4)
+
+
+def test_activation_checkpointing_recomputes_with_same_grads():
+    from relayrl.parallel.parallelize import apply_activation_checkpointing
+
+    ids, attn, loss_mask = global_batch()
+    grads, calls = [], []
+    for ac in (False, True):
+        model = build_model("qwen3_tied")
+        if ac:
+            apply_activation_checkpointing(model)
+        n = [0]
+        for layer in model.model.layers:
+            # a pre-hook: the recompute stops early (inside the mlp) once it has what backward needs
+            layer.mlp.register_forward_pre_hook(lambda *_: n.__setitem__(0, n[0] + 1))
+        logp = full_logprobs(model(ids, attention_mask=attn), ids)
+        nll_loss(logp, loss_mask, loss_mask[:, 1:].sum()).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+        calls.append(n[0])
+        assert [k for k, _ in model.named_parameters()] == [k for k, _ in build_model("qwen3_tied").named_parameters()]
+    assert calls == [2, 4]  # one forward per layer, plus one recompute per layer in backward
+    for k, g in grads[0].items():
+        torch.testing.assert_close(grads[1][k], g, rtol=0, atol=0)

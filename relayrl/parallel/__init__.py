@@ -1,1 +1,13 @@
+"""Parallelism applied to plain models from outside (the models hold none).
 
+    dims            ParallelDims: degrees, validation, the (dp_replicate, dp_shard, tp) DeviceMesh
+    parallelize     parallelize_model: TP plan → activation checkpointing → FSDP / HSDP / DDP
+    tensor_parallel the TP plan as data (HF module-name patterns → styles), applied with DTensor
+    data_parallel   apply_fsdp (fully_shard per layer + root), apply_ddp (replicate); grads summed
+    vocab_parallel  logprobs / entropy from vocab-sharded logits, without gathering the vocab
+    collectives     differentiable f / g / gather / scatter / sequence-parallel collectives
+    launch          process-group setup and teardown; run a function on N local processes
+
+Import the submodules directly; this package imports nothing so that `relayrl.parallel.launch`
+stays cheap for code that only starts processes.
+"""

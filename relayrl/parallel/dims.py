@@ -3,7 +3,8 @@
     world = dp_replicate x dp_shard x tp         (rank order: tp fastest, so a TP group is
                                                   contiguous ranks, e.g. one node's GPUs)
     mesh dims, always all three (size 1 allowed):  ("dp_replicate", "dp_shard", "tp")
-    plus the flattened "dp" = dp_replicate x dp_shard (data-parallel rank / size, loss counts)
+    plus ParallelDims.dp_mesh, the flattened dp_replicate x dp_shard (data-parallel rank / size,
+    global loss counts, DDP)
 
 Why all three dims even when some are 1: sub-mesh names never depend on the layout, so callers
 write `mesh["tp"]` without branching, and a size-1 dim costs one trivial process group.
@@ -44,6 +45,7 @@ class ParallelDims:
     tp: int = 1
     world_size: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "world_size"):
@@ -83,8 +85,9 @@ class ParallelDims:
         if self._mesh is not None:
             raise RuntimeError("ParallelDims.build_mesh was already called; pass the mesh it returned around")
         mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
-        # private but the established way (torchtitan does the same) to get one group over both dp dims
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        # private but the established way (torchtitan does the same) to get one group over both dp
+        # dims; kept here because slicing a flattened dim out of the root mesh is being deprecated
+        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self._mesh = mesh
         return mesh
 
@@ -101,7 +104,8 @@ class ParallelDims:
     @property
     def dp_mesh(self) -> DeviceMesh:
         """1-D mesh over all data-parallel ranks (batch sharding, global token counts, DDP)."""
-        return self.mesh["dp"]
+        self.mesh  # noqa: B018 - raises the helpful error when the mesh is not built
+        return self._dp_mesh
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:

@@ -17,6 +17,8 @@ runs inside a function whose locals are gone when it returns, then gc, a barrier
 tears down while a peer still talks to it, then destroy_process_group(). A spawned worker finally
 leaves with os._exit(code) after flushing its streams: its result is already on disk, and skipping
 interpreter finalisation removes the last chance for a C++ destructor to abort a finished run.
+Workers also ask the kernel to kill them when the parent dies, so a killed test run leaves no
+ranks behind blocked in a collective.
 """
 
 from __future__ import annotations
@@ -66,16 +68,18 @@ def init_process_group(
     master_port: int | None = None,
     timeout_s: float = 300.0,
 ) -> None:
-    """Join the default process group through the TCP store at master_addr:master_port.
+    """Join the default process group.
 
-    MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE are set too (for code that reads them); with
-    master_port None they must already be set (torchrun)."""
-    if master_port is None:
-        master_port = int(os.environ["MASTER_PORT"])
-        master_addr = os.environ.get("MASTER_ADDR", master_addr)
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size))
+    master_port given: connect to the TCP store already listening there (launch's parent hosts
+    it). master_port None: the env:// rendezvous of torchrun (MASTER_ADDR / MASTER_PORT set by the
+    launcher; torch decides who hosts the store). RANK / WORLD_SIZE / MASTER_* are set either way,
+    for code that reads them."""
     timeout = timedelta(seconds=timeout_s)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    if master_port is None:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        return
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
@@ -101,11 +105,25 @@ def _write(path: Path, payload: tuple) -> None:
     tmp.rename(path)
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies (a killed test runner must
+    not leave ranks behind blocked in a collective). Best effort elsewhere."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, threads: int,
             result_dir: str, fn: Callable, args: tuple) -> None:
     code = 1
     out = Path(result_dir) / f"rank{rank}.pkl"
     try:
+        _die_with_parent()
         torch.set_num_threads(threads)
         init_process_group(rank, world_size, backend=backend, master_port=port)
         try:
@@ -118,7 +136,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int,
                 exc = pickle.dumps(e)
             except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
                 exc = None
-            _write(out, ("error", tb, exc))
+            _write(out, ("error", tb, exc, time.time_ns()))
             raise
         shutdown_process_group()
         code = 0
@@ -197,10 +215,12 @@ def _raise_first_error(result_dir: Path) -> None:
     """Raise the earliest error written: a rank's real failure often makes its peers fail next
     (a closed connection), and those secondary errors are listed after it."""
     time.sleep(0.2)  # let near-simultaneous failures land
-    errors = sorted(((f.stat().st_mtime_ns, int(f.stem[4:]), _load(f)) for f in result_dir.glob("rank*.pkl")),
-                    key=lambda e: e[0])
-    errors = [(rank, payload) for _, rank, payload in errors if payload[0] == "error"]
+    payloads = [(int(f.stem[4:]), _load(f)) for f in result_dir.glob("rank*.pkl")]
+    errors = sorted(((r, p) for r, p in payloads if p[0] == "error"), key=lambda e: (e[1][3], e[0]))
     first_rank, first = errors[0]
-    cause = pickle.loads(first[2]) if first[2] is not None else None
+    try:
+        cause = pickle.loads(first[2]) if first[2] is not None else None
+    except Exception:  # noqa: BLE001 - e.g. an exception class the parent cannot import
+        cause = None
     text = first[1] + "".join(f"\n(then rank {r} failed too:)\n{p[1]}" for r, p in errors[1:])
     raise WorkerError(first_rank, text) from cause

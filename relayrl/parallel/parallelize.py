@@ -4,7 +4,7 @@
       1. tensor parallel      plan as data → DTensor shards on mesh["tp"]          (tp > 1)
       2. activation ckpt      each decoder layer recomputes its forward in backward (optional)
       3. data parallel        fsdp: fully_shard per layer + root on dp_shard (HSDP with dp_replicate)
-                              ddp:  replicate over the flattened "dp" mesh
+                              ddp:  replicate over dims.dp_mesh (all data-parallel ranks)
 
 The order matters: FSDP shards the DTensors TP produced (2-D parameters), and checkpointing sits
 inside the FSDP unit so recompute happens while the layer's parameters are gathered.
@@ -54,13 +54,15 @@ def parallelize_model(
     activation_checkpointing: bool = False,
     dp_mode: str = "fsdp",
     gather_logits: bool = False,
+    sequence_parallel: bool = False,
     grad_reduce: str = "sum",
     reshard_after_forward: bool = True,
     mp_policy=None,
 ) -> nn.Module:
     """Apply TP → activation checkpointing → data parallel to `model` in place; return it.
 
-    With tp > 1 the model returns vocab-sharded logits [B, T, V/tp] unless gather_logits.
+    With tp > 1 the model returns vocab-sharded logits [B, T, V/tp] unless gather_logits;
+    sequence_parallel shards norms and residuals on the sequence between TP regions.
     grad_reduce="sum" (default) sums gradients over data-parallel ranks, matching losses that
     divide by global token counts (see relayrl.parallel.data_parallel)."""
     if dp_mode not in DP_MODES:
@@ -70,11 +72,11 @@ def parallelize_model(
                           "use dp_replicate for DDP, or dp_mode='fsdp' to shard")
     if dp_mode == "ddp" and dims.tp > 1:
         raise ConfigError("dp_mode='ddp' with tp > 1 is not supported; use dp_mode='fsdp' (FSDP / HSDP + TP)")
-    if tuple(mesh.shape) != (dims.dp_replicate, dims.dp_shard, dims.tp):
-        raise ConfigError(f"mesh shape {tuple(mesh.shape)} does not match {dims}")
+    if mesh is not dims.mesh:
+        raise ConfigError("parallelize_model needs the mesh returned by dims.build_mesh(...)")
 
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], gather_logits=gather_logits)
+        apply_tensor_parallel(model, mesh["tp"], gather_logits=gather_logits, sequence_parallel=sequence_parallel)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if dims.dp > 1:
@@ -82,5 +84,5 @@ def parallelize_model(
             apply_fsdp(model, fsdp_mesh_of(mesh), reshard_after_forward=reshard_after_forward,
                        mp_policy=mp_policy, grad_reduce=grad_reduce)
         else:
-            apply_ddp(model, mesh["dp"], grad_reduce=grad_reduce)
+            apply_ddp(model, dims.dp_mesh, grad_reduce=grad_reduce)
     return model

@@ -13,6 +13,14 @@ DTensor ParallelStyles, applied with torch.distributed.tensor.parallel.paralleli
                                                          normalises its heads; the weight's gradient is
                                                          summed over ranks (qk-norm, Qwen3)
 
+Sequence parallel (sequence_parallel=True, SP_PLAN on top of TP_PLAN): between the TP regions the
+residual stream is a DTensor sharded on the sequence (dim 1), so norms and residual adds run on T/tp
+tokens per rank and activations there take 1/tp of the memory:
+
+    embed ──reduce-scatter──> h [B, T/tp]   (seq_norm: input_layernorm, post_attention_layernorm, norm)
+    self_attn / mlp input: all-gather T ─> colwise ... rowwise ──reduce-scatter──> [B, T/tp] + residual
+    lm_head input: all-gather T
+
 Attention: q_proj / k_proj / v_proj colwise give rank r heads [r*H/tp, (r+1)*H/tp) of Q and
 [r*K/tp, (r+1)*K/tp) of K/V — the same GQA grouping as the full model (Q head i uses KV head
 i // (H/K), and H/tp is a multiple of H/K), so attention runs locally; o_proj rowwise sums the heads'
@@ -30,6 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -52,10 +61,30 @@ TP_PLAN: dict[str, str] = {
     "lm_head": "vocab_output",
 }
 
-# The weight dim each style shards (None: replicated) — what a reshard planner needs to know.
+# Overrides of TP_PLAN for sequence parallelism (see the module docstring).
+SP_PLAN: dict[str, str] = {
+    "model.embed_tokens": "vocab_embedding_sp",
+    "model.layers.*.input_layernorm": "seq_norm",
+    "model.layers.*.self_attn": "attn_input_sp",
+    "model.layers.*.self_attn.o_proj": "rowwise_sp",
+    "model.layers.*.post_attention_layernorm": "seq_norm",
+    "model.layers.*.mlp": "mlp_input_sp",
+    "model.layers.*.mlp.down_proj": "rowwise_sp",
+    "model.norm": "seq_norm",
+    "lm_head": "vocab_output_sp",
+}
+
+# The weight dim each style shards (None: replicated or no weight) — what a reshard planner needs.
 WEIGHT_SHARD_DIM: dict[str, int | None] = {
     "colwise": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_output": 0, "head_norm": None,
+    "vocab_embedding_sp": 0, "rowwise_sp": 1, "vocab_output_sp": 0, "seq_norm": None,
+    "attn_input_sp": None, "mlp_input_sp": None,
 }
+
+
+def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
+    """The default plan for CausalLM, with or without sequence parallelism."""
+    return {**TP_PLAN, **SP_PLAN} if sequence_parallel else dict(TP_PLAN)
 
 
 def _style(name: str, gather_logits: bool) -> ParallelStyle:
@@ -69,6 +98,20 @@ def _style(name: str, gather_logits: bool) -> ParallelStyle:
         return ColwiseParallel(output_layouts=Replicate() if gather_logits else Shard(-1))
     if name == "head_norm":
         return SequenceParallel(sequence_dim=2, use_local_output=True)
+    seq = Shard(1)
+    if name == "vocab_embedding_sp":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False)
+    if name == "seq_norm":
+        return SequenceParallel()
+    if name == "attn_input_sp":  # forward(x, cos, sin, mask, kv_cache): only x is sequence-sharded
+        return PrepareModuleInput(input_layouts=(seq, None, None, None, None),
+                                  desired_input_layouts=(Replicate(), None, None, None, None))
+    if name == "mlp_input_sp":
+        return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    if name == "rowwise_sp":
+        return RowwiseParallel(output_layouts=seq, use_local_output=False)
+    if name == "vocab_output_sp":
+        return ColwiseParallel(input_layouts=seq, output_layouts=Replicate() if gather_logits else Shard(-1))
     raise ConfigError(f"unknown tensor-parallel style {name!r} (known: {', '.join(WEIGHT_SHARD_DIM)})")
 
 
@@ -87,13 +130,14 @@ def check_tp_divisibility(cfg, tp: int) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str] | None = None,
-                          *, gather_logits: bool = False) -> nn.Module:
-    """Shard `model` (a CausalLM) over tp_mesh in place, following `plan` (default TP_PLAN).
+                          *, gather_logits: bool = False, sequence_parallel: bool = False) -> nn.Module:
+    """Shard `model` (a CausalLM) over tp_mesh in place, following `plan` (default tp_plan(...)).
 
     After this, model(...) returns logits sharded on the vocab, [B, T, V/tp] on each rank (use
     relayrl.parallel.vocab_parallel for logprobs), or the full [B, T, V] with gather_logits=True.
+    With sequence parallelism a sequence length not divisible by tp works too (DTensor pads the shards).
     """
-    plan = TP_PLAN if plan is None else plan
+    plan = tp_plan(sequence_parallel) if plan is None else plan
     tp = tp_mesh.size()
     cfg = model.config
     check_tp_divisibility(cfg, tp)

@@ -18,7 +18,6 @@ times that loss's gradient — the same numbers as the single-process log_softma
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
