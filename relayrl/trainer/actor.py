@@ -16,9 +16,12 @@ import contextlib
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 from relayrl.algorithms import AlgoConfig, policy_objective
 from relayrl.models import CausalLM
+from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.grad_norm import clip_grad_norm
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.logprobs import token_logprobs
@@ -26,10 +29,18 @@ from relayrl.trainer.optim import build_optimizer
 
 
 class Actor:
-    def __init__(self, model: CausalLM, cfg: TrainerConfig, algo: AlgoConfig, total_steps: int, temperature: float = 1.0, seed: int = 0):
+    """dims: the model's parallel layout (already applied with relayrl.parallel.parallelize_model).
+    Each data-parallel rank then updates on its own rows of the global batch: the loss denominators
+    are the GLOBAL token / sequence counts (an all-reduce over the data-parallel group) and the
+    gradients are summed over ranks, so every layout takes the single-process step."""
+
+    def __init__(self, model: CausalLM, cfg: TrainerConfig, algo: AlgoConfig, total_steps: int, temperature: float = 1.0,
+                 seed: int = 0, dims: ParallelDims | None = None):
         self.model = model
         self.cfg, self.algo = cfg, algo
         self.temperature = temperature
+        self.dp_group = dims.dp_mesh.get_group() if dims is not None and dims.dp > 1 else None
+        self.tp_group = dims.tp_mesh.get_group() if dims is not None and dims.tp > 1 else None
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
 
@@ -44,47 +55,55 @@ class Actor:
         for mb in batch.split(self.cfg.micro_batch_size):
             with self._autocast():
                 logp, _ = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                         padding_free=self.cfg.padding_free)
+                                         padding_free=self.cfg.padding_free, tp_group=self.tp_group)
             parts.append(logp * mb.response_mask)
         return torch.cat(parts)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         self.model.train()
-        stats: dict[str, list[float]] = defaultdict(list)
+        tally = _Tally()
         n = len(batch)
         mini_size = -(-n // self.cfg.mini_batches)
         for _ in range(self.cfg.ppo_epochs):
             order = torch.randperm(n, generator=self.shuffle_gen) if self.cfg.shuffle else torch.arange(n)
             for start in range(0, n, mini_size):
-                mini = batch.select(order[start:start + mini_size])
-                for k, v in self.step_on(mini).items():
-                    stats[k].append(v)
+                self.step_on(batch.select(order[start:start + mini_size]), tally)
         self.scheduler.step()
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["lr"] = self.scheduler.get_last_lr()[0]
-        return out
+        if self.dp_group is not None:
+            tally.all_reduce(self.dp_group)
+        return {**tally.result(), "lr": self.scheduler.get_last_lr()[0]}
 
-    def step_on(self, mini: TrainBatch) -> dict[str, float]:
+    def step_on(self, mini: TrainBatch, tally: "_Tally") -> None:
         """One optimiser step on a mini-batch (accumulated over micro-batches)."""
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self.accumulate_grads(mini)
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        self._accumulate(mini, tally)
         clip = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        tally.grad_norms.append(clip_grad_norm(self.model.parameters(), clip))
         self.optimizer.step()
-        return stats
 
     def accumulate_grads(self, mini: TrainBatch) -> dict[str, float]:
-        num_tokens = mini.response_mask.sum().clamp(min=1)
-        num_seqs = float(len(mini))
-        want_entropy = True  # reported every step; it only carries gradient when entropy_coef != 0
-        sums: dict[str, float] = defaultdict(float)
-        weight_total = 0.0
-        for mb in mini.split(self.cfg.micro_batch_size):
+        """Backward over `mini` (no optimiser step); its local stats."""
+        tally = _Tally()
+        self._accumulate(mini, tally)
+        return tally.result()
+
+    def _accumulate(self, mini: TrainBatch, tally: "_Tally") -> None:
+        counts = torch.tensor([float(mini.response_mask.sum()), float(len(mini))])
+        if self.dp_group is not None:  # the global batch's counts: every rank divides by the same
+            dist.all_reduce(counts, group=self.dp_group)
+        num_tokens, num_seqs = counts[0].clamp(min=1), float(counts[1])
+        micro = mini.split(self.cfg.micro_batch_size)
+        set_sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2 / replicate
+        tally.loss_steps += 1
+        for i, mb in enumerate(micro):
+            if set_sync is not None:  # reduce gradients once, after the last micro-batch
+                set_sync(i == len(micro) - 1)
             with self._autocast():
+                # entropy is reported every step; it carries gradient only when entropy_coef != 0
                 logp, ent = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                           with_entropy=want_entropy, padding_free=self.cfg.padding_free)
-            if self.algo.entropy_coef == 0 and ent is not None:
+                                           with_entropy=True, padding_free=self.cfg.padding_free,
+                                           tp_group=self.tp_group)
+            if self.algo.entropy_coef == 0:
                 ent = ent.detach()
             loss, st = policy_objective(
                 logp, mb.old_logp, mb.advantages, mb.response_mask, self.algo,
@@ -92,13 +111,46 @@ class Actor:
                 num_tokens=num_tokens, num_seqs=num_seqs,
             )
             loss.backward()
-            # stats are token means over each micro-batch: weight them by its token count
-            w = float(mb.response_mask.sum())
-            weight_total += w
-            sums["loss"] += float(loss.detach())
-            for k, v in st.items():
-                if k != "ratio_max":
-                    sums[k] += float(v) * w
-            sums["ratio_max"] = max(sums["ratio_max"], float(st.get("ratio_max", 0.0)))
-        out = {k: (v if k in ("loss", "ratio_max") else v / max(weight_total, 1.0)) for k, v in sums.items()}
+            tally.add(float(loss.detach()), st, float(mb.response_mask.sum()))
+
+
+class _Tally:
+    """Stats of an update, exact under micro-batching and data parallelism:
+
+    per-token stats (clip_frac, entropy, kl, ...) are token means of each micro-batch, so they are
+    summed weighted by tokens and divided by the total; `loss` is summed (each micro-batch's loss
+    is its share of the mini-batch loss, each rank's its share of the global one) and averaged over
+    optimiser steps; ratio_max is a max; grad_norm, already global, is averaged over steps."""
+
+    def __init__(self):
+        self.weighted: dict[str, float] = defaultdict(float)
+        self.tokens = self.loss = self.ratio_max = 0.0
+        self.loss_steps = 0
+        self.grad_norms: list[float] = []
+
+    def add(self, loss: float, stats: dict, tokens: float) -> None:
+        self.loss += loss
+        self.tokens += tokens
+        for k, v in stats.items():
+            if k == "ratio_max":
+                self.ratio_max = max(self.ratio_max, float(v))
+            else:
+                self.weighted[k] += float(v) * tokens
+
+    def all_reduce(self, group) -> None:
+        keys = sorted(self.weighted)
+        sums = torch.tensor([self.tokens, self.loss] + [self.weighted[k] for k in keys], dtype=torch.float64)
+        peak = torch.tensor([self.ratio_max], dtype=torch.float64)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        self.tokens, self.loss = float(sums[0]), float(sums[1])
+        self.weighted = {k: float(v) for k, v in zip(keys, sums[2:])}
+        self.ratio_max = float(peak)
+
+    def result(self) -> dict[str, float]:
+        out = {k: v / max(self.tokens, 1.0) for k, v in self.weighted.items()}
+        out["loss"] = self.loss / max(self.loss_steps, 1)
+        out["ratio_max"] = self.ratio_max
+        if self.grad_norms:
+            out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
         return out

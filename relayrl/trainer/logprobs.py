@@ -13,11 +13,18 @@ sequence, so the linear layers spend nothing on padding; the result is unpacked 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from relayrl.models import CausalLM
+from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 
 
-def _from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+def _from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, tp_group=None):
+    if tp_group is not None:
+        local = logits.to_local() if isinstance(logits, DTensor) else logits
+        if with_entropy:
+            return vocab_parallel_logprobs_and_entropy(local, targets, tp_group, temperature)
+        return vocab_parallel_logprobs(local, targets, tp_group, temperature), None
     logits = logits.float() / temperature
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
@@ -36,13 +43,17 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     padding_free: bool = False,
+    tp_group=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp [B, T], entropy [B, T] or None) for right-padded rows; entropy is that of the
-    temperature-scaled distribution at each token's position."""
+    temperature-scaled distribution at each token's position.
+
+    tp_group: the model is tensor-parallel and returns vocab-sharded logits; the logprobs are then
+    computed shard-wise (relayrl.parallel.vocab_parallel), never gathering the vocabulary."""
     if padding_free:
-        return _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy)
+        return _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group)
     logits = model(input_ids, attention_mask=attention_mask)[:, :-1]
-    logp, ent = _from_logits(logits, input_ids[:, 1:], temperature, with_entropy)
+    logp, ent = _from_logits(logits, input_ids[:, 1:], temperature, with_entropy, tp_group)
     return _shift_pad(logp), _shift_pad(ent)
 
 
@@ -64,7 +75,7 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy):
+def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group=None):
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     rows = pack_rows(lengths, max(lengths))
@@ -83,7 +94,7 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
             where[i] = (r, off)
             off += n
     logits = model(packed, attention_mask=(seg >= 0).long(), position_ids=pos, segment_ids=seg)[:, :-1]
-    logp_p, ent_p = _from_logits(logits, packed[:, 1:], temperature, with_entropy)
+    logp_p, ent_p = _from_logits(logits, packed[:, 1:], temperature, with_entropy, tp_group)
     logp = torch.zeros(B, T, dtype=logp_p.dtype)
     ent = torch.zeros(B, T, dtype=logp_p.dtype) if with_entropy else None
     for i, (r, off) in where.items():

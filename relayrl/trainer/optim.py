@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from relayrl.trainer.config import TrainerConfig
 
@@ -27,9 +28,11 @@ def lr_factor(step: int, cfg: TrainerConfig, total_steps: int) -> float:
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, total_steps: int):
     params = [p for p in model.parameters() if p.requires_grad]
+    # the fused multi-tensor path cannot mix DTensor shards (TP) with plain (replicated) tensors
+    mixed = len({isinstance(p, DTensor) for p in params}) > 1
     opt = torch.optim.AdamW(
         params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay, foreach=True,
+        weight_decay=cfg.weight_decay, foreach=not mixed,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
     return opt, sched

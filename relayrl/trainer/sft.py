@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from relayrl.models import CausalLM
+from relayrl.parallel.grad_norm import clip_grad_norm
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.logprobs import token_logprobs
@@ -34,7 +35,7 @@ class SFTTrainer:
             loss.backward()
             total += float(loss.detach())
         clip = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = clip_grad_norm(self.model.parameters(), clip)
         self.optimizer.step()
         self.scheduler.step()
         return {"sft/loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
