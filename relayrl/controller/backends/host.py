@@ -1,0 +1,101 @@
+"""WorkerHost: what runs inside every worker process, whatever the backend.
+
+    driver ──("construct", info, cls, args, kwargs, threads)──> host builds the worker object
+           ──("dp_infos", prefixes)──────────────────────────> each role's DPInfo
+           ──("call", "actor.compute_logprobs", args, kwargs)─> getattr path, call
+           ──("close",)───────────────────────────────────────> teardown hooks → drop the worker
+                                                                 → gc → barrier → destroy group
+Every operation answers a payload, never raises:
+    ("ok", value)  |  ("error", traceback text, pickled exception or None)
+
+Why close drops the worker before the barrier: objects that reference the process group (FSDP
+modules, DTensors, meshes) must be gone before destroy_process_group(), or gloo aborts at exit
+about half the time (relayrl.parallel.launch explains the order).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import traceback
+from typing import Any
+
+from relayrl.controller.dispatch import DPInfo
+from relayrl.controller.worker import WorkerInfo, construct
+from relayrl.parallel import launch
+
+Payload = tuple
+
+
+def error_payload(context: str = "") -> Payload:
+    """The payload of the exception being handled (call from an except block)."""
+    exc = sys.exc_info()[1]
+    text = (context + "\n" if context else "") + traceback.format_exc()
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
+    except Exception:  # noqa: BLE001 - the text still carries everything
+        blob = None
+    return ("error", text, blob)
+
+
+def resolve(root: Any, path: str) -> Any:
+    obj = root
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+class WorkerHost:
+    """Holds one process's worker object and runs the driver's operations on it."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+        self.info: WorkerInfo | None = None
+
+    def construct(self, info: WorkerInfo, cls: type, args: tuple, kwargs: dict, threads: int) -> Payload:
+        try:
+            import torch
+
+            torch.set_num_threads(threads)
+            if info.device.startswith("cuda"):
+                torch.cuda.set_device(info.device)
+            self.info = info
+            self.worker = construct(cls, info, args, kwargs)
+            return ("ok", None)
+        except BaseException:  # noqa: BLE001 - reported to the driver
+            return error_payload(f"building {getattr(cls, '__name__', cls)} on rank {info.rank}:")
+
+    def dp_infos(self, prefixes: list[str]) -> Payload:
+        try:
+            out = {}
+            for prefix in prefixes:
+                obj = resolve(self.worker, prefix)
+                out[prefix] = obj.dp_info() if hasattr(obj, "dp_info") else \
+                    DPInfo(self.info.rank, self.info.world_size, True)
+            return ("ok", out)
+        except BaseException:  # noqa: BLE001
+            return error_payload()
+
+    def call(self, path: str, args: tuple, kwargs: dict) -> Payload:
+        try:
+            if self.worker is None:
+                raise RuntimeError("this worker was never built (its construction failed) or is closed")
+            return ("ok", resolve(self.worker, path)(*args, **kwargs))
+        except BaseException:  # noqa: BLE001
+            return error_payload()
+
+    def close(self) -> Payload:
+        """Teardown hook, drop the worker, then gc → barrier → destroy_process_group."""
+        result: Payload = ("ok", None)
+        try:
+            if self.worker is not None and hasattr(self.worker, "teardown"):
+                self.worker.teardown()
+        except BaseException:  # noqa: BLE001 - still tear the process group down
+            result = error_payload("teardown:")
+        self.worker = None
+        try:
+            launch.shutdown_process_group()
+        except BaseException:  # noqa: BLE001
+            result = error_payload("destroying the process group:")
+        return result

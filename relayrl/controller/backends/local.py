@@ -1,0 +1,137 @@
+"""Local backend: one spawned process per rank on this machine, driven over a pipe each.
+
+    driver ── pipe 0 ──> process 0: WorkerHost loop   recv (op, args) → host.op(*args) → send payload
+           ── pipe 1 ──> process 1: ...               ("close" → reply, flush, os._exit(0))
+
+Messages are pickled with plain pickle (tensors are copied, not moved to shared memory): simple,
+and nothing a worker sends depends on the sender staying alive. A message that several ranks
+receive unchanged (ONE_TO_ALL arguments, a chunk shared by TP peers) is pickled once.
+
+A worker leaves with os._exit after its reply to "close" is sent: its process group is already
+destroyed, and skipping interpreter finalisation removes the last chance for a C++ destructor to
+abort a finished run (as relayrl.parallel.launch does).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+import weakref
+from multiprocessing.connection import wait
+
+import torch.multiprocessing as mp
+
+from relayrl.controller.backends.host import Payload, WorkerHost, error_payload
+from relayrl.controller.resource_pool import ResourcePool
+from relayrl.parallel.launch import LOCALHOST
+
+
+def _serve(conn) -> int:
+    host = WorkerHost()
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return 1  # the driver is gone: leave without the barrier (peers may be gone too)
+        try:
+            op, args = pickle.loads(data)
+        except BaseException:  # noqa: BLE001 - e.g. a class this process cannot import
+            op, payload = "?", error_payload("unpickling the driver's message:")
+        else:
+            payload = getattr(host, op)(*args)
+        try:
+            out = pickle.dumps(payload)
+        except BaseException:  # noqa: BLE001
+            out = pickle.dumps(error_payload(f"pickling the result of {op} (return CPU tensors and plain data):"))
+        del payload
+        conn.send_bytes(out)
+        if op == "close":
+            return 0
+
+
+def _process_main(conn) -> None:
+    code = 1
+    try:
+        code = _serve(conn)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+class LocalBackend:
+    master_addr = LOCALHOST
+
+    def __init__(self, pool: ResourcePool):
+        self.pool = pool
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(pool.world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_process_main, args=(child,), name=f"relayrl-{pool.name or 'worker'}-{rank}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        # not daemons (a worker may start processes of its own), so make sure they die with the driver
+        self._reaper = weakref.finalize(self, _kill, self.procs)
+
+    def device_for(self, rank: int) -> str:
+        return self.pool.device_for(rank)
+
+    def submit_all(self, calls: dict[int, tuple[str, tuple]]) -> dict[int, int]:
+        memo: dict[tuple, bytes] = {}
+        blobs = {}
+        for rank, (op, args) in calls.items():  # pickle everything first: a failure sends nothing
+            key = (op, *map(id, args))
+            if key not in memo:
+                memo[key] = pickle.dumps((op, args))
+            blobs[rank] = memo[key]
+        for rank, blob in blobs.items():
+            self.conns[rank].send_bytes(blob)
+        return {rank: rank for rank in calls}
+
+    def wait(self, handles: dict[int, int], timeout: float | None) -> dict[int, Payload]:
+        """Payloads of the ranks that answered (or died) within `timeout`; {} when none did."""
+        watch = {self.conns[r]: r for r in handles} | {self.procs[r].sentinel: r for r in handles}
+        out: dict[int, Payload] = {}
+        for obj in wait(list(watch), timeout):
+            rank = watch[obj]
+            if rank in out:
+                continue
+            conn = self.conns[rank]
+            try:
+                if conn.poll():
+                    out[rank] = pickle.loads(conn.recv_bytes())
+                    continue
+            except (EOFError, OSError):
+                pass
+            self.procs[rank].join(1)
+            out[rank] = ("error", f"worker process of rank {rank} died (exit code {self.procs[rank].exitcode}) "
+                                  "without answering; see its stderr (a driver script that starts worker groups "
+                                  "needs an `if __name__ == '__main__':` guard: workers are spawned)", None)
+        return out
+
+    def stop(self, graceful: bool, timeout: float) -> None:
+        """Join the processes (they exit after answering "close"); kill what is left after `timeout`."""
+        if graceful:
+            deadline = time.monotonic() + timeout
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        self._reaper()  # terminate → kill whatever did not exit
+        for c in self.conns:
+            c.close()

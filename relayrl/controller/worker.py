@@ -1,0 +1,180 @@
+"""Worker: the object a worker group builds in each of its processes.
+
+    class ActorWorker(Worker):
+        def __init__(self, cfg):                 # self.rank / world_size / device already set
+            self.init_distributed()              # joins the group's process group (collective)
+            self.dims = ParallelDims(dp_shard=-1, tp=cfg.tp, world_size=self.world_size)
+            ...
+        def dp_info(self):                       # how DP_SPLIT cuts batches for this role
+            return dp_info_from_dims(self.rank, self.dims)
+        @dispatch(Dispatch.DP_SPLIT)
+        def compute_logprobs(self, batch): ...
+        def teardown(self):                      # free what references the process group
+            del self.model, self.optimizer
+
+The group sets the worker's WorkerInfo before __init__ runs (see `construct`), so subclasses do not
+call super().__init__ and may take any arguments. A Worker built directly (a single-process test)
+is rank 0 of 1.
+
+Colocation: `ColocatedWorker(roles={"actor": ActorWorker, "rollout": (RolloutWorker, (cfg,))})`
+builds every role object in the same process, each with the process's WorkerInfo, so they share its
+device and process group. The group exposes them as `group.actor.compute_logprobs(batch)`; the call
+travels as the path "actor.compute_logprobs" and each role keeps its own dispatch modes and dp layout.
+A subclass may add @dispatch methods that use several roles in-process, called on the group itself:
+
+    class ActorRollout(ColocatedWorker):
+        @dispatch(Dispatch.ONE_TO_ALL)
+        def sync_weights(self): self.rollout.load_weights(self.actor.local_shards())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from relayrl.controller.dispatch import DPInfo
+from relayrl.parallel import launch
+from relayrl.parallel.dims import ParallelDims, backend_for
+
+ROLES = ("actor", "rollout", "reference", "reward")  # the roles of the RL loop; other names are allowed
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where a worker process sits in its group, and how to reach the group's rendezvous store."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    node: int = 0
+    device: str = "cpu"
+    master_addr: str = launch.LOCALHOST
+    master_port: int | None = None
+
+
+class Worker:
+    """Base class of worker-group workers: rank info, lazy process-group setup, teardown hook."""
+
+    _info: WorkerInfo = WorkerInfo()
+
+    @property
+    def rank(self) -> int:
+        return self._info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._info.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._info.local_rank
+
+    @property
+    def device(self) -> str:
+        return self._info.device
+
+    @property
+    def master_addr(self) -> str:
+        return self._info.master_addr
+
+    @property
+    def master_port(self) -> int | None:
+        return self._info.master_port
+
+    def init_distributed(self, backend: str | None = None, timeout_s: float = 300.0) -> None:
+        """Join the group's default process group (gloo on CPU, nccl on CUDA unless `backend` says).
+
+        Collective: every worker of the group must call it (typically in __init__). A no-op when
+        the process already joined, so colocated roles may each call it."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        if self.master_port is None:
+            raise RuntimeError(f"{type(self).__name__} was not created by a WorkerGroup (no rendezvous "
+                               "address); build it through WorkerGroup, or skip init_distributed when running it "
+                               "in one process")
+        launch.init_process_group(self.rank, self.world_size, backend=backend or backend_for(self.device),
+                                  master_addr=self.master_addr, master_port=self.master_port, timeout_s=timeout_s)
+
+    def dp_info(self) -> DPInfo:
+        """Default: pure data parallel, every worker is its own dp rank. Override for TP/PP layouts."""
+        return DPInfo(self.rank, self.world_size, True)
+
+    @classmethod
+    def group_interface(cls, *init_args, **init_kwargs) -> dict[str, type]:
+        """Path prefix → class whose @dispatch methods the group exposes: a plain worker exposes its
+        own at the group itself (prefix ""); ColocatedWorker one prefix per role."""
+        return {"": cls}
+
+    def teardown(self) -> None:
+        """Release objects that hold the process group (models, optimizers, meshes) before the process
+        group is destroyed. Called once at group shutdown; the default does nothing."""
+
+
+def dp_info_from_dims(rank: int, dims: ParallelDims) -> DPInfo:
+    """The DPInfo of `rank` in a ParallelDims layout (tp fastest): dp rank = rank // tp, rep = tp rank 0."""
+    return DPInfo(rank // dims.tp, dims.dp, rank % dims.tp == 0)
+
+
+def construct(cls: type, info: WorkerInfo, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """Build cls(*args, **kwargs) with its WorkerInfo already in place (when it is a Worker)."""
+    obj = cls.__new__(cls)
+    if isinstance(obj, Worker):
+        obj._info = info
+    obj.__init__(*args, **(kwargs or {}))
+    return obj
+
+
+@dataclass
+class RoleSpec:
+    """How to build one role: cls(*args, **kwargs)."""
+
+    cls: type
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    @staticmethod
+    def of(spec: "RoleSpec | type | tuple") -> "RoleSpec":
+        """Accepts a RoleSpec, a class, (cls, args) or (cls, args, kwargs)."""
+        if isinstance(spec, RoleSpec):
+            return spec
+        if isinstance(spec, type):
+            return RoleSpec(spec)
+        if isinstance(spec, tuple) and 1 <= len(spec) <= 3 and isinstance(spec[0], type):
+            return RoleSpec(*spec)
+        raise TypeError(f"a role is a class, (cls, args), (cls, args, kwargs) or a RoleSpec; got {spec!r}")
+
+
+class ColocatedWorker(Worker):
+    """Several role objects in one process; each is reachable as an attribute named after its role."""
+
+    role_names: tuple[str, ...] = ()
+
+    def __init__(self, roles: dict[str, RoleSpec | type | tuple]):
+        self.role_names = tuple(roles)
+        for name, spec in roles.items():
+            check_role_name(name, type(self))
+            spec = RoleSpec.of(spec)
+            setattr(self, name, construct(spec.cls, self._info, spec.args, spec.kwargs))
+
+    @classmethod
+    def group_interface(cls, roles: dict[str, Any]) -> dict[str, type]:
+        # "" too: a subclass may add @dispatch methods that use several roles at once (weight sync)
+        return {"": cls} | {name: RoleSpec.of(spec).cls for name, spec in roles.items()}
+
+    def role_objects(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.role_names}
+
+    def teardown(self) -> None:
+        for name in reversed(self.role_names):
+            obj = getattr(self, name)
+            if hasattr(obj, "teardown"):
+                obj.teardown()
+            delattr(self, name)
+
+
+def check_role_name(name: str, owner: type) -> None:
+    if not name.isidentifier() or name.startswith("_") or hasattr(owner, name):
+        raise ValueError(f"role name {name!r} must be a public identifier that is not already an attribute of "
+                         f"{owner.__name__} (roles of the RL loop: {', '.join(ROLES)})")
