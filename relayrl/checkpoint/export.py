@@ -1,0 +1,76 @@
+"""Offline export of a sharded checkpoint to a Hugging Face model directory.
+
+    step_XXXXXXXX/  (N shard files + .metadata)     base model dir (meta["model_dir"] / --model-dir)
+        │  dcp.load in one process, no process group:     │ config.json      │ tokenizer files
+        │  every shard's chunks land in one full model    ▼                  │
+        └──────────────────────────────────────────> CausalLM(config) ───────┴──> save_pretrained(out)
+                                                     config.json, model.safetensors, tokenizer files
+
+Only the model's entries are read (the optimizer state in the shards is skipped), so memory is one
+full copy of the weights. The output is written under a temporary name and renamed when complete
+(save_pretrained), and an existing output directory is never replaced unless asked.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from relayrl.checkpoint.distributed import MODEL_KEY, check_model_entries, read_meta
+from relayrl.errors import UserError
+from relayrl.models import CausalLM, load_config, save_pretrained
+from relayrl.models.rope import rope_inv_freq
+
+
+def _saved_dtype(path: Path) -> torch.dtype:
+    """The dtype the trainer held its parameters in (the first model tensor's)."""
+    for key, entry in FileSystemReader(path).read_metadata().state_dict_metadata.items():
+        if key.startswith(MODEL_KEY + ".") and isinstance(entry, TensorStorageMetadata):
+            return entry.properties.dtype
+    raise UserError(f"checkpoint {path} holds no model tensors")
+
+
+def export_hf(
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str] | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Merge the sharded checkpoint into a Hugging Face directory `out_dir`; return its path.
+
+    `model_dir`: the base model directory whose config.json and tokenizer files are used; default
+    the one the run recorded at save time (meta.json "model_dir"). `dtype`: default the dtype the
+    checkpoint holds. Runs in a single process and never touches torch.distributed's process group.
+    """
+    ckpt = Path(checkpoint_dir)
+    meta = read_meta(ckpt)
+    src = model_dir if model_dir is not None else meta.get("model_dir")
+    if src is None:
+        raise UserError(f"checkpoint {ckpt} does not record its base model directory (meta.json has no "
+                        "'model_dir'): pass the model directory it was trained from (--model-dir DIR)")
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise UserError(f"{out} already exists; remove it or choose another output directory")
+
+    cfg = load_config(src)  # a clear ModelDirError when the base directory is gone or malformed
+    saved_dtype = _saved_dtype(ckpt)
+    with torch.device("meta"):  # no random init: every tensor is overwritten by the load
+        model = CausalLM(cfg)
+    model = model.to_empty(device="cpu").to(saved_dtype)
+    if cfg.tie_word_embeddings:  # to_empty gives the tied pair two separate storages; tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    state = model.state_dict()
+    check_model_entries(ckpt, state)
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({MODEL_KEY: state}, storage_reader=FileSystemReader(ckpt), no_dist=True)
+    return save_pretrained(model, out, tokenizer_dir=src, dtype=dtype)
