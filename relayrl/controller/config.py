@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from relayrl.algorithms import AlgoConfig
 from relayrl.config import Config, apply_overrides, load_yaml
 from relayrl.data.config import DataConfig
+from relayrl.controller.roles import ParallelConfig
 from relayrl.models.tiny import TinyModelConfig
 from relayrl.rewards import RewardConfig
 from relayrl.trainer.config import TrainerConfig
@@ -71,6 +72,15 @@ class RunConfig(Config):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunSection = Field(default_factory=RunSection)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @model_validator(mode="after")
+    def _parallel_fits(self) -> "RunConfig":
+        p = self.parallel
+        if p.backend == "none" and p.world_size > 1:
+            raise ValueError(f"parallel degrees give {p.world_size} ranks but parallel.backend is 'none': "
+                             "set parallel.backend=local (or ray)")
+        return self
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "RunConfig":

@@ -21,12 +21,9 @@ from relayrl.controller.config import RunConfig
 from relayrl.controller.prompts import encode_prompt
 from relayrl.data import Example, PromptSampler
 from relayrl.engine import LLMEngine, SamplingParams
-from relayrl.models import CausalLM
 from relayrl.observe import StageTimer
 from relayrl.rewards import Scorer
-from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows, scatter_per_token
-from relayrl.trainer.logprobs import token_logprobs
 
 STAGES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "update")
 
@@ -58,15 +55,16 @@ class Rollout:
 
 
 class Driver:
-    def __init__(self, cfg: RunConfig, actor: Actor, engine: LLMEngine, scorer: Scorer,
-                 sampler: PromptSampler, ref_model: CausalLM | None = None):
-        self.cfg, self.actor, self.engine, self.scorer, self.sampler = cfg, actor, engine, scorer, sampler
-        self.ref_model = ref_model
+    """policy: where the trainer runs (relayrl.controller.roles: LocalPolicy in this process, or
+    GroupPolicy over worker groups); the driver code is the same for both."""
+
+    def __init__(self, cfg: RunConfig, policy, engine: LLMEngine, scorer: Scorer, sampler: PromptSampler):
+        self.cfg, self.policy, self.engine, self.scorer, self.sampler = cfg, policy, engine, scorer, sampler
         self.step = 0
         self.timer = StageTimer()
 
     def sync_weights(self) -> None:
-        self.engine.load_weights(self.actor.model.state_dict().items())
+        self.engine.load_weights(self.policy.weights())
 
     def _params(self, step: int, round_: int, i: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -125,16 +123,13 @@ class Driver:
         rollout_logp = scatter_per_token(ro.rollout_logp, ro.prompt_ids, ids.shape[1])
         batch = TrainBatch(ids, attn, resp, advantages=adv, rollout_logp=rollout_logp)
         with self.timer.stage("old_logp"):
-            batch.old_logp = self.actor.compute_logprobs(batch)
-        if self.ref_model is not None:
-            with self.timer.stage("ref_logp"), torch.no_grad():
-                ref = torch.cat([token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask,
-                                                cfg.rollout.temperature)[0]
-                                 for mb in batch.split(cfg.trainer.micro_batch_size)])
-                batch.ref_logp = ref * resp
+            batch.old_logp = self.policy.compute_logprobs(batch)
+        if cfg.algo.kl_coef > 0:
+            with self.timer.stage("ref_logp"):
+                batch.ref_logp = self.policy.compute_ref_logprobs(batch)
         mismatch = mismatch_stats(batch.old_logp, rollout_logp, resp)
         with self.timer.stage("update"):
-            stats = self.actor.update(batch)
+            stats = self.policy.update(batch)
         times = {f"time/{s}": 0.0 for s in STAGES} | self.timer.pop()
         times["time/step"] = time.perf_counter() - t0
         lengths = [len(x) for x in ro.response_ids]

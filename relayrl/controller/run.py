@@ -24,6 +24,7 @@ from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
 from relayrl.controller.evaluate import evaluate
 from relayrl.controller.policy import policy_dir
+from relayrl.controller.roles import GroupPolicy, LocalPolicy
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.errors import UserError
@@ -58,16 +59,25 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(src)
     train_set, eval_set = build_datasets(cfg.data)
-    actor = Actor(load_pretrained(src), cfg.trainer, cfg.algo, total_steps=cfg.run.steps,
-                  temperature=cfg.rollout.temperature, seed=cfg.run.seed)
     engine = build_engine(cfg, src)
-    ref = load_pretrained(src).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
-    driver = Driver(cfg, actor, engine, build_scorer(cfg.reward), PromptSampler(train_set, cfg.run.seed), ref)
+    driver = Driver(cfg, build_policy(cfg, src), engine, build_scorer(cfg.reward), PromptSampler(train_set, cfg.run.seed))
     return driver, eval_set, src
 
 
+def build_policy(cfg: RunConfig, src: Path):
+    """The trainer in this process (parallel.backend none), or as worker groups (local / ray)."""
+    with_ref = cfg.algo.kl_coef > 0
+    if cfg.parallel.backend == "none":
+        actor = Actor(load_pretrained(src), cfg.trainer, cfg.algo, total_steps=cfg.run.steps,
+                      temperature=cfg.rollout.temperature, seed=cfg.run.seed)
+        ref = load_pretrained(src).eval().requires_grad_(False) if with_ref else None
+        return LocalPolicy(actor, ref, cfg.rollout.temperature, cfg.trainer.micro_batch_size)
+    return GroupPolicy(src, cfg.parallel, cfg.trainer, cfg.algo, cfg.run.steps, cfg.rollout.temperature,
+                       cfg.run.seed, with_ref)
+
+
 def _state(driver: Driver) -> dict:
-    a = driver.actor
+    a = driver.policy.actor
     return {
         "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(), "scheduler": a.scheduler.state_dict(),
         "sampler": driver.sampler.state_dict(), "shuffle": a.shuffle_gen.get_state(), "rng": capture_rng_state(),
@@ -76,7 +86,7 @@ def _state(driver: Driver) -> dict:
 
 def _restore(driver: Driver, ckpt: Path) -> int:
     state, meta = load_checkpoint(ckpt)
-    a = driver.actor
+    a = driver.policy.actor
     a.model.load_state_dict(state["model"])
     a.optimizer.load_state_dict(state["optimizer"])
     a.scheduler.load_state_dict(state["scheduler"])
@@ -127,10 +137,13 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
                 last = _eval(driver, eval_set, cfg, run_dir, logger)
             if done or (cfg.run.save_every and driver.step % cfg.run.save_every == 0):
                 save_checkpoint(run_dir, driver.step, _state(driver), {"step": driver.step}, keep_last=cfg.run.keep_last)
+        final = load_pretrained(src)  # the policy's weights, wherever it runs, as a HF directory
+        final.load_state_dict(dict(driver.policy.weights()))
+        save_pretrained(final, run_dir / "final_model", tokenizer_dir=src)
     finally:
         progress.close()
         logger.close()
-    save_pretrained(driver.actor.model, run_dir / "final_model", tokenizer_dir=src)
+        driver.policy.close()
     return {"run_dir": str(run_dir), "eval_first": first, "eval_last": last, "steps": driver.step}
 
 
