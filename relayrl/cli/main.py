@@ -90,6 +90,14 @@ def _cmd_report(a) -> int:
     return 0
 
 
+def _cmd_export(a) -> int:
+    from relayrl.checkpoint import export_hf
+
+    out = export_hf(a.checkpoint, a.out, model_dir=a.model_dir)
+    print(f"exported {a.checkpoint} -> {out}")
+    return 0
+
+
 def _cmd_demo(a) -> int:
     from relayrl.controller.demo import run_demo
 
@@ -136,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="PNG plots of a run: relayrl report RUN_DIR")
     r.add_argument("run_dir")
     r.set_defaults(fn=_cmd_report)
+
+    x = sub.add_parser("export", help="merge a sharded checkpoint into a Hugging Face directory")
+    x.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_XXXXXXXX")
+    x.add_argument("--out", required=True, help="output directory (must not exist)")
+    x.add_argument("--model-dir", default=None, help="base model directory for config and tokenizer "
+                   "(default: the one the run recorded)")
+    x.set_defaults(fn=_cmd_export)
 
     d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after")
     d.add_argument("--out", default="runs/demo")

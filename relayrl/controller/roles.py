@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from relayrl.checkpoint import load_distributed, save_distributed
 from relayrl.config import Config
 from relayrl.controller.batch import DataBatch
 from relayrl.controller.dispatch import Dispatch, dispatch
@@ -28,6 +29,7 @@ from relayrl.parallel.parallelize import parallelize_model
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.optim import foreach_ok
 
 FIELDS = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logp", "rollout_logp", "ref_logp")
 
@@ -63,14 +65,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 class _ParallelModelWorker(Worker):
-    def _build_model(self, model_dir: str, par: ParallelConfig, seed: int):
+    def _build_model(self, model_dir: str, par: ParallelConfig, seed: int, trains: bool = True):
         self.init_distributed()
         torch.manual_seed(seed)
         self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
                                  world_size=self.world_size)
         mesh = self.dims.build_mesh(self.device.split(":")[0])
-        return parallelize_model(load_pretrained(model_dir), self.dims, mesh, dp_mode=par.dp_mode,
-                                 activation_checkpointing=par.activation_checkpointing)
+        model = load_pretrained(model_dir)
+        if not trains and par.dp_mode == "ddp":
+            return model  # DDP only syncs gradients: a frozen model is simply replicated
+        return parallelize_model(model, self.dims, mesh, dp_mode=par.dp_mode,
+                                 activation_checkpointing=par.activation_checkpointing and trains)
 
     def dp_info(self):
         return dp_info_from_dims(self.rank, self.dims)
@@ -96,9 +101,13 @@ class ActorWorker(_ParallelModelWorker):
         return {n: _full(p) for n, p in self.actor.model.state_dict().items()}
 
     @dispatch(Dispatch.RANK_ZERO)
-    def train_state(self) -> dict:
-        a = self.actor
-        return {"scheduler": a.scheduler.state_dict(), "shuffle": a.shuffle_gen.get_state()}
+    def save(self, run_dir: str, step: int, extra: dict, meta: dict, keep_last: int | None) -> str:
+        """Every rank writes its shard (collective); rank 0 adds `extra` and renames when complete."""
+        return str(save_actor(self.actor, run_dir, step, extra, meta, keep_last))
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def load(self, path: str) -> dict:
+        return load_actor(self.actor, path)
 
     def teardown(self) -> None:
         del self.actor
@@ -106,7 +115,7 @@ class ActorWorker(_ParallelModelWorker):
 
 class ReferenceWorker(_ParallelModelWorker):
     def __init__(self, model_dir: str, par: ParallelConfig, temperature: float, micro_batch_size: int, seed: int):
-        self.model = self._build_model(model_dir, par, seed).eval().requires_grad_(False)
+        self.model = self._build_model(model_dir, par, seed, trains=False).eval().requires_grad_(False)
         self.temperature, self.micro = temperature, micro_batch_size
         self.tp_group = self.dims.tp_mesh.get_group() if self.dims.tp > 1 else None
 
@@ -120,6 +129,22 @@ class ReferenceWorker(_ParallelModelWorker):
 
     def teardown(self) -> None:
         del self.model
+
+
+def save_actor(actor: Actor, run_dir, step: int, extra: dict, meta: dict, keep_last: int | None):
+    """One checkpoint format for every layout (torch.distributed.checkpoint shards), so a run saved
+    on N ranks resumes on M, or in one process."""
+    extra = {**extra, "scheduler": actor.scheduler.state_dict(), "shuffle": actor.shuffle_gen.get_state()}
+    return save_distributed(run_dir, step, actor.model, actor.optimizer, extra, meta=meta, keep_last=keep_last)
+
+
+def load_actor(actor: Actor, path) -> dict:
+    extra = load_distributed(path, actor.model, actor.optimizer)
+    for group in actor.optimizer.param_groups:  # the saved layout's choice does not fit this one
+        group["foreach"] = foreach_ok(group["params"])
+    actor.scheduler.load_state_dict(extra["scheduler"])  # after the optimizer: its lr wins
+    actor.shuffle_gen.set_state(extra["shuffle"])
+    return extra
 
 
 class LocalPolicy:
@@ -144,6 +169,12 @@ class LocalPolicy:
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update(batch)
+
+    def save(self, run_dir, step: int, extra: dict, meta: dict, keep_last: int | None) -> Path:
+        return save_actor(self.actor, run_dir, step, extra, meta, keep_last)
+
+    def load(self, path) -> dict:
+        return load_actor(self.actor, path)
 
     def close(self) -> None:
         pass
@@ -179,6 +210,12 @@ class GroupPolicy:
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update(to_data(batch))[0]  # one (identical) dict per data-parallel rank
+
+    def save(self, run_dir, step: int, extra: dict, meta: dict, keep_last: int | None) -> Path:
+        return Path(self.actor.save(str(run_dir), step, extra, meta, keep_last))
+
+    def load(self, path) -> dict:
+        return self.actor.load(str(path))
 
     def close(self) -> None:
         self.roles.shutdown()

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from relayrl.checkpoint import capture_rng_state, latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
+from relayrl.checkpoint import capture_rng_state, latest_checkpoint, restore_rng_state
 from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
 from relayrl.controller.evaluate import evaluate
@@ -76,24 +76,17 @@ def build_policy(cfg: RunConfig, src: Path):
                        cfg.run.seed, with_ref)
 
 
-def _state(driver: Driver) -> dict:
-    a = driver.policy.actor
-    return {
-        "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(), "scheduler": a.scheduler.state_dict(),
-        "sampler": driver.sampler.state_dict(), "shuffle": a.shuffle_gen.get_state(), "rng": capture_rng_state(),
-    }
+def _save(driver: Driver, run_dir: Path, cfg: RunConfig, src: Path) -> None:
+    extra = {"step": driver.step, "sampler": driver.sampler.state_dict(), "rng": capture_rng_state()}
+    driver.policy.save(run_dir, driver.step, extra, {"model_dir": str(src)}, cfg.run.keep_last)
 
 
 def _restore(driver: Driver, ckpt: Path) -> int:
-    state, meta = load_checkpoint(ckpt)
-    a = driver.policy.actor
-    a.model.load_state_dict(state["model"])
-    a.optimizer.load_state_dict(state["optimizer"])
-    a.scheduler.load_state_dict(state["scheduler"])
-    driver.sampler.load_state_dict(state["sampler"])
-    a.shuffle_gen.set_state(state["shuffle"])
-    restore_rng_state(state["rng"])
-    driver.step = int(meta["step"])
+    """Model and optimizer load into the current layout, whatever the saved one was."""
+    extra = driver.policy.load(ckpt)
+    driver.sampler.load_state_dict(extra["sampler"])
+    restore_rng_state(extra["rng"])
+    driver.step = int(extra["step"])
     return driver.step
 
 
@@ -112,22 +105,28 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     run_dir = Path(cfg.run.out_dir)
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a new directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    driver, eval_set, src = build_driver(cfg, run_dir)
-    start = 0
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise UserError(f"no complete checkpoint in {run_dir}/checkpoints to resume from")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    driver, eval_set, src = build_driver(cfg, run_dir)
+    try:
+        return _run(driver, cfg, run_dir, src, eval_set, ckpt, show_progress)
+    finally:
+        driver.policy.close()
+        driver.engine.close()
+
+
+def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckpt, show_progress: bool) -> dict:
+    start = _restore(driver, ckpt) if ckpt is not None else 0
+    logger = MetricsLogger(run_dir, use_tensorboard=cfg.run.tensorboard, resume_step=start if ckpt else None)
     if ckpt is not None:
-        start = _restore(driver, ckpt)
-    logger = MetricsLogger(run_dir, use_tensorboard=cfg.run.tensorboard, resume_step=start if resume else None)
-    if resume:
         _truncate_jsonl(run_dir / "eval.jsonl", start)
-    first = _eval(driver, eval_set, cfg, run_dir, logger) if start == 0 else None
-    last = first
     progress = Progress(cfg.run.steps, desc="grpo", initial=start, disable=not show_progress)
     try:
+        first = _eval(driver, eval_set, cfg, run_dir, logger) if start == 0 else None
+        last = first
         while driver.step < cfg.run.steps:
             m = driver.train_step()
             logger.log(driver.step, m)
@@ -136,14 +135,13 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
             if done or (cfg.eval.every and driver.step % cfg.eval.every == 0):
                 last = _eval(driver, eval_set, cfg, run_dir, logger)
             if done or (cfg.run.save_every and driver.step % cfg.run.save_every == 0):
-                save_checkpoint(run_dir, driver.step, _state(driver), {"step": driver.step}, keep_last=cfg.run.keep_last)
+                _save(driver, run_dir, cfg, src)
         final = load_pretrained(src)  # the policy's weights, wherever it runs, as a HF directory
         final.load_state_dict(dict(driver.policy.weights()))
         save_pretrained(final, run_dir / "final_model", tokenizer_dir=src)
     finally:
         progress.close()
         logger.close()
-        driver.policy.close()
     return {"run_dir": str(run_dir), "eval_first": first, "eval_last": last, "steps": driver.step}
 
 

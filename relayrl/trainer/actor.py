@@ -52,31 +52,60 @@ class Actor:
         """Logprobs [B, T] under the current weights, in micro-batches (no grad)."""
         self.model.eval()
         parts = []
-        for mb in batch.split(self.cfg.micro_batch_size):
+        for mb, real in self._micro_batches(batch, batch):
             with self._autocast():
                 logp, _ = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
                                          padding_free=self.cfg.padding_free, tp_group=self.tp_group)
-            parts.append(logp * mb.response_mask)
-        return torch.cat(parts)
+            if real:
+                parts.append(logp * mb.response_mask)
+        return torch.cat(parts) if parts else torch.zeros_like(batch.response_mask)
+
+    def _micro_batches(self, rows: TrainBatch, template: TrainBatch):
+        """Split `rows` into the SAME number of micro-batches on every data-parallel rank (FSDP and
+        DDP run collectives in each forward / backward, so all ranks must run as many); a rank with
+        too few rows runs a stand-in row whose mask is zero (no loss, no gradient, no stats).
+        Yields (micro-batch, is_real)."""
+        k = max(1, -(-len(rows) // self.cfg.micro_batch_size))
+        if self.dp_group is not None:
+            t = torch.tensor([k])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+            k = int(t)
+        bounds = [len(rows) * i // k for i in range(k + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            if b > a:
+                yield rows.select(slice(a, b)), True
+            else:
+                stand_in = template.select(slice(0, 1))
+                yield stand_in.replace(response_mask=torch.zeros_like(stand_in.response_mask)), False
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
+        """PPO epochs over the batch in mini-batches. Under data parallelism every rank draws the
+        same permutation of the GLOBAL row indices and trains on its own rows of each global
+        mini-batch, so the mini-batches are those of the single-process run."""
         self.model.train()
         tally = _Tally()
-        n = len(batch)
+        offset, n = 0, len(batch)
+        if self.dp_group is not None:  # this rank's rows are [offset, offset + len) of the global batch
+            sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(self.dp_group))]
+            dist.all_gather(sizes, torch.tensor([len(batch)]), group=self.dp_group)
+            offset = int(sum(sizes[: dist.get_rank(self.dp_group)]))
+            n = int(sum(sizes))
         mini_size = -(-n // self.cfg.mini_batches)
         for _ in range(self.cfg.ppo_epochs):
             order = torch.randperm(n, generator=self.shuffle_gen) if self.cfg.shuffle else torch.arange(n)
             for start in range(0, n, mini_size):
-                self.step_on(batch.select(order[start:start + mini_size]), tally)
+                glob = order[start:start + mini_size]
+                mine = glob[(glob >= offset) & (glob < offset + len(batch))] - offset
+                self.step_on(batch.select(mine), tally, batch)
         self.scheduler.step()
         if self.dp_group is not None:
             tally.all_reduce(self.dp_group)
         return {**tally.result(), "lr": self.scheduler.get_last_lr()[0]}
 
-    def step_on(self, mini: TrainBatch, tally: "_Tally") -> None:
+    def step_on(self, mini: TrainBatch, tally: "_Tally", template: TrainBatch | None = None) -> None:
         """One optimiser step on a mini-batch (accumulated over micro-batches)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self._accumulate(mini, tally)
+        self._accumulate(mini, tally, template if template is not None else mini)
         clip = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
         tally.grad_norms.append(clip_grad_norm(self.model.parameters(), clip))
         self.optimizer.step()
@@ -84,15 +113,15 @@ class Actor:
     def accumulate_grads(self, mini: TrainBatch) -> dict[str, float]:
         """Backward over `mini` (no optimiser step); its local stats."""
         tally = _Tally()
-        self._accumulate(mini, tally)
+        self._accumulate(mini, tally, mini)
         return tally.result()
 
-    def _accumulate(self, mini: TrainBatch, tally: "_Tally") -> None:
+    def _accumulate(self, mini: TrainBatch, tally: "_Tally", template: TrainBatch) -> None:
         counts = torch.tensor([float(mini.response_mask.sum()), float(len(mini))])
         if self.dp_group is not None:  # the global batch's counts: every rank divides by the same
             dist.all_reduce(counts, group=self.dp_group)
         num_tokens, num_seqs = counts[0].clamp(min=1), float(counts[1])
-        micro = mini.split(self.cfg.micro_batch_size)
+        micro = [mb for mb, _ in self._micro_batches(mini, template)]
         set_sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2 / replicate
         tally.loss_steps += 1
         for i, mb in enumerate(micro):

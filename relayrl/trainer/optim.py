@@ -26,13 +26,17 @@ def lr_factor(step: int, cfg: TrainerConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def foreach_ok(params) -> bool:
+    """The multi-tensor path cannot mix DTensor shards (TP) with plain (replicated) tensors. Also
+    re-applied after loading an optimizer state saved on another layout, which carries its own."""
+    return len({isinstance(p, DTensor) for p in params}) <= 1
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig, total_steps: int):
     params = [p for p in model.parameters() if p.requires_grad]
-    # the fused multi-tensor path cannot mix DTensor shards (TP) with plain (replicated) tensors
-    mixed = len({isinstance(p, DTensor) for p in params}) > 1
     opt = torch.optim.AdamW(
         params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay, foreach=not mixed,
+        weight_decay=cfg.weight_decay, foreach=foreach_ok(params),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
     return opt, sched
