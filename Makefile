@@ -18,7 +18,7 @@ $(VENV)/.torch: $(BIN)/python
 	touch $@
 
 $(VENV)/.relayrl: $(VENV)/.torch pyproject.toml
-	$(BIN)/python -m pip install -q -e . pytest
+	$(BIN)/python -m pip install -q -e ".[ray]" pytest
 	touch $@
 
 setup: $(VENV)/.relayrl
