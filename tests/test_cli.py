@@ -103,3 +103,11 @@ def test_shipped_configs_validate():
     root = Path(__file__).resolve().parents[1] / "configs"
     assert load_run_config(root / "grpo_arith.yaml").rollout.group_size == 8
     assert SFTJobConfig.from_dict(load_yaml(root / "sft_arith.yaml")).sft.steps == 300
+
+
+def test_sync_plan_command(capsys):
+    assert main(["sync-plan", "--preset", "tiny-gqa", "--trainer-tp", "2", "--engine-tp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "qkv_proj" in out
+    code, err = run_cli(capsys, "sync-plan", "--preset", "tiny-gqa", "--model", "/x")
+    assert code == 2 and "exactly one of" in err

@@ -58,11 +58,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from relayrl.checkpoint.io import (
+from relayrl.checkpoint.io import (  # the private helpers too: one on-disk protocol for both writers
+    _TMP_PREFIX,
     CHECKPOINTS_DIR,
     COMPLETE_MARKER,
     FORMAT_VERSION,
     META_FILE,
+    _fsync_dir,
+    _remove_hidden,
+    _remove_leftovers,
+    _step_dir_name,
+    _write_synced,
     list_checkpoints,
 )
 from relayrl.errors import UserError
@@ -71,44 +77,6 @@ DCP_FORMAT = "dcp"
 EXTRA_FILE = "extra.pt"
 MODEL_KEY = "model"  # top-level keys of the DCP state dict: "model.<fqn>", "optimizer.state.<fqn>..."
 OPTIMIZER_KEY = "optimizer"
-
-# Minimal copies of private helpers of relayrl.checkpoint.io (same names on disk, same behaviour).
-_TMP_PREFIX = ".tmp_"
-_TRASH_PREFIX = ".trash_"
-
-
-def _step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name == "nt":  # Windows cannot fsync a directory; the rename is the best guarantee there
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _remove_hidden(path: Path) -> None:
-    trash = path.parent / f"{_TRASH_PREFIX}{path.name}.{os.getpid()}"
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _remove_leftovers(root: Path) -> None:
-    for child in root.iterdir():
-        if child.is_dir() and child.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
-            shutil.rmtree(child, ignore_errors=True)
-
 
 # ---------------------------------------------------------------- process-group helpers
 
@@ -211,9 +179,9 @@ def save_distributed(
 
     def commit() -> None:
         try:
-            _write_synced(tmp / EXTRA_FILE, extra_buf.getvalue())
-            _write_synced(tmp / META_FILE, meta_bytes)
-            _write_synced(tmp / COMPLETE_MARKER, b"")
+            _write_synced(tmp / EXTRA_FILE, lambda f: f.write(extra_buf.getvalue()))
+            _write_synced(tmp / META_FILE, lambda f: f.write(meta_bytes))
+            _write_synced(tmp / COMPLETE_MARKER, lambda f: None)
             _fsync_dir(tmp)
             if final.exists():  # re-saving a step after resuming from an earlier one
                 _remove_hidden(final)

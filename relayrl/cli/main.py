@@ -98,6 +98,26 @@ def _cmd_export(a) -> int:
     return 0
 
 
+def _cmd_sync_plan(a) -> int:
+    import torch
+
+    from relayrl.errors import ConfigError
+    from relayrl.models import load_config
+    from relayrl.sync.layout import EngineLayout, TrainerLayout
+    from relayrl.sync.plan import plan_sync
+    from relayrl.sync.presets import preset
+
+    if (a.model is None) == (a.preset is None):
+        raise ConfigError("relayrl sync-plan needs exactly one of --model DIR or --preset NAME")
+    dtype = getattr(torch, a.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"--dtype {a.dtype!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
+    shape = load_config(a.model) if a.model else preset(a.preset)
+    trainer = TrainerLayout(tp=a.trainer_tp, dp_shard=a.trainer_dp, dp_replicate=a.trainer_dp_replicate)
+    print(plan_sync(shape, trainer, EngineLayout(tp=a.engine_tp)).describe(dtype, layers=a.layers))
+    return 0
+
+
 def _cmd_demo(a) -> int:
     from relayrl.controller.demo import run_demo
 
@@ -151,6 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--model-dir", default=None, help="base model directory for config and tokenizer "
                    "(default: the one the run recorded)")
     x.set_defaults(fn=_cmd_export)
+
+    sp = sub.add_parser("sync-plan", help="which trainer shard goes where on the engine")
+    sp.add_argument("--model", help="Hugging Face model directory (only config.json is read)")
+    sp.add_argument("--preset", help="a model shape from relayrl.sync.presets (e.g. qwen2.5-7b, llama-3.1-8b)")
+    sp.add_argument("--trainer-tp", type=int, default=1)
+    sp.add_argument("--trainer-dp", type=int, default=1, help="FSDP shard degree (dp_shard)")
+    sp.add_argument("--trainer-dp-replicate", type=int, default=1, help="HSDP replicas")
+    sp.add_argument("--engine-tp", type=int, default=1)
+    sp.add_argument("--dtype", default="bfloat16", help="engine dtype, for byte counts")
+    sp.add_argument("--layers", type=int, default=1, help="decoder layers to list piece by piece")
+    sp.set_defaults(fn=_cmd_sync_plan)
 
     d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after")
     d.add_argument("--out", default="runs/demo")

@@ -24,7 +24,7 @@ from relayrl.engine.block_manager import BlockManager
 from relayrl.engine.model import EngineModel
 from relayrl.engine.model_runner import ModelRunner, kv_bytes_per_block, prepare
 from relayrl.engine.outputs import CompletionSample, RequestOutput
-from relayrl.engine.parallel_state import TPInfo, head_layout
+from relayrl.engine.parallel_state import TPInfo, check_tp, head_layout
 from relayrl.engine.sampler import sample
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.engine.scheduler import Scheduler
@@ -52,6 +52,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = config.pad_token_id or 0
+        check_tp(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size, config.intermediate_size)
         if tensor_parallel_size > 1:
             from relayrl.engine.tp_workers import TPWorkerGroup
 

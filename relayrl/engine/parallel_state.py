@@ -30,11 +30,13 @@ class TPInfo:
         return x
 
 
-def check_tp(num_heads: int, num_kv_heads: int, tp: int) -> None:
+def check_tp(num_heads: int, num_kv_heads: int, tp: int, intermediate_size: int | None = None) -> None:
     if num_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the number of attention heads ({num_heads})")
     if not (num_kv_heads % tp == 0 or tp % num_kv_heads == 0):
         raise ValueError(f"tensor_parallel_size {tp} and the number of KV heads ({num_kv_heads}) must divide one another")
+    if intermediate_size is not None and intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size ({intermediate_size})")
 
 
 def head_layout(num_heads: int, num_kv_heads: int, tp: TPInfo) -> tuple[range, range]:

@@ -1,0 +1,286 @@
+"""Who holds what: trainer and engine layouts as data, in boxes of the LOGICAL (Hugging Face) tensors.
+
+Trainer rank (mesh (dp_replicate, dp_shard, tp), tp fastest — relayrl.parallel.dims.ParallelDims):
+
+    rank = (replica * dp_shard + shard) * tp + t
+
+    1. TP (relayrl.parallel.tensor_parallel.TP_PLAN / WEIGHT_SHARD_DIM): a weight whose style shards
+       dim d is split in tp equal blocks along d (colwise, vocab_*: rows; rowwise: columns); a bias
+       follows its weight's output rows when the weight shards dim 0 (ColwiseParallel), and is
+       replicated otherwise (RowwiseParallel); norms are replicated.
+    2. FSDP2 (fully_shard): the TP-LOCAL tensor is cut along dim 0 exactly like torch.chunk — chunks
+       of ceil(n / dp_shard) rows, so the last non-empty one may be shorter and trailing ones empty
+       (torch's _chunk_with_empty). Shard s holds local rows [min(s*c, n), min((s+1)*c, n)).
+       HSDP replicas (dp_replicate) hold identical shards.
+
+    A trainer rank's local tensor (DTensor.to_local() of the FSDP parameter) IS its one box.
+
+Engine rank r of tp (relayrl.engine.model, mirrored here as data — sync never imports the engine):
+
+    qkv_proj  = [ q_proj rows of its Q heads | k_proj rows of its KV heads | v_proj rows of them ]
+    gate_up   = [ gate_proj rows r*I/tp ... | up_proj rows r*I/tp ... ]
+    o_proj    = q_proj's Q-head columns of o_proj;  down_proj = columns r*I/tp ...
+    biases of o_proj / down_proj, embeddings, lm_head, norms: whole (replicated)
+
+    KV heads: tp <= Hkv: rank r holds [r*Hkv/tp, (r+1)*Hkv/tp); tp > Hkv: the one head r*Hkv // tp
+    its Q heads use (the same KV head sits on tp/Hkv ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from functools import lru_cache
+
+from relayrl.errors import ConfigError
+from relayrl.models.config import ModelConfig
+from relayrl.parallel.tensor_parallel import WEIGHT_SHARD_DIM, check_tp_divisibility, tp_plan
+from relayrl.sync.boxes import Box
+
+# logical (HF) module -> (engine module, which part of the fused tensor, in order)
+ENGINE_FUSION: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The fields of a ModelConfig that decide tensor names and shapes (hashable: plans are cached)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def of(cls, cfg: "ModelConfig | ModelShape") -> "ModelShape":
+        if isinstance(cfg, ModelShape):
+            return cfg
+        return cls(**{f: getattr(cfg, f) for f in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """The trainer's parallel degrees. dp_replicate > 1 (HSDP) gives more holders of the same box."""
+
+    tp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    sequence_parallel: bool = False  # changes activations only; weight placements are the same
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp_shard", "dp_replicate"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"trainer layout {name} must be an integer >= 1, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(replica, shard, tp rank) of a global trainer rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"trainer rank {rank} out of range for world size {self.world_size}")
+        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One engine replica's tensor-parallel degree (replicas of the engine each get the same plan)."""
+
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"engine layout tp must be an integer >= 1, got {self.tp!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A trainer rank's piece of one logical tensor: `box` in logical coordinates, stored in the
+    rank's local tensor of `local_shape` starting at `local_offset`."""
+
+    box: Box
+    local_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EnginePiece:
+    """One component of an engine parameter: `box` of logical tensor `name`, written at `dst_offset`."""
+
+    name: str
+    box: Box
+    dst_offset: tuple[int, ...]
+
+
+# ---------------------------------------------------------------------------- logical tensors
+@lru_cache(maxsize=64)
+def _logical(shape: ModelShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    s = shape
+    h, hd, inter = s.hidden_size, s.head_dim, s.intermediate_size
+    q, kv = s.num_attention_heads * hd, s.num_key_value_heads * hd
+    out = [("model.embed_tokens.weight", (s.vocab_size, h))]
+    for i in range(s.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out.append((p + "input_layernorm.weight", (h,)))
+        for mod, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out.append((p + f"self_attn.{mod}.weight", (rows, h)))
+            if s.qkv_bias:
+                out.append((p + f"self_attn.{mod}.bias", (rows,)))
+        out.append((p + "self_attn.o_proj.weight", (h, q)))
+        if s.o_bias:
+            out.append((p + "self_attn.o_proj.bias", (h,)))
+        if s.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        out.append((p + "post_attention_layernorm.weight", (h,)))
+        for mod, shp in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            out.append((p + f"mlp.{mod}.weight", shp))
+            if s.mlp_bias:
+                out.append((p + f"mlp.{mod}.bias", shp[:1]))
+    out.append(("model.norm.weight", (h,)))
+    if not s.tie_word_embeddings:  # tied: lm_head.weight IS embed_tokens.weight, not a tensor of its own
+        out.append(("lm_head.weight", (s.vocab_size, h)))
+    return tuple(out)
+
+
+def logical_tensors(cfg: ModelConfig | ModelShape) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor of the checkpoint (what a sync must deliver)."""
+    return dict(_logical(ModelShape.of(cfg)))
+
+
+# ---------------------------------------------------------------------------- trainer
+def trainer_shard_dim(name: str, sequence_parallel: bool = False) -> int | None:
+    """Which dim of logical tensor `name` the trainer's TP plan shards (None: replicated over TP)."""
+    module, kind = name.rsplit(".", 1)
+    styles = [style for pattern, style in tp_plan(sequence_parallel).items() if fnmatch(module, pattern)]
+    if not styles:
+        return None
+    dim = WEIGHT_SHARD_DIM[styles[0]]
+    if kind == "bias":  # ColwiseParallel shards the bias with the output rows; RowwiseParallel replicates it
+        return 0 if dim == 0 else None
+    return dim
+
+
+def _tp_box(full: Box, dim: int | None, tp: int, t: int, name: str) -> Box:
+    if dim is None:
+        return full
+    n = full.shape[dim]
+    if n % tp:
+        raise ConfigError(f"trainer tensor parallel degree {tp} does not divide dim {dim} ({n}) of {name}")
+    b = n // tp
+    return full.with_rows(t * b, (t + 1) * b) if dim == 0 else full.with_cols(t * b, (t + 1) * b)
+
+
+def _fsdp_box(tp_box: Box, dp_shard: int, s: int) -> Box:
+    """torch.chunk along dim 0 of the TP-local block: ceil-sized chunks, trailing ones short or empty."""
+    n = tp_box.r1 - tp_box.r0
+    c = -(-n // dp_shard)
+    return tp_box.with_rows(tp_box.r0 + min(s * c, n), tp_box.r0 + min((s + 1) * c, n))
+
+
+@lru_cache(maxsize=1024)
+def _trainer(shape: ModelShape, layout: TrainerLayout, rank: int) -> tuple[tuple[str, Holding], ...]:
+    check_tp_divisibility(shape, layout.tp)
+    _, s, t = layout.coords(rank)
+    out = []
+    for name, shp in _logical(shape):
+        full = Box.full(shp)
+        box = _fsdp_box(_tp_box(full, trainer_shard_dim(name, layout.sequence_parallel), layout.tp, t, name),
+                        layout.dp_shard, s)
+        out.append((name, Holding(box, (0,) * len(shp), box.shape)))
+    return tuple(out)
+
+
+def trainer_holdings(cfg: ModelConfig | ModelShape, layout: TrainerLayout, rank: int) -> dict[str, list[Holding]]:
+    """HF name -> what trainer `rank` holds of it (one box, possibly empty: FSDP's trailing chunks)."""
+    return {name: [h] for name, h in _trainer(ModelShape.of(cfg), layout, rank)}
+
+
+# ---------------------------------------------------------------------------- engine
+def engine_heads(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> tuple[range, range]:
+    """(Q heads, KV heads) of engine TP rank `rank` — relayrl.engine.parallel_state.head_layout."""
+    if num_heads % tp:
+        raise ConfigError(f"engine tensor parallel degree {tp} must divide the number of attention heads ({num_heads})")
+    if not (num_kv_heads % tp == 0 or tp % num_kv_heads == 0):
+        raise ConfigError(f"engine tensor parallel degree {tp} and the number of KV heads ({num_kv_heads}) "
+                          "must divide one another")
+    q_per = num_heads // tp
+    q = range(rank * q_per, (rank + 1) * q_per)
+    if tp <= num_kv_heads:
+        kv_per = num_kv_heads // tp
+        return q, range(rank * kv_per, (rank + 1) * kv_per)
+    kv = rank * num_kv_heads // tp
+    return q, range(kv, kv + 1)
+
+
+def engine_param_name(hf_name: str) -> str:
+    """'model.layers.0.self_attn.k_proj.weight' -> 'layers.0.self_attn.qkv_proj.weight'."""
+    parts = hf_name.removeprefix("model.").split(".")
+    if len(parts) >= 2 and parts[-2] in ENGINE_FUSION:
+        parts[-2] = ENGINE_FUSION[parts[-2]][0]
+    return ".".join(parts)
+
+
+@lru_cache(maxsize=256)
+def _engine(shape: ModelShape, layout: EngineLayout, rank: int) -> tuple[tuple[str, tuple[EnginePiece, ...]], ...]:
+    tp = layout.tp
+    if not 0 <= rank < tp:
+        raise ValueError(f"engine rank {rank} out of range for tensor parallel degree {tp}")
+    if shape.intermediate_size % tp:
+        # the engine's gate_up (floor(I/tp) rows) and down_proj (columns r*I//tp...) would disagree
+        raise ConfigError(f"engine tensor parallel degree {tp} must divide intermediate_size ({shape.intermediate_size})")
+    hd = shape.head_dim
+    q_heads, kv_heads = engine_heads(shape.num_attention_heads, shape.num_key_value_heads, tp, rank)
+    nq, nkv = len(q_heads) * hd, len(kv_heads) * hd
+    local = shape.intermediate_size // tp
+    fused_rows = {"q_proj": (q_heads.start * hd, q_heads.stop * hd, 0),
+                  "k_proj": (kv_heads.start * hd, kv_heads.stop * hd, nq),
+                  "v_proj": (kv_heads.start * hd, kv_heads.stop * hd, nq + nkv),
+                  "gate_proj": (rank * local, (rank + 1) * local, 0),
+                  "up_proj": (rank * local, (rank + 1) * local, local)}
+    split_cols = {"o_proj": (q_heads.start * hd, q_heads.stop * hd),
+                  "down_proj": (rank * local, (rank + 1) * local)}
+    params: dict[str, list[EnginePiece]] = {}
+    for name, shp in _logical(shape):
+        module, kind = name.rsplit(".", 1)
+        mod = module.rsplit(".", 1)[-1]
+        box = Box.full(shp)
+        dst = (0,) * len(shp)
+        if mod in fused_rows:
+            r0, r1, at = fused_rows[mod]
+            box, dst = box.with_rows(r0, r1), (at,) + dst[1:]
+        elif mod in split_cols and kind == "weight":  # their biases are added after the all-reduce: whole
+            box = box.with_cols(*split_cols[mod])
+        params.setdefault(engine_param_name(name), []).append(EnginePiece(name, box, dst))
+    return tuple((k, tuple(v)) for k, v in params.items())
+
+
+def engine_holdings(cfg: ModelConfig | ModelShape, layout: EngineLayout, rank: int) -> dict[str, list[EnginePiece]]:
+    """Engine parameter name -> the logical boxes it is made of, with their destination offsets.
+
+    Tied embeddings: lm_head.weight is absent (the engine's lm_head shares embed_tokens.weight)."""
+    return {k: list(v) for k, v in _engine(ModelShape.of(cfg), layout, rank)}
+
+
+def engine_param_shapes(cfg: ModelConfig | ModelShape, layout: EngineLayout, rank: int) -> dict[str, tuple[int, ...]]:
+    """Engine parameter name -> its shape on `rank` (the bounding box of its pieces)."""
+    out = {}
+    for name, pieces in engine_holdings(cfg, layout, rank).items():
+        ndim = len(pieces[0].dst_offset)
+        out[name] = tuple(max(p.dst_offset[i] + p.box.shape[i] for p in pieces) for i in range(ndim))
+    return out

@@ -1,0 +1,32 @@
+"""Model shapes for planning a sync without a model directory (`relayrl sync-plan --preset NAME`).
+
+Only what decides tensor names and shapes (ModelShape); the numbers are those of the public
+config.json files of these models.
+"""
+
+from __future__ import annotations
+
+from relayrl.errors import ConfigError
+from relayrl.sync.layout import ModelShape
+
+PRESETS: dict[str, ModelShape] = {
+    # the planner's test case: 8 Q heads over 2 KV heads, so engine TP 4 replicates KV heads
+    "tiny-gqa": ModelShape(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=4, qkv_bias=True,
+                           tie_word_embeddings=True),
+    "qwen2.5-0.5b": ModelShape(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                               num_attention_heads=14, num_key_value_heads=2, head_dim=64, qkv_bias=True,
+                               tie_word_embeddings=True),
+    "qwen2.5-7b": ModelShape(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                             num_attention_heads=28, num_key_value_heads=4, head_dim=128, qkv_bias=True),
+    "qwen3-8b": ModelShape(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, qk_norm=True),
+    "llama-3.1-8b": ModelShape(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+}
+
+
+def preset(name: str) -> ModelShape:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r} (known: {', '.join(PRESETS)}); or pass --model DIR")
+    return PRESETS[name]
