@@ -172,3 +172,15 @@ def test_every_sample_failing_raises(user_module):
     # a gold answer math-verify cannot parse is a per-sample failure too
     with pytest.raises(RewardError, match="reward function math: ValueError: cannot parse the gold"):
         scorer({"name": "math"}).score(["1"], [ex("")])
+
+
+def test_merge_of_shards_fails_only_when_the_whole_step_fails():
+    from relayrl.errors import RewardError
+    from relayrl.rewards import ScoreResult
+
+    ok = ScoreResult([1.0, 0.0], {"f": [1.0, 0.0]}, 0, [True, False], {"f": 0})
+    dead = ScoreResult([0.0], {"f": [0.0]}, 1, [False], {"f": 1})
+    merged = ScoreResult.merge([ok, dead])  # one shard failed whole, the step did not
+    assert merged.rewards == [1.0, 0.0, 0.0] and merged.failures == 1 and merged.correct == [True, False, False]
+    with pytest.raises(RewardError, match="every sample failed"):
+        ScoreResult.merge([dead, dead])

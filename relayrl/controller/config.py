@@ -77,9 +77,11 @@ class RunConfig(Config):
     @model_validator(mode="after")
     def _parallel_fits(self) -> "RunConfig":
         p = self.parallel
-        if p.backend == "none" and p.world_size > 1:
-            raise ValueError(f"parallel degrees give {p.world_size} ranks but parallel.backend is 'none': "
-                             "set parallel.backend=local (or ray)")
+        if p.backend == "none" and (p.world_size > 1 or p.rollout_worker or p.reward_workers):
+            raise ValueError("worker groups (parallel degrees > 1, parallel.rollout_worker, parallel.reward_workers) "
+                             "need parallel.backend=local (or ray)")
+        if p.rollout_worker and self.rollout.backend != "relayrl":
+            raise ValueError("parallel.rollout_worker runs relayrl's engine; the vllm backend manages its own workers")
         return self
 
     @model_validator(mode="after")

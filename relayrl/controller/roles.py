@@ -44,6 +44,8 @@ class ParallelConfig(Config):
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
     activation_checkpointing: bool = False
     placement: Literal["colocated", "disaggregated"] = "colocated"  # where the reference model runs
+    rollout_worker: bool = False  # the engine in a worker group of its own instead of the driver
+    reward_workers: int = Field(0, ge=0)  # score in N reward workers (0: in the driver)
 
     @property
     def world_size(self) -> int:

@@ -24,6 +24,7 @@ from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
 from relayrl.controller.evaluate import evaluate
 from relayrl.controller.policy import policy_dir
+from relayrl.controller.remote import RemoteEngine, RemoteScorer
 from relayrl.controller.roles import GroupPolicy, LocalPolicy
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
@@ -44,14 +45,23 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def build_engine(cfg: RunConfig, src: Path):
+    """The rollout engine: relayrl's (in this process or a rollout worker group) or vLLM's."""
     r = cfg.rollout
     kwargs = dict(dtype=DTYPES[r.engine_dtype], enable_prefix_caching=r.enable_prefix_caching, seed=cfg.run.seed)
     if r.backend == "vllm":
         from relayrl.engine.vllm_backend import VLLMEngine
 
         return VLLMEngine(src, **kwargs)
-    return LLMEngine.from_pretrained(src, max_num_seqs=r.max_num_seqs, block_size=r.block_size,
-                                     kv_cache_bytes=r.kv_cache_bytes, **kwargs)
+    kwargs.update(max_num_seqs=r.max_num_seqs, block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes)
+    if cfg.parallel.rollout_worker:
+        return RemoteEngine(src, kwargs, cfg.parallel.backend)
+    return LLMEngine.from_pretrained(src, **kwargs)
+
+
+def build_scorer_for(cfg: RunConfig):
+    if cfg.parallel.reward_workers:
+        return RemoteScorer(cfg.reward, cfg.parallel.reward_workers, cfg.parallel.backend)
+    return build_scorer(cfg.reward)
 
 
 def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
@@ -60,7 +70,7 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     tokenizer = load_tokenizer(src)
     train_set, eval_set = build_datasets(cfg.data)
     engine = build_engine(cfg, src)
-    driver = Driver(cfg, build_policy(cfg, src), engine, build_scorer(cfg.reward), PromptSampler(train_set, cfg.run.seed))
+    driver = Driver(cfg, build_policy(cfg, src), engine, build_scorer_for(cfg), PromptSampler(train_set, cfg.run.seed))
     return driver, eval_set, src
 
 
@@ -114,8 +124,9 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     try:
         return _run(driver, cfg, run_dir, src, eval_set, ckpt, show_progress)
     finally:
-        driver.policy.close()
-        driver.engine.close()
+        for role in (driver.policy, driver.engine, driver.scorer):
+            if hasattr(role, "close"):
+                role.close()
 
 
 def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckpt, show_progress: bool) -> dict:

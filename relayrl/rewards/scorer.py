@@ -55,6 +55,24 @@ class ScoreResult:
     correct: list[bool]
     failures_per_function: dict[str, int] = field(default_factory=dict)
 
+    @staticmethod
+    def merge(parts: list["ScoreResult"]) -> "ScoreResult":
+        """Concatenate the results of consecutive shards of one step; raises RewardError when a
+        function failed on every sample of the whole step."""
+        n = sum(len(p.rewards) for p in parts)
+        names = list(parts[0].per_function)
+        fails = {k: sum(p.failures_per_function.get(k, 0) for p in parts) for k in names}
+        for k, f in fails.items():
+            if n and f == n:
+                raise RewardError(f"every sample failed to score in reward function {k}")
+        return ScoreResult(
+            rewards=[r for p in parts for r in p.rewards],
+            per_function={k: [v for p in parts for v in p.per_function[k]] for k in names},
+            failures=sum(fails.values()),
+            correct=[c for p in parts for c in p.correct],
+            failures_per_function=fails,
+        )
+
     def metrics(self) -> dict[str, float]:
         """Scalar metrics for logging: reward/mean, reward/<fn>/mean, reward/failures, reward/accuracy."""
         n = max(len(self.rewards), 1)
@@ -79,7 +97,9 @@ class Scorer:
     def __init__(self, functions: list[_Bound]):
         self.functions = functions
 
-    def score(self, completions: list[str], examples: list[Example]) -> ScoreResult:
+    def score(self, completions: list[str], examples: list[Example], check: bool = True) -> ScoreResult:
+        """check=False: leave the every-sample-failed check to the caller (a shard of a step's
+        samples may fail whole while the step does not; see ScoreResult.merge)."""
         if len(completions) != len(examples):
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
         n = len(completions)
@@ -88,7 +108,7 @@ class Scorer:
         failures_per_function: dict[str, int] = {}
         for f in self.functions:
             values, errors = _apply(f.fn, completions, examples)
-            if n and len(errors) == n:
+            if check and n and len(errors) == n:
                 raise RewardError(f"every sample failed to score in reward function {f.name}: {errors[0]}")
             per_function[f.name] = values
             failures_per_function[f.name] = len(errors)
