@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from relayrl.controller.backends.host import Payload, WorkerHost, error_payload
 from relayrl.controller.resource_pool import ResourcePool
-from relayrl.parallel.launch import LOCALHOST
+from relayrl.parallel.launch import LOCALHOST, _kill  # one way to stop spawned processes
 
 
 def _serve(conn) -> int:
@@ -59,18 +59,6 @@ def _process_main(conn) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _kill(procs: list) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
 
 
 class LocalBackend:
