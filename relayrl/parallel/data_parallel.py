@@ -73,7 +73,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, grad_reduce: str = "sum") -
     _check_reduce(grad_reduce)
     if mesh.ndim != 1:
         raise ConfigError(f"DDP takes a 1-D data-parallel mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}")
-    replicate(model, device_mesh=mesh)
+    replicate(model, device_mesh=mesh, gradient_as_bucket_view=True)  # no second copy of the gradients
     if grad_reduce == "sum":
         model.register_comm_hook(mesh.get_group(), _allreduce_sum_hook)
     return model

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from relayrl.algorithms import AlgoConfig, policy_objective
 from relayrl.models import CausalLM
@@ -122,7 +123,9 @@ class Actor:
             dist.all_reduce(counts, group=self.dp_group)
         num_tokens, num_seqs = counts[0].clamp(min=1), float(counts[1])
         micro = [mb for mb, _ in self._micro_batches(mini, template)]
-        set_sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP2 / replicate
+        # DDP: all-reduce once, after the last micro-batch. FSDP keeps reducing every micro-batch:
+        # deferring it would hold an unsharded gradient of the whole model on every rank (measured).
+        set_sync = None if isinstance(self.model, FSDPModule) else getattr(self.model, "set_requires_gradient_sync", None)
         tally.loss_steps += 1
         for i, mb in enumerate(micro):
             if set_sync is not None:  # reduce gradients once, after the last micro-batch
