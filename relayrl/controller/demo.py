@@ -36,9 +36,10 @@ GRPO = {
     "rollout": {"prompts_per_step": 32, "group_size": 8, "temperature": 1.0, "max_tokens": 6},
     "algo": {"advantage": "grpo", "loss": "ppo", "clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0},
     # a small step size: larger ones (2e-4 and up) were measured to lose accuracy on this model
-    "trainer": {"lr": 5e-5, "micro_batch_size": 256, "mini_batches": 2, "warmup_steps": 2},
+    "trainer": {"lr": 5e-5, "micro_batch_size": 256, "mini_batches": 2, "warmup_steps": 10,
+                "schedule": "cosine", "min_lr_ratio": 0.1},  # a decaying step settles the end
     "eval": {"max_tokens": 6, "every": 50},
-    "run": {"steps": 500},
+    "run": {"steps": 600},
 }
 
 
