@@ -33,7 +33,7 @@ from relayrl.checkpoint import (
     save_checkpoint,
     save_distributed,
 )
-from relayrl.checkpoint import distributed as ckpt_dist
+from relayrl.checkpoint import io as ckpt_io  # where both writers fsync and rename (publish)
 from relayrl.errors import ModelDirError, UserError
 from relayrl.models import CausalLM, ModelConfig, load_pretrained, save_pretrained
 from relayrl.parallel.dims import ParallelDims
@@ -159,7 +159,7 @@ def _failing_fsync(path):
     _REAL_FSYNC_DIR(path)
 
 
-_REAL_FSYNC_DIR = ckpt_dist._fsync_dir
+_REAL_FSYNC_DIR = ckpt_io._fsync_dir
 
 
 def _resume_on_2(rank, world_size, ckpt, run_dir):
@@ -167,14 +167,14 @@ def _resume_on_2(rank, world_size, ckpt, run_dir):
     results["tp2"], model, opt = _resume(world_size, {"tp": 2}, ckpt)
     # a save from the TP layout (step 3 taken), then one that fails on rank 0 before the rename
     save_distributed(run_dir, 3, model, opt, {"step": 3})
-    ckpt_dist._fsync_dir = _failing_fsync
+    ckpt_io._fsync_dir = _failing_fsync
     try:
         save_distributed(run_dir, 4, model, opt, {"step": 4})
         results["crash"] = "no error"
     except Exception as e:  # noqa: BLE001 - the test checks what each rank saw
         results["crash"] = f"{type(e).__name__}: {e}"
     finally:
-        ckpt_dist._fsync_dir = _REAL_FSYNC_DIR
+        ckpt_io._fsync_dir = _REAL_FSYNC_DIR
     return results
 
 
@@ -328,7 +328,7 @@ def _trained(seed=0):
 def test_single_process_crash_before_rename_keeps_previous(tmp_path, monkeypatch):
     model, opt = _trained()
     good = save_distributed(tmp_path, 1, model, opt, {"step": 1})
-    monkeypatch.setattr(ckpt_dist, "_fsync_dir", _failing_fsync)
+    monkeypatch.setattr(ckpt_io, "_fsync_dir", _failing_fsync)
     with pytest.raises(OSError, match="injected"):
         save_distributed(tmp_path, 2, model, opt, {"step": 2})
     monkeypatch.undo()

@@ -64,12 +64,11 @@ from relayrl.checkpoint.io import (  # the private helpers too: one on-disk prot
     COMPLETE_MARKER,
     FORMAT_VERSION,
     META_FILE,
-    _fsync_dir,
-    _remove_hidden,
     _remove_leftovers,
     _step_dir_name,
     _write_synced,
     list_checkpoints,
+    publish,
 )
 from relayrl.errors import UserError
 
@@ -180,21 +179,10 @@ def save_distributed(
     def commit() -> None:
         try:
             _write_synced(tmp / EXTRA_FILE, lambda f: f.write(extra_buf.getvalue()))
-            _write_synced(tmp / META_FILE, lambda f: f.write(meta_bytes))
-            _write_synced(tmp / COMPLETE_MARKER, lambda f: None)
-            _fsync_dir(tmp)
-            if final.exists():  # re-saving a step after resuming from an earlier one
-                _remove_hidden(final)
-            os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(root)
-        if keep_last is not None:
-            # the new checkpoint always stays, even when a higher step exists (io.py does the same)
-            others = [p for p in list_checkpoints(run_dir) if p != final]
-            for old in others[: max(len(others) - (keep_last - 1), 0)]:
-                _remove_hidden(old)
+        publish(tmp, final, meta_bytes, keep_last)
 
     _on_rank0(commit)
     return final

@@ -137,6 +137,17 @@ def save_checkpoint(
     try:
         for name, obj in state.items():
             _write_synced(tmp / f"{name}.pt", lambda f, obj=obj: torch.save(obj, f))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish(tmp, final, meta_bytes, keep_last)
+
+
+def publish(tmp: Path, final: Path, meta_bytes: bytes, keep_last: int | None) -> Path:
+    """The one way a checkpoint becomes visible (both writers): meta.json and the COMPLETE marker
+    into the filled temp dir, fsync, rename to `final`, then prune to `keep_last`."""
+    root = final.parent
+    try:
         _write_synced(tmp / META_FILE, lambda f: f.write(meta_bytes))
         _write_synced(tmp / COMPLETE_MARKER, lambda f: None)
         _fsync_dir(tmp)
@@ -155,7 +166,7 @@ def save_checkpoint(
     if keep_last is not None:
         # The checkpoint just written always stays, even when a higher step exists (left by a run
         # that went further before this one resumed from an earlier step); the rest go oldest first.
-        others = [p for p in list_checkpoints(run_dir) if p != final]
+        others = [p for p in list_checkpoints(root.parent) if p != final]
         for old in others[: max(len(others) - (keep_last - 1), 0)]:
             _remove_hidden(old)
     return final
