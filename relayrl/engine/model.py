@@ -21,12 +21,12 @@ from torch import nn
 from relayrl.engine.attention import PagedBatch, paged_attention
 from relayrl.engine.parallel_state import TPInfo, head_layout
 from relayrl.models.config import ModelConfig
+from relayrl.models.fusion import FUSED_INTO
 from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from relayrl.models.transformer import RMSNorm
 
 # trainer (HF) module name -> (engine module name, shard id)
-FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+FUSED = {part: (fused, part.removesuffix("_proj")) for part, (fused, _) in FUSED_INTO.items()}
 
 
 def _copy_weight(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:

@@ -34,14 +34,12 @@ from functools import lru_cache
 
 from relayrl.errors import ConfigError
 from relayrl.models.config import ModelConfig
+from relayrl.models.fusion import FUSED_INTO
 from relayrl.parallel.tensor_parallel import WEIGHT_SHARD_DIM, check_tp_divisibility, tp_plan
 from relayrl.sync.boxes import Box
 
 # logical (HF) module -> (engine module, which part of the fused tensor, in order)
-ENGINE_FUSION: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
+ENGINE_FUSION = FUSED_INTO
 
 
 @dataclass(frozen=True)
