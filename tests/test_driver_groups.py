@@ -42,7 +42,8 @@ def _cfg(tmp_path, name, **parallel):
 def test_local_worker_groups_match_single_process(tmp_path):
     ref = train(_cfg(tmp_path, "single"), show_progress=False)
     # every role in a worker group: actor (FSDP 2) + reference colocated, rollout, 2 reward workers
-    fsdp = train(_cfg(tmp_path, "fsdp2", backend="local", dp_shard=2, rollout_worker=True, reward_workers=2),
+    fsdp = train(_cfg(tmp_path, "fsdp2", backend="local", dp_shard=2, rollout_worker=True, reward_workers=2,
+                           placement="disaggregated"),
                  show_progress=False)
     tp = train(_cfg(tmp_path, "tp2_disagg", backend="local", tp=2, placement="disaggregated"), show_progress=False)
     _same_metrics(_steps(fsdp["run_dir"]), _steps(ref["run_dir"]))

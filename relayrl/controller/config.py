@@ -20,6 +20,7 @@ from relayrl.algorithms import AlgoConfig
 from relayrl.config import Config, apply_overrides, load_yaml
 from relayrl.data.config import DataConfig
 from relayrl.controller.roles import ParallelConfig
+from relayrl.controller.weight_sync import SyncConfig
 from relayrl.models.tiny import TinyModelConfig
 from relayrl.rewards import RewardConfig
 from relayrl.trainer.config import TrainerConfig
@@ -46,6 +47,9 @@ class RolloutConfig(Config):
     block_size: int = Field(16, ge=1)
     kv_cache_bytes: Optional[int] = Field(None, ge=1)  # None: a share of free memory
     enable_prefix_caching: bool = True
+    tp: int = Field(1, ge=1)  # the engine's tensor-parallel degree (its ranks: see parallel.placement)
+    # free the KV cache (1) or also the weights (2) while the trainer updates; woken (and verified) at the next sync
+    sleep_level: int = Field(0, ge=0, le=2)
 
 
 class EvalConfig(Config):
@@ -73,6 +77,7 @@ class RunConfig(Config):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunSection = Field(default_factory=RunSection)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
 
     @model_validator(mode="after")
     def _parallel_fits(self) -> "RunConfig":
@@ -82,6 +87,15 @@ class RunConfig(Config):
                              "need parallel.backend=local (or ray)")
         if p.rollout_worker and self.rollout.backend != "relayrl":
             raise ValueError("parallel.rollout_worker runs relayrl's engine; the vllm backend manages its own workers")
+        if self.rollout.backend == "relayrl" and p.placement == "colocated":
+            if p.rollout_worker:
+                raise ValueError("parallel.rollout_worker puts the engine in a process of its own: "
+                                 "set parallel.placement=disaggregated")
+            trainer_procs = 1 if p.backend == "none" else p.world_size
+            if self.rollout.tp > trainer_procs:
+                raise ValueError(f"colocated, the engine's {self.rollout.tp} tensor-parallel ranks run in the trainer's "
+                                 f"{trainer_procs} process(es): lower rollout.tp, raise the trainer's degrees "
+                                 "(parallel.backend=local), or set parallel.placement=disaggregated")
         return self
 
     @model_validator(mode="after")

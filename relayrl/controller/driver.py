@@ -58,13 +58,23 @@ class Driver:
     """policy: where the trainer runs (relayrl.controller.roles: LocalPolicy in this process, or
     GroupPolicy over worker groups); the driver code is the same for both."""
 
-    def __init__(self, cfg: RunConfig, policy, engine: LLMEngine, scorer: Scorer, sampler: PromptSampler):
+    def __init__(self, cfg: RunConfig, policy, engine: LLMEngine, scorer: Scorer, sampler: PromptSampler,
+                 weight_sync):
         self.cfg, self.policy, self.engine, self.scorer, self.sampler = cfg, policy, engine, scorer, sampler
+        self.weight_sync = weight_sync  # relayrl.controller.weight_sync: planned + verified
         self.step = 0
         self.timer = StageTimer()
 
-    def sync_weights(self) -> None:
-        self.engine.load_weights(self.policy.weights())
+    def sync_weights(self) -> dict[str, float]:
+        """The trainer's weights into the engine by the plan; an engine put to sleep after the last
+        rollout wakes; then the canary checks what the engine now computes."""
+        m = self.weight_sync.transfer()
+        woke = bool(getattr(self.engine, "asleep", 0))
+        if woke:
+            self.engine.wake()
+        t0 = time.perf_counter()
+        gap = self.weight_sync.verify(f"{'sync + wake' if woke else 'sync'} before step {self.step}")
+        return {**m, "sync/canary_gap": gap, "time/sync_verify": time.perf_counter() - t0} if m else m
 
     def _params(self, step: int, round_: int, i: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -116,8 +126,10 @@ class Driver:
         cfg, G = self.cfg, self.cfg.rollout.group_size
         t0 = time.perf_counter()
         with self.timer.stage("sync"):
-            self.sync_weights()
+            sync_metrics = self.sync_weights()
         ro, no_signal = self.collect()
+        if cfg.rollout.sleep_level:  # the KV cache (level 2: the weights too) is free while the trainer works
+            self.engine.sleep(cfg.rollout.sleep_level)
         adv = get_advantage(cfg.algo.advantage)(ro.rewards, G, norm_std=cfg.algo.norm_std)
         ids, attn, resp = build_rows(ro.prompt_ids, ro.response_ids, pad_id=self.engine.pad_id)
         rollout_logp = scatter_per_token(ro.rollout_logp, ro.prompt_ids, ids.shape[1])
@@ -143,6 +155,7 @@ class Driver:
             **{k: float(v) for k, v in mismatch.items()},
             **stats,
             **times,
+            **sync_metrics,
             "throughput/gen_tokens_per_s": sum(lengths) / max(times["time/rollout"], 1e-9),
             **self._engine_stats(),
         }

@@ -3,7 +3,8 @@
     driver ── RemoteEngine ──> RolloutWorker (1 process: the engine, with its own TP workers below)
            ── RemoteScorer ──> RewardWorker x N (DP_SPLIT: each scores its share of a step's samples)
 
-RemoteEngine looks like LLMEngine to the driver (generate, load_weights, stats, tokenizer, pad_id);
+RemoteEngine looks like LLMEngine to the driver (generate, load_weights, run_on_ranks for the weight
+sync, score, sleep / wake, stats, tokenizer, pad_id);
 RemoteScorer like Scorer (score -> ScoreResult). With `parallel.rollout_worker` and
 `parallel.reward_workers` the four roles of the loop (actor, rollout, reference, reward) each run in
 their own worker group, on local processes or Ray.
@@ -36,6 +37,11 @@ class RolloutWorker(Worker):
         return self.engine.load_weights(weights)
 
     @dispatch(Dispatch.RANK_ZERO)
+    def engine_method(self, method: str, args: tuple):
+        """run_on_ranks, begin/end_weight_update, score, sleep, wake: the engine's own methods."""
+        return getattr(self.engine, method)(*args)
+
+    @dispatch(Dispatch.RANK_ZERO)
     def stats(self, reset: bool) -> dict:
         out = self.engine.stats()
         if reset:
@@ -62,6 +68,7 @@ class RemoteEngine:
         self.tokenizer = load_tokenizer(model_dir)  # prompts are encoded by the driver
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.weights_version = 0
+        self.asleep = 0
 
     def generate(self, prompts, params):
         return self.group.generate(prompts, params)
@@ -69,6 +76,27 @@ class RemoteEngine:
     def load_weights(self, weights) -> int:
         self.weights_version = self.group.load_weights([(n, t) for n, t in weights])
         return self.weights_version
+
+    def run_on_ranks(self, fn, *args) -> list:
+        return self.group.engine_method("run_on_ranks", (fn, *args))
+
+    def begin_weight_update(self) -> None:
+        self.group.engine_method("begin_weight_update", ())
+
+    def end_weight_update(self) -> int:
+        self.weights_version = self.group.engine_method("end_weight_update", ())
+        return self.weights_version
+
+    def score(self, rows, temperature: float = 1.0):
+        return self.group.engine_method("score", (rows, temperature))
+
+    def sleep(self, level: int = 1) -> None:
+        self.group.engine_method("sleep", (level,))
+        self.asleep = max(self.asleep, level)
+
+    def wake(self) -> None:
+        self.group.engine_method("wake", ())
+        self.asleep = 0
 
     def stats(self) -> dict:
         return self.group.stats(False)

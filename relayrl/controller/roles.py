@@ -22,7 +22,10 @@ from relayrl.checkpoint import load_distributed, save_distributed
 from relayrl.config import Config
 from relayrl.controller.batch import DataBatch
 from relayrl.controller.dispatch import Dispatch, dispatch
+from relayrl.controller.weight_sync import SyncStats, TrainerSide, merge
 from relayrl.controller.worker import Worker, dp_info_from_dims
+from relayrl.engine.model_runner import ModelRunner
+from relayrl.engine.parallel_state import TPInfo
 from relayrl.models import load_pretrained
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
@@ -43,7 +46,9 @@ class ParallelConfig(Config):
     tp: int = Field(1, ge=1)
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
     activation_checkpointing: bool = False
-    placement: Literal["colocated", "disaggregated"] = "colocated"  # where the reference model runs
+    # colocated: the rollout engine's ranks and the reference model run in the actor's processes
+    # (engine rank r in actor rank r); disaggregated: each in processes of their own
+    placement: Literal["colocated", "disaggregated"] = "colocated"
     rollout_worker: bool = False  # the engine in a worker group of its own instead of the driver
     reward_workers: int = Field(0, ge=0)  # score in N reward workers (0: in the driver)
 
@@ -88,6 +93,48 @@ class ActorWorker(_ParallelModelWorker):
                  temperature: float, seed: int):
         model = self._build_model(model_dir, par, seed)
         self.actor = Actor(model, trainer_cfg, algo_cfg, total_steps, temperature, seed, dims=self.dims)
+        self.sync_side, self.engine_runner = TrainerSide(), None
+
+    # ---- the colocated engine: rank r of the engine's tensor-parallel group lives here (r < tp) ----
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def init_engine(self, model_config, dtype: torch.dtype, tp: int) -> None:
+        import torch.distributed as dist
+
+        group = None
+        if tp > 1:  # every rank takes part in making the group, members or not
+            group = dist.group.WORLD if tp == self.world_size else dist.new_group(list(range(tp)))
+        if self.rank < tp:
+            self.engine_runner = ModelRunner(model_config, dtype, TPInfo(self.rank, tp, group), self.device)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def engine_call(self, method: str, args: tuple):
+        return None if self.engine_runner is None else getattr(self.engine_runner, method)(*args)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def engine_run(self, fn, args: tuple):
+        return None if self.engine_runner is None else fn(self.engine_runner, *args)
+
+    # ---- weight sync (relayrl.controller.weight_sync) ----
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def sync_connect(self, host: str, port: int, members, backend: str) -> None:
+        self.sync_side.connect(host, port, self.rank, members, backend)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def sync_colocated(self, spec) -> SyncStats:
+        params = self.engine_runner.params() if self.engine_runner is not None else None
+        return self.sync_side.colocated(self.actor.model, self.rank, spec, params)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def start_send(self, spec) -> None:
+        self.sync_side.start_send(self.actor.model, self.rank, spec)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def finish_send(self) -> SyncStats:
+        return self.sync_side.finish_send()
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def sync_checksums(self, spec) -> dict[int, float]:
+        return TrainerSide.checksums(self.actor.model, self.rank, spec)
 
     @dispatch(Dispatch.DP_SPLIT)
     def compute_logprobs(self, batch: DataBatch) -> DataBatch:
@@ -99,7 +146,8 @@ class ActorWorker(_ParallelModelWorker):
 
     @dispatch(Dispatch.RANK_ZERO)
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter as one full tensor (a gather: the planned shard-to-shard sync replaces it)."""
+        """Every parameter as one full tensor: for exporting the final model and for the vLLM
+        backend, whose loader takes full tensors. The rollout engine is synced by the plan."""
         return {n: _full(p) for n, p in self.actor.model.state_dict().items()}
 
     @dispatch(Dispatch.RANK_ZERO)
@@ -113,6 +161,7 @@ class ActorWorker(_ParallelModelWorker):
 
     def teardown(self) -> None:
         del self.actor
+        self.engine_runner = None
 
 
 class ReferenceWorker(_ParallelModelWorker):
@@ -155,9 +204,29 @@ class LocalPolicy:
     def __init__(self, actor: Actor, ref_model=None, temperature: float = 1.0, micro_batch_size: int = 32):
         self.actor, self.ref_model = actor, ref_model
         self.temperature, self.micro = temperature, micro_batch_size
+        self.sync_side = TrainerSide()
 
     def weights(self):
         return self.actor.model.state_dict().items()
+
+    # ---- weight sync: this process is trainer rank 0 ----
+    def sync_connect(self, host: str, port: int, members, backend: str) -> None:
+        self.sync_side.connect(host, port, 0, members, backend)
+
+    def sync_colocated(self, spec, engine) -> SyncStats:
+        """The engine's one rank is in this process too: every piece is an in-place copy."""
+        run = lambda runner: self.sync_side.colocated(self.actor.model, 0, spec, runner.params())  # noqa: E731
+        (stats,) = engine.run_on_ranks(run)
+        return stats
+
+    def start_send(self, spec) -> None:
+        self.sync_side.start_send(self.actor.model, 0, spec)
+
+    def finish_send(self) -> SyncStats:
+        return self.sync_side.finish_send()
+
+    def sync_checksums(self, spec) -> dict[int, float]:
+        return TrainerSide.checksums(self.actor.model, 0, spec)
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.actor.compute_logprobs(batch)
@@ -204,6 +273,27 @@ class GroupPolicy:
     def weights(self):
         return self.actor.full_weights().items()
 
+    # ---- weight sync ----
+    def host_engine(self, model_config, dtype: torch.dtype, tp: int) -> "ActorHostedRanks":
+        """Colocated: the engine's ranks in the actor processes (LLMEngine(runner_group=...))."""
+        self.actor.init_engine(model_config, dtype, tp)
+        return ActorHostedRanks(self.actor, tp)
+
+    def sync_connect(self, host: str, port: int, members, backend: str) -> None:
+        self.actor.sync_connect(host, port, members, backend)
+
+    def sync_colocated(self, spec, engine) -> SyncStats:
+        return _total(self.actor.sync_colocated(spec))
+
+    def start_send(self, spec) -> None:
+        self.actor.start_send(spec)
+
+    def finish_send(self) -> SyncStats:
+        return _total(self.actor.finish_send())
+
+    def sync_checksums(self, spec) -> dict[int, float]:
+        return merge(self.actor.sync_checksums(spec))
+
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.actor.compute_logprobs(to_data(batch))["old_logp"]
 
@@ -221,3 +311,30 @@ class GroupPolicy:
 
     def close(self) -> None:
         self.roles.shutdown()
+
+
+def _total(parts: list[SyncStats]) -> SyncStats:
+    out = SyncStats()
+    for p in parts:
+        out = out.add(p)
+    return out
+
+
+class ActorHostedRanks:
+    """The engine's tensor-parallel ranks as hosted by actor ranks 0..tp-1 (the protocol LLMEngine
+    expects of its runner group: call, call_all, run_fn, close)."""
+
+    def __init__(self, actor_group, tp: int):
+        self.group, self.tp = actor_group, tp
+
+    def call(self, method: str, *args):
+        return self.group.engine_call(method, args)[0]
+
+    def call_all(self, method: str, *args) -> list:
+        return self.group.engine_call(method, args)[: self.tp]
+
+    def run_fn(self, fn, *args) -> list:
+        return self.group.engine_run(fn, args)[: self.tp]
+
+    def close(self) -> None:
+        pass  # the actor group owns the processes

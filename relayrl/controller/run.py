@@ -26,13 +26,15 @@ from relayrl.controller.evaluate import evaluate
 from relayrl.controller.policy import policy_dir
 from relayrl.controller.remote import RemoteEngine, RemoteScorer
 from relayrl.controller.roles import GroupPolicy, LocalPolicy
+from relayrl.controller.weight_sync import FullWeightSync, WeightSync
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.errors import UserError
-from relayrl.models import load_pretrained, save_pretrained
+from relayrl.models import load_config, load_pretrained, save_pretrained
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.rewards import build_scorer
+from relayrl.sync.layout import ModelShape, TrainerLayout
 from relayrl.trainer.actor import Actor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -44,18 +46,44 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def build_engine(cfg: RunConfig, src: Path):
-    """The rollout engine: relayrl's (in this process or a rollout worker group) or vLLM's."""
-    r = cfg.rollout
+def build_engine(cfg: RunConfig, src: Path, policy):
+    """The rollout engine, its ranks where parallel.placement puts them:
+
+        vllm                          vLLM's engine (its own workers; synced with full tensors)
+        colocated, backend none       in this process, beside the trainer
+        colocated, worker groups      ranks 0..tp-1 of the actor's processes
+        disaggregated                 processes of its own (TP workers; or a rollout worker group)
+
+    Colocated engines start empty: the first (verified) sync gives them the policy's weights."""
+    r, par = cfg.rollout, cfg.parallel
     kwargs = dict(dtype=DTYPES[r.engine_dtype], enable_prefix_caching=r.enable_prefix_caching, seed=cfg.run.seed)
     if r.backend == "vllm":
         from relayrl.engine.vllm_backend import VLLMEngine
 
         return VLLMEngine(src, **kwargs)
-    kwargs.update(max_num_seqs=r.max_num_seqs, block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes)
-    if cfg.parallel.rollout_worker:
-        return RemoteEngine(src, kwargs, cfg.parallel.backend)
-    return LLMEngine.from_pretrained(src, **kwargs)
+    kwargs.update(max_num_seqs=r.max_num_seqs, block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes,
+                  tensor_parallel_size=r.tp)
+    if par.rollout_worker:
+        return RemoteEngine(src, kwargs, par.backend)
+    config, tokenizer = load_config(src), load_tokenizer(src)
+    if par.placement == "disaggregated":
+        return LLMEngine(config, tokenizer, own_processes=True, **kwargs)
+    if par.backend == "none":
+        return LLMEngine(config, tokenizer, **kwargs)
+    return LLMEngine(config, tokenizer, runner_group=policy.host_engine(config, kwargs["dtype"], r.tp), **kwargs)
+
+
+def build_weight_sync(cfg: RunConfig, src: Path, policy, engine):
+    """The planned, verified sync for relayrl's engine; vLLM's loader takes full tensors."""
+    if cfg.rollout.backend == "vllm":
+        return FullWeightSync(policy, engine)
+    par = cfg.parallel
+    layout = TrainerLayout() if par.backend == "none" else TrainerLayout(par.tp, par.dp_shard, par.dp_replicate)
+    return WeightSync(policy, engine, ModelShape.of(load_config(src)), layout, cfg.rollout.tp,
+                      colocated=par.placement == "colocated" and not par.rollout_worker,
+                      engine_dtype=DTYPES[cfg.rollout.engine_dtype],
+                      trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 else torch.float32,
+                      temperature=cfg.rollout.temperature, cfg=cfg.sync)
 
 
 def build_scorer_for(cfg: RunConfig):
@@ -69,8 +97,14 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(src)
     train_set, eval_set = build_datasets(cfg.data)
-    engine = build_engine(cfg, src)
-    driver = Driver(cfg, build_policy(cfg, src), engine, build_scorer_for(cfg), PromptSampler(train_set, cfg.run.seed))
+    policy = build_policy(cfg, src)
+    try:
+        engine = build_engine(cfg, src, policy)
+        sync = build_weight_sync(cfg, src, policy, engine)
+        driver = Driver(cfg, policy, engine, build_scorer_for(cfg), PromptSampler(train_set, cfg.run.seed), sync)
+    except BaseException:
+        policy.close()
+        raise
     return driver, eval_set, src
 
 

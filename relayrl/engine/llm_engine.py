@@ -44,8 +44,12 @@ class LLMEngine:
         tensor_parallel_size: int = 1, device: str = "cpu", block_size: int = 16,
         num_blocks: int | None = None, kv_cache_bytes: int | None = None, kv_cache_fraction: float = 0.05,
         enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-        seed: int = 0,
+        seed: int = 0, own_processes: bool = False, runner_group=None,
     ):
+        """own_processes: run the model in worker processes even at tensor_parallel_size 1 (the
+        engine's ranks then live apart from this process: a disaggregated weight sync).
+        runner_group: ranks hosted elsewhere (e.g. in the trainer's processes, colocated) — an
+        object with call / call_all / run_fn / close, like TPWorkerGroup."""
         self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
         self.block_size, self.tp_size = block_size, tensor_parallel_size
         self.eos_ids = set(config.eos_ids)
@@ -53,7 +57,9 @@ class LLMEngine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = config.pad_token_id or 0
         check_tp(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size, config.intermediate_size)
-        if tensor_parallel_size > 1:
+        if runner_group is not None:
+            self.workers, self.runner = runner_group, None
+        elif tensor_parallel_size > 1 or own_processes:
             from relayrl.engine.tp_workers import TPWorkerGroup
 
             self.workers = TPWorkerGroup(config, dtype, tensor_parallel_size, device)
@@ -114,6 +120,13 @@ class LLMEngine:
             return self.workers.call(method, *args)
         return getattr(self.runner, method)(*args)
 
+    def run_on_ranks(self, fn, *args) -> list:
+        """fn(model_runner, *args) on every tensor-parallel rank, wherever it lives; results by rank.
+        The weight sync uses it to write each rank's parameters in place."""
+        if self.workers is not None:
+            return self.workers.run_fn(fn, *args)
+        return [fn(self.runner, *args)]
+
     def close(self) -> None:
         if self.workers is not None:
             self.workers.close()
@@ -130,15 +143,29 @@ class LLMEngine:
         """Load (Hugging Face name, full logical tensor) pairs into every rank's shard. Every engine
         parameter (each fused component counted) must be written: a partial sync is an error."""
         weights = [(n, t.detach().cpu()) for n, t in weights]
-        if self.asleep >= 2:
-            self._call("restore_weight_storage")
+        self.begin_weight_update()
         missing = self._expected_loads - self._call("load_weights", weights)
         if missing:
             raise KeyError(f"weight sync left {len(missing)} engine tensor(s) stale, e.g. {sorted(missing, key=str)[0]}")
+        return self.end_weight_update()  # weights are back; the KV cache comes back with wake()
+
+    def begin_weight_update(self) -> None:
+        """Before a sync writes into the ranks' parameters: storage released by sleep(2) comes back."""
         if self.asleep >= 2:
-            self.asleep = 1  # weights are back; the KV cache comes back with wake()
+            self._call("restore_weight_storage")
+
+    def end_weight_update(self) -> int:
+        """After a complete sync: a new weights version."""
+        if self.asleep >= 2:
+            self.asleep = 1
         self.weights_version += 1
         return self.weights_version
+
+    def score(self, rows: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
+        """Logprob of every token of `rows` given the ones before it, [B, L] (column 0: 0)."""
+        if self.asleep >= 2:
+            raise RuntimeError("the weights were released by sleep(level=2): sync them before scoring")
+        return self._call("score", rows, temperature)
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: free the KV cache (and the prefix cache with it). Level 2: also the weights,

@@ -72,6 +72,11 @@ class ModelRunner:
             self.model.lm_head.weight = self.model.embed_tokens.weight
         self._weights_freed = False
 
+    def params(self) -> dict[str, torch.Tensor]:
+        """Engine parameter name -> its storage on this rank (what a weight sync writes into).
+        Tied lm_head is not listed: it is embed_tokens.weight."""
+        return {n: p.data for n, p in self.model.named_parameters()}
+
     def load_weights(self, weights) -> set:
         return self.model.load_weights((n, t.to(self.device)) for n, t in weights)
 
@@ -84,3 +89,35 @@ class ModelRunner:
             input_ids = input_ids.to(self.device)
         # logits come back to the host: the sampler (and any TP pipe) works on CPU tensors
         return self.model(input_ids, batch, self.kv_cache).float().cpu()
+
+    @torch.inference_mode()
+    def score(self, rows: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
+        """Logprob of each token given the ones before it, [B, L] (column 0 and padding: 0), run
+        through the same paged forward as generation but on a KV cache of its own, so cached
+        prefixes and running requests are untouched. The weight-sync canary compares it with the
+        trainer's logprobs of the same rows."""
+        bs = 16
+        lens = [len(r) for r in rows]
+        tables, nxt = [], 0
+        for n in lens:
+            k = -(-n // bs)
+            tables.append(list(range(nxt, nxt + k)))
+            nxt += k
+        batch = build_batch([0] * len(rows), lens, tables, bs, self.cfg.sliding_window)
+        batch.last_index = torch.arange(sum(lens))  # logits at every token, not just the last
+        shape = (self.cfg.num_hidden_layers, 2, nxt * bs, self.kv_heads_local, self.cfg.head_dim)
+        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv = [(cache[i, 0], cache[i, 1]) for i in range(self.cfg.num_hidden_layers)]
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
+        if self.device.type != "cpu":
+            batch = PagedBatch(**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in vars(batch).items()})
+            ids = ids.to(self.device)
+        logp = torch.log_softmax(self.model(ids, batch, kv).float() / temperature, dim=-1).cpu()
+        out = torch.zeros(len(rows), max(lens))
+        at = 0
+        for b, r in enumerate(rows):
+            n = len(r)
+            nxt_tok = torch.tensor(r[1:], dtype=torch.long)
+            out[b, 1:n] = logp[at:at + n - 1].gather(1, nxt_tok[:, None]).squeeze(1)
+            at += n
+        return out

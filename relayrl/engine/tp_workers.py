@@ -3,7 +3,10 @@
     driver process (scheduler, sampler) ──pipe──> rank 0 ┐
                                         ──pipe──> rank 1 ├─ gloo / nccl all-reduce inside the forward
                                         ──pipe──> ...    ┘
-    every call goes to all ranks; rank 0's result comes back (all ranks compute the same logits)
+    every call goes to all ranks; rank 0's result comes back (all ranks compute the same logits),
+    or every rank's with call_all (e.g. a weight sync's per-rank figures)
+    run_fn(fn, *args): fn(runner, *args) on every rank — how layers above the engine (the weight
+    sync) act on a rank's parameters without the engine importing them
 
 The driver process itself joins no process group, so a trainer in the same process keeps its own.
 """
@@ -51,13 +54,16 @@ def _serve(rank, size, cfg, dtype, device, conn) -> None:
     runner = ModelRunner(cfg, dtype, TPInfo(rank, size, dist.group.WORLD), device)
     conn.send(("ok", None))
     while True:
-        method, args = conn.recv()
+        method, args, every_rank = conn.recv()
         if method == "stop":
             conn.send(("ok", None))
             return
         try:
-            result = getattr(runner, method)(*args)
-            conn.send(("ok", result if rank == 0 else None))
+            if method == "__fn__":
+                result = args[0](runner, *args[1:])
+            else:
+                result = getattr(runner, method)(*args)
+            conn.send(("ok", result if rank == 0 or every_rank else None))
         except Exception:  # reported to the driver, which raises it
             conn.send(("error", traceback.format_exc()))
 
@@ -75,17 +81,35 @@ class TPWorkerGroup:
             self.procs.append(p)
         self._gather()
 
-    def _gather(self):
-        results = [c.recv() for c in self.conns]
+    def _recv(self, rank: int):
+        conn, proc = self.conns[rank], self.procs[rank]
+        while not conn.poll(1.0):  # a rank that died (killed, failed to start) must not hang the caller
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel worker {rank} exited (code {proc.exitcode}) without answering")
+        return conn.recv()
+
+    def _gather(self) -> list:
+        results = [self._recv(r) for r in range(len(self.conns))]
         errors = [r[1] for r in results if r[0] == "error"]
         if errors:
             raise RuntimeError("tensor-parallel worker failed:\n" + errors[0])
-        return results[0][1]
+        return [r[1] for r in results]
 
     def call(self, method: str, *args):
+        """method(*args) on every rank's runner; rank 0's result."""
         for c in self.conns:
-            c.send((method, args))
+            c.send((method, args, False))
+        return self._gather()[0]
+
+    def call_all(self, method: str, *args) -> list:
+        """method(*args) on every rank's runner; every rank's result, by rank."""
+        for c in self.conns:
+            c.send((method, args, True))
         return self._gather()
+
+    def run_fn(self, fn, *args) -> list:
+        """fn(runner, *args) on every rank (fn: a module-level function); results by rank."""
+        return self.call_all("__fn__", fn, *args)
 
     def close(self) -> None:
         if not self.procs:

@@ -1,0 +1,252 @@
+"""The driver's weight sync: the planned reshard, carried out where the roles live, verified every time.
+
+    placement colocated      engine rank r runs in trainer rank r's process (the driver's own with
+                             parallel.backend none; the actor workers otherwise): own pieces are
+                             copied in place, the rest go over a sync group of the trainer ranks
+    placement disaggregated  the engine's ranks have processes of their own; a sync group of
+                             trainer ranks + engine ranks carries every piece point to point
+
+    sync():  engine.begin_weight_update()
+             colocated      policy.sync_colocated(spec)    every trainer rank: sync_step (both roles)
+             disaggregated  policy.start_send(spec)        trainer ranks post sends in a thread, return
+                            engine.run_on_ranks(receive)   engine ranks post receives, unpack buckets
+                            policy.finish_send()
+             engine.end_weight_update()
+             verify()       canary rows scored by the trainer and by the engine; a mean |logprob gap|
+                            over the bound of the engine's dtype stops the run, naming the first
+                            parameter whose checksum differs (every sync in debug mode)
+
+The trainer and engine sides (`Trainer*` / `engine_*` below) are plain functions, so LocalPolicy,
+ActorWorker and the engine's ranks (through LLMEngine.run_on_ranks) all run the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+from pydantic import Field
+
+from relayrl.config import Config
+from relayrl.errors import UserError
+from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout
+from relayrl.sync.transfer import (
+    BackgroundSend,
+    Members,
+    SyncComm,
+    SyncSpec,
+    SyncStats,
+    check_locals,
+    describe_piece,
+    dest_checksums,
+    finish_receives,
+    first_mismatch,
+    post_receives,
+    serve_rendezvous,
+    source_checksums,
+    sync_step,
+    trainer_locals,
+)
+from relayrl.trainer.batch import TrainBatch
+
+# mean |trainer logp - engine logp| over the canary tokens, by the lower of the two precisions
+# (measured gaps: ~1e-6 fp32, ~1e-2 bf16 on the tiny models; a wrong piece moves it by ~0.1-1)
+GAP_BOUND = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+
+
+class SyncConfig(Config):
+    """The `sync:` section: how weights move from the trainer to the engine, and how it is checked."""
+
+    bucket_mb: float = Field(32.0, gt=0)  # pieces for one (source, destination) pair, per message
+    window: int = Field(4, ge=1)  # buckets a trainer rank keeps in flight
+    canary_rows: int = Field(8, ge=1)
+    canary_len: int = Field(24, ge=2)
+    gap_bound: Optional[float] = Field(None, gt=0)  # None: by the engine's (and trainer's) dtype
+    debug_checksums: bool = False  # compare every piece's checksum on every sync, not only on failure
+
+
+class SyncVerificationError(UserError):
+    """The engine does not hold what the trainer holds (or computes differently from it)."""
+
+
+# ---------------------------------------------------------------------------- member-side functions
+class TrainerSide:
+    """What a trainer rank keeps between syncs: its sync group and a send in flight."""
+
+    def __init__(self):
+        self.comm: SyncComm | None = None
+        self.send: BackgroundSend | None = None
+
+    def connect(self, host: str, port: int, rank: int, members: Members, backend: str) -> None:
+        if members.world_size > 1:
+            self.comm = SyncComm(host, port, members.of_trainer(rank), members.world_size, backend)
+
+    def colocated(self, model, rank: int, spec: SyncSpec, engine_params: dict | None) -> SyncStats:
+        hosts = engine_params is not None
+        return sync_step(spec.plan, comm=self.comm, members=spec.members, dtype=spec.dtype, trainer_rank=rank,
+                         engine_rank=rank if hosts else None, local=trainer_locals(model), params=engine_params,
+                         bucket_bytes=spec.bucket_bytes, window=spec.window)
+
+    def start_send(self, model, rank: int, spec: SyncSpec) -> None:
+        local = trainer_locals(model)
+        check_locals(spec.plan, rank, local)
+        self.send = BackgroundSend(spec.plan, rank, local, self.comm, spec.members, spec.dtype,
+                                   spec.bucket_bytes, spec.window)
+
+    def finish_send(self) -> SyncStats:
+        send, self.send = self.send, None
+        return send.join() if send is not None else SyncStats()
+
+    @staticmethod
+    def checksums(model, rank: int, spec: SyncSpec) -> dict[int, float]:
+        return source_checksums(spec.plan, rank, trainer_locals(model), spec.dtype)
+
+
+def engine_connect(runner, host: str, port: int, members: Members, backend: str) -> None:
+    runner.sync_comm = SyncComm(host, port, members.of_engine(runner.tp.rank), members.world_size, backend)
+
+
+def engine_receive(runner, spec: SyncSpec) -> SyncStats:
+    t0 = time.perf_counter()
+    params = runner.params()
+    stats = finish_receives(post_receives(spec.plan, runner.tp.rank, params, runner.sync_comm, spec.members,
+                                          spec.bucket_bytes), params)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def engine_checksums(runner, spec: SyncSpec) -> dict[int, float]:
+    return dest_checksums(spec.plan, runner.tp.rank, runner.params())
+
+
+def merge(dicts) -> dict:
+    out = {}
+    for d in dicts:
+        if d:
+            out.update(d)
+    return out
+
+
+# ---------------------------------------------------------------------------- the driver's side
+def canary_rows(vocab_size: int, rows: int, length: int) -> list[list[int]]:
+    """Fixed token rows (a seeded draw, the same every sync and in every process)."""
+    g = torch.Generator().manual_seed(20261129)
+    return torch.randint(0, vocab_size, (rows, length), generator=g).tolist()
+
+
+class WeightSync:
+    """Moves the policy's weights into the engine by the plan, and checks them, every step."""
+
+    def __init__(self, policy, engine, shape: ModelShape, trainer_layout: TrainerLayout, engine_tp: int,
+                 colocated: bool, engine_dtype: torch.dtype, trainer_dtype: torch.dtype, temperature: float,
+                 cfg: SyncConfig = SyncConfig()):
+        self.policy, self.engine, self.cfg, self.temperature = policy, engine, cfg, temperature
+        members = Members(trainer_layout.world_size, engine_tp, colocated)
+        self.spec = SyncSpec(shape, trainer_layout, EngineLayout(engine_tp), members, engine_dtype,
+                             bucket_bytes=int(cfg.bucket_mb * 2**20), window=cfg.window)
+        lower = engine_dtype if engine_dtype != torch.float32 else trainer_dtype
+        self.bound = cfg.gap_bound if cfg.gap_bound is not None else GAP_BOUND[lower]
+        self.rows = canary_rows(shape.vocab_size, cfg.canary_rows, cfg.canary_len)
+        self.syncs = 0
+        self._store = None
+        if members.world_size > 1:
+            self._store = serve_rendezvous()
+            host, port, backend = "127.0.0.1", self._store.port, "gloo"
+            policy.sync_connect(host, port, members, backend)
+            if not colocated:
+                engine.run_on_ranks(engine_connect, host, port, members, backend)
+
+    @property
+    def colocated(self) -> bool:
+        return self.spec.members.colocated
+
+    def transfer(self) -> dict[str, float]:
+        """One planned transfer (verify() next). Returns its figures: bytes per engine rank (what
+        the plan moves into the largest engine shard), bytes moved between processes, bytes copied
+        in place (colocated pieces)."""
+        t0 = time.perf_counter()
+        self.engine.begin_weight_update()
+        if self.colocated:
+            stats = self.policy.sync_colocated(self.spec, self.engine)
+        else:
+            self.policy.start_send(self.spec)
+            received = self.engine.run_on_ranks(engine_receive, self.spec)
+            stats = self.policy.finish_send()
+            for s in received:
+                stats = stats.add(s)
+        self.engine.end_weight_update()
+        self.syncs += 1
+        per_rank = self.spec.plan.bytes_per_dst_rank(self.spec.dtype)
+        return {"time/sync_transfer": time.perf_counter() - t0, "sync/bytes_between_processes": float(stats.bytes_received),
+                "sync/bytes_copied_in_place": float(stats.bytes_copied),
+                "sync/bytes_per_engine_rank": float(max(per_rank.values())), "sync/messages": float(stats.messages)}
+
+    def sync(self) -> dict[str, float]:
+        """transfer() then verify()."""
+        out = self.transfer()
+        t0 = time.perf_counter()
+        out["sync/canary_gap"] = self.verify(f"sync {self.syncs}")
+        out["time/sync_verify"] = time.perf_counter() - t0
+        return out
+
+    def verify(self, after: str) -> float:
+        """The canary: the mean |logprob gap| must stay under the bound, else stop, naming the first
+        parameter whose checksum differs. Returns the gap."""
+        L = len(self.rows[0])
+        ids = torch.tensor(self.rows)
+        mask = torch.ones(len(self.rows), L)
+        mask[:, 0] = 0
+        batch = TrainBatch(ids, torch.ones_like(ids), mask)
+        trainer = self.policy.compute_logprobs(batch)
+        engine = self.engine.score(self.rows, self.temperature)
+        gap = float(((trainer - engine).abs() * mask).sum() / mask.sum())
+        if gap > self.bound or self.cfg.debug_checksums:
+            bad = self.first_bad_piece()
+            if bad is not None or gap > self.bound:
+                where = (f"first parameter whose checksum differs: {describe_piece(bad)}" if bad is not None
+                         else "every piece's checksum matches: the engine computes these weights differently "
+                              "from the trainer (not a transfer error)")
+                raise SyncVerificationError(
+                    f"weight sync verification failed after {after}: canary logprob gap {gap:.3g} "
+                    f"(bound {self.bound:g} for the {str(self.spec.dtype).removeprefix('torch.')} engine); {where}")
+        return gap
+
+    def checksums(self) -> tuple[dict[int, float], dict[int, float]]:
+        """(trainer side, engine side): plan piece index -> checksum (the debug view)."""
+        return self.policy.sync_checksums(self.spec), merge(self.engine.run_on_ranks(engine_checksums, self.spec))
+
+    def first_bad_piece(self):
+        src, dst = self.checksums()
+        return first_mismatch(self.spec.plan, src, dst)
+
+    def checksum_table(self) -> dict[str, tuple[float, float]]:
+        """'engine rank r: param' -> (trainer's, engine's) checksum, summed over the param's pieces."""
+        src, dst = self.checksums()
+        out: dict[str, list[float]] = {}
+        for i, t in enumerate(self.spec.plan.transfers):
+            row = out.setdefault(f"engine rank {t.dst_rank}: {t.dst_param}", [0.0, 0.0])
+            row[0] += src[i]
+            row[1] += dst[i]
+        return {k: (a, b) for k, (a, b) in out.items()}
+
+    def close(self) -> None:
+        self._store = None
+
+
+class FullWeightSync:
+    """vLLM's own loader takes full tensors (the one engine whose layout needs them): gathered on
+    the trainer, sliced by vLLM. No plan, no canary (vLLM scores no given rows)."""
+
+    def __init__(self, policy, engine):
+        self.policy, self.engine = policy, engine
+
+    def transfer(self) -> dict[str, float]:
+        self.engine.load_weights(self.policy.weights())
+        return {}
+
+    def verify(self, after: str) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,363 @@
+"""Carrying out a SyncPlan between processes: local copies, bucketed point-to-point sends, checksums.
+
+Who is where (a `Members` map: trainer rank / engine rank -> rank in the sync group):
+
+    colocated      engine rank r lives in trainer rank r's process: members = trainer ranks; the
+                   r -> r pieces are copied in place (no buffer), the others go over the group
+    disaggregated  members = trainer ranks 0..T-1, then engine ranks T..T+E-1
+
+The sync group is a process group of its own (`SyncComm`: a TCPStore rendezvous, gloo on CPU, nccl
+on GPU), made beside whatever default group the trainer or the engine's TP workers already have.
+
+One sync, on every member (`sync_send` / `post_receives` + `finish_receives`, or `sync_step` for both):
+
+    engine side   post one irecv per bucket of each (source, me) pair — at most its own shard in
+                  flight, in the engine's dtype — then unpack each bucket as it lands, in order
+    trainer side  for each destination: pack the next bucket (slices of its local shards, cast to
+                  the engine's dtype), isend it; at most `window` buckets of its own in flight
+
+Every receive is posted before any member waits on a send, so no member can wait on another in a
+cycle. No member ever holds a full unsharded parameter it does not own: a bucket is a list of the
+plan's pieces for one (source, destination) pair, never more than `bucket_bytes` (a single piece
+larger than that goes alone).
+
+Checksums (verification, debug): a piece's checksum is sum(x * w) in float64, with w a fixed
+function of the LOGICAL coordinates, so the trainer (from its local shard, cast to the engine's
+dtype) and the engine (from its fused parameter) compute the same number exactly when the engine
+holds the right values in the right place — a transposed head, a swapped q/k block, a shifted row
+all change it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from relayrl.sync.boxes import Box
+from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout, trainer_holdings
+from relayrl.sync.plan import SyncPlan, Transfer, plan_sync
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+
+
+# ---------------------------------------------------------------------------- the group
+@dataclass(frozen=True)
+class Members:
+    """Where the plan's ranks sit in the sync group."""
+
+    trainer_world: int
+    engine_world: int
+    colocated: bool
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer_world if self.colocated else self.trainer_world + self.engine_world
+
+    def of_trainer(self, rank: int) -> int:
+        return rank
+
+    def of_engine(self, rank: int) -> int:
+        return rank if self.colocated else self.trainer_world + rank
+
+
+class SyncComm:
+    """A process group used only for weight sync. Construction returns at once; the rendezvous (all
+    members must join) runs in a thread and the first operation waits for it, so a driver can ask
+    the trainer and the engine to connect one after the other."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                 timeout_s: float = 300.0):
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self._pg = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._connect, args=(host, port, timeout_s), daemon=True)
+        self._thread.start()
+
+    def _connect(self, host: str, port: int, timeout_s: float) -> None:
+        try:
+            timeout = timedelta(seconds=timeout_s)
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            prefixed = dist.PrefixStore("relayrl-sync", store)
+            if self.backend == "nccl":
+                self._pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.world_size)
+            else:
+                self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, timeout)
+        except BaseException as e:  # raised in the caller's thread by .pg
+            self._error = e
+
+    @property
+    def pg(self):
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"weight-sync group rank {self.rank}/{self.world_size} could not connect: "
+                               f"{self._error}") from self._error
+        return self._pg
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int):
+        return self.pg.send([t], peer, tag)
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int):
+        return self.pg.recv([t], peer, tag)
+
+    def close(self) -> None:
+        self._thread.join()
+        self._pg = None
+
+
+def serve_rendezvous(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
+    """The store the members meet at (held by the driver, which is not a member). port 0: any free."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+# ---------------------------------------------------------------------------- the trainer's shards
+def trainer_locals(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF name -> this rank's local tensor of every parameter (DTensor.to_local(): an FSDP / TP
+    shard, no copy; plain tensors as they are). Tied lm_head is left to embed_tokens."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(model, "reshard"):  # FSDP2 may keep the root unsharded after a no-grad forward
+        model.reshard()
+    out = {}
+    for name, t in model.state_dict().items():
+        out[name] = (t.to_local() if isinstance(t, DTensor) else t).detach()
+    return out
+
+
+def check_locals(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor]) -> None:
+    """Every tensor the plan reads from trainer `rank` is there with the shape the layout says."""
+    for name, (h,) in trainer_holdings(plan.shape, plan.trainer, rank).items():
+        if name not in local:
+            raise KeyError(f"trainer rank {rank} has no tensor {name!r} for the weight sync")
+        if tuple(local[name].shape) != h.local_shape:
+            raise RuntimeError(f"trainer rank {rank} holds {name} as {tuple(local[name].shape)}, but its layout "
+                               f"(tp={plan.trainer.tp}, dp_shard={plan.trainer.dp_shard}) says {h.local_shape}: "
+                               "the sync plan does not match how the model was parallelised")
+
+
+# ---------------------------------------------------------------------------- buckets
+def buckets(transfers: tuple[Transfer, ...], itemsize: int, bucket_bytes: int) -> list[tuple[Transfer, ...]]:
+    """Consecutive pieces of one (source, destination) pair, grouped up to `bucket_bytes` each."""
+    out, cur, size = [], [], 0
+    for t in transfers:
+        n = t.numel * itemsize
+        if cur and size + n > bucket_bytes:
+            out.append(tuple(cur))
+            cur, size = [], 0
+        cur.append(t)
+        size += n
+    if cur:
+        out.append(tuple(cur))
+    return out
+
+
+def _pack(ts: tuple[Transfer, ...], local: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([local[t.name][t.src_box.slices()].reshape(-1).to(dtype) for t in ts])
+
+
+def _unpack(ts: tuple[Transfer, ...], flat: torch.Tensor, params: dict[str, torch.Tensor]) -> None:
+    at = 0
+    for t in ts:
+        params[t.dst_param][t.dst_box.slices()].copy_(flat[at:at + t.numel].view(t.shape))
+        at += t.numel
+
+
+@dataclass
+class SyncStats:
+    """What one member did in one sync (bytes in the engine's dtype)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied: int = 0  # colocated pieces copied in place
+    messages: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "SyncStats") -> "SyncStats":
+        return SyncStats(*(getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__))
+
+
+# ---------------------------------------------------------------------------- one sync
+@torch.no_grad()
+def copy_own(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> SyncStats:
+    """Colocated: trainer rank `rank`'s pieces for engine rank `rank`, copied straight into place."""
+    n = 0
+    for t in plan.between(rank, rank):
+        params[t.dst_param][t.dst_box.slices()].copy_(local[t.name][t.src_box.slices()])
+        n += t.numel
+    itemsize = next(iter(params.values())).dtype.itemsize if params else 0
+    return SyncStats(bytes_copied=n * itemsize)
+
+
+@dataclass
+class PendingReceives:
+    works: list = field(default_factory=list)  # (work, buffer, transfers), in the order to unpack
+    stats: SyncStats = field(default_factory=SyncStats)
+
+
+@torch.no_grad()
+def post_receives(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tensor], comm: SyncComm,
+                  members: Members, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PendingReceives:
+    """Engine side, step 1: an irecv per bucket from every other-process source (returns at once)."""
+    me = members.of_engine(engine_rank)
+    pending = PendingReceives()
+    dtype = next(iter(params.values())).dtype
+    device = next(iter(params.values())).device
+    for src in sorted(plan.sources(engine_rank)):
+        peer = members.of_trainer(src)
+        if peer == me:
+            continue
+        for tag, ts in enumerate(buckets(plan.between(src, engine_rank), dtype.itemsize, bucket_bytes)):
+            buf = torch.empty(sum(t.numel for t in ts), dtype=dtype, device=device)
+            pending.works.append((comm.irecv(buf, peer, tag), buf, ts))
+            pending.stats.bytes_received += buf.numel() * dtype.itemsize
+            pending.stats.messages += 1
+    return pending
+
+
+@torch.no_grad()
+def finish_receives(pending: PendingReceives, params: dict[str, torch.Tensor]) -> SyncStats:
+    """Engine side, step 2: unpack each bucket as it lands (the next ones keep arriving meanwhile)."""
+    while pending.works:
+        work, buf, ts = pending.works.pop(0)
+        work.wait()
+        _unpack(ts, buf, params)
+    return pending.stats
+
+
+@torch.no_grad()
+def sync_send(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor], comm: SyncComm,
+              members: Members, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              window: int = 4) -> SyncStats:
+    """Trainer side: send every bucket this rank sources to other processes, `window` in flight."""
+    me = members.of_trainer(trainer_rank)
+    stats, inflight = SyncStats(), []
+    for (src, dst), ts_all in sorted(plan.pairs().items(), key=lambda kv: kv[0][1]):
+        peer = members.of_engine(dst)
+        if src != trainer_rank or peer == me:
+            continue
+        for tag, ts in enumerate(buckets(ts_all, dtype.itemsize, bucket_bytes)):
+            buf = _pack(ts, local, dtype)
+            inflight.append((comm.isend(buf, peer, tag), buf))  # the buffer lives until its send completes
+            stats.bytes_sent += buf.numel() * dtype.itemsize
+            stats.messages += 1
+            if len(inflight) > window:
+                inflight.pop(0)[0].wait()
+    for work, _ in inflight:
+        work.wait()
+    return stats
+
+
+class BackgroundSend:
+    """sync_send in a thread: the trainer's call returns while the engine receives (disaggregated)."""
+
+    def __init__(self, *args, **kwargs):
+        self.result: SyncStats | None = None
+        self.error: BaseException | None = None
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=args, kwargs=kwargs, daemon=True)
+        self._thread.start()
+
+    def _run(self, *args, **kwargs) -> None:
+        try:
+            self.result = sync_send(*args, **kwargs)
+            self.result.seconds = time.perf_counter() - self._t0
+        except BaseException as e:
+            self.error = e
+
+    def join(self) -> SyncStats:
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"weight-sync send failed: {self.error}") from self.error
+        return self.result
+
+
+def sync_step(plan: SyncPlan, *, comm: SyncComm | None, members: Members, dtype: torch.dtype,
+              trainer_rank: int | None = None, engine_rank: int | None = None,
+              local: dict[str, torch.Tensor] | None = None, params: dict[str, torch.Tensor] | None = None,
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 4) -> SyncStats:
+    """Everything one member does in one sync, when it is trainer rank, engine rank or both
+    (colocated). Receives are posted first, then own pieces copied, then sends, then unpacking.
+    `dtype`: the engine's (what goes over the wire)."""
+    t0 = time.perf_counter()
+    if trainer_rank is not None:
+        check_locals(plan, trainer_rank, local)
+    stats, pending = SyncStats(), None
+    if engine_rank is not None:
+        pending = post_receives(plan, engine_rank, params, comm, members, bucket_bytes)
+        if trainer_rank is not None and members.of_trainer(trainer_rank) == members.of_engine(engine_rank):
+            stats = stats.add(copy_own(plan, engine_rank, local, params))
+    if trainer_rank is not None and members.world_size > 1:
+        stats = stats.add(sync_send(plan, trainer_rank, local, comm, members, dtype, bucket_bytes, window))
+    if pending is not None:
+        stats = stats.add(finish_receives(pending, params))
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+# ---------------------------------------------------------------------------- checksums
+def _coord_weights(box: Box) -> torch.Tensor:
+    """A fixed weight per LOGICAL position of `box`, in [1, 2): the same on both ends of a piece."""
+    rows = torch.arange(box.r0, box.r1, dtype=torch.float64)
+    if box.c0 is None:
+        return 1.0 + torch.remainder(rows * 7919.0, 1021.0) / 1021.0
+    cols = torch.arange(box.c0, box.c1, dtype=torch.float64)
+    return 1.0 + torch.remainder(rows[:, None] * 7919.0 + cols[None, :] * 104729.0, 1021.0) / 1021.0
+
+
+def _checksum(values: torch.Tensor, logical: Box) -> float:
+    return float((values.detach().cpu().to(torch.float64) * _coord_weights(logical)).sum())
+
+
+@torch.no_grad()
+def source_checksums(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor],
+                     dtype: torch.dtype) -> dict[int, float]:
+    """Plan index -> checksum of each piece trainer `trainer_rank` sources, rounded to `dtype`
+    (the engine's) first — the values the engine should hold."""
+    return {i: _checksum(local[t.name][t.src_box.slices()].to(dtype), t.logical)
+            for i, t in enumerate(plan.transfers) if t.src_rank == trainer_rank}
+
+
+@torch.no_grad()
+def dest_checksums(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tensor]) -> dict[int, float]:
+    """Plan index -> checksum of what engine `engine_rank` holds where each piece should be."""
+    return {i: _checksum(params[t.dst_param][t.dst_box.slices()], t.logical)
+            for i, t in enumerate(plan.transfers) if t.dst_rank == engine_rank}
+
+
+def first_mismatch(plan: SyncPlan, src: dict[int, float], dst: dict[int, float], rtol: float = 1e-9) -> Transfer | None:
+    """The first piece (in plan order: engine rank, then parameter) whose two checksums differ."""
+    for i, t in enumerate(plan.transfers):
+        a, b = src.get(i), dst.get(i)
+        if a is None or b is None:
+            raise KeyError(f"checksum of plan piece {i} ({t.name} -> engine {t.dst_rank} {t.dst_param}) is missing")
+        if abs(a - b) > rtol * max(1.0, abs(a)):
+            return t
+    return None
+
+
+def describe_piece(t: Transfer) -> str:
+    return (f"engine rank {t.dst_rank} {t.dst_param} {t.dst_box} (= {t.name} {t.logical}, "
+            f"from trainer rank {t.src_rank})")
+
+
+# ---------------------------------------------------------------------------- what both ends agree on
+@dataclass(frozen=True)
+class SyncSpec:
+    """Everything a member needs to play its part in a sync (small, picklable; the plan is derived
+    and cached in each process)."""
+
+    shape: ModelShape
+    trainer: TrainerLayout
+    engine: EngineLayout
+    members: Members
+    dtype: torch.dtype  # the engine's: what goes over the wire
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    window: int = 4
+
+    @property
+    def plan(self) -> SyncPlan:
+        return plan_sync(self.shape, self.trainer, self.engine)
