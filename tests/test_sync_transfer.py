@@ -1,0 +1,192 @@
+"""The planned weight sync between real processes: trainer shards (FSDP2 / TP / HSDP from
+parallelize_model) moved into engine ranks, colocated and disaggregated, checked by what the engine
+then computes (its logprobs against a single-process reference, fp32)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from relayrl.engine.model_runner import ModelRunner
+from relayrl.engine.parallel_state import TPInfo, check_tp
+from relayrl.models import CausalLM, ModelConfig
+from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.parallelize import parallelize_model
+from relayrl.sync.apply import shard_state_dict
+from relayrl.sync.boxes import Box
+from relayrl.sync.layout import EngineLayout, TrainerLayout, logical_tensors
+from relayrl.sync.plan import plan_sync
+from relayrl.sync.transfer import (
+    BackgroundSend,
+    Members,
+    SyncComm,
+    buckets,
+    finish_receives,
+    post_receives,
+    serve_rendezvous,
+    sync_step,
+    trainer_locals,
+)
+from relayrl.trainer.logprobs import token_logprobs
+
+from dist_harness import run_distributed
+from test_sync_plan import CONFIGS
+
+# trainer layouts on 4 ranks as (tp, dp_shard, dp_replicate): FSDP 4, HSDP 2x2, FSDP 2 x TP 2,
+# TP 2 with 2 replicas (the seed case's trainer TP=2 feeding engine TP=4), 4 replicas
+LAYOUTS_4 = [(1, 4, 1), (1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 1, 4)]
+ENGINE_TP = (1, 2, 4)
+ROWS = [[1, 5, 2, 7, 3, 9, 4, 0, 6, 8], [3, 3, 1, 4, 1, 5, 9, 2, 6, 5]]
+
+
+def _model(key: str, seed: int = 0) -> CausalLM:
+    cfg = ModelConfig(**CONFIGS[key])
+    torch.manual_seed(seed)
+    model = CausalLM(cfg)
+    with torch.no_grad():  # norms random too: all-ones would hide a misplaced slice
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+def _reference_logp(model: CausalLM) -> torch.Tensor:
+    ids = torch.tensor(ROWS)
+    return token_logprobs(model, ids, torch.ones_like(ids))[0]
+
+
+def _grid(rank: int, world: int, port: int) -> list:
+    """Every (shape, trainer layout, engine TP) on these 4 processes, colocated: engine rank r in
+    process r. Returns (case, engine rank, max |engine - reference|, max |engine - trainer|, bytes)."""
+    members = Members(trainer_world=4, engine_world=4, colocated=True)  # engine ranks <= 4 live in 0..3
+    comm = SyncComm("127.0.0.1", port, rank, 4)
+    groups = {1: None, 2: dist.new_group([0, 1]), 4: dist.group.WORLD}
+    out = []
+    for key, shape in CONFIGS.items():
+        ref_model = _model(key)
+        ref = _reference_logp(ref_model)
+        full = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
+        for tp, shard, rep in LAYOUTS_4:
+            if shape["num_key_value_heads"] % tp:
+                continue
+            dims = ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=4)
+            model = CausalLM(ref_model.config)
+            model.load_state_dict(full)
+            model = parallelize_model(model, dims, dims.build_mesh("cpu"))
+            ids = torch.tensor(ROWS)
+            with torch.no_grad():
+                trainer = token_logprobs(model, ids, torch.ones_like(ids),
+                                         tp_group=dims.tp_mesh.get_group() if tp > 1 else None)[0]
+            layout = TrainerLayout(tp=tp, dp_shard=shard, dp_replicate=rep)
+            for etp in ENGINE_TP:
+                check_tp(shape["num_attention_heads"], shape["num_key_value_heads"], etp, shape["intermediate_size"])
+                plan = plan_sync(ref_model.config, layout, EngineLayout(etp))
+                hosts = rank < etp
+                runner = ModelRunner(ref_model.config, torch.float32, TPInfo(rank, etp, groups[etp])) if hosts else None
+                if runner is not None:
+                    for p in runner.params().values():
+                        p.fill_(float("nan"))  # anything the sync misses shows
+                stats = sync_step(plan, comm=comm, members=members, dtype=torch.float32, trainer_rank=rank,
+                                  engine_rank=rank if hosts else None, local=trainer_locals(model),
+                                  params=runner.params() if hosts else None, bucket_bytes=512, window=2)
+                if hosts:
+                    got = runner.score(ROWS)
+                    trainer = trainer.detach()
+                    moved = stats.bytes_received + stats.bytes_copied
+                    out.append((f"{key}-t{tp}x{shard}x{rep}-e{etp}", rank, float((got - ref).abs().max()),
+                                float((got - trainer).abs().max()), moved,
+                                plan.bytes_per_dst_rank(torch.float32)[rank], stats.bytes_copied))
+                dist.barrier()
+    comm.close()
+    return out
+
+
+def test_grid_of_layouts_colocated_engine_equals_trainer():
+    store = serve_rendezvous()
+    results = run_distributed(_grid, 4, store.port, timeout=300)
+    rows = [r for per_rank in results for r in per_rank]
+    # every case ran on every engine rank: 3 shapes, 5/5/3 trainer layouts (one KV head: no TP 2), 3 engine TPs
+    assert len({r[0] for r in rows}) == (5 + 5 + 3) * 3
+    assert len(rows) == (5 + 5 + 3) * (1 + 2 + 4)
+    for case, rank, vs_ref, vs_trainer, moved, shard_bytes, _ in rows:
+        assert vs_ref < 1e-5, (case, rank, vs_ref)
+        assert vs_trainer < 1e-5, (case, rank, vs_trainer)
+        assert moved == shard_bytes, (case, rank)  # exactly its shard: nothing more arrives
+    seed = [r for r in rows if r[0] == "gqa8x2-t2x1x2-e4"]
+    assert [r[1] for r in seed] == [0, 1, 2, 3]
+    # each engine rank's process holds part of what it needs (its own replicated pieces, own heads
+    # where its trainer rank has them): copied in place; only the rest crosses processes
+    assert all(0 < r[6] < r[5] for r in seed)
+
+
+def _disaggregated(rank: int, world: int, port: int, key: str, tp: int, etp: int) -> tuple | None:
+    """Trainer ranks 0..tp-1 (shards cut from the full state dict), engine ranks after them, in
+    processes of their own: trainers send in a background thread, engines receive and unpack."""
+    model = _model(key)
+    cfg = model.config
+    layout, members = TrainerLayout(tp=tp), Members(tp, etp, colocated=False)
+    plan = plan_sync(cfg, layout, EngineLayout(etp))
+    comm = SyncComm("127.0.0.1", port, rank, members.world_size)
+    engine_group = dist.new_group(list(range(tp, tp + etp)))
+    full = {k: v.detach() for k, v in model.state_dict().items()}
+    if rank < tp:
+        send = BackgroundSend(plan, rank, shard_state_dict(full, cfg, layout, rank), comm, members, torch.float32,
+                              256, 2)  # 256-byte buckets: many messages per pair, 2 in flight
+        stats = send.join()
+        comm.close()
+        return ("trainer", stats.bytes_sent, stats.messages)
+    e = rank - tp
+    runner = ModelRunner(cfg, torch.float32, TPInfo(e, etp, engine_group if etp > 1 else None))
+    params = runner.params()
+    stats = finish_receives(post_receives(plan, e, params, comm, members, 256), params)
+    got = runner.score(ROWS)
+    comm.close()
+    return ("engine", float((got - _reference_logp(model)).abs().max()), stats.bytes_received,
+            plan.bytes_per_dst_rank(torch.float32)[e], stats.messages)
+
+
+def test_disaggregated_trainer_tp2_to_engine_tp2():
+    store = serve_rendezvous()
+    results = run_distributed(_disaggregated, 4, store.port, "gqa8x2", 2, 2, timeout=180)
+    trainers, engines = results[:2], results[2:]
+    assert all(r[0] == "engine" for r in engines)
+    for _, gap, got, want, messages in engines:
+        assert gap < 1e-5
+        assert got == want
+        assert messages > 10  # bucketed, not one message per pair
+    assert sum(t[1] for t in trainers) == sum(e[2] for e in engines)
+
+
+# ---------------------------------------------------------------------------- in one process
+def test_buckets_cut_by_bytes_and_keep_order():
+    plan = plan_sync(ModelConfig(**CONFIGS["mha4"]), TrainerLayout(), EngineLayout(1))
+    ts = plan.between(0, 0)
+    bs = buckets(ts, 4, 64)
+    assert [t for b in bs for t in b] == list(ts)
+    for b in bs:
+        assert len(b) == 1 or sum(t.numel for t in b) * 4 <= 64
+    assert len(buckets(ts, 4, 1 << 30)) == 1
+
+
+def test_colocated_single_process_copies_in_place():
+    model = _model("gqa8x2")
+    cfg = model.config
+    plan = plan_sync(cfg, TrainerLayout(), EngineLayout(1))
+    runner = ModelRunner(cfg, torch.bfloat16)
+    stats = sync_step(plan, comm=None, members=Members(1, 1, True), dtype=torch.bfloat16, trainer_rank=0,
+                      engine_rank=0, local=trainer_locals(model), params=runner.params())
+    assert stats.bytes_received == 0 and stats.messages == 0
+    assert stats.bytes_copied == plan.bytes_per_dst_rank(torch.bfloat16)[0]
+    engine_embed = runner.params()["embed_tokens.weight"]
+    assert torch.equal(engine_embed, model.model.embed_tokens.weight.detach().to(torch.bfloat16))
+
+
+def test_checksums_see_a_moved_value():
+    from relayrl.sync.transfer import _checksum
+
+    x = torch.arange(12.0).view(3, 4)
+    box = Box(0, 3, 0, 4)
+    assert _checksum(x, box) == _checksum(x.clone(), box)
+    swapped = x.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]  # same values, two rows exchanged
+    assert _checksum(swapped, box) != _checksum(x, box)
+    assert _checksum(x, box) != _checksum(x, Box(1, 4, 0, 4))  # the same values at other logical rows
