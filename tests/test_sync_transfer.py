@@ -14,7 +14,7 @@ from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
 from relayrl.sync.apply import shard_state_dict
 from relayrl.sync.boxes import Box
-from relayrl.sync.layout import EngineLayout, TrainerLayout, logical_tensors
+from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.plan import plan_sync
 from relayrl.sync.transfer import (
     BackgroundSend,

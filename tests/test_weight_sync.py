@@ -14,7 +14,6 @@ from relayrl.controller.weight_sync import SyncConfig, SyncVerificationError, We
 from relayrl.engine import LLMEngine
 from relayrl.errors import ConfigError
 from relayrl.models import CausalLM, ModelConfig
-from relayrl.observe import read_metrics
 from relayrl.sync.layout import ModelShape, TrainerLayout
 from relayrl.sync.plan import naive_plan
 from relayrl.trainer.actor import Actor
