@@ -158,7 +158,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     try:
         return _run(driver, cfg, run_dir, src, eval_set, ckpt, show_progress)
     finally:
-        for role in (driver.policy, driver.engine, driver.scorer):
+        for role in (driver.weight_sync, driver.policy, driver.engine, driver.scorer):
             if hasattr(role, "close"):
                 role.close()
 

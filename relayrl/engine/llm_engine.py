@@ -85,6 +85,7 @@ class LLMEngine:
             self._expected_loads = EngineModel(config).expected_loads()
         self.asleep = 0
         self.weights_version = 0
+        self.has_weights = False  # built empty: the first load_weights / sync fills it
         self._rng = random.Random(seed)
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -158,13 +159,15 @@ class LLMEngine:
         """After a complete sync: a new weights version."""
         if self.asleep >= 2:
             self.asleep = 1
+        self.has_weights = True
         self.weights_version += 1
         return self.weights_version
 
     def score(self, rows: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
         """Logprob of every token of `rows` given the ones before it, [B, L] (column 0: 0)."""
-        if self.asleep >= 2:
-            raise RuntimeError("the weights were released by sleep(level=2): sync them before scoring")
+        if self.asleep >= 2 or not self.has_weights:
+            raise RuntimeError("the engine holds no weights (never loaded, or released by sleep(level=2)): "
+                               "sync them before scoring")
         return self._call("score", rows, temperature)
 
     def sleep(self, level: int = 1) -> None:
@@ -199,6 +202,8 @@ class LLMEngine:
         """Queue `params.n` samples of `prompt`. `prior` resumes them from partial completions
         (one (token_ids, logprobs) per sample, e.g. from `abort`): their seeded streams continue
         where they stopped, so the result equals an uninterrupted run under the same weights."""
+        if not self.has_weights:
+            raise RuntimeError("the engine holds no weights yet: load_weights() (or a weight sync) first")
         ids = self._encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
