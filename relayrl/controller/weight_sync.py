@@ -60,8 +60,10 @@ class SyncConfig(Config):
 
     bucket_mb: float = Field(32.0, gt=0)  # pieces for one (source, destination) pair, per message
     window: int = Field(4, ge=1)  # buckets a trainer rank keeps in flight
-    canary_rows: int = Field(8, ge=1)
-    canary_len: int = Field(24, ge=2)
+    # the canary costs one forward of rows x len tokens on each side per sync (at least one row
+    # per trainer rank): 64 tokens, a small share of a step's rollout tokens
+    canary_rows: int = Field(4, ge=1)
+    canary_len: int = Field(16, ge=2)
     gap_bound: Optional[float] = Field(None, gt=0)  # None: by the engine's (and trainer's) dtype
     debug_checksums: bool = False  # compare every piece's checksum on every sync, not only on failure
 
@@ -147,7 +149,7 @@ class WeightSync:
                              bucket_bytes=int(cfg.bucket_mb * 2**20), window=cfg.window)
         lower = engine_dtype if engine_dtype != torch.float32 else trainer_dtype
         self.bound = cfg.gap_bound if cfg.gap_bound is not None else GAP_BOUND[lower]
-        self.rows = canary_rows(shape.vocab_size, cfg.canary_rows, cfg.canary_len)
+        self.rows = canary_rows(shape.vocab_size, max(cfg.canary_rows, trainer_layout.world_size), cfg.canary_len)
         self.syncs = 0
         self._store = None
         if members.world_size > 1:
