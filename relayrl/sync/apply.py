@@ -4,9 +4,8 @@
     pack(plan, src, dst, locals) -> flat              one buffer per (src, dst) pair, in plan order ...
     unpack(plan, src, dst, flat, params)              ... and its inverse on the receiving side
 
-Transfer layers: colocated, a process that is trainer rank i and engine rank i copies its own
-(i -> i) pieces with execute_plan and exchanges pack/unpack buffers for the other pairs;
-disaggregated, trainer rank s sends pack(plan, s, d, ...) to each engine rank d in plan.pairs().
+The transfer between processes (relayrl.sync.transfer) packs and unpacks the same way, bucket by
+bucket; execute_plan is what its results are checked against.
 
 shard_state_dict builds a trainer rank's local tensors from a full state dict, so the planner is
 tested without any process group (a real trainer hands DTensor.to_local() of its FSDP parameters).
@@ -19,6 +18,7 @@ import torch
 from relayrl.models.config import ModelConfig
 from relayrl.sync.layout import ModelShape, TrainerLayout, trainer_holdings
 from relayrl.sync.plan import SyncPlan, Transfer
+from relayrl.sync.transfer import pack_pieces, unpack_pieces
 
 
 def shard_state_dict(full_sd: dict[str, torch.Tensor], cfg: ModelConfig | ModelShape, layout: TrainerLayout,
@@ -65,11 +65,9 @@ def pack(plan: SyncPlan, src_rank: int, dst_rank: int, local: dict[str, torch.Te
          dtype: torch.dtype | None = None) -> torch.Tensor:
     """The flat buffer trainer `src_rank` sends engine `dst_rank` (cast to `dtype`, e.g. the engine's)."""
     ts = plan.between(src_rank, dst_rank)
-    parts = [local[t.name][t.src_box.slices()].reshape(-1) for t in ts]
-    if not parts:
+    if not ts:
         return torch.empty(0, dtype=dtype or torch.float32)
-    flat = torch.cat(parts)
-    return flat if dtype is None else flat.to(dtype)
+    return pack_pieces(ts, local, dtype or local[ts[0].name].dtype)
 
 
 @torch.no_grad()
@@ -81,7 +79,4 @@ def unpack(plan: SyncPlan, src_rank: int, dst_rank: int, flat: torch.Tensor,
     if flat.numel() != expected:
         raise ValueError(f"buffer from trainer {src_rank} to engine {dst_rank} has {flat.numel()} elements, "
                          f"the plan expects {expected}")
-    at = 0
-    for t in ts:
-        params[t.dst_param][t.dst_box.slices()].copy_(flat[at:at + t.numel].view(t.shape))
-        at += t.numel
+    unpack_pieces(ts, flat, params)

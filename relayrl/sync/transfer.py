@@ -155,11 +155,11 @@ def buckets(transfers: tuple[Transfer, ...], itemsize: int, bucket_bytes: int) -
     return out
 
 
-def _pack(ts: tuple[Transfer, ...], local: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def pack_pieces(ts: tuple[Transfer, ...], local: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([local[t.name][t.src_box.slices()].reshape(-1).to(dtype) for t in ts])
 
 
-def _unpack(ts: tuple[Transfer, ...], flat: torch.Tensor, params: dict[str, torch.Tensor]) -> None:
+def unpack_pieces(ts: tuple[Transfer, ...], flat: torch.Tensor, params: dict[str, torch.Tensor]) -> None:
     at = 0
     for t in ts:
         params[t.dst_param][t.dst_box.slices()].copy_(flat[at:at + t.numel].view(t.shape))
@@ -224,7 +224,7 @@ def finish_receives(pending: PendingReceives, params: dict[str, torch.Tensor]) -
     while pending.works:
         work, buf, ts = pending.works.pop(0)
         work.wait()
-        _unpack(ts, buf, params)
+        unpack_pieces(ts, buf, params)
     return pending.stats
 
 
@@ -240,7 +240,7 @@ def sync_send(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor],
         if src != trainer_rank or peer == me:
             continue
         for tag, ts in enumerate(buckets(ts_all, dtype.itemsize, bucket_bytes)):
-            buf = _pack(ts, local, dtype)
+            buf = pack_pieces(ts, local, dtype)
             inflight.append((comm.isend(buf, peer, tag), buf))  # the buffer lives until its send completes
             stats.bytes_sent += buf.numel() * dtype.itemsize
             stats.messages += 1
