@@ -50,8 +50,9 @@ from relayrl.sync.transfer import (
 )
 from relayrl.trainer.batch import TrainBatch
 
-# mean |trainer logp - engine logp| over the canary tokens, by the lower of the two precisions
-# (measured gaps: ~1e-6 fp32, ~1e-2 bf16 on the tiny models; a wrong piece moves it by ~0.1-1)
+# mean |trainer logp - engine logp| over the canary tokens, by the lower of the two precisions.
+# Measured on the demo's SFT and GRPO models (benchmarks/RESULTS.md): 0 with fp32 on both sides,
+# 0.013-0.024 with bf16 on either side; a misplaced piece moves it by ~0.1-1 (tests/test_weight_sync.py)
 GAP_BOUND = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
@@ -208,7 +209,8 @@ class WeightSync:
             if bad is not None or gap > self.bound:
                 where = (f"first parameter whose checksum differs: {describe_piece(bad)}" if bad is not None
                          else "every piece's checksum matches: the engine computes these weights differently "
-                              "from the trainer (not a transfer error)")
+                              "from the trainer (not a transfer error; if it is the dtype's rounding on this model, "
+                              "raise sync.gap_bound)")
                 raise SyncVerificationError(
                     f"weight sync verification failed after {after}: canary logprob gap {gap:.3g} "
                     f"(bound {self.bound:g} for the {str(self.spec.dtype).removeprefix('torch.')} engine); {where}")
