@@ -16,6 +16,7 @@ and the share of the sync in a GRPO step.
 
     python benchmarks/bench_sync.py                      # all of it (a few minutes on 2 cores)
     python benchmarks/bench_sync.py --skip-step          # the transfer table only
+    python benchmarks/bench_sync.py --skip-transfer      # the GRPO step table only
 
 Model (part 1): qwen2-style, hidden --hidden, --layers layers, 8 Q / 2 KV heads of 64, MLP 3 x hidden,
 vocab 8192, untied, fp32 (~40M parameters at the defaults): large enough that bytes, not call
@@ -239,7 +240,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--skip-transfer", action="store_true")
     args = ap.parse_args()
+    if args.skip_transfer:
+        print("\n".join(step_share(args.steps)))
+        return
     cfg = model_config(args.hidden, args.layers)
     n = sum(p.numel() for p in CausalLM(cfg).parameters())
     print(f"model: {n / 1e6:.1f}M parameters ({n * 4 / 2**20:.0f} MiB fp32); rounds {args.rounds} after {args.warmup} warm-up")

@@ -205,6 +205,7 @@ class LocalPolicy:
         self.actor, self.ref_model = actor, ref_model
         self.temperature, self.micro = temperature, micro_batch_size
         self.sync_side = TrainerSide()
+        self.address = "127.0.0.1"
 
     def weights(self):
         return self.actor.model.state_dict().items()
@@ -269,6 +270,7 @@ class GroupPolicy:
         self.roles = spawn_roles(placement, roles, backend=par.backend)
         self.actor = self.roles["actor"]
         self.ref = self.roles["reference"] if with_reference else None
+        self.address = self.actor.master_addr  # where the workers reach the driver (the sync's rendezvous)
 
     def weights(self):
         return self.actor.full_weights().items()

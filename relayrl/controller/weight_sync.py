@@ -154,8 +154,9 @@ class WeightSync:
         self.syncs = 0
         self._store = None
         if members.world_size > 1:
-            self._store = serve_rendezvous()
-            host, port, backend = "127.0.0.1", self._store.port, "gloo"
+            host = getattr(policy, "address", "127.0.0.1")  # the driver, as the trainer's workers reach it
+            self._store = serve_rendezvous(host)
+            port, backend = self._store.port, "gloo"  # nccl for GPU ranks: not yet wired (no GPU here)
             policy.sync_connect(host, port, members, backend)
             if not colocated:
                 engine.run_on_ranks(engine_connect, host, port, members, backend)

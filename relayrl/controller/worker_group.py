@@ -63,6 +63,11 @@ class _Caller:
                                  f"attribute {name!r}; rename the method")
             setattr(self, name, _GroupMethod(self, name, mode))
 
+    @property
+    def master_addr(self) -> str:
+        """An address of the driver that the group's workers reach (their rendezvous, the weight sync's)."""
+        return self._group._backend.master_addr
+
     def _path(self, method: str) -> str:
         return f"{self._prefix}.{method}" if self._prefix else method
 
