@@ -4,6 +4,7 @@ then computes (its logprobs against a single-process reference, fp32)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -18,6 +19,9 @@ from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.plan import plan_sync
 from relayrl.sync.transfer import (
     BackgroundSend,
+    dest_checksums,
+    first_mismatch,
+    source_checksums,
     Members,
     SyncComm,
     buckets,
@@ -118,9 +122,10 @@ def test_grid_of_layouts_colocated_engine_equals_trainer():
     assert all(0 < r[6] < r[5] for r in seed)
 
 
-def _disaggregated(rank: int, world: int, port: int, key: str, tp: int, etp: int) -> tuple | None:
+def _disaggregated(rank: int, world: int, port: int, key: str, tp: int, etp: int, fp8: bool = False) -> tuple:
     """Trainer ranks 0..tp-1 (shards cut from the full state dict), engine ranks after them, in
-    processes of their own: trainers send in a background thread, engines receive and unpack."""
+    processes of their own: trainers send in a background thread, engines receive and unpack.
+    Each returns its per-piece checksums (trainer: what the engine should hold; engine: what it does)."""
     model = _model(key)
     cfg = model.config
     layout, members = TrainerLayout(tp=tp), Members(tp, etp, colocated=False)
@@ -129,30 +134,41 @@ def _disaggregated(rank: int, world: int, port: int, key: str, tp: int, etp: int
     engine_group = dist.new_group(list(range(tp, tp + etp)))
     full = {k: v.detach() for k, v in model.state_dict().items()}
     if rank < tp:
-        send = BackgroundSend(plan, rank, shard_state_dict(full, cfg, layout, rank), comm, members, torch.float32,
-                              256, 2)  # 256-byte buckets: many messages per pair, 2 in flight
+        local = shard_state_dict(full, cfg, layout, rank)
+        send = BackgroundSend(plan, rank, local, comm, members, torch.float32,
+                              256, 2, fp8)  # 256-byte buckets: many messages per pair, 2 in flight
         stats = send.join()
         comm.close()
-        return ("trainer", stats.bytes_sent, stats.messages)
+        return ("trainer", stats.bytes_sent, stats.messages, source_checksums(plan, rank, local, torch.float32, fp8))
     e = rank - tp
     runner = ModelRunner(cfg, torch.float32, TPInfo(e, etp, engine_group if etp > 1 else None))
     params = runner.params()
-    stats = finish_receives(post_receives(plan, e, params, comm, members, 256), params)
+    stats = finish_receives(post_receives(plan, e, params, comm, members, 256, fp8), params)
     got = runner.score(ROWS)
     comm.close()
-    return ("engine", float((got - _reference_logp(model)).abs().max()), stats.bytes_received,
-            plan.bytes_per_dst_rank(torch.float32)[e], stats.messages)
+    return ("engine", float((got - _reference_logp(model)).abs().mean()), stats.bytes_received,
+            plan.bytes_per_dst_rank(torch.float32)[e], stats.messages, dest_checksums(plan, e, params),
+            len(plan.for_dst(e)))
 
 
-def test_disaggregated_trainer_tp2_to_engine_tp2():
+@pytest.mark.parametrize("fp8", [False, True], ids=["engine-dtype", "float8-wire"])
+def test_disaggregated_trainer_tp2_to_engine_tp2(fp8):
     store = serve_rendezvous()
-    results = run_distributed(_disaggregated, 4, store.port, "gqa8x2", 2, 2, timeout=180)
+    results = run_distributed(_disaggregated, 4, store.port, "gqa8x2", 2, 2, fp8, timeout=180)
     trainers, engines = results[:2], results[2:]
     assert all(r[0] == "engine" for r in engines)
-    for _, gap, got, want, messages in engines:
-        assert gap < 1e-5
-        assert got == want
+    plan = plan_sync(ModelConfig(**CONFIGS["gqa8x2"]), TrainerLayout(tp=2), EngineLayout(2))
+    src = {k: v for t in trainers for k, v in t[3].items()}
+    dst = {k: v for e in engines for k, v in e[5].items()}
+    assert first_mismatch(plan, src, dst) is None  # every piece where it belongs, rounded as promised
+    for _, gap, got, shard_bytes, messages, _, pieces in engines:
         assert messages > 10  # bucketed, not one message per pair
+        if fp8:  # a byte per element and a 4-byte scale per piece, against 4 bytes per element
+            assert got == shard_bytes // 4 + 4 * pieces
+            assert 1e-4 < gap < 0.25  # the fp8 rounding shows in the logprobs, within its bound
+        else:
+            assert got == shard_bytes
+            assert gap < 1e-6
     assert sum(t[1] for t in trainers) == sum(e[2] for e in engines)
 
 

@@ -135,3 +135,16 @@ def test_metrics_carry_the_sync(tmp_path):
               "sync/bytes_copied_in_place", "sync/bytes_between_processes"):
         assert k in m, k
     assert m["sync/canary_gap"] < 1e-5
+
+
+def test_float8_wire_rounds_every_piece_the_same_way():
+    policy = _policy()
+    engine = LLMEngine(policy.actor.model.config, kv_cache_bytes=1 << 16)
+    exact = _sync(policy, engine, 1, colocated=True).sync()["sync/canary_gap"]
+    ws = _sync(policy, engine, 1, colocated=True, wire="float8", debug_checksums=True)
+    gap = ws.sync()["sync/canary_gap"]  # debug: every piece's checksum against the fp8-rounded source
+    assert exact < 1e-6 < gap < ws.bound == 0.25
+    embed = engine.runner.params()["embed_tokens.weight"]
+    w = policy.actor.model.model.embed_tokens.weight.detach()
+    scale = w.abs().max() / 448
+    assert torch.equal(embed, (w / scale).to(torch.float8_e4m3fn).float() * scale)

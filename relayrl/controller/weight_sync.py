@@ -23,7 +23,7 @@ ActorWorker and the engine's ranks (through LLMEngine.run_on_ranks) all run the 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from pydantic import Field
@@ -32,6 +32,7 @@ from relayrl.config import Config
 from relayrl.errors import UserError
 from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout
 from relayrl.sync.transfer import (
+    FP8,
     BackgroundSend,
     Members,
     SyncComm,
@@ -52,8 +53,9 @@ from relayrl.trainer.batch import TrainBatch
 
 # mean |trainer logp - engine logp| over the canary tokens, by the lower of the two precisions.
 # Measured on the demo's SFT and GRPO models (benchmarks/RESULTS.md): 0 with fp32 on both sides,
-# 0.013-0.024 with bf16 on either side; a misplaced piece moves it by ~0.1-1 (tests/test_weight_sync.py)
-GAP_BOUND = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+# 0.013-0.024 with bf16 on either side, 0.05-0.09 through the float8 wire; a misplaced piece moves
+# it by ~0.1-1 (tests/test_weight_sync.py)
+GAP_BOUND = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2, FP8: 0.25}
 
 
 class SyncConfig(Config):
@@ -67,6 +69,9 @@ class SyncConfig(Config):
     canary_len: int = Field(16, ge=2)
     gap_bound: Optional[float] = Field(None, gt=0)  # None: by the engine's (and trainer's) dtype
     debug_checksums: bool = False  # compare every piece's checksum on every sync, not only on failure
+    # float8: each piece crosses as float8 e4m3 with a scale of its own, recomputed every sync (a
+    # quarter of fp32's bytes, half of bf16's); the engine holds the dequantised values
+    wire: Literal["engine", "float8"] = "engine"
 
 
 class SyncVerificationError(UserError):
@@ -89,13 +94,13 @@ class TrainerSide:
         hosts = engine_params is not None
         return sync_step(spec.plan, comm=self.comm, members=spec.members, dtype=spec.dtype, trainer_rank=rank,
                          engine_rank=rank if hosts else None, local=trainer_locals(model), params=engine_params,
-                         bucket_bytes=spec.bucket_bytes, window=spec.window)
+                         bucket_bytes=spec.bucket_bytes, window=spec.window, fp8=spec.fp8)
 
     def start_send(self, model, rank: int, spec: SyncSpec) -> None:
         local = trainer_locals(model)
         check_locals(spec.plan, rank, local)
         self.send = BackgroundSend(spec.plan, rank, local, self.comm, spec.members, spec.dtype,
-                                   spec.bucket_bytes, spec.window)
+                                   spec.bucket_bytes, spec.window, spec.fp8)
 
     def finish_send(self) -> SyncStats:
         send, self.send = self.send, None
@@ -103,7 +108,7 @@ class TrainerSide:
 
     @staticmethod
     def checksums(model, rank: int, spec: SyncSpec) -> dict[int, float]:
-        return source_checksums(spec.plan, rank, trainer_locals(model), spec.dtype)
+        return source_checksums(spec.plan, rank, trainer_locals(model), spec.dtype, spec.fp8)
 
 
 def engine_connect(runner, host: str, port: int, members: Members, backend: str) -> None:
@@ -114,7 +119,7 @@ def engine_receive(runner, spec: SyncSpec) -> SyncStats:
     t0 = time.perf_counter()
     params = runner.params()
     stats = finish_receives(post_receives(spec.plan, runner.tp.rank, params, runner.sync_comm, spec.members,
-                                          spec.bucket_bytes), params)
+                                          spec.bucket_bytes, spec.fp8), params)
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -147,8 +152,8 @@ class WeightSync:
         self.policy, self.engine, self.cfg, self.temperature = policy, engine, cfg, temperature
         members = Members(trainer_layout.world_size, engine_tp, colocated)
         self.spec = SyncSpec(shape, trainer_layout, EngineLayout(engine_tp), members, engine_dtype,
-                             bucket_bytes=int(cfg.bucket_mb * 2**20), window=cfg.window)
-        lower = engine_dtype if engine_dtype != torch.float32 else trainer_dtype
+                             bucket_bytes=int(cfg.bucket_mb * 2**20), window=cfg.window, fp8=cfg.wire == "float8")
+        lower = FP8 if self.spec.fp8 else engine_dtype if engine_dtype != torch.float32 else trainer_dtype
         self.bound = cfg.gap_bound if cfg.gap_bound is not None else GAP_BOUND[lower]
         self.rows = canary_rows(shape.vocab_size, max(cfg.canary_rows, trainer_layout.world_size), cfg.canary_len)
         self.syncs = 0
@@ -214,7 +219,8 @@ class WeightSync:
                               "raise sync.gap_bound)")
                 raise SyncVerificationError(
                     f"weight sync verification failed after {after}: canary logprob gap {gap:.3g} "
-                    f"(bound {self.bound:g} for the {str(self.spec.dtype).removeprefix('torch.')} engine); {where}")
+                    f"(bound {self.bound:g} for the {str(self.spec.dtype).removeprefix('torch.')} engine"
+                    f"{', float8 wire' if self.spec.fp8 else ''}); {where}")
         return gap
 
     def checksums(self) -> tuple[dict[int, float], dict[int, float]]:

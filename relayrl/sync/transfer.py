@@ -16,6 +16,11 @@ One sync, on every member (`sync_send` / `post_receives` + `finish_receives`, or
     trainer side  for each destination: pack the next bucket (slices of its local shards, cast to
                   the engine's dtype), isend it; at most `window` buckets of its own in flight
 
+With the float8 wire (`fp8=True`) each bucket is two messages: the pieces as float8 e4m3, each with a
+scale of its own (its max |x| / 448, recomputed every sync), and the scales; the engine dequantises
+into its dtype, and colocated in-place pieces take the same round trip, so every weight is rounded
+alike wherever it came from.
+
 Every receive is posted before any member waits on a send, so no member can wait on another in a
 cycle. No member ever holds a full unsharded parameter it does not own: a bucket is a list of the
 plan's pieces for one (source, destination) pair, never more than `bucket_bytes` (a single piece
@@ -166,6 +171,55 @@ def unpack_pieces(ts: tuple[Transfer, ...], flat: torch.Tensor, params: dict[str
         at += t.numel
 
 
+# ---- fp8 on the wire: each piece (one tensor's slice) as float8 e4m3 with a scale of its own,
+# recomputed every sync; the engine dequantises into its dtype. Bytes: 1 per element + 4 per piece.
+FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
+
+
+def fp8_scales(ts: tuple[Transfer, ...], local: dict[str, torch.Tensor]) -> torch.Tensor:
+    amax = torch.stack([local[t.name][t.src_box.slices()].detach().abs().max().float() for t in ts])
+    return torch.clamp(amax / FP8_MAX, min=1e-12)
+
+
+def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the engine ends up holding (before its own dtype's rounding): dequantise(quantise(x))."""
+    return (x.float() / scale).to(FP8).float() * scale
+
+
+def encode(ts: tuple[Transfer, ...], local: dict[str, torch.Tensor], dtype: torch.dtype,
+           fp8: bool) -> list[torch.Tensor]:
+    """The message(s) for one bucket: [flat values in the engine's dtype] or [fp8 bytes, scales]."""
+    if not fp8:
+        return [pack_pieces(ts, local, dtype)]
+    scales = fp8_scales(ts, local)
+    data = torch.cat([(local[t.name][t.src_box.slices()].reshape(-1).float() / scales[i]).to(FP8)
+                      for i, t in enumerate(ts)])
+    return [data.view(torch.uint8), scales]
+
+
+def receive_buffers(ts: tuple[Transfer, ...], dtype: torch.dtype, fp8: bool, device) -> list[torch.Tensor]:
+    n = sum(t.numel for t in ts)
+    if not fp8:
+        return [torch.empty(n, dtype=dtype, device=device)]
+    return [torch.empty(n, dtype=torch.uint8, device=device), torch.empty(len(ts), dtype=torch.float32, device=device)]
+
+
+def decode(ts: tuple[Transfer, ...], bufs: list[torch.Tensor], params: dict[str, torch.Tensor], fp8: bool) -> None:
+    if not fp8:
+        unpack_pieces(ts, bufs[0], params)
+        return
+    data, scales = bufs[0].view(FP8), bufs[1]
+    at = 0
+    for i, t in enumerate(ts):
+        dst = params[t.dst_param][t.dst_box.slices()]
+        dst.copy_((data[at:at + t.numel].float() * scales[i]).view(t.shape))
+        at += t.numel
+
+
+def _nbytes(bufs: list[torch.Tensor]) -> int:
+    return sum(b.numel() * b.dtype.itemsize for b in bufs)
+
+
 @dataclass
 class SyncStats:
     """What one member did in one sync (bytes in the engine's dtype)."""
@@ -182,11 +236,16 @@ class SyncStats:
 
 # ---------------------------------------------------------------------------- one sync
 @torch.no_grad()
-def copy_own(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> SyncStats:
-    """Colocated: trainer rank `rank`'s pieces for engine rank `rank`, copied straight into place."""
+def copy_own(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+             fp8: bool = False) -> SyncStats:
+    """Colocated: trainer rank `rank`'s pieces for engine rank `rank`, copied straight into place
+    (through the same fp8 rounding as the pieces that travel, when the wire is fp8)."""
     n = 0
-    for t in plan.between(rank, rank):
-        params[t.dst_param][t.dst_box.slices()].copy_(local[t.name][t.src_box.slices()])
+    ts = plan.between(rank, rank)
+    scales = fp8_scales(ts, local) if fp8 and ts else None
+    for i, t in enumerate(ts):
+        src = local[t.name][t.src_box.slices()]
+        params[t.dst_param][t.dst_box.slices()].copy_(fp8_round_trip(src, scales[i]) if fp8 else src)
         n += t.numel
     itemsize = next(iter(params.values())).dtype.itemsize if params else 0
     return SyncStats(bytes_copied=n * itemsize)
@@ -194,13 +253,14 @@ def copy_own(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], params: 
 
 @dataclass
 class PendingReceives:
-    works: list = field(default_factory=list)  # (work, buffer, transfers), in the order to unpack
+    works: list = field(default_factory=list)  # (works, buffers, transfers) per bucket, in the order to unpack
     stats: SyncStats = field(default_factory=SyncStats)
+    fp8: bool = False
 
 
 @torch.no_grad()
 def post_receives(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tensor], comm: SyncComm,
-                  members: Members, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PendingReceives:
+                  members: Members, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp8: bool = False) -> PendingReceives:
     """Engine side, step 1: an irecv per bucket from every other-process source (returns at once)."""
     me = members.of_engine(engine_rank)
     pending = PendingReceives()
@@ -210,11 +270,14 @@ def post_receives(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tens
         peer = members.of_trainer(src)
         if peer == me:
             continue
-        for tag, ts in enumerate(buckets(plan.between(src, engine_rank), dtype.itemsize, bucket_bytes)):
-            buf = torch.empty(sum(t.numel for t in ts), dtype=dtype, device=device)
-            pending.works.append((comm.irecv(buf, peer, tag), buf, ts))
-            pending.stats.bytes_received += buf.numel() * dtype.itemsize
-            pending.stats.messages += 1
+        itemsize = 1 if fp8 else dtype.itemsize
+        for b, ts in enumerate(buckets(plan.between(src, engine_rank), itemsize, bucket_bytes)):
+            bufs = receive_buffers(ts, dtype, fp8, device)
+            works = [comm.irecv(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)]
+            pending.works.append((works, bufs, ts))
+            pending.stats.bytes_received += _nbytes(bufs)
+            pending.stats.messages += len(bufs)
+    pending.fp8 = fp8
     return pending
 
 
@@ -222,16 +285,17 @@ def post_receives(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tens
 def finish_receives(pending: PendingReceives, params: dict[str, torch.Tensor]) -> SyncStats:
     """Engine side, step 2: unpack each bucket as it lands (the next ones keep arriving meanwhile)."""
     while pending.works:
-        work, buf, ts = pending.works.pop(0)
-        work.wait()
-        unpack_pieces(ts, buf, params)
+        works, bufs, ts = pending.works.pop(0)
+        for w in works:
+            w.wait()
+        decode(ts, bufs, params, pending.fp8)
     return pending.stats
 
 
 @torch.no_grad()
 def sync_send(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor], comm: SyncComm,
               members: Members, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              window: int = 4) -> SyncStats:
+              window: int = 4, fp8: bool = False) -> SyncStats:
     """Trainer side: send every bucket this rank sources to other processes, `window` in flight."""
     me = members.of_trainer(trainer_rank)
     stats, inflight = SyncStats(), []
@@ -239,15 +303,18 @@ def sync_send(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor],
         peer = members.of_engine(dst)
         if src != trainer_rank or peer == me:
             continue
-        for tag, ts in enumerate(buckets(ts_all, dtype.itemsize, bucket_bytes)):
-            buf = pack_pieces(ts, local, dtype)
-            inflight.append((comm.isend(buf, peer, tag), buf))  # the buffer lives until its send completes
-            stats.bytes_sent += buf.numel() * dtype.itemsize
-            stats.messages += 1
+        for b, ts in enumerate(buckets(ts_all, 1 if fp8 else dtype.itemsize, bucket_bytes)):
+            bufs = encode(ts, local, dtype, fp8)
+            # the buffers live until their sends complete
+            inflight.append(([comm.isend(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)], bufs))
+            stats.bytes_sent += _nbytes(bufs)
+            stats.messages += len(bufs)
             if len(inflight) > window:
-                inflight.pop(0)[0].wait()
-    for work, _ in inflight:
-        work.wait()
+                for w in inflight.pop(0)[0]:
+                    w.wait()
+    for works, _ in inflight:
+        for w in works:
+            w.wait()
     return stats
 
 
@@ -278,7 +345,7 @@ class BackgroundSend:
 def sync_step(plan: SyncPlan, *, comm: SyncComm | None, members: Members, dtype: torch.dtype,
               trainer_rank: int | None = None, engine_rank: int | None = None,
               local: dict[str, torch.Tensor] | None = None, params: dict[str, torch.Tensor] | None = None,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 4) -> SyncStats:
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 4, fp8: bool = False) -> SyncStats:
     """Everything one member does in one sync, when it is trainer rank, engine rank or both
     (colocated). Receives are posted first, then own pieces copied, then sends, then unpacking.
     `dtype`: the engine's (what goes over the wire)."""
@@ -287,11 +354,11 @@ def sync_step(plan: SyncPlan, *, comm: SyncComm | None, members: Members, dtype:
         check_locals(plan, trainer_rank, local)
     stats, pending = SyncStats(), None
     if engine_rank is not None:
-        pending = post_receives(plan, engine_rank, params, comm, members, bucket_bytes)
+        pending = post_receives(plan, engine_rank, params, comm, members, bucket_bytes, fp8)
         if trainer_rank is not None and members.of_trainer(trainer_rank) == members.of_engine(engine_rank):
-            stats = stats.add(copy_own(plan, engine_rank, local, params))
+            stats = stats.add(copy_own(plan, engine_rank, local, params, fp8))
     if trainer_rank is not None and members.world_size > 1:
-        stats = stats.add(sync_send(plan, trainer_rank, local, comm, members, dtype, bucket_bytes, window))
+        stats = stats.add(sync_send(plan, trainer_rank, local, comm, members, dtype, bucket_bytes, window, fp8))
     if pending is not None:
         stats = stats.add(finish_receives(pending, params))
     stats.seconds = time.perf_counter() - t0
@@ -314,11 +381,18 @@ def _checksum(values: torch.Tensor, logical: Box) -> float:
 
 @torch.no_grad()
 def source_checksums(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor],
-                     dtype: torch.dtype) -> dict[int, float]:
-    """Plan index -> checksum of each piece trainer `trainer_rank` sources, rounded to `dtype`
-    (the engine's) first — the values the engine should hold."""
-    return {i: _checksum(local[t.name][t.src_box.slices()].to(dtype), t.logical)
-            for i, t in enumerate(plan.transfers) if t.src_rank == trainer_rank}
+                     dtype: torch.dtype, fp8: bool = False) -> dict[int, float]:
+    """Plan index -> checksum of each piece trainer `trainer_rank` sources, rounded as the engine
+    holds it (through fp8 when that is the wire, then to `dtype`, the engine's)."""
+    out = {}
+    for i, t in enumerate(plan.transfers):
+        if t.src_rank != trainer_rank:
+            continue
+        x = local[t.name][t.src_box.slices()]
+        if fp8:
+            x = fp8_round_trip(x, fp8_scales((t,), local)[0])
+        out[i] = _checksum(x.to(dtype), t.logical)
+    return out
 
 
 @torch.no_grad()
@@ -357,6 +431,7 @@ class SyncSpec:
     dtype: torch.dtype  # the engine's: what goes over the wire
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     window: int = 4
+    fp8: bool = False  # float8 e4m3 on the wire, a scale per piece
 
     @property
     def plan(self) -> SyncPlan:
