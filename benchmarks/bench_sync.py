@@ -6,11 +6,13 @@ and the share of the sync in a GRPO step.
                              copied in place (colocated), the rest bucketed point to point
                    gather    the way it is usually done: every trainer tensor gathered whole
                              (colocated: DTensor.full_tensor() on each rank, an all-gather;
-                             disaggregated: trainer rank 0 gathers, then sends every full tensor to
-                             every engine rank), then the engine's loader slices and fuses
+                             disaggregated: the trainer ranks all-gather, then trainer rank r sends
+                             every full tensor to engine rank r), then the engine's loader slices
+                             and fuses
                    floor     one torch copy of the bytes the planned sync writes into an engine rank
                  seconds per sync (median over rounds, the slowest engine rank), bytes each engine
-                 rank receives from other processes, and the ratios gather / planned, planned / floor
+                 rank receives from other processes, and the ratios gather / planned, planned / floor;
+                 disaggregated once more with the float8 wire (a byte per element + a scale per piece)
     2. step      the driver's time/sync against time/step in a short GRPO run, colocated and
                  disaggregated (FSDP 2 trainer, engine TP 2), and in one process
 
@@ -122,7 +124,8 @@ def colocated(rank: int, world: int, port: int, hidden: int, layers: int, rounds
 
 
 # ---------------------------------------------------------------------------- disaggregated: 4 processes
-def disaggregated(rank: int, world: int, port: int, hidden: int, layers: int, rounds: int, warmup: int) -> dict:
+def disaggregated(rank: int, world: int, port: int, hidden: int, layers: int, rounds: int, warmup: int,
+                  fp8: bool = False) -> dict:
     cfg = model_config(hidden, layers)
     torch.manual_seed(0)
     full = {k: v.detach() for k, v in CausalLM(cfg).state_dict().items()}
@@ -139,14 +142,15 @@ def disaggregated(rank: int, world: int, port: int, hidden: int, layers: int, ro
 
     def planned():
         if trainer:
-            BackgroundSend(plan, rank, local, comm, members, torch.float32).join()
+            BackgroundSend(plan, rank, local, comm, members, torch.float32, fp8=fp8).join()
         else:
             params = runner.params()
-            stats["s"] = finish_receives(post_receives(plan, rank - 2, params, comm, members), params)
+            stats["s"] = finish_receives(post_receives(plan, rank - 2, params, comm, members, fp8=fp8), params)
 
     def gathered():
-        # trainer ranks all-gather each tensor (chunks padded to equal size), rank 0 sends it whole
-        # to each engine rank, whose loader slices and fuses
+        # trainer ranks all-gather each tensor (chunks padded to equal size); then both hold the
+        # whole model, and trainer rank r sends it to engine rank r (the two sends run at once),
+        # whose loader slices and fuses
         if trainer:
             got = {}
             for n in names:
@@ -157,15 +161,13 @@ def disaggregated(rank: int, world: int, port: int, hidden: int, layers: int, ro
                 parts = [torch.empty_like(pad) for _ in range(2)]
                 dist.all_gather(parts, pad, group=trainer_group)
                 got[n] = torch.cat(parts)[: full[n].shape[0]]
-            if rank == 0:
-                for n in names:
-                    for dst in (2, 3):
-                        dist.send(got[n].contiguous(), dst)
+            for n in names:
+                dist.send(got[n].contiguous(), rank + 2)
         else:
             recv = {}
             for n in names:
                 recv[n] = torch.empty_like(full[n])
-                dist.recv(recv[n], 0)
+                dist.recv(recv[n], rank - 2)
             runner.load_weights(recv.items())
 
     times = {"planned": [], "gather": [], "floor": []}
@@ -259,6 +261,10 @@ def main() -> None:
     store = serve_rendezvous()
     lines += report("disaggregated: FSDP 2 -> TP 2 (4 processes)",
                     launch(disaggregated, 4, store.port, *common, timeout=1800))
+    del store
+    store = serve_rendezvous()
+    lines += report("disaggregated, float8 wire (sync.wire=float8)",
+                    launch(disaggregated, 4, store.port, *common, True, timeout=1800))
     print("\n".join(lines), flush=True)
     if not args.skip_step:
         print("\n".join(step_share(args.steps)))

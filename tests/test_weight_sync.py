@@ -79,7 +79,7 @@ def test_debug_checksums_catch_what_the_canary_cannot():
         runner.params()["layers.1.mlp.gate_up_proj.weight"][3, 2] += 1e-4
 
     engine.run_on_ranks(nudge)
-    assert ws.verify("a nudge") < ws.bound  # the canary passes ...
+    assert ws.verify("a nudge") < ws.bound  # the canary passes (pieces were compared on the first sync only) ...
     ws.cfg = SyncConfig(debug_checksums=True)
     with pytest.raises(SyncVerificationError, match=r"layers\.1\.mlp\.gate_up_proj\.weight \[0:24, 0:18\] "
                                                     r"\(= model\.layers\.1\.mlp\.gate_proj\.weight"):
@@ -92,6 +92,30 @@ def _with_engine_tp(cfg: RunConfig, tp: int) -> RunConfig:
     d = cfg.to_dict()
     d["rollout"]["tp"] = tp
     return RunConfig.from_dict(d)
+
+
+def test_first_sync_compares_every_piece_and_nan_never_passes():
+    policy = _policy()
+    engine = LLMEngine(policy.actor.model.config, kv_cache_bytes=1 << 16)
+    ws = _sync(policy, engine, 1, colocated=True)
+    ws.transfer()
+
+    def nudge(runner):
+        runner.params()["layers.0.self_attn.qkv_proj.weight"][33, 1] += 1e-4  # a K row (Q: 0-31, K: 32-39)
+
+    engine.run_on_ranks(nudge)
+    with pytest.raises(SyncVerificationError, match=r"engine rank 0 layers\.0\.self_attn\.qkv_proj\.weight .*k_proj"):
+        ws.verify("the first sync")  # under the gap bound, but the plan's first sync checks every piece
+
+    ws.transfer()
+    assert ws.verify("a good sync") < 1e-6
+
+    def poison(runner):
+        runner.params()["norm.weight"][0] = float("nan")
+
+    engine.run_on_ranks(poison)
+    with pytest.raises(SyncVerificationError, match=r"canary logprob gap nan .*engine rank 0 norm\.weight"):
+        ws.verify("a NaN")
 
 
 def test_grpo_colocated_and_disaggregated_give_the_same_run(tmp_path):
@@ -108,10 +132,16 @@ def test_grpo_colocated_and_disaggregated_give_the_same_run(tmp_path):
         assert 0 < x["sync/bytes_copied_in_place"] < total  # colocated: own pieces never leave the process
 
 
-def test_sleep_and_wake_between_steps_changes_nothing(tmp_path):
+def test_sleep_and_wake_between_steps_changes_nothing(tmp_path, monkeypatch):
+    from relayrl.engine.model_runner import ModelRunner
+
     awake = train(cfg_for(tmp_path, "awake", run={"steps": 3, "save_every": 0}), show_progress=False)
+    freed = []
+    real = ModelRunner.free_weights
+    monkeypatch.setattr(ModelRunner, "free_weights", lambda self: (freed.append(1), real(self))[1])
     slept = train(cfg_for(tmp_path, "slept", run={"steps": 3, "save_every": 0}, rollout={"sleep_level": 2}),
                   show_progress=False)
+    assert len(freed) == 3  # the weights really went away after every rollout, and came back by the sync
     a, b = _steps(awake["run_dir"]), _steps(slept["run_dir"])
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):

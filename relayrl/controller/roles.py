@@ -24,6 +24,7 @@ from relayrl.controller.batch import DataBatch
 from relayrl.controller.dispatch import Dispatch, dispatch
 from relayrl.controller.weight_sync import SyncStats, TrainerSide, merge
 from relayrl.controller.worker import Worker, dp_info_from_dims
+from relayrl.engine.llm_engine import available_memory
 from relayrl.engine.model_runner import ModelRunner
 from relayrl.engine.parallel_state import TPInfo
 from relayrl.models import load_pretrained
@@ -97,7 +98,8 @@ class ActorWorker(_ParallelModelWorker):
 
     # ---- the colocated engine: rank r of the engine's tensor-parallel group lives here (r < tp) ----
     @dispatch(Dispatch.ONE_TO_ALL)
-    def init_engine(self, model_config, dtype: torch.dtype, tp: int) -> None:
+    def init_engine(self, model_config, dtype: torch.dtype, tp: int) -> int | None:
+        """Returns the free bytes of this rank's device (hosting ranks): the KV cache's budget base."""
         import torch.distributed as dist
 
         group = None
@@ -105,6 +107,8 @@ class ActorWorker(_ParallelModelWorker):
             group = dist.group.WORLD if tp == self.world_size else dist.new_group(list(range(tp)))
         if self.rank < tp:
             self.engine_runner = ModelRunner(model_config, dtype, TPInfo(self.rank, tp, group), self.device)
+            return available_memory(self.device)
+        return None
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def engine_call(self, method: str, args: tuple):
@@ -116,8 +120,12 @@ class ActorWorker(_ParallelModelWorker):
 
     # ---- weight sync (relayrl.controller.weight_sync) ----
     @dispatch(Dispatch.ONE_TO_ALL)
-    def sync_connect(self, host: str, port: int, members, backend: str) -> None:
-        self.sync_side.connect(host, port, self.rank, members, backend)
+    def sync_connect(self, host: str, port: int, members) -> None:
+        self.sync_side.connect(host, port, self.rank, members)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def sync_close(self) -> None:
+        self.sync_side.close()
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def sync_colocated(self, spec) -> SyncStats:
@@ -211,8 +219,11 @@ class LocalPolicy:
         return self.actor.model.state_dict().items()
 
     # ---- weight sync: this process is trainer rank 0 ----
-    def sync_connect(self, host: str, port: int, members, backend: str) -> None:
-        self.sync_side.connect(host, port, 0, members, backend)
+    def sync_connect(self, host: str, port: int, members) -> None:
+        self.sync_side.connect(host, port, 0, members)
+
+    def sync_close(self) -> None:
+        self.sync_side.close()
 
     def sync_colocated(self, spec, engine) -> SyncStats:
         """The engine's one rank is in this process too: every piece is an in-place copy."""
@@ -278,11 +289,14 @@ class GroupPolicy:
     # ---- weight sync ----
     def host_engine(self, model_config, dtype: torch.dtype, tp: int) -> "ActorHostedRanks":
         """Colocated: the engine's ranks in the actor processes (LLMEngine(runner_group=...))."""
-        self.actor.init_engine(model_config, dtype, tp)
-        return ActorHostedRanks(self.actor, tp)
+        free = self.actor.init_engine(model_config, dtype, tp)
+        return ActorHostedRanks(self.actor, tp, min(f for f in free if f is not None))
 
-    def sync_connect(self, host: str, port: int, members, backend: str) -> None:
-        self.actor.sync_connect(host, port, members, backend)
+    def sync_connect(self, host: str, port: int, members) -> None:
+        self.actor.sync_connect(host, port, members)
+
+    def sync_close(self) -> None:
+        self.actor.sync_close()
 
     def sync_colocated(self, spec, engine) -> SyncStats:
         return _total(self.actor.sync_colocated(spec))
@@ -326,8 +340,11 @@ class ActorHostedRanks:
     """The engine's tensor-parallel ranks as hosted by actor ranks 0..tp-1 (the protocol LLMEngine
     expects of its runner group: call, call_all, run_fn, close)."""
 
-    def __init__(self, actor_group, tp: int):
-        self.group, self.tp = actor_group, tp
+    def __init__(self, actor_group, tp: int, free_bytes: int):
+        self.group, self.tp, self.free_bytes = actor_group, tp, free_bytes
+
+    def free_memory(self) -> int:
+        return self.free_bytes
 
     def call(self, method: str, *args):
         return self.group.engine_call(method, args)[0]

@@ -86,9 +86,9 @@ class TrainerSide:
         self.comm: SyncComm | None = None
         self.send: BackgroundSend | None = None
 
-    def connect(self, host: str, port: int, rank: int, members: Members, backend: str) -> None:
+    def connect(self, host: str, port: int, rank: int, members: Members) -> None:
         if members.world_size > 1:
-            self.comm = SyncComm(host, port, members.of_trainer(rank), members.world_size, backend)
+            self.comm = SyncComm(host, port, members.of_trainer(rank), members.world_size)
 
     def colocated(self, model, rank: int, spec: SyncSpec, engine_params: dict | None) -> SyncStats:
         hosts = engine_params is not None
@@ -97,6 +97,9 @@ class TrainerSide:
                          bucket_bytes=spec.bucket_bytes, window=spec.window, fp8=spec.fp8)
 
     def start_send(self, model, rank: int, spec: SyncSpec) -> None:
+        if self.send is not None:
+            raise RuntimeError("a weight sync's sends are still pending (the last sync failed part way): "
+                               "restart the run from its last checkpoint")
         local = trainer_locals(model)
         check_locals(spec.plan, rank, local)
         self.send = BackgroundSend(spec.plan, rank, local, self.comm, spec.members, spec.dtype,
@@ -106,13 +109,25 @@ class TrainerSide:
         send, self.send = self.send, None
         return send.join() if send is not None else SyncStats()
 
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+
     @staticmethod
     def checksums(model, rank: int, spec: SyncSpec) -> dict[int, float]:
         return source_checksums(spec.plan, rank, trainer_locals(model), spec.dtype, spec.fp8)
 
 
-def engine_connect(runner, host: str, port: int, members: Members, backend: str) -> None:
-    runner.sync_comm = SyncComm(host, port, members.of_engine(runner.tp.rank), members.world_size, backend)
+def engine_connect(runner, host: str, port: int, members: Members) -> None:
+    runner.sync_comm = SyncComm(host, port, members.of_engine(runner.tp.rank), members.world_size)
+
+
+def engine_close(runner) -> None:
+    comm = getattr(runner, "sync_comm", None)
+    if comm is not None:
+        comm.close()
+        runner.sync_comm = None
 
 
 def engine_receive(runner, spec: SyncSpec) -> SyncStats:
@@ -161,10 +176,11 @@ class WeightSync:
         if members.world_size > 1:
             host = getattr(policy, "address", "127.0.0.1")  # the driver, as the trainer's workers reach it
             self._store = serve_rendezvous(host)
-            port, backend = self._store.port, "gloo"  # nccl for GPU ranks: not yet wired (no GPU here)
-            policy.sync_connect(host, port, members, backend)
+            policy.sync_connect(host, self._store.port, members)
             if not colocated:
-                engine.run_on_ranks(engine_connect, host, port, members, backend)
+                engine.run_on_ranks(engine_connect, host, self._store.port, members)
+        self.checked_pieces = False  # every piece's checksum is compared after the first sync
+        self.broken = False
 
     @property
     def colocated(self) -> bool:
@@ -174,16 +190,23 @@ class WeightSync:
         """One planned transfer (verify() next). Returns its figures: bytes per engine rank (what
         the plan moves into the largest engine shard), bytes moved between processes, bytes copied
         in place (colocated pieces)."""
+        if self.broken:
+            raise RuntimeError("an earlier weight sync failed part way; the sync group's state is unknown: "
+                               "restart the run from its last checkpoint")
         t0 = time.perf_counter()
         self.engine.begin_weight_update()
-        if self.colocated:
-            stats = self.policy.sync_colocated(self.spec, self.engine)
-        else:
-            self.policy.start_send(self.spec)
-            received = self.engine.run_on_ranks(engine_receive, self.spec)
-            stats = self.policy.finish_send()
-            for s in received:
-                stats = stats.add(s)
+        try:
+            if self.colocated:
+                stats = self.policy.sync_colocated(self.spec, self.engine)
+            else:
+                self.policy.start_send(self.spec)
+                received = self.engine.run_on_ranks(engine_receive, self.spec)
+                stats = self.policy.finish_send()
+                for s in received:
+                    stats = stats.add(s)
+        except BaseException:
+            self.broken = True  # sends or receives may still be posted: no later sync may reuse the group
+            raise
         self.engine.end_weight_update()
         self.syncs += 1
         per_rank = self.spec.plan.bytes_per_dst_rank(self.spec.dtype)
@@ -210,9 +233,12 @@ class WeightSync:
         trainer = self.policy.compute_logprobs(batch)
         engine = self.engine.score(self.rows, self.temperature)
         gap = float(((trainer - engine).abs() * mask).sum() / mask.sum())
-        if gap > self.bound or self.cfg.debug_checksums:
+        over = not gap <= self.bound  # NaN (an unwritten weight) fails too
+        if over or self.cfg.debug_checksums or not self.checked_pieces:
+            # a layout bug shows on the first sync (the plan never changes): every piece is checked then
             bad = self.first_bad_piece()
-            if bad is not None or gap > self.bound:
+            self.checked_pieces = True
+            if bad is not None or over:
                 where = (f"first parameter whose checksum differs: {describe_piece(bad)}" if bad is not None
                          else "every piece's checksum matches: the engine computes these weights differently "
                               "from the trainer (not a transfer error; if it is the dtype's rounding on this model, "
@@ -242,6 +268,15 @@ class WeightSync:
         return {k: (a, b) for k, (a, b) in out.items()}
 
     def close(self) -> None:
+        """Shut both sides' sync groups down (best effort: this runs on the way out of failures too)."""
+        if self._store is None:
+            return
+        try:
+            self.policy.sync_close()
+            if not self.colocated:
+                self.engine.run_on_ranks(engine_close)
+        except Exception:
+            pass  # a broken role is torn down by its own close
         self._store = None
 
 

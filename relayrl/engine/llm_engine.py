@@ -32,7 +32,8 @@ from relayrl.engine.sequence import Sequence, SequenceStatus
 from relayrl.models.config import ModelConfig
 
 
-def _available_memory(device: str) -> int:
+def available_memory(device: str) -> int:
+    """Free bytes on `device` (the KV cache budget's base when no byte count is given)."""
     if device.startswith("cuda"):
         return torch.cuda.mem_get_info()[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -49,7 +50,8 @@ class LLMEngine:
         """own_processes: run the model in worker processes even at tensor_parallel_size 1 (the
         engine's ranks then live apart from this process: a disaggregated weight sync).
         runner_group: ranks hosted elsewhere (e.g. in the trainer's processes, colocated) — an
-        object with call / call_all / run_fn / close, like TPWorkerGroup."""
+        object with call / call_all / run_fn / close like TPWorkerGroup, and free_memory() (the
+        least free bytes over its ranks' devices)."""
         self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
         self.block_size, self.tp_size = block_size, tensor_parallel_size
         self.eos_ids = set(config.eos_ids)
@@ -70,7 +72,9 @@ class LLMEngine:
         _, kv_heads = head_layout(config.num_attention_heads, config.num_key_value_heads, TPInfo(0, tensor_parallel_size))
         per_block = kv_bytes_per_block(config, dtype, block_size, len(kv_heads))
         if num_blocks is None:
-            budget = kv_cache_bytes if kv_cache_bytes is not None else int(_available_memory(device) * kv_cache_fraction)
+            # ranks hosted elsewhere (colocated in the trainer's processes) report their own device's memory
+            free = runner_group.free_memory() if runner_group is not None else available_memory(device)
+            budget = kv_cache_bytes if kv_cache_bytes is not None else int(free * kv_cache_fraction)
             num_blocks = budget // per_block
             if kv_cache_bytes is None:  # a fraction of memory: never more than max_num_seqs full-length sequences use
                 per_seq = -(-config.max_position_embeddings // block_size)

@@ -71,13 +71,17 @@ class Members:
 
 
 class SyncComm:
-    """A process group used only for weight sync. Construction returns at once; the rendezvous (all
-    members must join) runs in a thread and the first operation waits for it, so a driver can ask
-    the trainer and the engine to connect one after the other."""
+    """A gloo process group used only for weight sync. Construction returns at once; the rendezvous
+    (all members must join) runs in a thread and the first operation waits for it, so a driver can
+    ask the trainer and the engine to connect one after the other.
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 300.0):
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+    gloo moves CPU tensors: buckets of GPU shards are staged through host memory (`wire_device`).
+    An nccl sync group (GPU to GPU, no staging) is not wired yet."""
+
+    wire_device = torch.device("cpu")
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0):
+        self.rank, self.world_size = rank, world_size
         self._pg = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._connect, args=(host, port, timeout_s), daemon=True)
@@ -88,10 +92,7 @@ class SyncComm:
             timeout = timedelta(seconds=timeout_s)
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
             prefixed = dist.PrefixStore("relayrl-sync", store)
-            if self.backend == "nccl":
-                self._pg = dist.ProcessGroupNCCL(prefixed, self.rank, self.world_size)
-            else:
-                self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, timeout)
+            self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, timeout)
         except BaseException as e:  # raised in the caller's thread by .pg
             self._error = e
 
@@ -110,8 +111,15 @@ class SyncComm:
         return self.pg.recv([t], peer, tag)
 
     def close(self) -> None:
+        """Shut the group down (a member that failed mid-sync must not leave peers' ops matched
+        against stale buffers by a later sync)."""
         self._thread.join()
-        self._pg = None
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # already broken: nothing more to release
+                pass
 
 
 def serve_rendezvous(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
@@ -265,7 +273,7 @@ def post_receives(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tens
     me = members.of_engine(engine_rank)
     pending = PendingReceives()
     dtype = next(iter(params.values())).dtype
-    device = next(iter(params.values())).device
+    device = comm.wire_device if comm is not None else None
     for src in sorted(plan.sources(engine_rank)):
         peer = members.of_trainer(src)
         if peer == me:
@@ -304,14 +312,14 @@ def sync_send(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor],
         if src != trainer_rank or peer == me:
             continue
         for b, ts in enumerate(buckets(ts_all, 1 if fp8 else dtype.itemsize, bucket_bytes)):
-            bufs = encode(ts, local, dtype, fp8)
+            while len(inflight) >= window:  # at most `window` buckets of this rank in flight
+                for w in inflight.pop(0)[0]:
+                    w.wait()
+            bufs = [buf.to(comm.wire_device) for buf in encode(ts, local, dtype, fp8)]
             # the buffers live until their sends complete
             inflight.append(([comm.isend(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)], bufs))
             stats.bytes_sent += _nbytes(bufs)
             stats.messages += len(bufs)
-            if len(inflight) > window:
-                for w in inflight.pop(0)[0]:
-                    w.wait()
     for works, _ in inflight:
         for w in works:
             w.wait()
@@ -408,7 +416,7 @@ def first_mismatch(plan: SyncPlan, src: dict[int, float], dst: dict[int, float],
         a, b = src.get(i), dst.get(i)
         if a is None or b is None:
             raise KeyError(f"checksum of plan piece {i} ({t.name} -> engine {t.dst_rank} {t.dst_param}) is missing")
-        if abs(a - b) > rtol * max(1.0, abs(a)):
+        if not abs(a - b) <= rtol * max(1.0, abs(a)):  # NaN / inf (an unwritten piece) differs too
             return t
     return None
 
