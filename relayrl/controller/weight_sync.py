@@ -13,11 +13,14 @@
                             policy.finish_send()
              engine.end_weight_update()
              verify()       canary rows scored by the trainer and by the engine; a mean |logprob gap|
-                            over the bound of the engine's dtype stops the run, naming the first
-                            parameter whose checksum differs (every sync in debug mode)
+                            over the bound of the engine's dtype (or NaN) stops the run, naming the
+                            first parameter whose checksum differs. Every piece's checksum is also
+                            compared after the first sync (the plan never changes, so a layout bug
+                            shows there) and, with sync.debug_checksums, after every sync.
 
-The trainer and engine sides (`Trainer*` / `engine_*` below) are plain functions, so LocalPolicy,
-ActorWorker and the engine's ranks (through LLMEngine.run_on_ranks) all run the same code.
+The trainer side (`TrainerSide`) and the engine side (`engine_*`, run on each engine rank through
+LLMEngine.run_on_ranks) are plain code, so LocalPolicy, ActorWorker and the engine's ranks wherever
+they live run the same thing. The driver process holds the rendezvous store and joins no group.
 """
 
 from __future__ import annotations
