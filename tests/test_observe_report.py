@@ -88,3 +88,10 @@ def test_summarize_first_and_last(tmp_path):
     assert reward["first"] == pytest.approx(0.1) and reward["last"] == pytest.approx(0.6)
     assert summary["metrics"]["eval/accuracy"]["first_step"] == 3
     assert "accuracy" not in summary["metrics"]  # not logged under that name here
+
+
+def test_time_share_counts_a_stage_once():
+    from relayrl.observe.report import time_stages
+
+    keys = {"time/sync", "time/sync_transfer", "time/sync_verify", "time/rollout", "time/step", "reward/mean"}
+    assert time_stages(keys) == ["time/rollout", "time/sync"]

@@ -1,7 +1,8 @@
 """Plots and a short summary of a run, read back from run_dir/metrics.jsonl.
 
     metrics.jsonl ──> reward.png      reward/mean and training accuracy per step, eval accuracy dots
-                      mismatch.png    |logp_trainer - logp_engine| mean and max per step
+                      mismatch.png    |logp_trainer - logp_engine| mean and max per step, and
+                                      the weight sync's canary gap
                       time_share.png  each stage's share of the timed step (stacked)
                       lengths.png     response length mean and max per step
 
@@ -33,6 +34,7 @@ ACCURACY_KEYS = ("reward/accuracy", "accuracy")
 EVAL_ACCURACY = "eval/accuracy"
 MISMATCH_MEAN = "mismatch/logp_abs_mean"
 MISMATCH_MAX = "mismatch/logp_abs_max"
+CANARY_GAP = "sync/canary_gap"  # the weight sync's check: mean |Δ logp| on fixed rows after each sync
 LENGTH_MEAN = "response_length/mean"
 LENGTH_MAX = "response_length/max"
 STEP_TIME = "time/step"
@@ -103,11 +105,11 @@ def _plot_reward(records: list[dict[str, Any]], out: Path) -> Path | None:
 
 
 def _plot_mismatch(records: list[dict[str, Any]], out: Path) -> Path | None:
-    present = [(k, _series(records, k)) for k in (MISMATCH_MEAN, MISMATCH_MAX)]
+    present = [(k, _series(records, k)) for k in (MISMATCH_MEAN, MISMATCH_MAX, CANARY_GAP)]
     present = [(k, s) for k, s in present if s[0]]
     if not present:
         return None
-    fig, ax = _new_axes("trainer vs engine logprob mismatch")
+    fig, ax = _new_axes("trainer vs engine logprob mismatch (rollout tokens; the sync's canary)")
     for key, (steps, values) in present:
         ax.plot(steps, values, label=key)
     finite = [v for _, (_, vs) in present for v in vs if math.isfinite(v)]
@@ -121,8 +123,15 @@ def _plot_mismatch(records: list[dict[str, Any]], out: Path) -> Path | None:
     return _save(fig, out / "mismatch.png")
 
 
+def time_stages(keys) -> list[str]:
+    """The stage timers among `keys`: time/* but time/step, and not a stage's parts (time/sync_verify
+    is inside time/sync), so the shares add up."""
+    timers = {k for k in keys if k.startswith("time/") and k != STEP_TIME}
+    return sorted(k for k in timers if not any(k.startswith(t + "_") for t in timers))
+
+
 def _plot_time_share(records: list[dict[str, Any]], out: Path) -> Path | None:
-    stages = sorted({k for r in records for k in r if k.startswith("time/") and k != STEP_TIME})
+    stages = time_stages({k for r in records for k in r})
     rows = [r for r in records if any(s in r for s in stages)]
     if not rows:
         return None
