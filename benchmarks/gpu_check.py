@@ -10,6 +10,9 @@
    driver reports as mismatch/logp_abs_*), and the same for a bf16 trainer.
 4. throughput: relayrl's engine vs the vLLM backend (when vllm imports) on an RL-shaped workload,
    tokens/s and their ratio.
+5. weight sync on the device: the planned sync into an in-process engine (fp32 and bf16: canary
+   gap, seconds), and trainer -> engine across two processes on the device (gloo staging the
+   buckets through host memory): engine logprobs vs the trainer's.
 """
 
 from __future__ import annotations
@@ -132,6 +135,56 @@ def check_throughput(path: str, device: str) -> dict:
     return res
 
 
+def check_sync(path: str, device: str) -> dict:
+    from relayrl.engine.model_runner import ModelRunner
+    from relayrl.parallel.launch import launch
+    from relayrl.sync import EngineLayout, Members, TrainerLayout, plan_sync, sync_step
+    from relayrl.sync.transfer import serve_rendezvous, trainer_locals
+
+    model = load_pretrained(path).to(device).eval()
+    rows = prompts(8)
+    ids = torch.tensor([r[:4] for r in rows], device=device)
+    with torch.no_grad():
+        ref = token_logprobs(model, ids, torch.ones_like(ids))[0].cpu()
+    res = {}
+    plan = plan_sync(model.config, TrainerLayout(), EngineLayout(1))
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        runner = ModelRunner(model.config, dtype, device=device)
+        t = time.perf_counter()
+        sync_step(plan, comm=None, members=Members(1, 1, True), dtype=dtype, trainer_rank=0, engine_rank=0,
+                  local=trainer_locals(model), params=runner.params())
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        took = time.perf_counter() - t
+        gap = (runner.score(ids.cpu().tolist()) - ref)[:, 1:].abs()
+        res[f"in_process_{name}"] = {"seconds": round(took, 4), "canary_gap_mean": float(gap.mean()),
+                                     "canary_gap_max": float(gap.max())}
+    store = serve_rendezvous()
+    got = launch(_sync_two_processes, 2, store.port, path, device, ids.cpu().tolist(), timeout=300)
+    res["two_processes_fp32"] = {"canary_gap_max": float((got[1] - ref)[:, 1:].abs().max())}
+    return res
+
+
+def _sync_two_processes(rank: int, world: int, port: int, path: str, device: str, rows) -> torch.Tensor | None:
+    """Process 0: the trainer (its tensors on the device); process 1: the engine (on the device)."""
+    from relayrl.engine.model_runner import ModelRunner
+    from relayrl.sync import EngineLayout, Members, SyncComm, TrainerLayout, plan_sync, sync_step
+    from relayrl.sync.transfer import trainer_locals
+
+    model = load_pretrained(path).to(device)
+    plan = plan_sync(model.config, TrainerLayout(), EngineLayout(1))
+    comm = SyncComm("127.0.0.1", port, rank, 2)
+    members = Members(1, 1, colocated=False)
+    if rank == 0:
+        sync_step(plan, comm=comm, members=members, dtype=torch.float32, trainer_rank=0, local=trainer_locals(model))
+        comm.close()
+        return None
+    runner = ModelRunner(model.config, torch.float32, device=device)
+    sync_step(plan, comm=comm, members=members, dtype=torch.float32, engine_rank=0, params=runner.params())
+    comm.close()
+    return runner.score(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -140,7 +193,8 @@ def main() -> None:
     a = ap.parse_args()
     path = model_dir(a.small)
     results = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu", "torch": torch.__version__}
-    for name, fn in (("nccl", check_nccl), ("greedy_fp32", check_greedy), ("bf16", check_bf16), ("throughput", check_throughput)):
+    for name, fn in (("nccl", check_nccl), ("greedy_fp32", check_greedy), ("bf16", check_bf16), ("throughput", check_throughput),
+                     ("sync", check_sync)):
         t = time.perf_counter()
         try:
             results[name] = fn(path, a.device)

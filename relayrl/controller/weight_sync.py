@@ -59,6 +59,7 @@ from relayrl.trainer.batch import TrainBatch
 # 0.013-0.024 with bf16 on either side, 0.05-0.09 through the float8 wire; a misplaced piece moves
 # it by ~0.1-1 (tests/test_weight_sync.py)
 GAP_BOUND = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2, FP8: 0.25}
+GAP_MARGIN = 3.0  # the bound after the first (checksum-verified) sync: at least 3x the gap measured there
 
 
 class SyncConfig(Config):
@@ -240,7 +241,12 @@ class WeightSync:
         if over or self.cfg.debug_checksums or not self.checked_pieces:
             # a layout bug shows on the first sync (the plan never changes): every piece is checked then
             bad = self.first_bad_piece()
-            self.checked_pieces = True
+            first, self.checked_pieces = not self.checked_pieces, True
+            if first and bad is None and not over and self.cfg.gap_bound is None:
+                # every weight is exactly where it belongs, so this gap is the dtypes' rounding on this
+                # model; training sharpens the logits and that rounding grows: leave it room (3x), never
+                # less than the dtype's bound, never more than 3x of it
+                self.bound = max(self.bound, GAP_MARGIN * gap)
             if bad is not None or over:
                 where = (f"first parameter whose checksum differs: {describe_piece(bad)}" if bad is not None
                          else "every piece's checksum matches: the engine computes these weights differently "
