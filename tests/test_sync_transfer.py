@@ -143,7 +143,7 @@ def _disaggregated(rank: int, world: int, port: int, key: str, tp: int, etp: int
     e = rank - tp
     runner = ModelRunner(cfg, torch.float32, TPInfo(e, etp, engine_group if etp > 1 else None))
     params = runner.params()
-    stats = finish_receives(post_receives(plan, e, params, comm, members, 256, fp8), params)
+    stats = finish_receives(post_receives(plan, e, params, comm, members, 256, fp8, window=2), params)
     got = runner.score(ROWS)
     comm.close()
     return ("engine", float((got - _reference_logp(model)).abs().mean()), stats.bytes_received,
@@ -206,3 +206,62 @@ def test_checksums_see_a_moved_value():
     swapped[[0, 1]] = swapped[[1, 0]]  # same values, two rows exchanged
     assert _checksum(swapped, box) != _checksum(x, box)
     assert _checksum(x, box) != _checksum(x, Box(1, 4, 0, 4))  # the same values at other logical rows
+
+
+class _Loopback:
+    """A sync group in one process: sends land in a dict, a receive's wait() takes its message.
+    Counts the receives outstanding at once (the engine's staging memory, in buckets)."""
+
+    wire_device = torch.device("cpu")
+
+    def __init__(self, me: int):
+        self.me, self.box, self.outstanding, self.most = me, {}, 0, 0
+
+    def as_member(self, me: int) -> "_Loopback":
+        other = _Loopback(me)
+        other.box = self.box
+        return other
+
+    def isend(self, t, peer, tag):
+        self.box[(self.me, peer, tag)] = t.clone()
+        return _Done()
+
+    def irecv(self, t, peer, tag):
+        self.outstanding += 1
+        self.most = max(self.most, self.outstanding)
+        comm = self
+
+        class _Recv:
+            def wait(self_):
+                t.copy_(comm.box.pop((peer, comm.me, tag)))
+                comm.outstanding -= 1
+
+        return _Recv()
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_receives_stay_within_the_window_and_unpack_exactly(fp8):
+    """Trainer TP 2 -> engine TP 1 through a loopback group: 300-byte buckets, window 3."""
+    model = _model("gqa8x2")
+    cfg = model.config
+    layout, members = TrainerLayout(tp=2), Members(2, 1, colocated=False)
+    plan = plan_sync(cfg, layout, EngineLayout(1))
+    full = {k: v.detach() for k, v in model.state_dict().items()}
+    base = _Loopback(2)
+    for r in range(2):
+        sync_step(plan, comm=base.as_member(r), members=members, dtype=torch.float32, trainer_rank=r,
+                  local=shard_state_dict(full, cfg, layout, r), bucket_bytes=300, window=3, fp8=fp8)
+    runner = ModelRunner(cfg, torch.float32)
+    stats = finish_receives(post_receives(plan, 0, runner.params(), base, members, 300, fp8, window=3),
+                            runner.params())
+    assert not base.box  # every message taken
+    per_bucket = 2 if fp8 else 1  # fp8: the values and their scales
+    assert base.most == 3 * per_bucket < stats.messages  # many buckets, never more than 3 posted at once
+    src = {k: v for r in range(2) for k, v in
+           source_checksums(plan, r, shard_state_dict(full, cfg, layout, r), torch.float32, fp8).items()}
+    assert first_mismatch(plan, src, dest_checksums(plan, 0, runner.params())) is None

@@ -66,7 +66,7 @@ class SyncConfig(Config):
     """The `sync:` section: how weights move from the trainer to the engine, and how it is checked."""
 
     bucket_mb: float = Field(32.0, gt=0)  # pieces for one (source, destination) pair, per message
-    window: int = Field(4, ge=1)  # buckets a trainer rank keeps in flight
+    window: int = Field(4, ge=1)  # buckets a member keeps in flight, each way
     # the canary costs one forward of rows x len tokens on each side per sync (at least one row
     # per trainer rank): 64 tokens, a small share of a step's rollout tokens
     canary_rows: int = Field(4, ge=1)
@@ -138,7 +138,7 @@ def engine_receive(runner, spec: SyncSpec) -> SyncStats:
     t0 = time.perf_counter()
     params = runner.params()
     stats = finish_receives(post_receives(spec.plan, runner.tp.rank, params, runner.sync_comm, spec.members,
-                                          spec.bucket_bytes, spec.fp8), params)
+                                          spec.bucket_bytes, spec.fp8, spec.window), params)
     stats.seconds = time.perf_counter() - t0
     return stats
 

@@ -261,42 +261,55 @@ def copy_own(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], params: 
 
 @dataclass
 class PendingReceives:
-    works: list = field(default_factory=list)  # (works, buffers, transfers) per bucket, in the order to unpack
+    """An engine rank's receives for one sync: (peer, tag base, transfers) per bucket in the global
+    message order, at most `window` of them posted at a time."""
+
+    todo: list  # buckets not yet posted
+    comm: SyncComm | None
+    dtype: torch.dtype
+    fp8: bool
+    window: int
+    posted: list = field(default_factory=list)  # (works, buffers, transfers), oldest first
     stats: SyncStats = field(default_factory=SyncStats)
-    fp8: bool = False
+
+    def post_more(self) -> None:
+        while self.todo and len(self.posted) < self.window:
+            peer, b, ts = self.todo.pop(0)
+            bufs = receive_buffers(ts, self.dtype, self.fp8, self.comm.wire_device)
+            works = [self.comm.irecv(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)]
+            self.posted.append((works, bufs, ts))
+            self.stats.bytes_received += _nbytes(bufs)
+            self.stats.messages += len(bufs)
 
 
 @torch.no_grad()
 def post_receives(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tensor], comm: SyncComm,
-                  members: Members, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp8: bool = False) -> PendingReceives:
-    """Engine side, step 1: an irecv per bucket from every other-process source (returns at once)."""
+                  members: Members, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp8: bool = False,
+                  window: int = 4) -> PendingReceives:
+    """Engine side, step 1: post the first `window` buckets' receives (returns at once)."""
     me = members.of_engine(engine_rank)
-    pending = PendingReceives()
     dtype = next(iter(params.values())).dtype
-    device = comm.wire_device if comm is not None else None
-    for src in sorted(plan.sources(engine_rank)):
+    todo = []
+    for src in sorted(plan.sources(engine_rank)):  # (source, bucket): the senders' order too
         peer = members.of_trainer(src)
         if peer == me:
             continue
-        itemsize = 1 if fp8 else dtype.itemsize
-        for b, ts in enumerate(buckets(plan.between(src, engine_rank), itemsize, bucket_bytes)):
-            bufs = receive_buffers(ts, dtype, fp8, device)
-            works = [comm.irecv(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)]
-            pending.works.append((works, bufs, ts))
-            pending.stats.bytes_received += _nbytes(bufs)
-            pending.stats.messages += len(bufs)
-    pending.fp8 = fp8
+        for b, ts in enumerate(buckets(plan.between(src, engine_rank), 1 if fp8 else dtype.itemsize, bucket_bytes)):
+            todo.append((peer, b, ts))
+    pending = PendingReceives(todo, comm, dtype, fp8, window)
+    pending.post_more()
     return pending
 
 
 @torch.no_grad()
 def finish_receives(pending: PendingReceives, params: dict[str, torch.Tensor]) -> SyncStats:
-    """Engine side, step 2: unpack each bucket as it lands (the next ones keep arriving meanwhile)."""
-    while pending.works:
-        works, bufs, ts = pending.works.pop(0)
+    """Engine side, step 2: unpack each bucket as it lands and post the next one in its place."""
+    while pending.posted:
+        works, bufs, ts = pending.posted.pop(0)
         for w in works:
             w.wait()
         decode(ts, bufs, params, pending.fp8)
+        pending.post_more()
     return pending.stats
 
 
@@ -326,19 +339,19 @@ def sync_send(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor],
     return stats
 
 
-class BackgroundSend:
-    """sync_send in a thread: the trainer's call returns while the engine receives (disaggregated)."""
+class _Background:
+    """fn(*args) in a thread; join() returns its SyncStats or raises its error."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, fn, *args, **kwargs):
         self.result: SyncStats | None = None
         self.error: BaseException | None = None
-        self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, args=args, kwargs=kwargs, daemon=True)
+        self._name, self._t0 = fn.__name__, time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), kwargs=kwargs, daemon=True)
         self._thread.start()
 
-    def _run(self, *args, **kwargs) -> None:
+    def _run(self, fn, *args, **kwargs) -> None:
         try:
-            self.result = sync_send(*args, **kwargs)
+            self.result = fn(*args, **kwargs)
             self.result.seconds = time.perf_counter() - self._t0
         except BaseException as e:
             self.error = e
@@ -346,8 +359,15 @@ class BackgroundSend:
     def join(self) -> SyncStats:
         self._thread.join()
         if self.error is not None:
-            raise RuntimeError(f"weight-sync send failed: {self.error}") from self.error
+            raise RuntimeError(f"weight sync ({self._name}) failed: {self.error}") from self.error
         return self.result
+
+
+class BackgroundSend(_Background):
+    """sync_send in a thread: the trainer's call returns while the engine receives (disaggregated)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(sync_send, *args, **kwargs)
 
 
 def sync_step(plan: SyncPlan, *, comm: SyncComm | None, members: Members, dtype: torch.dtype,
@@ -360,15 +380,21 @@ def sync_step(plan: SyncPlan, *, comm: SyncComm | None, members: Members, dtype:
     t0 = time.perf_counter()
     if trainer_rank is not None:
         check_locals(plan, trainer_rank, local)
-    stats, pending = SyncStats(), None
+    stats, receiving = SyncStats(), None
+    sends = trainer_rank is not None and members.world_size > 1
     if engine_rank is not None:
-        pending = post_receives(plan, engine_rank, params, comm, members, bucket_bytes, fp8)
+        pending = post_receives(plan, engine_rank, params, comm, members, bucket_bytes, fp8, window)
         if trainer_rank is not None and members.of_trainer(trainer_rank) == members.of_engine(engine_rank):
             stats = stats.add(copy_own(plan, engine_rank, local, params, fp8))
-    if trainer_rank is not None and members.world_size > 1:
+        # both roles in one process: receiving runs in a thread of its own, so neither side's window
+        # waits on the other (see the module doc)
+        receiving = _Background(finish_receives, pending, params) if sends else None
+        if not sends:
+            stats = stats.add(finish_receives(pending, params))
+    if sends:
         stats = stats.add(sync_send(plan, trainer_rank, local, comm, members, dtype, bucket_bytes, window, fp8))
-    if pending is not None:
-        stats = stats.add(finish_receives(pending, params))
+    if receiving is not None:
+        stats = stats.add(receiving.join())
     stats.seconds = time.perf_counter() - t0
     return stats
 
