@@ -111,3 +111,33 @@ def test_sync_plan_command(capsys):
     assert "qkv_proj" in out
     code, err = run_cli(capsys, "sync-plan", "--preset", "tiny-gqa", "--model", "/x")
     assert code == 2 and "exactly one of" in err
+
+
+def test_a_bad_sync_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path, cfg_file, capsys, monkeypatch):
+    """The third sync (the start of step 2) corrupts one weight in the engine: the canary stops the
+    run with the piece named; the step-1 checkpoint and metrics stay, and the run resumes from them."""
+    import relayrl.controller.weight_sync as ws
+
+    real, calls = ws.sync_step, {"n": 0}
+
+    def corrupting(plan, **kw):
+        out = real(plan, **kw)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            kw["params"]["layers.0.mlp.down_proj.weight"][:, :4] *= -3.0
+        return out
+
+    monkeypatch.setattr(ws, "sync_step", corrupting)
+    out = tmp_path / "run"
+    args = ["train", cfg_file("{}"), f"run.out_dir={out}", *TINY, "run.steps=3", "run.save_every=1",
+            "model.tiny.init_std=0.5"]
+    code, err = run_cli(capsys, *args)
+    assert code == 2
+    (line,) = [x for x in err.splitlines() if not x.startswith("grpo:")]  # the progress bar aside: one line
+    assert line.startswith("relayrl: error: weight sync verification failed after sync before step 2")
+    assert "first parameter whose checksum differs: engine rank 0 layers.0.mlp.down_proj.weight" in line
+    assert (out / "checkpoints" / "step_00000001").is_dir()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    monkeypatch.setattr(ws, "sync_step", real)
+    code, err = run_cli(capsys, "train", "--resume", str(out))
+    assert code == 0, err

@@ -73,7 +73,7 @@ class Driver:
         if woke:
             self.engine.wake()
         t0 = time.perf_counter()
-        gap = self.weight_sync.verify(f"{'sync + wake' if woke else 'sync'} before step {self.step}")
+        gap = self.weight_sync.verify(f"{'sync + wake' if woke else 'sync'} before step {self.step + 1}")
         return {**m, "sync/canary_gap": gap, "time/sync_verify": time.perf_counter() - t0} if m else m
 
     def _params(self, step: int, round_: int, i: int) -> SamplingParams:
