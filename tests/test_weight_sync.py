@@ -192,3 +192,32 @@ def test_float8_wire_rounds_every_piece_the_same_way():
     w = policy.actor.model.model.embed_tokens.weight.detach()
     scale = w.abs().max() / 448
     assert torch.equal(embed, (w / scale).to(torch.float8_e4m3fn).float() * scale)
+
+
+def test_a_sender_that_dies_fails_the_sync_within_the_timeout(monkeypatch):
+    import time
+
+    import relayrl.sync.transfer as transfer
+
+    policy = _policy()
+    engine = LLMEngine(policy.actor.model.config, own_processes=True, kv_cache_bytes=1 << 16)  # disaggregated
+    try:
+        ws = _sync(policy, engine, 1, colocated=False, timeout_s=3.0)
+        ws.sync()
+
+        def dies(*args, **kwargs):
+            raise OSError("trainer rank 0 lost its network")
+
+        monkeypatch.setattr(transfer, "sync_send", dies)
+        monkeypatch.setattr(transfer.BackgroundSend, "__init__",
+                            lambda self, *a, **k: transfer._Background.__init__(self, dies, *a, **k))
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError):
+            ws.transfer()  # the engine rank gives up waiting after timeout_s
+        assert time.perf_counter() - t0 < 30
+        assert ws.broken
+        with pytest.raises(RuntimeError, match="restart the run from its last checkpoint"):
+            ws.transfer()
+    finally:
+        ws.close()
+        engine.close()

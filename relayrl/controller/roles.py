@@ -120,8 +120,8 @@ class ActorWorker(_ParallelModelWorker):
 
     # ---- weight sync (relayrl.controller.weight_sync) ----
     @dispatch(Dispatch.ONE_TO_ALL)
-    def sync_connect(self, host: str, port: int, members) -> None:
-        self.sync_side.connect(host, port, self.rank, members)
+    def sync_connect(self, host: str, port: int, members, timeout_s: float) -> None:
+        self.sync_side.connect(host, port, self.rank, members, timeout_s)
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def sync_close(self) -> None:
@@ -219,8 +219,8 @@ class LocalPolicy:
         return self.actor.model.state_dict().items()
 
     # ---- weight sync: this process is trainer rank 0 ----
-    def sync_connect(self, host: str, port: int, members) -> None:
-        self.sync_side.connect(host, port, 0, members)
+    def sync_connect(self, host: str, port: int, members, timeout_s: float) -> None:
+        self.sync_side.connect(host, port, 0, members, timeout_s)
 
     def sync_close(self) -> None:
         self.sync_side.close()
@@ -292,8 +292,8 @@ class GroupPolicy:
         free = self.actor.init_engine(model_config, dtype, tp)
         return ActorHostedRanks(self.actor, tp, min(f for f in free if f is not None))
 
-    def sync_connect(self, host: str, port: int, members) -> None:
-        self.actor.sync_connect(host, port, members)
+    def sync_connect(self, host: str, port: int, members, timeout_s: float) -> None:
+        self.actor.sync_connect(host, port, members, timeout_s)
 
     def sync_close(self) -> None:
         self.actor.sync_close()

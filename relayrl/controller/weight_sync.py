@@ -76,6 +76,8 @@ class SyncConfig(Config):
     # float8: each piece crosses as float8 e4m3 with a scale of its own, recomputed every sync (a
     # quarter of fp32's bytes, half of bf16's); the engine holds the dequantised values
     wire: Literal["engine", "float8"] = "engine"
+    # how long a member waits on a message (a peer that died mid-sync surfaces as an error after this)
+    timeout_s: float = Field(300.0, gt=0)
 
 
 class SyncVerificationError(UserError):
@@ -90,9 +92,9 @@ class TrainerSide:
         self.comm: SyncComm | None = None
         self.send: BackgroundSend | None = None
 
-    def connect(self, host: str, port: int, rank: int, members: Members) -> None:
+    def connect(self, host: str, port: int, rank: int, members: Members, timeout_s: float = 300.0) -> None:
         if members.world_size > 1:
-            self.comm = SyncComm(host, port, members.of_trainer(rank), members.world_size)
+            self.comm = SyncComm(host, port, members.of_trainer(rank), members.world_size, timeout_s)
 
     def colocated(self, model, rank: int, spec: SyncSpec, engine_params: dict | None) -> SyncStats:
         hosts = engine_params is not None
@@ -123,8 +125,8 @@ class TrainerSide:
         return source_checksums(spec.plan, rank, trainer_locals(model), spec.dtype, spec.fp8)
 
 
-def engine_connect(runner, host: str, port: int, members: Members) -> None:
-    runner.sync_comm = SyncComm(host, port, members.of_engine(runner.tp.rank), members.world_size)
+def engine_connect(runner, host: str, port: int, members: Members, timeout_s: float = 300.0) -> None:
+    runner.sync_comm = SyncComm(host, port, members.of_engine(runner.tp.rank), members.world_size, timeout_s)
 
 
 def engine_close(runner) -> None:
@@ -179,10 +181,10 @@ class WeightSync:
         self._store = None
         if members.world_size > 1:
             host = getattr(policy, "address", "127.0.0.1")  # the driver, as the trainer's workers reach it
-            self._store = serve_rendezvous(host)
-            policy.sync_connect(host, self._store.port, members)
+            self._store = serve_rendezvous(host, timeout_s=cfg.timeout_s)
+            policy.sync_connect(host, self._store.port, members, cfg.timeout_s)
             if not colocated:
-                engine.run_on_ranks(engine_connect, host, self._store.port, members)
+                engine.run_on_ranks(engine_connect, host, self._store.port, members, cfg.timeout_s)
         self.checked_pieces = False  # every piece's checksum is compared after the first sync
         self.broken = False
 
