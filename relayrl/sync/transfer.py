@@ -6,25 +6,32 @@ Who is where (a `Members` map: trainer rank / engine rank -> rank in the sync gr
                    r -> r pieces are copied in place (no buffer), the others go over the group
     disaggregated  members = trainer ranks 0..T-1, then engine ranks T..T+E-1
 
-The sync group is a process group of its own (`SyncComm`: a TCPStore rendezvous, gloo on CPU, nccl
-on GPU), made beside whatever default group the trainer or the engine's TP workers already have.
+The sync group is a gloo process group of its own (`SyncComm`: a TCPStore rendezvous at the
+driver), made beside whatever default group the trainer or the engine's TP workers already have.
+Buckets of GPU tensors are staged through host memory; an nccl sync group is not wired yet.
 
 One sync, on every member (`sync_send` / `post_receives` + `finish_receives`, or `sync_step` for both):
 
-    engine side   post one irecv per bucket of each (source, me) pair — at most its own shard in
-                  flight, in the engine's dtype — then unpack each bucket as it lands, in order
+    engine side   irecv the buckets of each (source, me) pair, at most `window` posted at a time;
+                  unpack each as it lands and post the next in its place
     trainer side  for each destination: pack the next bucket (slices of its local shards, cast to
-                  the engine's dtype), isend it; at most `window` buckets of its own in flight
+                  the engine's dtype), isend it; at most `window` buckets in flight
+
+A bucket is a list of the plan's pieces for one (source, destination) pair, at most `bucket_bytes`
+(a single piece larger than that goes alone). Memory: besides its parameters a member holds at most
+`window` buckets it receives and `window` it sends: never a second copy of the model, of its shard,
+or any full unsharded parameter it does not own.
+
+No cycle of waits: every member sends and receives in one global message order, (destination,
+source, bucket), each side waiting only on its oldest message and refilling its window at once. The
+globally oldest unfinished message is then posted on both of its ends and completes; by induction
+all do. A process that is both a trainer and an engine rank (colocated) receives in a thread of its
+own, so its sender's waits never hold up its receiver (and the reverse).
 
 With the float8 wire (`fp8=True`) each bucket is two messages: the pieces as float8 e4m3, each with a
 scale of its own (its max |x| / 448, recomputed every sync), and the scales; the engine dequantises
 into its dtype, and colocated in-place pieces take the same round trip, so every weight is rounded
 alike wherever it came from.
-
-Every receive is posted before any member waits on a send, so no member can wait on another in a
-cycle. No member ever holds a full unsharded parameter it does not own: a bucket is a list of the
-plan's pieces for one (source, destination) pair, never more than `bucket_bytes` (a single piece
-larger than that goes alone).
 
 Checksums (verification, debug): a piece's checksum is sum(x * w) in float64, with w a fixed
 function of the LOGICAL coordinates, so the trainer (from its local shard, cast to the engine's
@@ -230,7 +237,7 @@ def _nbytes(bufs: list[torch.Tensor]) -> int:
 
 @dataclass
 class SyncStats:
-    """What one member did in one sync (bytes in the engine's dtype)."""
+    """What one member did in one sync (bytes as they travel: the engine's dtype, or float8 + scales)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -375,8 +382,9 @@ def sync_step(plan: SyncPlan, *, comm: SyncComm | None, members: Members, dtype:
               local: dict[str, torch.Tensor] | None = None, params: dict[str, torch.Tensor] | None = None,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 4, fp8: bool = False) -> SyncStats:
     """Everything one member does in one sync, when it is trainer rank, engine rank or both
-    (colocated). Receives are posted first, then own pieces copied, then sends, then unpacking.
-    `dtype`: the engine's (what goes over the wire)."""
+    (colocated): its first receives posted, its own pieces copied in place, then sending and
+    receiving side by side (a thread each when it does both). `dtype`: the engine's (what goes
+    over the wire unless `fp8`)."""
     t0 = time.perf_counter()
     if trainer_rank is not None:
         check_locals(plan, trainer_rank, local)
