@@ -178,6 +178,20 @@ def test_metrics_carry_the_sync(tmp_path):
               "sync/bytes_copied_in_place", "sync/bytes_between_processes"):
         assert k in m, k
     assert m["sync/canary_gap"] < 1e-5
+    assert not (tmp_path / "m" / "sync_checksums.jsonl").exists()
+
+
+def test_debug_mode_writes_per_tensor_checksums(tmp_path):
+    import json
+
+    res = train(cfg_for(tmp_path, "d", run={"steps": 2, "save_every": 0}, sync={"debug_checksums": True}),
+                show_progress=False)
+    lines = [json.loads(x) for x in (tmp_path / "d" / "sync_checksums.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    table = lines[-1]["checksums"]
+    assert "engine rank 0: layers.0.self_attn.qkv_proj.weight" in table
+    assert all(a == b for a, b in table.values())
+    assert res["steps"] == 2
 
 
 def test_float8_wire_rounds_every_piece_the_same_way():

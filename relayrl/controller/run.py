@@ -6,6 +6,7 @@ checkpoint, and resume from the last complete checkpoint.
       base_model/          the tiny model, when model.path is unset
       metrics.jsonl, tb/   one line / TensorBoard scalars per step (eval lines share the step)
       eval.jsonl           held-out evaluations
+      sync_checksums.jsonl with sync.debug_checksums: per engine parameter, trainer vs engine checksum
       checkpoints/step_N/  model, optimizer, scheduler, sampler, RNG (atomic: temp name + rename)
       final_model/         the trained policy as a Hugging Face directory
 """
@@ -175,6 +176,9 @@ def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckp
         while driver.step < cfg.run.steps:
             m = driver.train_step()
             logger.log(driver.step, m)
+            if cfg.sync.debug_checksums:  # per-tensor checksums, trainer vs engine, of this step's sync
+                with open(run_dir / "sync_checksums.jsonl", "a") as f:
+                    f.write(json.dumps({"step": driver.step, "checksums": driver.weight_sync.last_table}) + "\n")
             progress.update(driver.step, {"reward": m["reward/mean"], "acc": m["reward/accuracy"]})
             done = driver.step == cfg.run.steps
             if done or (cfg.eval.every and driver.step % cfg.eval.every == 0):

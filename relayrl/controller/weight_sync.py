@@ -186,6 +186,7 @@ class WeightSync:
             if not colocated:
                 engine.run_on_ranks(engine_connect, host, self._store.port, members, cfg.timeout_s)
         self.checked_pieces = False  # every piece's checksum is compared after the first sync
+        self.last_table: dict[str, tuple[float, float]] = {}  # the last comparison (debug mode: every sync)
         self.broken = False
 
     @property
@@ -266,11 +267,14 @@ class WeightSync:
 
     def first_bad_piece(self):
         src, dst = self.checksums()
+        self.last_table = self._table(src, dst)
         return first_mismatch(self.spec.plan, src, dst)
 
     def checksum_table(self) -> dict[str, tuple[float, float]]:
         """'engine rank r: param' -> (trainer's, engine's) checksum, summed over the param's pieces."""
-        src, dst = self.checksums()
+        return self._table(*self.checksums())
+
+    def _table(self, src: dict[int, float], dst: dict[int, float]) -> dict[str, tuple[float, float]]:
         out: dict[str, list[float]] = {}
         for i, t in enumerate(self.spec.plan.transfers):
             row = out.setdefault(f"engine rank {t.dst_rank}: {t.dst_param}", [0.0, 0.0])
