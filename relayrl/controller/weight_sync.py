@@ -301,6 +301,7 @@ class FullWeightSync:
 
     def __init__(self, policy, engine):
         self.policy, self.engine = policy, engine
+        self.last_table: dict = {}  # no pieces, no checksums
 
     def transfer(self) -> dict[str, float]:
         self.engine.load_weights(self.policy.weights())
