@@ -87,6 +87,9 @@ class RunConfig(Config):
                              "need parallel.backend=local (or ray)")
         if p.rollout_worker and self.rollout.backend != "relayrl":
             raise ValueError("parallel.rollout_worker runs relayrl's engine; the vllm backend manages its own workers")
+        if self.rollout.backend == "vllm" and (self.rollout.sleep_level or self.rollout.tp > 1):
+            raise ValueError("rollout.sleep_level and rollout.tp are relayrl engine settings; the vllm backend "
+                             "takes its own")
         if self.rollout.backend == "relayrl" and p.placement == "colocated":
             if p.rollout_worker:
                 raise ValueError("parallel.rollout_worker puts the engine in a process of its own: "

@@ -98,13 +98,15 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(src)
     train_set, eval_set = build_datasets(cfg.data)
-    policy = build_policy(cfg, src)
+    policy, engine = build_policy(cfg, src), None
     try:
         engine = build_engine(cfg, src, policy)
         sync = build_weight_sync(cfg, src, policy, engine)
         driver = Driver(cfg, policy, engine, build_scorer_for(cfg), PromptSampler(train_set, cfg.run.seed), sync)
     except BaseException:
-        policy.close()
+        for role in (engine, policy):  # no process outlives a failed start
+            if role is not None and hasattr(role, "close"):
+                role.close()
         raise
     return driver, eval_set, src
 
