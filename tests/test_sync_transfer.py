@@ -17,11 +17,9 @@ from relayrl.sync.apply import shard_state_dict
 from relayrl.sync.boxes import Box
 from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.plan import plan_sync
+from relayrl.sync.checksums import dest_checksums, first_mismatch, source_checksums
 from relayrl.sync.transfer import (
     BackgroundSend,
-    dest_checksums,
-    first_mismatch,
-    source_checksums,
     Members,
     SyncComm,
     buckets,
@@ -197,7 +195,7 @@ def test_colocated_single_process_copies_in_place():
 
 
 def test_checksums_see_a_moved_value():
-    from relayrl.sync.transfer import _checksum
+    from relayrl.sync.checksums import _checksum
 
     x = torch.arange(12.0).view(3, 4)
     box = Box(0, 3, 0, 4)

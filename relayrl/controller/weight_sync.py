@@ -33,25 +33,22 @@ from pydantic import Field
 
 from relayrl.config import Config
 from relayrl.errors import UserError
+from relayrl.sync.checksums import dest_checksums, describe_piece, first_mismatch, source_checksums
 from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout
 from relayrl.sync.transfer import (
-    FP8,
     BackgroundSend,
     Members,
     SyncComm,
     SyncSpec,
     SyncStats,
     check_locals,
-    describe_piece,
-    dest_checksums,
     finish_receives,
-    first_mismatch,
     post_receives,
     serve_rendezvous,
-    source_checksums,
     sync_step,
     trainer_locals,
 )
+from relayrl.sync.wire import FP8
 from relayrl.trainer.batch import TrainBatch
 
 # mean |trainer logp - engine logp| over the canary tokens, by the lower of the two precisions.
@@ -177,6 +174,7 @@ class WeightSync:
         lower = FP8 if self.spec.fp8 else engine_dtype if engine_dtype != torch.float32 else trainer_dtype
         self.bound = cfg.gap_bound if cfg.gap_bound is not None else GAP_BOUND[lower]
         self.rows = canary_rows(shape.vocab_size, max(cfg.canary_rows, trainer_layout.world_size), cfg.canary_len)
+        self.shard_bytes = max(self.spec.plan.bytes_per_dst_rank(engine_dtype).values())  # the largest engine shard
         self.syncs = 0
         self._store = None
         if members.world_size > 1:
@@ -216,16 +214,19 @@ class WeightSync:
             raise
         self.engine.end_weight_update()
         self.syncs += 1
-        per_rank = self.spec.plan.bytes_per_dst_rank(self.spec.dtype)
         return {"time/sync_transfer": time.perf_counter() - t0, "sync/bytes_between_processes": float(stats.bytes_received),
                 "sync/bytes_copied_in_place": float(stats.bytes_copied),
-                "sync/bytes_per_engine_rank": float(max(per_rank.values())), "sync/messages": float(stats.messages)}
+                "sync/bytes_per_engine_rank": float(self.shard_bytes), "sync/messages": float(stats.messages)}
 
-    def sync(self) -> dict[str, float]:
-        """transfer() then verify()."""
+    def sync(self, label: str | None = None) -> dict[str, float]:
+        """transfer(), wake() an engine put to sleep since the last sync, then verify() both."""
         out = self.transfer()
+        woke = bool(getattr(self.engine, "asleep", 0))
+        if woke:
+            self.engine.wake()
         t0 = time.perf_counter()
-        out["sync/canary_gap"] = self.verify(f"sync {self.syncs}")
+        what = "sync + wake" if woke else "sync"
+        out["sync/canary_gap"] = self.verify(f"{what} {label}" if label else f"{what} {self.syncs}")
         out["time/sync_verify"] = time.perf_counter() - t0
         return out
 
@@ -303,12 +304,11 @@ class FullWeightSync:
         self.policy, self.engine = policy, engine
         self.last_table: dict = {}  # no pieces, no checksums
 
-    def transfer(self) -> dict[str, float]:
+    def sync(self, label: str | None = None) -> dict[str, float]:
         self.engine.load_weights(self.policy.weights())
+        if getattr(self.engine, "asleep", 0):
+            self.engine.wake()
         return {}
-
-    def verify(self, after: str) -> float:
-        return 0.0
 
     def close(self) -> None:
         pass

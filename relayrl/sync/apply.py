@@ -4,7 +4,7 @@
     pack(plan, src, dst, locals) -> flat              one buffer per (src, dst) pair, in plan order ...
     unpack(plan, src, dst, flat, params)              ... and its inverse on the receiving side
 
-The transfer between processes (relayrl.sync.transfer) packs and unpacks the same way, bucket by
+The transfer between processes (relayrl.sync.transfer) packs and unpacks the same way (relayrl.sync.wire), bucket by
 bucket; execute_plan is what its results are checked against.
 
 shard_state_dict builds a trainer rank's local tensors from a full state dict, so the planner is
@@ -18,7 +18,7 @@ import torch
 from relayrl.models.config import ModelConfig
 from relayrl.sync.layout import ModelShape, TrainerLayout, trainer_holdings
 from relayrl.sync.plan import SyncPlan, Transfer
-from relayrl.sync.transfer import pack_pieces, unpack_pieces
+from relayrl.sync.wire import pack_pieces, unpack_pieces
 
 
 def shard_state_dict(full_sd: dict[str, torch.Tensor], cfg: ModelConfig | ModelShape, layout: TrainerLayout,

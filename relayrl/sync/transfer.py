@@ -1,4 +1,4 @@
-"""Carrying out a SyncPlan between processes: local copies, bucketed point-to-point sends, checksums.
+"""Carrying out a SyncPlan between processes: local copies and bucketed point-to-point messages.
 
 Who is where (a `Members` map: trainer rank / engine rank -> rank in the sync group):
 
@@ -28,16 +28,8 @@ globally oldest unfinished message is then posted on both of its ends and comple
 all do. A process that is both a trainer and an engine rank (colocated) receives in a thread of its
 own, so its sender's waits never hold up its receiver (and the reverse).
 
-With the float8 wire (`fp8=True`) each bucket is two messages: the pieces as float8 e4m3, each with a
-scale of its own (its max |x| / 448, recomputed every sync), and the scales; the engine dequantises
-into its dtype, and colocated in-place pieces take the same round trip, so every weight is rounded
-alike wherever it came from.
-
-Checksums (verification, debug): a piece's checksum is sum(x * w) in float64, with w a fixed
-function of the LOGICAL coordinates, so the trainer (from its local shard, cast to the engine's
-dtype) and the engine (from its fused parameter) compute the same number exactly when the engine
-holds the right values in the right place — a transposed head, a swapped q/k block, a shifted row
-all change it.
+What a bucket looks like on the wire (the engine's dtype, or float8 with a scale per piece) is
+relayrl.sync.wire; the per-piece checksums that verify a sync are relayrl.sync.checksums.
 """
 
 from __future__ import annotations
@@ -50,9 +42,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relayrl.sync.boxes import Box
 from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout, trainer_holdings
 from relayrl.sync.plan import SyncPlan, Transfer, plan_sync
+from relayrl.sync.wire import decode, encode, fp8_round_trip, fp8_scales, nbytes, receive_buffers
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
@@ -175,66 +167,6 @@ def buckets(transfers: tuple[Transfer, ...], itemsize: int, bucket_bytes: int) -
     return out
 
 
-def pack_pieces(ts: tuple[Transfer, ...], local: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([local[t.name][t.src_box.slices()].reshape(-1).to(dtype) for t in ts])
-
-
-def unpack_pieces(ts: tuple[Transfer, ...], flat: torch.Tensor, params: dict[str, torch.Tensor]) -> None:
-    at = 0
-    for t in ts:
-        params[t.dst_param][t.dst_box.slices()].copy_(flat[at:at + t.numel].view(t.shape))
-        at += t.numel
-
-
-# ---- fp8 on the wire: each piece (one tensor's slice) as float8 e4m3 with a scale of its own,
-# recomputed every sync; the engine dequantises into its dtype. Bytes: 1 per element + 4 per piece.
-FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
-
-
-def fp8_scales(ts: tuple[Transfer, ...], local: dict[str, torch.Tensor]) -> torch.Tensor:
-    amax = torch.stack([local[t.name][t.src_box.slices()].detach().abs().max().float() for t in ts])
-    return torch.clamp(amax / FP8_MAX, min=1e-12)
-
-
-def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What the engine ends up holding (before its own dtype's rounding): dequantise(quantise(x))."""
-    return (x.float() / scale).to(FP8).float() * scale
-
-
-def encode(ts: tuple[Transfer, ...], local: dict[str, torch.Tensor], dtype: torch.dtype,
-           fp8: bool) -> list[torch.Tensor]:
-    """The message(s) for one bucket: [flat values in the engine's dtype] or [fp8 bytes, scales]."""
-    if not fp8:
-        return [pack_pieces(ts, local, dtype)]
-    scales = fp8_scales(ts, local)
-    data = torch.cat([(local[t.name][t.src_box.slices()].reshape(-1).float() / scales[i]).to(FP8)
-                      for i, t in enumerate(ts)])
-    return [data.view(torch.uint8), scales]
-
-
-def receive_buffers(ts: tuple[Transfer, ...], dtype: torch.dtype, fp8: bool, device) -> list[torch.Tensor]:
-    n = sum(t.numel for t in ts)
-    if not fp8:
-        return [torch.empty(n, dtype=dtype, device=device)]
-    return [torch.empty(n, dtype=torch.uint8, device=device), torch.empty(len(ts), dtype=torch.float32, device=device)]
-
-
-def decode(ts: tuple[Transfer, ...], bufs: list[torch.Tensor], params: dict[str, torch.Tensor], fp8: bool) -> None:
-    if not fp8:
-        unpack_pieces(ts, bufs[0], params)
-        return
-    data, scales = bufs[0].view(FP8), bufs[1]
-    at = 0
-    for i, t in enumerate(ts):
-        dst = params[t.dst_param][t.dst_box.slices()]
-        dst.copy_((data[at:at + t.numel].float() * scales[i]).view(t.shape))
-        at += t.numel
-
-
-def _nbytes(bufs: list[torch.Tensor]) -> int:
-    return sum(b.numel() * b.dtype.itemsize for b in bufs)
-
-
 @dataclass
 class SyncStats:
     """What one member did in one sync (bytes as they travel: the engine's dtype, or float8 + scales)."""
@@ -285,7 +217,7 @@ class PendingReceives:
             bufs = receive_buffers(ts, self.dtype, self.fp8, self.comm.wire_device)
             works = [self.comm.irecv(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)]
             self.posted.append((works, bufs, ts))
-            self.stats.bytes_received += _nbytes(bufs)
+            self.stats.bytes_received += nbytes(bufs)
             self.stats.messages += len(bufs)
 
 
@@ -338,7 +270,7 @@ def sync_send(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor],
             bufs = [buf.to(comm.wire_device) for buf in encode(ts, local, dtype, fp8)]
             # the buffers live until their sends complete
             inflight.append(([comm.isend(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)], bufs))
-            stats.bytes_sent += _nbytes(bufs)
+            stats.bytes_sent += nbytes(bufs)
             stats.messages += len(bufs)
     for works, _ in inflight:
         for w in works:
@@ -405,59 +337,6 @@ def sync_step(plan: SyncPlan, *, comm: SyncComm | None, members: Members, dtype:
         stats = stats.add(receiving.join())
     stats.seconds = time.perf_counter() - t0
     return stats
-
-
-# ---------------------------------------------------------------------------- checksums
-def _coord_weights(box: Box) -> torch.Tensor:
-    """A fixed weight per LOGICAL position of `box`, in [1, 2): the same on both ends of a piece."""
-    rows = torch.arange(box.r0, box.r1, dtype=torch.float64)
-    if box.c0 is None:
-        return 1.0 + torch.remainder(rows * 7919.0, 1021.0) / 1021.0
-    cols = torch.arange(box.c0, box.c1, dtype=torch.float64)
-    return 1.0 + torch.remainder(rows[:, None] * 7919.0 + cols[None, :] * 104729.0, 1021.0) / 1021.0
-
-
-def _checksum(values: torch.Tensor, logical: Box) -> float:
-    return float((values.detach().cpu().to(torch.float64) * _coord_weights(logical)).sum())
-
-
-@torch.no_grad()
-def source_checksums(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor],
-                     dtype: torch.dtype, fp8: bool = False) -> dict[int, float]:
-    """Plan index -> checksum of each piece trainer `trainer_rank` sources, rounded as the engine
-    holds it (through fp8 when that is the wire, then to `dtype`, the engine's)."""
-    out = {}
-    for i, t in enumerate(plan.transfers):
-        if t.src_rank != trainer_rank:
-            continue
-        x = local[t.name][t.src_box.slices()]
-        if fp8:
-            x = fp8_round_trip(x, fp8_scales((t,), local)[0])
-        out[i] = _checksum(x.to(dtype), t.logical)
-    return out
-
-
-@torch.no_grad()
-def dest_checksums(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tensor]) -> dict[int, float]:
-    """Plan index -> checksum of what engine `engine_rank` holds where each piece should be."""
-    return {i: _checksum(params[t.dst_param][t.dst_box.slices()], t.logical)
-            for i, t in enumerate(plan.transfers) if t.dst_rank == engine_rank}
-
-
-def first_mismatch(plan: SyncPlan, src: dict[int, float], dst: dict[int, float], rtol: float = 1e-9) -> Transfer | None:
-    """The first piece (in plan order: engine rank, then parameter) whose two checksums differ."""
-    for i, t in enumerate(plan.transfers):
-        a, b = src.get(i), dst.get(i)
-        if a is None or b is None:
-            raise KeyError(f"checksum of plan piece {i} ({t.name} -> engine {t.dst_rank} {t.dst_param}) is missing")
-        if not abs(a - b) <= rtol * max(1.0, abs(a)):  # NaN / inf (an unwritten piece) differs too
-            return t
-    return None
-
-
-def describe_piece(t: Transfer) -> str:
-    return (f"engine rank {t.dst_rank} {t.dst_param} {t.dst_box} (= {t.name} {t.logical}, "
-            f"from trainer rank {t.src_rank})")
 
 
 # ---------------------------------------------------------------------------- what both ends agree on
