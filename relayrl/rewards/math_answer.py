@@ -5,8 +5,12 @@ expressions, then `verify` compares them symbolically/numerically ("1/2" equals 
 "\\frac{1}{2}"). A gold answer that does not parse raises, so the sample counts as a failure
 instead of silently scoring 0.
 
-math-verify times out with signal.alarm, which only works in the main thread; elsewhere (a
-scorer thread pool) we run without its timeout rather than crash.
+math-verify times out with signal.alarm, which only works in the main thread. The reward pool
+calls it in its workers' main threads, so its own timeout works there: TIMEOUT_S for the parse and
+for each comparison, kept well below reward.timeout_s's default of 10 s so that a slow expression
+normally scores 0 by math-verify's own timeout, without the pool killing (and restarting) the worker.
+The pool's timeout stays the hard bound (a computation that ignores the alarm, a larger parse). Called
+in a thread (in-process scoring from a thread), it runs without its timeout rather than crash.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from math_verify import parse, verify
 from relayrl.data.tasks import Example
 from relayrl.rewards.registry import register_reward
 
-TIMEOUT_S = 5
+TIMEOUT_S = 3
 
 
 def _timeout() -> int | None:

@@ -23,6 +23,15 @@ RewardFn = Callable[..., float]
 
 _REWARDS: dict[str, RewardFn] = {}
 
+# Built-ins are imported when first named (they import this module to register themselves): a
+# worker that scores only exact_match never pays for importing math-verify and sympy.
+_BUILTIN_MODULES = {
+    "exact_match": "relayrl.rewards.builtin",
+    "format": "relayrl.rewards.builtin",
+    "task": "relayrl.rewards.builtin",
+    "math": "relayrl.rewards.math_answer",
+}
+
 
 def register_reward(name: str):
     """`@register_reward("math")` makes the function available as `name` in reward configs."""
@@ -37,18 +46,20 @@ def register_reward(name: str):
 
 
 def reward_names() -> list[str]:
-    _load_builtins()
+    for module in set(_BUILTIN_MODULES.values()):
+        importlib.import_module(module)
     return sorted(_REWARDS)
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    _load_builtins()
+    if name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
     if name in _REWARDS:
         return _REWARDS[name]
     if ":" in name:
         return load_user_function(name)
     raise RewardError(
-        f"unknown reward function '{name}': built-ins are {', '.join(sorted(_REWARDS))}; "
+        f"unknown reward function '{name}': built-ins are {', '.join(sorted(set(_BUILTIN_MODULES) | set(_REWARDS)))}; "
         f"for your own use 'module:function' or 'path/to/file.py:function'"
     )
 
@@ -98,8 +109,3 @@ def _import_file(path_str: str):
 def _one_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else "(no message)"
-
-
-def _load_builtins() -> None:
-    # Lazy: the built-in modules import this one to register themselves.
-    from relayrl.rewards import builtin, math_answer  # noqa: F401

@@ -1,101 +1,74 @@
-"""`RewardConfig` and the `Scorer`: a weighted sum of reward functions over a batch.
+"""The `Scorer`: a weighted sum of reward functions over a batch, every call run in the reward pool.
 
     reward[i]  = sum_f weight_f * value_f[i]
-    value_f[i] = fn_f(completion[i], example[i], **params_f), or 0.0 when the call raises or
-                 returns something that is not a finite real number (counted in `failures`)
+    value_f[i] = fn_f(completion[i], example[i], **params_f), or reward.on_failure when the call raises,
+                 times out, kills its worker or returns something that is not a finite real number
+                 (counted in `failures`; timeouts also in `timeouts`)
     correct[i] = task score of sample i >= 1.0  (the `task` reward, always computed, for accuracy)
 
 One sample failing is tolerated (a user function may choke on odd model output); every sample of
 one function failing in one call means the function itself is broken, so the run stops with a
 RewardError carrying the first failure's message.
+
+`build_scorer(cfg)` starts the pool (reward.workers processes; relayrl.rewards.pool) and loads the
+functions in it, so a function that cannot be imported, or params that do not fit it, fail here, in
+one line. With reward.workers = 0 the functions run in this process instead: no isolation and no
+timeout, for debugging and for measuring what the pool costs. The scorer owns the pool: `close()`
+(or leaving a `with` block) stops its workers.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import math
-import numbers
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from pydantic import Field, field_validator
-
-from relayrl.config import Config
 from relayrl.data.tasks import Example
-from relayrl.errors import ConfigError, RewardError
-from relayrl.rewards.builtin import task_reward
-from relayrl.rewards.registry import RewardFn, get_reward_fn
+from relayrl.errors import RewardError
+from relayrl.rewards.calls import call_reward, load_functions
+from relayrl.rewards.config import RewardConfig
+from relayrl.rewards.pool import Outcome, RewardPool
+from relayrl.rewards.result import ScoreResult
+from relayrl.rewards.registry import RewardFn
 
 
-class RewardFunctionConfig(Config):
-    name: str
-    weight: float = 1.0
-    params: dict[str, Any] = Field(default_factory=dict)
+class Runner(Protocol):
+    """Runs (function index, completion, example) calls, returning one Outcome per call, in order."""
 
-    @field_validator("weight")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("weight must be a finite number")
-        return v
+    def run(self, calls: list[tuple[int, str, Any]]) -> list[Outcome]: ...
+
+    def pids(self) -> list[int]: ...
+
+    def close(self) -> None: ...
 
 
-class RewardConfig(Config):
-    functions: list[RewardFunctionConfig] = Field(
-        default_factory=lambda: [RewardFunctionConfig(name="task")], min_length=1
-    )
+class InProcessRunner:
+    """reward.workers = 0: the functions run in the calling thread, unbounded."""
 
+    def __init__(self, fns: list[RewardFn]):
+        self.fns = fns
 
-@dataclass
-class ScoreResult:
-    rewards: list[float]
-    per_function: dict[str, list[float]]
-    failures: int
-    correct: list[bool]
-    failures_per_function: dict[str, int] = field(default_factory=dict)
+    def run(self, calls: list[tuple[int, str, Any]]) -> list[Outcome]:
+        return [Outcome(*call_reward(self.fns[f], c, ex)) for f, c, ex in calls]
 
-    @staticmethod
-    def merge(parts: list["ScoreResult"]) -> "ScoreResult":
-        """Concatenate the results of consecutive shards of one step; raises RewardError when a
-        function failed on every sample of the whole step."""
-        n = sum(len(p.rewards) for p in parts)
-        names = list(parts[0].per_function)
-        fails = {k: sum(p.failures_per_function.get(k, 0) for p in parts) for k in names}
-        for k, f in fails.items():
-            if n and f == n:
-                raise RewardError(f"every sample failed to score in reward function {k}")
-        return ScoreResult(
-            rewards=[r for p in parts for r in p.rewards],
-            per_function={k: [v for p in parts for v in p.per_function[k]] for k in names},
-            failures=sum(fails.values()),
-            correct=[c for p in parts for c in p.correct],
-            failures_per_function=fails,
-        )
+    def pids(self) -> list[int]:
+        return []
 
-    def metrics(self) -> dict[str, float]:
-        """Scalar metrics for logging: reward/mean, reward/<fn>/mean, reward/failures, reward/accuracy."""
-        n = max(len(self.rewards), 1)
-        out = {
-            "reward/mean": sum(self.rewards) / n,
-            "reward/failures": float(self.failures),
-            "reward/accuracy": sum(self.correct) / n,
-        }
-        for name, values in self.per_function.items():
-            out[f"reward/{name}/mean"] = sum(values) / n
-        return out
+    def close(self) -> None:
+        pass
 
 
 @dataclass
-class _Bound:
-    name: str
+class BoundFunction:
+    name: str  # the metric name: the config's name, with #i for a second entry of the same name
     weight: float
-    fn: RewardFn
 
 
 class Scorer:
-    def __init__(self, functions: list[_Bound]):
-        self.functions = functions
+    """`score(completions, examples, check=True) -> ScoreResult`; `close()`; a context manager."""
+
+    def __init__(self, functions: list[BoundFunction], runner: Runner, correct_index: int, on_failure: float = 0.0):
+        self.functions, self.runner = functions, runner
+        self.correct_index, self.on_failure = correct_index, on_failure
 
     def score(self, completions: list[str], examples: list[Example], check: bool = True) -> ScoreResult:
         """check=False: leave the every-sample-failed check to the caller (a shard of a step's
@@ -103,69 +76,61 @@ class Scorer:
         if len(completions) != len(examples):
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
         n = len(completions)
+        n_fns = max(len(self.functions), self.correct_index + 1)
+        outs = self.runner.run([(f, c, ex) for f in range(n_fns) for c, ex in zip(completions, examples)])
         rewards = [0.0] * n
         per_function: dict[str, list[float]] = {}
-        failures_per_function: dict[str, int] = {}
-        for f in self.functions:
-            values, errors = _apply(f.fn, completions, examples)
+        failures: dict[str, int] = {}
+        timeouts: dict[str, int] = {}
+        first_errors: dict[str, str] = {}
+        for i, f in enumerate(self.functions):
+            block = outs[i * n:(i + 1) * n]
+            errors = [o.error for o in block if o.error is not None]
             if check and n and len(errors) == n:
                 raise RewardError(f"every sample failed to score in reward function {f.name}: {errors[0]}")
-            per_function[f.name] = values
-            failures_per_function[f.name] = len(errors)
+            values = [self.on_failure if o.error is not None else o.value for o in block]
+            per_function[f.name], failures[f.name] = values, len(errors)
+            timeouts[f.name] = sum(o.timed_out for o in block)
+            if errors:
+                first_errors[f.name] = errors[0]
             rewards = [r + f.weight * v for r, v in zip(rewards, values)]
-        correct = [_task_correct(c, ex) for c, ex in zip(completions, examples)]
-        return ScoreResult(
-            rewards=rewards,
-            per_function=per_function,
-            failures=sum(failures_per_function.values()),
-            correct=correct,
-            failures_per_function=failures_per_function,
-        )
+        # A sample the task cannot score is simply not correct: accuracy is a metric, not a reward.
+        block = outs[self.correct_index * n:(self.correct_index + 1) * n]
+        correct = [o.error is None and o.value >= 1.0 for o in block]
+        return ScoreResult(rewards=rewards, per_function=per_function, failures=sum(failures.values()),
+                           correct=correct, failures_per_function=failures, timeouts=sum(timeouts.values()),
+                           timeouts_per_function=timeouts, first_errors=first_errors)
 
+    def pids(self) -> list[int]:
+        """The worker processes' ids (none in process): for tests and diagnostics."""
+        return self.runner.pids()
 
-def _apply(fn: RewardFn, completions: list[str], examples: list[Example]) -> tuple[list[float], list[str]]:
-    values, errors = [], []
-    for c, ex in zip(completions, examples):
-        try:
-            v = fn(c, ex)
-        except Exception as e:  # user code may raise anything on odd output: score 0, count it
-            values.append(0.0)
-            errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else '(no message)'}")
-            continue
-        if isinstance(v, numbers.Real) and math.isfinite(float(v)):
-            values.append(float(v))
-        else:
-            values.append(0.0)
-            errors.append(f"returned {v!r}, expected a finite number")
-    return values, errors
+    def close(self) -> None:
+        self.runner.close()
 
+    def __enter__(self) -> "Scorer":
+        return self
 
-def _task_correct(completion: str, example: Example) -> bool:
-    try:
-        return task_reward(completion, example) >= 1.0
-    except Exception:  # accuracy is a metric: a sample the task cannot score is simply not correct
-        return False
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def build_scorer(cfg: RewardConfig) -> Scorer:
+    specs = [(fc.name, dict(fc.params)) for fc in cfg.functions]
     bound, seen = [], set()
     for i, fc in enumerate(cfg.functions):
-        fn = get_reward_fn(fc.name)
-        _check_params(fn, fc, i)
         # Two entries may use the same function with different params; keep their metrics apart.
         name = fc.name if fc.name not in seen else f"{fc.name}#{i}"
         seen.add(name)
-        bound.append(_Bound(name=name, weight=fc.weight, fn=functools.partial(fn, **fc.params) if fc.params else fn))
-    return Scorer(bound)
-
-
-def _check_params(fn: RewardFn, fc: RewardFunctionConfig, i: int) -> None:
-    """Fail at startup, naming the key, if the params do not fit the function's signature."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # some callables (builtins, C functions) have no signature
-        return
-    try:
-        sig.bind("", None, **fc.params)
-    except TypeError as e:
-        raise ConfigError(f"config error: reward.functions.{i}.params: {e} (function '{fc.name}')") from None
+        bound.append(BoundFunction(name=name, weight=fc.weight))
+    # Accuracy needs the task score: reuse a plain `task` entry's values, else score it as one more function.
+    correct_index = next((i for i, (n, p) in enumerate(specs) if n == "task" and not p), None)
+    if correct_index is None:
+        correct_index = len(specs)
+        specs.append(("task", {}))
+    if cfg.workers == 0:
+        runner: Runner = InProcessRunner(load_functions(specs))
+    else:
+        runner = RewardPool(specs, workers=cfg.workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
+                            cpu_s=cfg.cpu_limit_s())
+    return Scorer(bound, runner, correct_index, cfg.on_failure)

@@ -1,0 +1,292 @@
+"""A pool of long-lived worker processes that run reward functions with a bound on every call.
+
+    driver (RewardPool.run)                         worker i (relayrl.rewards.worker)
+      pending calls ── chunk of k calls ──────────>   for each call: set RLIMIT_CPU, fn(completion, example)
+      outcomes[id] <── one record per call ────────   (value | message), sent as soon as it is known
+      a worker silent for timeout_s on one call:  kill -9 it, that call is a timeout, the rest of its
+                                                  chunk goes back to the front of the queue
+      a worker that dies (os._exit, a crash, SIGXCPU, the OOM killer): the call it was on is a failure
+                                                  with the reason, the rest is requeued, a new worker starts
+
+Chunks amortise the cost of a message over k calls (k shrinks as the queue drains, so the last
+chunks balance the workers), while the per-call record keeps the bound per call: the driver always
+knows which call a silent worker is on. Only idle workers are sent work, so a send never waits
+on a busy worker.
+
+Workers are fresh interpreters (`python -m relayrl.rewards.worker`, the 'spawn' start method's
+effect without multiprocessing re-importing the driver's __main__, which may import torch). They
+are started from one long-lived thread of the pool, because Linux sends PR_SET_PDEATHSIG when the
+thread that forked the child exits, not only the process: a worker started from a short-lived
+caller thread would be killed with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relayrl.errors import ConfigError, RewardError
+from relayrl.rewards import worker as proto
+
+# The directory that holds the relayrl package: a worker must import it even when the driver found it
+# through a sys.path entry added at run time (benchmarks/ scripts do that).
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+MAX_CHUNK = 64
+START_TIMEOUT_S = 120.0  # importing sympy for math-verify on a loaded 2-core machine can take seconds
+MAX_START_FAILURES = 3
+
+
+@dataclass
+class Outcome:
+    """The result of one call: a value, or the message of its failure (timed_out for timeouts)."""
+
+    value: float | None
+    error: str | None = None
+    timed_out: bool = False
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    sock: socket.socket
+    ready: bool = False
+    buf: bytearray = field(default_factory=bytearray)
+    outstanding: deque = field(default_factory=deque)  # call ids sent, not yet answered, in order
+    deadline: float = math.inf  # when the call it is on times out (or its start does)
+
+
+class RewardPool:
+    """`RewardPool(specs, workers=2, timeout_s=10, memory_mb=4096, cpu_s=10)`; `run(calls)` returns one
+    Outcome per (function index, completion, example) in order; `close()` stops every worker."""
+
+    def __init__(self, specs: list[tuple[str, dict[str, Any]]], *, workers: int, timeout_s: float,
+                 memory_mb: int | None, cpu_s: int | None):
+        if workers < 1:
+            raise ValueError(f"a reward pool needs at least one worker, got {workers}")
+        self.timeout_s = timeout_s
+        self.restarts = 0
+        self._init = {"functions": [(n, dict(p)) for n, p in specs], "memory_mb": memory_mb, "cpu_s": cpu_s}
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="relayrl-reward-spawner")
+        self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._spawner)
+        self._workers: list[_Worker] = []
+        self._start_failures = 0
+        self._closed = False
+        self._pending: deque = deque()
+        self._calls: list = []
+        self._outcomes: list[Outcome | None] = []
+        try:
+            self._workers = [self._spawn() for _ in range(workers)]
+            while not all(w.ready for w in self._workers):
+                self._pump()
+        except BaseException:
+            self.close()
+            raise
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def run(self, calls: list[tuple[int, str, Any]]) -> list[Outcome]:
+        if self._closed:
+            raise RuntimeError("this reward pool is closed")
+        self._calls, self._outcomes = calls, [None] * len(calls)
+        self._pending = deque(range(len(calls)))
+        try:
+            while self._pending or any(w.outstanding for w in self._workers):
+                self._assign()
+                self._pump()
+            return self._outcomes  # type: ignore[return-value]
+        finally:
+            self._calls, self._pending = [], deque()
+
+    def close(self) -> None:
+        """Ask every worker to stop (EOF on its socket), kill those that do not within a second or two."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            _close_sock(w.sock)
+        deadline = time.monotonic() + 2.0
+        for w in self._workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._finalizer()  # kills what is left, reaps it, and stops the spawner thread
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def _spawn(self) -> _Worker:
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", "relayrl.rewards.worker", str(child.fileno()), str(os.getpid())]
+        try:
+            proc = self._spawner.submit(subprocess.Popen, cmd, pass_fds=(child.fileno(),), env=env,
+                                        stdin=subprocess.DEVNULL).result()
+        finally:
+            child.close()
+        self._procs[proc.pid] = proc
+        # A send to a worker that stopped reading (it only reads between chunks) must not block us forever.
+        parent.settimeout(max(self.timeout_s, 5.0))
+        w = _Worker(proc, parent, deadline=time.monotonic() + START_TIMEOUT_S)
+        proto.send_frame(parent, ("init", {**self._init, "sys_path": list(sys.path)}))
+        return w
+
+    def _replace(self, w: _Worker) -> None:
+        _close_sock(w.sock)
+        self._procs.pop(w.proc.pid, None)
+        self._workers[self._workers.index(w)] = self._spawn()
+        self.restarts += 1
+
+    def _assign(self) -> None:
+        for w in self._workers:
+            if not self._pending:
+                return
+            if not w.ready or w.outstanding:
+                continue
+            k = max(1, min(MAX_CHUNK, math.ceil(len(self._pending) / (2 * len(self._workers)))))
+            ids = [self._pending.popleft() for _ in range(min(k, len(self._pending)))]
+            chunk = [(i, *self._calls[i]) for i in ids]
+            try:
+                proto.send_frame(w.sock, ("run", chunk))
+            except OSError:  # it died (or stopped reading) while idle: no call of this chunk started
+                self._pending.extendleft(reversed(ids))
+                self._kill(w)
+                self._replace(w)
+                continue
+            w.outstanding.extend(ids)
+            w.deadline = time.monotonic() + self.timeout_s
+
+    def _pump(self) -> None:
+        """Wait for the next records, deaths or deadlines, and act on them."""
+        now = time.monotonic()
+        deadline = min((w.deadline for w in self._workers if w.outstanding or not w.ready), default=math.inf)
+        wait = None if deadline == math.inf else max(0.0, deadline - now)
+        readable, _, _ = select.select([w.sock for w in self._workers], [], [], wait)
+        by_sock = {w.sock: w for w in self._workers}
+        for sock in readable:
+            w = by_sock[sock]
+            try:
+                data = sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            if data:
+                self._on_data(w, data)
+            else:
+                self._on_death(w)
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.deadline <= now and (w.outstanding or not w.ready):
+                self._on_silence(w)
+
+    def _on_data(self, w: _Worker, data: bytes) -> None:
+        w.buf += data
+        buf, pos, H = w.buf, 0, proto.HEADER
+        while len(buf) - pos >= H.size:
+            tid, kind, n = H.unpack_from(buf, pos)
+            if len(buf) - pos - H.size < n:
+                break
+            payload = bytes(buf[pos + H.size:pos + H.size + n])
+            pos += H.size + n
+            if kind == proto.OK or kind == proto.FAIL:
+                expected = w.outstanding.popleft()
+                assert tid == expected, f"reward worker answered call {tid}, expected {expected}"
+                self._outcomes[tid] = (Outcome(proto.VALUE.unpack(payload)[0]) if kind == proto.OK
+                                       else Outcome(None, payload.decode("utf-8", "replace")))
+            elif kind == proto.READY:
+                w.ready, self._start_failures = True, 0
+            elif kind == proto.INIT_ERROR:
+                info = json.loads(payload)
+                raise (ConfigError if info["kind"] == "config" else RewardError)(info["message"])
+        del buf[:pos]
+        w.deadline = time.monotonic() + (self.timeout_s if w.outstanding else math.inf)
+
+    def _on_death(self, w: _Worker) -> None:
+        try:
+            rc = w.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # it closed its socket but lives on: it is of no further use
+            self._kill(w)
+            rc = w.proc.returncode
+        reason = self._death_reason(rc)
+        if not w.ready:
+            self._start_failures += 1
+            if self._start_failures >= MAX_START_FAILURES:
+                raise RewardError(f"reward workers keep dying while they start: {reason}")
+        self._charge(w, Outcome(None, reason))
+        self._replace(w)
+
+    def _on_silence(self, w: _Worker) -> None:
+        self._kill(w)
+        if not w.ready:
+            raise RewardError(f"a reward worker did not start within {START_TIMEOUT_S:g} s")
+        self._charge(w, Outcome(None, f"timed out after {self.timeout_s:g} s (reward.timeout_s)", timed_out=True))
+        self._replace(w)
+
+    def _charge(self, w: _Worker, outcome: Outcome) -> None:
+        """The call the worker was on gets `outcome`; the calls after it in its chunk go back to the queue."""
+        if w.outstanding:
+            self._outcomes[w.outstanding.popleft()] = outcome
+            self._pending.extendleft(reversed(w.outstanding))
+            w.outstanding.clear()
+
+    def _kill(self, w: _Worker) -> None:
+        try:
+            w.proc.kill()
+        except ProcessLookupError:
+            pass
+        w.proc.wait()
+
+    def _death_reason(self, rc: int) -> str:
+        if rc is None or rc >= 0:
+            return f"the reward worker exited with code {rc} during the call (os._exit or a crash)"
+        sig = -rc
+        if sig == signal.SIGXCPU:
+            return f"used more than {self._init['cpu_s']} s of CPU time (reward.cpu_s) and was killed"
+        if sig == signal.SIGKILL:
+            return "the reward worker was killed by SIGKILL during the call (out of memory?)"
+        return f"the reward worker died of {signal.Signals(sig).name} during the call"
+
+
+def _close_sock(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _kill_all(procs: dict[int, subprocess.Popen], spawner: ThreadPoolExecutor) -> None:
+    """Finalizer (close, garbage collection, interpreter exit): no worker outlives its pool."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+    procs.clear()
+    spawner.shutdown(wait=False)

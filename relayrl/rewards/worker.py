@@ -1,0 +1,172 @@
+"""The reward worker process: loads the configured reward functions once, then scores the samples the
+pool sends it, one at a time in its main thread, reporting each result as soon as it has it.
+
+    python -m relayrl.rewards.worker FD PARENT_PID      (started by relayrl.rewards.pool, never by hand)
+
+Protocol on the socket FD (a socketpair with the driver):
+
+    driver -> worker   4-byte length + pickle of ("init", {...}) once, then ("run", [(id, fn, completion, example)])
+    worker -> driver   records: header <IBI (id, kind, payload length) + payload, never pickled:
+                         OK          8-byte float64 value
+                         FAIL        utf-8 message (the call raised or returned a non-value)
+                         READY       json {"vm_mb": ...} once the functions are loaded
+                         INIT_ERROR  json {"kind": "config" | "reward", "message": ...}
+
+The driver never unpickles what a worker sends: the worker runs user code, the driver only reads
+numbers and strings. The worker dies with the driver (PR_SET_PDEATHSIG=SIGKILL, and EOF on its
+socket), ignores SIGINT (Ctrl-C is the driver's to handle), writes no core files, and runs under
+RLIMIT_AS = reward.memory_mb and, for each call, RLIMIT_CPU = the CPU it has used so far + cpu_s.
+A worker that goes past its CPU limit dies of SIGXCPU; the pool charges that sample and replaces it.
+Only the standard library, relayrl.errors and the reward registry are imported before the functions
+themselves (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import resource
+import signal
+import socket
+import struct
+import sys
+
+HEADER = struct.Struct("<IBI")
+VALUE = struct.Struct("<d")
+OK, FAIL, READY, INIT_ERROR = 0, 1, 2, 3
+LENGTH = struct.Struct("<Q")
+# What a worker needs beyond its own functions: the loaded modules and interpreter, with some room.
+HEADROOM_MB = 64
+
+
+def send_frame(sock: socket.socket, obj) -> None:
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(LENGTH.pack(len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        b = sock.recv(min(n - got, 1 << 20))
+        if not b:
+            return None
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def _recv_frame(sock: socket.socket):
+    head = _recv_exact(sock, LENGTH.size)
+    if head is None:
+        return None
+    body = _recv_exact(sock, LENGTH.unpack(head)[0])
+    return None if body is None else pickle.loads(body)  # from the driver, which started us: trusted
+
+
+def _record(tid: int, kind: int, payload: bytes) -> bytes:
+    return HEADER.pack(tid, kind, len(payload)) + payload
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # The driver may have died between starting us and the prctl: then we have a new parent already.
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _vm_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize() / 2**20
+
+
+def _init(sock: socket.socket, init: dict):
+    """Load the functions and set the address-space limit; returns the functions, or None after
+    reporting why they cannot run."""
+    from relayrl.errors import ConfigError, UserError
+    from relayrl.rewards.calls import load_functions
+
+    sys.path[:] = init["sys_path"]  # where the driver finds modules, the user's reward modules among them
+    try:
+        fns = load_functions(init["functions"])
+    except UserError as e:
+        kind = "config" if isinstance(e, ConfigError) else "reward"
+        sock.sendall(_record(0, INIT_ERROR, json.dumps({"kind": kind, "message": str(e)}).encode()))
+        return None
+    except BaseException as e:  # noqa: BLE001 - a user module may call sys.exit() while it is imported
+        msg = f"cannot load the reward functions: {type(e).__name__}: {e}".splitlines()[0]
+        sock.sendall(_record(0, INIT_ERROR, json.dumps({"kind": "reward", "message": msg}).encode()))
+        return None
+    memory_mb = init["memory_mb"]
+    if memory_mb is not None and os.path.exists("/proc/self/statm"):
+        need = _vm_mb() + HEADROOM_MB
+        if need > memory_mb:
+            msg = (f"config error: reward.memory_mb: {memory_mb} is less than a reward worker needs after loading "
+                   f"its functions (about {need:.0f} MB of address space); raise it, or set it to null for no limit")
+            sock.sendall(_record(0, INIT_ERROR, json.dumps({"kind": "config", "message": msg}).encode()))
+            return None
+    if memory_mb is not None:
+        limit = memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return fns
+
+
+def _set_cpu_limit(cpu_s: int, hard: int) -> None:
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(used.ru_utime + used.ru_stime) + 1 + cpu_s
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def serve(sock: socket.socket) -> None:
+    msg = _recv_frame(sock)
+    if msg is None:
+        return
+    _, init = msg
+    fns = _init(sock, init)
+    if fns is None:
+        return
+    from relayrl.rewards.calls import call_reward
+
+    vm = _vm_mb() if os.path.exists("/proc/self/statm") else 0.0
+    sock.sendall(_record(0, READY, json.dumps({"vm_mb": vm}).encode()))
+    cpu_s = init["cpu_s"]
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    while True:
+        msg = _recv_frame(sock)
+        if msg is None:  # the driver closed the pool (or died)
+            return
+        for tid, fidx, completion, example in msg[1]:
+            if cpu_s is not None:
+                _set_cpu_limit(cpu_s, hard)
+            value, error = call_reward(fns[fidx], completion, example)
+            if error is None:
+                sock.sendall(_record(tid, OK, VALUE.pack(value)))
+            else:
+                sock.sendall(_record(tid, FAIL, error.encode("utf-8", "replace")))
+
+
+def main(argv: list[str]) -> None:
+    fd, parent_pid = int(argv[1]), int(argv[2])
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    sock = socket.socket(fileno=fd)
+    try:
+        serve(sock)
+    except (BrokenPipeError, ConnectionResetError):  # the driver went away: nothing to report to
+        pass
+    # os._exit: a user's atexit hook or non-daemon thread must not keep a finished worker alive.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream: nothing left to save
+            pass
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
