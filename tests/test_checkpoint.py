@@ -16,6 +16,7 @@ from relayrl.checkpoint import (
     save_checkpoint,
 )
 from relayrl.checkpoint import io as ckpt_io
+from relayrl.checkpoint import layout as ckpt_layout
 from relayrl.errors import UserError
 
 
@@ -67,18 +68,18 @@ def test_load_selected_entries(tmp_path):
         load_checkpoint(path, names=["c"])
 
 
-def test_crash_in_torch_save_keeps_previous_latest(tmp_path, monkeypatch):
+def test_crash_in_write_keeps_previous_latest(tmp_path, monkeypatch):
     good = _save_small(tmp_path, 1)
     calls = {"n": 0}
-    real_save = torch.save
+    real_write = ckpt_io.write_synced
 
-    def failing_save(obj, f):
+    def failing_write(path, data):
         calls["n"] += 1
-        if calls["n"] == 2:  # the second entry: the first file is already on disk
+        if calls["n"] == 3:  # the second entry: the first entry's two files are already on disk
             raise OSError("disk full")
-        real_save(obj, f)
+        real_write(path, data)
 
-    monkeypatch.setattr(ckpt_io.torch, "save", failing_save)
+    monkeypatch.setattr(ckpt_io, "write_synced", failing_write)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, 2, {"a": torch.zeros(2), "b": torch.ones(2)}, {})
     assert latest_checkpoint(tmp_path) == good
@@ -91,7 +92,7 @@ def test_crash_at_rename_leaves_only_complete_checkpoints(tmp_path, monkeypatch)
     def killed_rename(src, dst):
         raise KeyboardInterrupt  # stands in for a kill between writing and publishing
 
-    monkeypatch.setattr(ckpt_io.os, "rename", killed_rename)
+    monkeypatch.setattr(ckpt_layout.os, "rename", killed_rename)
     with pytest.raises(KeyboardInterrupt):
         _save_small(tmp_path, 2)
     monkeypatch.undo()

@@ -33,7 +33,7 @@ from relayrl.checkpoint import (
     save_checkpoint,
     save_distributed,
 )
-from relayrl.checkpoint import io as ckpt_io  # where both writers fsync and rename (publish)
+from relayrl.checkpoint import layout as ckpt_layout  # where both writers fsync and rename (publish)
 from relayrl.errors import ModelDirError, UserError
 from relayrl.models import CausalLM, ModelConfig, load_pretrained, save_pretrained
 from relayrl.parallel.dims import ParallelDims
@@ -154,12 +154,12 @@ def _resume(world_size, degrees, ckpt):
 
 
 def _failing_fsync(path):
-    if path.name.startswith(".tmp_"):  # every shard, extra.pt, meta.json, COMPLETE are written by now
+    if path.name.startswith(".tmp_"):  # every shard, extra.*, meta.json, COMPLETE are written by now
         raise OSError("injected: power cut before the rename")
     _REAL_FSYNC_DIR(path)
 
 
-_REAL_FSYNC_DIR = ckpt_io._fsync_dir
+_REAL_FSYNC_DIR = ckpt_layout.fsync_dir
 
 
 def _resume_on_2(rank, world_size, ckpt, run_dir):
@@ -167,14 +167,14 @@ def _resume_on_2(rank, world_size, ckpt, run_dir):
     results["tp2"], model, opt = _resume(world_size, {"tp": 2}, ckpt)
     # a save from the TP layout (step 3 taken), then one that fails on rank 0 before the rename
     save_distributed(run_dir, 3, model, opt, {"step": 3})
-    ckpt_io._fsync_dir = _failing_fsync
+    ckpt_layout.fsync_dir = _failing_fsync
     try:
         save_distributed(run_dir, 4, model, opt, {"step": 4})
         results["crash"] = "no error"
     except Exception as e:  # noqa: BLE001 - the test checks what each rank saw
         results["crash"] = f"{type(e).__name__}: {e}"
     finally:
-        ckpt_io._fsync_dir = _REAL_FSYNC_DIR
+        ckpt_layout.fsync_dir = _REAL_FSYNC_DIR
     return results
 
 
@@ -236,7 +236,7 @@ def test_fsdp4_save_is_complete_and_sharded(saved):
     ckpts = list_checkpoints(saved["run_dir"])
     assert [p.name for p in ckpts] == ["step_00000001", "step_00000002"]
     files = {p.name for p in ckpts[-1].iterdir()}
-    assert {f"__{r}_0.distcp" for r in range(4)} | {".metadata", "extra.pt", "meta.json", "COMPLETE"} == files
+    assert {f"__{r}_0.distcp" for r in range(4)} | {".metadata", "extra.json", "extra.safetensors", "meta.json", "COMPLETE"} == files
     meta = read_meta(ckpts[-1])
     assert meta["step"] == 2 and meta["world_size"] == 4 and meta["model_dir"] == str(saved["model_dir"])
     assert not [p for p in (saved["run_dir"] / "checkpoints").iterdir() if p.name.startswith(".")]
@@ -328,7 +328,7 @@ def _trained(seed=0):
 def test_single_process_crash_before_rename_keeps_previous(tmp_path, monkeypatch):
     model, opt = _trained()
     good = save_distributed(tmp_path, 1, model, opt, {"step": 1})
-    monkeypatch.setattr(ckpt_io, "_fsync_dir", _failing_fsync)
+    monkeypatch.setattr(ckpt_layout, "fsync_dir", _failing_fsync)
     with pytest.raises(OSError, match="injected"):
         save_distributed(tmp_path, 2, model, opt, {"step": 2})
     monkeypatch.undo()
@@ -345,10 +345,10 @@ def test_single_process_crash_before_rename_keeps_previous(tmp_path, monkeypatch
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000002"]
 
 
-def test_unpicklable_extra_fails_before_any_shard(tmp_path):
+def test_non_data_extra_fails_before_any_shard(tmp_path):
     model, opt = _trained()
-    with pytest.raises(Exception, match="pickle|lambda"):
-        save_distributed(tmp_path, 1, model, opt, {"fn": lambda: 0})
+    with pytest.raises(TypeError, match=r"^extra\['sched'\]\['fn'\]: cannot store a builtins.function"):
+        save_distributed(tmp_path, 1, model, opt, {"step": 1, "sched": {"fn": lambda: 0}})
     root = tmp_path / "checkpoints"
     assert not root.exists() or list(root.iterdir()) == []
 

@@ -5,9 +5,9 @@ repartitions to whatever layout the model has now (FSDP 4 → FSDP 2, TP 2, or o
       __0_0.distcp ... __{N-1}_0.distcp   rank r's shard of the model and optimizer state
       .metadata                           DCP's index: every tensor's global shape and which chunk
                                           (offsets x sizes) lives in which file
-      extra.pt                            rank 0's `extra` (scheduler, sampler, RNG, ...), torch.save
+      extra.json  extra.safetensors       rank 0's `extra` (scheduler, sampler, RNG, ...) as data (statefile)
       meta.json                           {"step": 40, "format": "dcp", "model_dir": ..., ...}
-      COMPLETE                            written last, by rank 0 after every shard is on disk
+      COMPLETE                            every file's size and CRC-32 (manifest), written last by rank 0
 
 Why names stay layout-independent: the state dicts come from get_state_dict(model, optimizer), which
 names every tensor by its fully-qualified parameter name (`model.layers.0.self_attn.q_proj.weight`,
@@ -17,26 +17,36 @@ load asks for the boxes of the current layout and DCP reads the intersecting chu
 
 The write, and who does what (ranks of the default process group):
 
-    rank 0: clean crash leftovers, mkdir .tmp_step_X ── tell every rank ok / error ──┐
-    all:    dcp.save into .tmp_step_X (each rank its shard; rank 0 .metadata)  <────┘
-    rank 0: extra.pt, meta.json, COMPLETE, fsync, rename → step_X, keep_last ── tell every rank
+    all:    sum the state's tensor bytes over ranks (the checkpoint's expected size)
+    rank 0: encode extra, clean crash leftovers, check free space, mkdir .tmp_step_X ── tell every rank ──┐
+    all:    dcp.save into .tmp_step_X (each rank its shard; rank 0 .metadata)  <───────────────────────┘
+    all:    CRC-32 of the own shard file (still in the page cache), gathered to every rank
+    rank 0: extra.*, meta.json, COMPLETE, fsync, rename → step_X, keep_last ── tell every rank
 
 Each rank-0-only phase ends by broadcasting its outcome, so a failure there raises on every rank
-instead of leaving the others waiting in the next collective. The rename is the commit point, as in
-relayrl.checkpoint.io (same directory names, `list_checkpoints` / `latest_checkpoint` see these
-checkpoints too): a run killed at any moment leaves the previous checkpoint as the latest one.
-All ranks must see the same filesystem (one machine, or a shared file system across nodes).
+instead of leaving the others waiting in the next collective; a UserError there (no space, say) is
+the same one line on every rank. Running out of space anywhere removes the temp dir and raises a
+CheckpointSpaceError naming the directory and the bytes needed. The rename is the commit point
+(relayrl.checkpoint.layout, shared with the single-process writer): a run killed at any moment leaves
+the previous checkpoint as the latest one. All ranks must see the same filesystem (one machine, or a
+shared file system across nodes).
+
+A load reads nothing as code: meta.json and COMPLETE are JSON, extra is JSON + safetensors, DCP's index
+and shard values go through relayrl.checkpoint.safe_dcp. Every file is first checked against COMPLETE
+(sizes; sizes and CRC-32 with verify=True), and any fault is a CheckpointError naming the file.
 
 RNG state is per process, but only rank 0's `extra` is kept: put capture_rng_state() in it and
 restore that on every rank. A resumed run then draws from rank 0's streams everywhere — exact for
 everything that uses identical draws on all ranks (the usual seeded sampling / shuffling), but not
 for rank-specific randomness (e.g. dropout under data parallelism); derive such generators from
 (seed, step, rank) rather than from the global RNG if a resume must reproduce them bit for bit.
+
+This module may import torch, relayrl.parallel, relayrl.models, relayrl.config and relayrl.errors; it
+must never import the trainer, engine or controller.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -49,8 +59,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -58,22 +68,25 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from relayrl.checkpoint.io import (  # the private helpers too: one on-disk protocol for both writers
-    _TMP_PREFIX,
+from relayrl.checkpoint.errors import CheckpointError
+from relayrl.checkpoint.layout import (
     CHECKPOINTS_DIR,
-    COMPLETE_MARKER,
     FORMAT_VERSION,
-    META_FILE,
-    _remove_leftovers,
-    _step_dir_name,
-    _write_synced,
-    list_checkpoints,
+    TMP_PREFIX,
     publish,
+    read_meta_file,
+    remove_leftovers,
+    step_dir_name,
+    write_synced,
 )
+from relayrl.checkpoint.manifest import file_digest, verify_checkpoint
+from relayrl.checkpoint.safe_dcp import SHARD_FILE, dcp_load, load_dcp_metadata
+from relayrl.checkpoint.space import check_free_space, expected_bytes, is_out_of_space, out_of_space_error, state_bytes
+from relayrl.checkpoint.statefile import encode_state, read_state, state_file_names
 from relayrl.errors import UserError
 
 DCP_FORMAT = "dcp"
-EXTRA_FILE = "extra.pt"
+EXTRA_ENTRY = "extra"
 MODEL_KEY = "model"  # top-level keys of the DCP state dict: "model.<fqn>", "optimizer.state.<fqn>..."
 OPTIMIZER_KEY = "optimizer"
 
@@ -84,38 +97,60 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _dcp(fn: Callable, state: dict, **kw) -> None:
-    """dcp.save / dcp.load; without a process group, one process holds every shard (DCP says so in a
-    warning on each call, which is the intended case here, so it is silenced)."""
-    no_dist = not _distributed()
-    with warnings.catch_warnings():
-        if no_dist:
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        fn(state, no_dist=no_dist, **kw)
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
 
 
-def _is_rank0() -> bool:
-    return not _distributed() or dist.get_rank() == 0
+def _all_gather(obj: Any) -> list:
+    if not _distributed():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _on_rank0(fn: Callable[[], Any]) -> None:
-    """Run fn on rank 0 only; every rank then raises if it failed (none waits in a later collective)."""
+    """Run fn on rank 0 only; every rank then raises if it failed (none waits in a later collective).
+    A UserError on rank 0 is the same one line (a CheckpointError) on the others."""
     error: BaseException | None = None
-    if _is_rank0():
+    if _rank() == 0:
         try:
             fn()
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the peers are told
             error = e
     if _distributed():
-        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+        outcome = [None if error is None else (isinstance(error, UserError), f"{type(error).__name__}: {error}",
+                                               str(error))]
         dist.broadcast_object_list(outcome, src=0)
         if error is None and outcome[0] is not None:
-            raise RuntimeError(f"checkpoint write failed on rank 0: {outcome[0]}")
+            user, described, message = outcome[0]
+            if user:
+                raise CheckpointError(message)
+            raise RuntimeError(f"checkpoint write failed on rank 0: {described}")
     if error is not None:
         raise error
 
 
+def _space_guarded(fn: Callable[[], Any], root: Path, needed: int) -> Callable[[], Any]:
+    """fn, with running out of disk space turned into a CheckpointSpaceError naming `root` and `needed`."""
+    def run() -> Any:
+        try:
+            return fn()
+        except BaseException as e:
+            if is_out_of_space(e):
+                raise out_of_space_error(root, needed) from e
+            raise
+    return run
+
+
 # ---------------------------------------------------------------- save
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {MODEL_KEY: get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {MODEL_KEY: model_sd, OPTIMIZER_KEY: optim_sd}
 
 
 def save_distributed(
@@ -130,11 +165,15 @@ def save_distributed(
 ) -> Path:
     """Collective: every rank calls it with its own (sharded) model and optimizer.
 
-    `extra`: picklable run state (scheduler, sampler position, RNG, ...); rank 0's is kept.
+    `extra`: run state as data — nested dict / list / tuple / str / int / float / bool / None /
+    torch.Tensor / numpy.ndarray (e.g. step, sampler and scheduler state dicts, capture_rng_state(),
+    a generator's get_state()); rank 0's is kept. Anything else is a TypeError naming its key path,
+    raised before any shard is written.
     `meta`: JSON-serializable; store the base model directory as meta["model_dir"] so that
     `relayrl export` finds the config and tokenizer (a relative path is made absolute).
     `keep_last`: after the new checkpoint is in place, delete all but the newest `keep_last`.
-    Returns the final checkpoint directory (the same path on every rank).
+    Returns the final checkpoint directory (the same path on every rank). Not enough disk space,
+    before or during the write, is a CheckpointSpaceError on every rank and leaves no partial checkpoint.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -145,70 +184,89 @@ def save_distributed(
         meta["model_dir"] = str(Path(meta["model_dir"]).resolve())
     world = dist.get_world_size() if _distributed() else 1
     full_meta = {**meta, "step": step, "format_version": FORMAT_VERSION, "format": DCP_FORMAT,
-                 "world_size": world, "has_optimizer": optimizer is not None, "entries": ["extra"]}
+                 "world_size": world, "has_optimizer": optimizer is not None, "entries": [EXTRA_ENTRY]}
     # Serialized before any shard is written: a non-JSON meta fails on every rank right here.
     meta_bytes = (json.dumps(full_meta, indent=2, sort_keys=True) + "\n").encode()
 
     root = Path(run_dir) / CHECKPOINTS_DIR
-    final = root / _step_dir_name(step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}"  # no pid suffix: every rank must agree on the name
-    extra_buf = io.BytesIO()
+    final = root / step_dir_name(step)
+    tmp = root / f"{TMP_PREFIX}{final.name}"  # no pid suffix: every rank must agree on the name
+    state = _state(model, optimizer)
+    sizes = _all_gather(state_bytes(state))
+    needed = expected_bytes(sum(b for b, _ in sizes), sum(n for _, n in sizes), len(meta_bytes) + (1 << 20))
+    extra_files: dict[str, bytes] = {}
 
     def prepare() -> None:
-        torch.save(dict(extra or {}), extra_buf)  # an unpicklable extra fails before the shards
+        # An extra that is not data fails here, before any shard is written.
+        extra_files.update(zip(state_file_names(EXTRA_ENTRY), encode_state(dict(extra or {}), EXTRA_ENTRY),
+                               strict=True))
         root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
+        remove_leftovers(root)
+        check_free_space(root, needed + sum(len(b) for b in extra_files.values()))
         tmp.mkdir()
 
-    _on_rank0(prepare)
+    _on_rank0(_space_guarded(prepare, root, needed))
 
-    if optimizer is None:
-        state = {MODEL_KEY: get_model_state_dict(model)}
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {MODEL_KEY: model_sd, OPTIMIZER_KEY: optim_sd}
     try:
-        _dcp(dcp.save, state, storage_writer=FileSystemWriter(tmp, sync_files=True))
-    except BaseException:
+        with warnings.catch_warnings():
+            if not _distributed():  # one process holds every shard: the intended case, which DCP warns about
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=not _distributed())
+    except BaseException as e:
         # DCP gathers write errors to every rank, so all ranks are here together.
-        if _is_rank0():
+        if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if is_out_of_space(e):
+            raise out_of_space_error(root, needed) from e
         raise
     del state
+    try:  # read back right after the write, from the page cache; a failure is reported by rank 0 below
+        mine: dict | str = {p.name: file_digest(p) for p in sorted(tmp.glob(f"__{_rank()}_*.distcp"))}
+    except OSError as e:
+        mine = f"rank {_rank()} could not read back its shard: {e}"
+    digests = _all_gather(mine)
 
     def commit() -> None:
         try:
-            _write_synced(tmp / EXTRA_FILE, lambda f: f.write(extra_buf.getvalue()))
+            failed = [d for d in digests if isinstance(d, str)]
+            if failed:
+                raise RuntimeError(failed[0])
+            for name, data in extra_files.items():
+                write_synced(tmp / name, data)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        publish(tmp, final, meta_bytes, keep_last)
+        publish(tmp, final, meta_bytes, keep_last, {k: v for d in digests for k, v in d.items()})
 
-    _on_rank0(commit)
+    _on_rank0(_space_guarded(commit, root, needed))
     return final
 
 
 # ---------------------------------------------------------------- load
 
 
-def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """meta.json of a complete distributed checkpoint; a clear UserError for anything else."""
+def open_checkpoint(path: str | os.PathLike[str], *, checksums: bool = False) -> tuple[dict[str, Any], Metadata]:
+    """(meta.json, DCP index) of a complete sharded checkpoint, after checking every file against COMPLETE
+    (sizes; CRC-32 too with `checksums`). A CheckpointError naming the file for anything else."""
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"checkpoint {path} does not exist; pick one under RUN_DIR/{CHECKPOINTS_DIR}/")
-    if not ((path / COMPLETE_MARKER).is_file() and (path / META_FILE).is_file()):
-        raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} or {META_FILE}); it was "
-                        "interrupted while being written: use an earlier one")
-    meta = json.loads((path / META_FILE).read_text())
+        raise CheckpointError(f"checkpoint {path} does not exist; pick one under RUN_DIR/{CHECKPOINTS_DIR}/")
+    files = verify_checkpoint(path, checksums=checksums)
+    meta = read_meta_file(path)
     if meta.get("format") != DCP_FORMAT:
-        raise UserError(f"checkpoint {path} is a single-process checkpoint (save_checkpoint), not a sharded "
-                        "one: read it with relayrl.checkpoint.load_checkpoint")
-    return meta
+        raise CheckpointError(f"checkpoint {path} is a single-process checkpoint (save_checkpoint), not a sharded "
+                              "one: read it with relayrl.checkpoint.load_checkpoint")
+    return meta, load_dcp_metadata(path, {n for n in files if SHARD_FILE.match(n)})
 
 
-def check_model_entries(path: Path, model_sd: Mapping[str, Any]) -> None:
-    """Every tensor the model wants is in the checkpoint, with the same global shape (else UserError)."""
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+def read_meta(path: str | os.PathLike[str], *, checksums: bool = False) -> dict[str, Any]:
+    """meta.json of a complete, sound distributed checkpoint; a one-line CheckpointError for anything else."""
+    return open_checkpoint(path, checksums=checksums)[0]
+
+
+def check_model_entries(path: Path, model_sd: Mapping[str, Any], index: Metadata) -> None:
+    """Every tensor the model wants is in the checkpoint's index, with the same global shape (else UserError)."""
+    saved = index.state_dict_metadata
     for fqn, tensor in model_sd.items():
         entry = saved.get(f"{MODEL_KEY}.{fqn}")
         if not isinstance(entry, TensorStorageMetadata):
@@ -224,28 +282,29 @@ def load_distributed(
     path: str | os.PathLike[str],
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = False,
 ) -> dict[str, Any]:
     """Collective when a process group exists: load model (and optimizer) state into the CURRENT
     layout, whatever layout wrote it; return the `extra` dict rank 0 saved.
 
     Optimizer hyperparameters (lr, betas, ...) come from the checkpoint, as with load_state_dict.
-    extra.pt is unpickled (weights_only=False: it holds RNG states): load only your own runs'.
+    Every file is checked against COMPLETE first (sizes; CRC-32 too with `verify`, which reads the
+    whole checkpoint: latest_valid_checkpoint already did that for a resume) and parsed as data only.
     """
     path = Path(path)
-    meta = read_meta(path)
+    meta, index = open_checkpoint(path, checksums=verify)
     if optimizer is not None and not meta.get("has_optimizer", True):
         raise UserError(f"checkpoint {path} holds no optimizer state; load it without an optimizer")
-    if optimizer is None:
-        state = {MODEL_KEY: get_model_state_dict(model)}
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {MODEL_KEY: model_sd, OPTIMIZER_KEY: optim_sd}
-    check_model_entries(path, state[MODEL_KEY])
+    extra = read_state(path, EXTRA_ENTRY)  # small, and checked before the large read
+    if type(extra) is not dict:
+        raise CheckpointError(f"checkpoint file {path / state_file_names(EXTRA_ENTRY)[0]} does not hold a dict")
+    state = _state(model, optimizer)
+    check_model_entries(path, state[MODEL_KEY], index)
     # DCP reads, for each tensor, the saved chunks that overlap this rank's shard, into it in place.
-    _dcp(dcp.load, state, storage_reader=FileSystemReader(path))
+    dcp_load(state, path, index, no_dist=not _distributed())
     if optimizer is None:
         set_model_state_dict(model, state[MODEL_KEY])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY],
-                       optim_state_dict=state[OPTIMIZER_KEY])
-    return torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=False)
+        set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY])
+    return extra

@@ -7,30 +7,32 @@
                                                      config.json, model.safetensors, tokenizer files
 
 Only the model's entries are read (the optimizer state in the shards is skipped), so memory is one
-full copy of the weights. The output is written under a temporary name and renamed when complete
-(save_pretrained), and an existing output directory is never replaced unless asked.
+full copy of the weights. The checkpoint is verified first (every file's size and CRC-32 against its
+COMPLETE manifest) and read as data only (relayrl.checkpoint.safe_dcp), so a corrupt or crafted
+checkpoint stops the export in one line naming the file. The output is written under a temporary name
+and renamed when complete (save_pretrained), and an existing output directory is never replaced unless
+asked. This module may import models and the other checkpoint modules; never the trainer, engine or
+controller.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from relayrl.checkpoint.distributed import MODEL_KEY, check_model_entries, read_meta
+from relayrl.checkpoint.distributed import MODEL_KEY, check_model_entries, open_checkpoint
+from relayrl.checkpoint.safe_dcp import dcp_load
 from relayrl.errors import UserError
 from relayrl.models import CausalLM, load_config, save_pretrained
 from relayrl.models.rope import rope_inv_freq
 
 
-def _saved_dtype(path: Path) -> torch.dtype:
+def _saved_dtype(path: Path, index: Metadata) -> torch.dtype:
     """The dtype the trainer held its parameters in (the first model tensor's)."""
-    for key, entry in FileSystemReader(path).read_metadata().state_dict_metadata.items():
+    for key, entry in index.state_dict_metadata.items():
         if key.startswith(MODEL_KEY + ".") and isinstance(entry, TensorStorageMetadata):
             return entry.properties.dtype
     raise UserError(f"checkpoint {path} holds no model tensors")
@@ -51,17 +53,19 @@ def export_hf(
     checkpoint holds. Runs in a single process and never touches torch.distributed's process group.
     """
     ckpt = Path(checkpoint_dir)
-    meta = read_meta(ckpt)
+    meta, index = open_checkpoint(ckpt, checksums=True)
     src = model_dir if model_dir is not None else meta.get("model_dir")
     if src is None:
         raise UserError(f"checkpoint {ckpt} does not record its base model directory (meta.json has no "
                         "'model_dir'): pass the model directory it was trained from (--model-dir DIR)")
+    if type(src) is not str and not isinstance(src, os.PathLike):
+        raise UserError(f"checkpoint {ckpt}: meta.json's 'model_dir' is not a path; pass --model-dir DIR")
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; remove it or choose another output directory")
 
     cfg = load_config(src)  # a clear ModelDirError when the base directory is gone or malformed
-    saved_dtype = _saved_dtype(ckpt)
+    saved_dtype = _saved_dtype(ckpt, index)
     with torch.device("meta"):  # no random init: every tensor is overwritten by the load
         model = CausalLM(cfg)
     model = model.to_empty(device="cpu").to(saved_dtype)
@@ -69,8 +73,6 @@ def export_hf(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     state = model.state_dict()
-    check_model_entries(ckpt, state)
-    with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({MODEL_KEY: state}, storage_reader=FileSystemReader(ckpt), no_dist=True)
+    check_model_entries(ckpt, state, index)
+    dcp_load({MODEL_KEY: state}, ckpt, index, no_dist=True)
     return save_pretrained(model, out, tokenizer_dir=src, dtype=dtype)
