@@ -24,3 +24,24 @@ class DataError(UserError):
 
 class RewardError(UserError):
     """A reward function cannot be imported, or every sample of a step failed to score."""
+
+
+class SamplingParamsError(UserError, ValueError):
+    """A sampling setting is NaN, infinite, of the wrong type or out of range (a ValueError too, so
+    callers that caught the ValueError SamplingParams used to raise keep working)."""
+
+
+class PromptError(UserError, ValueError):
+    """A prompt is empty, or leaves no room for a completion within the model's maximum length."""
+
+
+class WeightShapeError(UserError):
+    """A tensor given to the engine is unknown to the model config, missing, or not of its logical shape."""
+
+
+class KVCacheError(UserError, ValueError):
+    """The KV cache budget cannot hold one sequence (of the model's maximum length, or of a request's)."""
+
+
+class TensorParallelError(UserError, ValueError):
+    """A tensor-parallel degree does not divide the attention heads, KV heads or intermediate size."""

@@ -1,5 +1,8 @@
 """The engine's tensor-parallel position: which rank of how many, and the group to reduce over.
 
+`check_tp` refuses a degree the model cannot be split by (a `TensorParallelError`, a user error);
+the engine calls it before starting any worker process.
+
 Which heads a rank holds (`head_layout`):
 
     Q heads:  rank r holds Q heads [r*Hq/tp, (r+1)*Hq/tp)
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from relayrl.errors import TensorParallelError
+
 
 @dataclass(frozen=True)
 class TPInfo:
@@ -31,12 +36,18 @@ class TPInfo:
 
 
 def check_tp(num_heads: int, num_kv_heads: int, tp: int, intermediate_size: int | None = None) -> None:
+    """Refuse a tensor-parallel degree the model cannot be split by, naming the size that does not divide."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TensorParallelError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
     if num_heads % tp:
-        raise ValueError(f"tensor_parallel_size {tp} must divide the number of attention heads ({num_heads})")
+        raise TensorParallelError(f"tensor_parallel_size {tp} does not divide the number of attention heads "
+                                  f"({num_heads}); choose a divisor of {num_heads}")
     if not (num_kv_heads % tp == 0 or tp % num_kv_heads == 0):
-        raise ValueError(f"tensor_parallel_size {tp} and the number of KV heads ({num_kv_heads}) must divide one another")
+        raise TensorParallelError(f"tensor_parallel_size {tp} and the number of KV heads ({num_kv_heads}) must "
+                                  f"divide one another; choose a divisor or a multiple of {num_kv_heads}")
     if intermediate_size is not None and intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size ({intermediate_size})")
+        raise TensorParallelError(f"tensor_parallel_size {tp} does not divide intermediate_size "
+                                  f"({intermediate_size}); choose a divisor of {intermediate_size}")
 
 
 def head_layout(num_heads: int, num_kv_heads: int, tp: TPInfo) -> tuple[range, range]:

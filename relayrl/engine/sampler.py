@@ -15,6 +15,9 @@ importance-sampling corrections matter.
 Randomness: each row carries a uniform draw u in [0, 1) from its own stream; the token is found by
 inverse CDF (the first token whose cumulative kept probability exceeds u), so a row's token depends
 only on its logits and its stream — not on the batch around it.
+
+The settings arrive already checked (`SamplingParams.validate`: finite, in range), and whatever they
+are the most likely token is never filtered out, so every row keeps at least one token to draw.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
         drop = ranks >= k[:, None]
         probs = sorted_logits.softmax(-1)
-        # drop a token when the mass strictly before it already reaches p (the top token always stays)
+        # drop a token when the mass strictly before it already reaches p
         before = probs.cumsum(-1) - probs
         drop |= before >= top_p[:, None]
+        drop[:, 0] = False  # the top token always stays, even for a p that rounds to 0 in float32
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     if bool((min_p > 0).any()):
@@ -63,7 +67,6 @@ def sample(
     kept = filter_logits(scaled, top_k, top_p, min_p)
     cdf = kept.softmax(-1).cumsum(-1)
     u = (uniforms * cdf[:, -1]).clamp(max=cdf[:, -1] * (1 - 1e-7))
-    # right=True: a zero-probability token has cdf equal to its predecessor and can never be hit
     # right=True: a zero-probability token has the cdf of its predecessor and can never be hit
     drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     tokens = torch.where(greedy, logits.argmax(-1), drawn)
