@@ -9,11 +9,18 @@ New sequences join as others finish, so a long tail of lengths keeps the batch f
 carries `weights_version`, bumped by each `load_weights`, so the driver knows which policy sampled.
 For RL: `sleep()` frees the KV cache (level 2 also the weights), `wake()` restores it;
 `abort()` returns what requests produced so far and `add_request(..., prior=...)` resumes them.
+
+Input is checked at this API, each bad input refused in one line by a `relayrl.errors.UserError`:
+weights against the shapes the model config implies (`load_weights`, `from_pretrained`), sampling
+settings, empty prompts, token ids outside the vocabulary and prompts that leave no room for a
+completion within max_position_embeddings (`add_request`, `generate`), a KV budget too small for one
+sequence. A failed `generate` leaves nothing of its own queued.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import random
 from typing import Iterable, Sequence as Seq
@@ -21,7 +28,7 @@ from typing import Iterable, Sequence as Seq
 import torch
 
 from relayrl.engine.block_manager import BlockManager
-from relayrl.engine.model import EngineModel
+from relayrl.engine.model import EngineModel, check_weights
 from relayrl.engine.model_runner import ModelRunner, kv_bytes_per_block, prepare
 from relayrl.engine.outputs import CompletionSample, RequestOutput
 from relayrl.engine.parallel_state import TPInfo, check_tp, head_layout
@@ -29,6 +36,7 @@ from relayrl.engine.sampler import sample
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.engine.scheduler import Scheduler
 from relayrl.engine.sequence import Sequence, SequenceStatus
+from relayrl.errors import KVCacheError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
 from relayrl.models.config import ModelConfig
 
 
@@ -79,8 +87,13 @@ class LLMEngine:
             if kv_cache_bytes is None:  # a fraction of memory: never more than max_num_seqs full-length sequences use
                 per_seq = -(-config.max_position_embeddings // block_size)
                 num_blocks = min(num_blocks, max_num_seqs * per_seq)
+        self.kv_bytes_per_block = per_block
         if num_blocks < 1:
-            raise ValueError(f"the KV cache budget holds no block of {per_block} bytes; raise kv_cache_bytes")
+            longest = per_block * -(-(config.max_position_embeddings - 1) // block_size)
+            raise KVCacheError(
+                f"the KV cache holds no block ({per_block} bytes each, num_blocks={num_blocks}); one sequence of the "
+                f"model's maximum length ({config.max_position_embeddings} tokens) needs {longest} bytes: set "
+                f"kv_cache_bytes (rollout.kv_cache_bytes in a run config) to at least that")
         self.num_blocks, self.max_num_seqs = num_blocks, max_num_seqs
         self.max_num_batched_tokens, self.enable_prefix_caching = max_num_batched_tokens, enable_prefix_caching
         self._new_scheduler()
@@ -103,8 +116,17 @@ class LLMEngine:
         from relayrl.models import load_config, load_state_dict
         from relayrl.models.tokenizer import load_tokenizer
 
-        engine = cls(load_config(path), load_tokenizer(path), **kwargs)
-        engine.load_weights(load_state_dict(path).items())
+        config, tokenizer = load_config(path), load_tokenizer(path)
+        try:  # checked before the engine starts any worker process
+            weights = check_weights(config, load_state_dict(path).items())
+        except WeightShapeError as e:
+            raise ModelDirError(f"{path}: {e}") from None
+        engine = cls(config, tokenizer, **kwargs)
+        try:
+            engine.load_weights(weights)
+        except BaseException:
+            engine.close()
+            raise
         engine.weights_version = 0  # version 0: the weights it was built with
         return engine
 
@@ -112,13 +134,19 @@ class LLMEngine:
     def from_model(cls, model, tokenizer=None, **kwargs) -> "LLMEngine":
         kwargs.setdefault("dtype", next(model.parameters()).dtype)
         engine = cls(model.config, tokenizer, **kwargs)
-        engine.load_weights(model.state_dict().items())
+        try:
+            engine.load_weights(model.state_dict().items())
+        except BaseException:
+            engine.close()
+            raise
         engine.weights_version = 0
         return engine
 
     def _new_scheduler(self) -> None:
         self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
+                                   max_model_len=self.config.max_position_embeddings,
+                                   kv_bytes_per_block=self.kv_bytes_per_block)
 
     def _call(self, method: str, *args):
         if self.workers is not None:
@@ -145,9 +173,10 @@ class LLMEngine:
     # ---- weights and lifecycle ----
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load (Hugging Face name, full logical tensor) pairs into every rank's shard. Every engine
-        parameter (each fused component counted) must be written: a partial sync is an error."""
-        weights = [(n, t.detach().cpu()) for n, t in weights]
+        """Load (Hugging Face name, full logical tensor) pairs into every rank's shard. Every tensor
+        must have exactly the logical shape the config implies and every one must be given (a partial
+        sync is an error): a WeightShapeError names the first that is not, before any rank is written."""
+        weights = [(n, t.detach().cpu()) for n, t in check_weights(self.config, weights)]
         self.begin_weight_update()
         missing = self._expected_loads - self._call("load_weights", weights)
         if missing:
@@ -194,24 +223,69 @@ class LLMEngine:
             self.asleep = 0
 
     # ---- requests ----
-    def _encode(self, prompt) -> list[int]:
+    def _encode(self, prompt, where: str) -> list[int]:
+        """Token ids of a prompt: a string through the tokenizer (no special tokens added), or token
+        ids, each checked to be in the vocabulary (a bad id would fail deep inside the forward)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer")
+                raise PromptError(f"{where} is a string, but the engine has no tokenizer: give token ids")
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return list(prompt)
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise PromptError(f"{where} must be a string or a list of token ids (integers), "
+                              f"got {prompt!r:.80}") from None
+        vocab = self.config.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise PromptError(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _prepare(self, prompt, params: SamplingParams, where: str) -> list[int]:
+        """The token ids a request runs on, after every check of its input (see add_request)."""
+        if not isinstance(params, SamplingParams):
+            raise SamplingParamsError(f"{where}: the sampling settings must be a SamplingParams, got {params!r:.80}")
+        params.validate()  # again: a field may have been set since construction
+        if params.logprobs > self.config.vocab_size:
+            raise SamplingParamsError(f"SamplingParams.logprobs must be at most the vocabulary size "
+                                      f"({self.config.vocab_size}), got {params.logprobs}")
+        ids = self._encode(prompt, where)
+        if not ids:
+            raise PromptError(f"{where} is empty: give at least one token (the engine adds no BOS token of its own)")
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            ids = ids[-k:]  # the last k tokens: the end of a prompt is what the completion continues
+        limit = self.config.max_position_embeddings
+        if len(ids) >= limit:
+            kept = f" (after truncate_prompt_tokens={k})" if k is not None else ""
+            raise PromptError(
+                f"{where} has {len(ids)} tokens{kept}, but the model's maximum length (max_position_embeddings) is "
+                f"{limit} tokens, prompt and completion together: at most {limit - 1} prompt tokens leave room for "
+                f"a completion (max_tokens {params.max_tokens}). Shorten the prompt, or set "
+                f"SamplingParams.truncate_prompt_tokens to at most {limit - 1} to keep its last tokens")
+        return ids
 
     def add_request(self, prompt, params: SamplingParams, request_id: int | None = None,
                     prior: Seq[tuple[list[int], list[float]]] | None = None) -> int:
-        """Queue `params.n` samples of `prompt`. `prior` resumes them from partial completions
-        (one (token_ids, logprobs) per sample, e.g. from `abort`): their seeded streams continue
-        where they stopped, so the result equals an uninterrupted run under the same weights."""
+        """Queue `params.n` samples of `prompt` (a string or token ids). `prior` resumes them from
+        partial completions (one (token_ids, logprobs) per sample, e.g. from `abort`): their seeded
+        streams continue where they stopped, so the result equals an uninterrupted run under the same weights.
+
+        Refused with nothing queued: invalid sampling settings (SamplingParamsError); an empty prompt,
+        a token id outside the vocabulary, or a prompt that leaves no room for one completion token
+        within the model's maximum length (PromptError; params.truncate_prompt_tokens = k keeps the
+        last k tokens instead); a sequence the KV cache could never hold (KVCacheError). A max_tokens
+        past the model's maximum length ends the sample there, with finish_reason "length"."""
+        return self._add(self._prepare(prompt, params, "the prompt"), params, request_id, prior, "the prompt")
+
+    def _add(self, ids: list[int], params: SamplingParams, request_id, prior, where: str) -> int:
         if not self.has_weights:
             raise RuntimeError("the engine holds no weights yet: load_weights() (or a weight sync) first")
-        ids = self._encode(prompt)
-        if not ids:
-            raise ValueError("empty prompt")
+        if prior is not None and len(prior) != params.n:
+            raise ValueError(f"{where}: prior holds {len(prior)} partial completions for n={params.n} samples")
         rid = next(self._req_ids) if request_id is None else request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid} is already in flight")
         seqs = []
         for j in range(params.n):
             done_tokens, done_lps = prior[j] if prior else ([], [])
@@ -221,13 +295,20 @@ class LLMEngine:
             seqs.append(Sequence(next(self._seq_ids), ids, params, self.block_size, request_id=rid, sample_index=j,
                                  rng=stream, completion_token_ids=list(done_tokens), completion_logprobs=list(done_lps)))
         self._requests[rid] = seqs
-        for s in seqs:
-            # a resumed sample that had already ended (EOS, stop, max tokens) stays ended
-            reason = self._finish_reason(s) if s.num_completion_tokens else None
-            if reason is None:
-                self.scheduler.add(s)
-            else:
-                s.status, s.finish_reason = SequenceStatus.FINISHED, reason
+        try:
+            for s in seqs:
+                # a resumed sample that had already ended (EOS, stop, max tokens) stays ended
+                reason = self._finish_reason(s) if s.num_completion_tokens else None
+                if reason is None:
+                    self.scheduler.add(s)
+                else:
+                    s.status, s.finish_reason = SequenceStatus.FINISHED, reason
+        except BaseException as e:
+            self.scheduler.abort({s.seq_id for s in seqs})  # nothing of a refused request stays queued
+            del self._requests[rid]
+            if isinstance(e, KVCacheError):
+                raise KVCacheError(f"{where}: {e}") from None
+            raise
         if all(s.is_finished for s in seqs):
             self._ready.append(rid)
         return rid
@@ -246,16 +327,28 @@ class LLMEngine:
         ids = set(request_ids)
         seq_ids = {s.seq_id for rid in ids if rid in self._requests for s in self._requests[rid]}
         self.scheduler.abort(seq_ids)
+        self._ready = [rid for rid in self._ready if rid not in ids]  # an ended request is returned here, once
         return [self._output(rid) for rid in sorted(ids) if rid in self._requests]
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
         if self.asleep:
             raise RuntimeError("the engine is asleep: call wake() before generating")
-        ready, self._ready = [self._output(rid) for rid in self._ready], []
         seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return ready
+        try:
+            done_requests = self._run_batch(seqs, is_prefill) if seqs else set()
+        except BaseException:
+            # what this batch wrote into the KV cache is unknown, and a prefill registered its blocks
+            # in the prefix cache already: every unfinished sequence keeps its tokens and recomputes
+            # its KV on an empty pool, so no later request reads a block that was never written
+            self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+            self.scheduler.restart(self.block_manager)
+            raise
+        ready, self._ready = [self._output(rid) for rid in self._ready], []
+        return ready + [self._output(rid) for rid in sorted(done_requests)]
+
+    def _run_batch(self, seqs: list[Sequence], is_prefill: bool) -> set[int]:
+        """Run one scheduled batch, sample and postprocess; the ids of the requests it completed."""
         used = self.block_manager.used_fraction()
         if used >= self.peak_used_fraction:  # at the peak: how full are the blocks in use? (the
             # last step at the peak counts: blocks fill up while no new one is needed)
@@ -275,7 +368,7 @@ class LLMEngine:
                 self.scheduler.finish(s, reason)
                 if all(x.is_finished for x in self._requests[s.request_id]):
                     done_requests.add(s.request_id)
-        return ready + [self._output(rid) for rid in sorted(done_requests)]
+        return done_requests
 
     @staticmethod
     def _record_top_logprobs(seqs, logits: torch.Tensor) -> None:
@@ -307,16 +400,32 @@ class LLMEngine:
         return None
 
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
-        """Run prompts to completion; one output per prompt (in order), `params.n` samples each."""
+        """Run prompts to completion; one output per prompt (in order), `params.n` samples each.
+
+        Every prompt is checked (see add_request; errors name the prompt's index) before any is
+        queued, and if adding one or a step fails, this call's requests are aborted before the error
+        propagates: a failed generate leaves nothing queued, and the engine serves the next call."""
+        if isinstance(prompts, (str, bytes)):
+            raise PromptError("generate takes a list of prompts; wrap a single prompt in a list")
+        prompts = list(prompts)
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        params = list(params)
         if len(params) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        done: dict[int, RequestOutput] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                done[out.request_id] = out
+            raise SamplingParamsError(f"give one SamplingParams, or one per prompt: got {len(params)} for "
+                                      f"{len(prompts)} prompts")
+        ids = [self._prepare(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        rids: list[int] = []
+        try:
+            for i, (toks, sp) in enumerate(zip(ids, params)):
+                rids.append(self._add(toks, sp, None, None, f"prompt {i}"))
+            done: dict[int, RequestOutput] = {}
+            while self.has_unfinished():
+                for out in self.step():
+                    done[out.request_id] = out
+        except BaseException:
+            self.abort(rids)
+            raise
         return [done[r] for r in rids]
 
     def reset_stats(self) -> None:

@@ -10,6 +10,11 @@ through its `weight_loader(param, tensor, shard)`: q, k and v each land in their
 `gate_up_proj`. Fused tensors are only ever filled component by component — never by slicing an
 assembled fused matrix, whose row blocks would not line up with q/k/v boundaries under TP.
 Embedding, lm_head and norms are replicated on every rank.
+
+What may be loaded is checked against the model config first (`check_weights`): every tensor must
+have exactly the logical shape `logical_shapes(config)` gives for its Hugging Face name, an unknown
+name or a missing tensor is refused, and nothing is ever sliced or broadcast to fit. The loaders below
+then slice only the rows and columns of this rank's shard out of a tensor already known to be whole.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch import nn
 
 from relayrl.engine.attention import PagedBatch, paged_attention
 from relayrl.engine.parallel_state import TPInfo, head_layout
+from relayrl.errors import WeightShapeError
 from relayrl.models.config import ModelConfig
 from relayrl.models.fusion import FUSED_INTO
 from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -27,6 +33,66 @@ from relayrl.models.transformer import RMSNorm
 
 # trainer (HF) module name -> (engine module name, shard id)
 FUSED = {part: (fused, part.removesuffix("_proj")) for part, (fused, _) in FUSED_INTO.items()}
+
+
+# buffers some checkpoints carry (older Llama ones) that are derived from the config: recomputed, never loaded
+DERIVED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor the config implies (lm_head.weight listed even when
+    tied: a checkpoint or a model's state_dict may carry it, always of the embedding's shape)."""
+    H, V, I, hd = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for i in range(cfg.num_hidden_layers):
+        layer, attn, mlp = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[layer + "input_layernorm.weight"] = out[layer + "post_attention_layernorm.weight"] = (H,)
+        out.update({attn + "q_proj.weight": (q, H), attn + "k_proj.weight": (kv, H), attn + "v_proj.weight": (kv, H),
+                    attn + "o_proj.weight": (H, q)})
+        if cfg.qkv_bias:
+            out.update({attn + "q_proj.bias": (q,), attn + "k_proj.bias": (kv,), attn + "v_proj.bias": (kv,)})
+        if cfg.o_bias:
+            out[attn + "o_proj.bias"] = (H,)
+        if cfg.qk_norm:
+            out[attn + "q_norm.weight"] = out[attn + "k_norm.weight"] = (hd,)
+        out.update({mlp + "gate_proj.weight": (I, H), mlp + "up_proj.weight": (I, H), mlp + "down_proj.weight": (H, I)})
+        if cfg.mlp_bias:
+            out.update({mlp + "gate_proj.bias": (I,), mlp + "up_proj.bias": (I,), mlp + "down_proj.bias": (H,)})
+    return out
+
+
+def _check_one(shapes: dict[str, tuple[int, ...]], name: str, tensor: torch.Tensor) -> None:
+    want = shapes.get(name)
+    if want is None:
+        raise WeightShapeError(f"tensor '{name}' {tuple(tensor.shape)} is not part of the model the config describes "
+                               f"(no such name); check that the weights belong to this config.json")
+    if tuple(tensor.shape) != want:
+        raise WeightShapeError(f"tensor '{name}' has shape {tuple(tensor.shape)}, the model config implies {want}; "
+                               f"check that the weights belong to this config.json")
+    if not tensor.is_floating_point():
+        raise WeightShapeError(f"tensor '{name}' has dtype {tensor.dtype}; weights must be floating point")
+
+
+def check_weights(cfg: ModelConfig, weights) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs to load, each of exactly its logical shape, none missing, none twice;
+    derived rope buffers are dropped. Raises WeightShapeError naming the first offending tensor."""
+    shapes = logical_shapes(cfg)
+    kept, seen = [], set()
+    for name, tensor in weights:
+        if name.endswith(DERIVED_SUFFIXES):
+            continue
+        _check_one(shapes, name, tensor)
+        if name in seen:
+            raise WeightShapeError(f"tensor '{name}' is given twice")
+        seen.add(name)
+        kept.append((name, tensor))
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(set(shapes) - seen - optional)
+    if missing:
+        raise WeightShapeError(f"the weights lack tensor '{missing[0]}' ({len(missing)} missing in all) that the "
+                               f"model config implies; check that the weights belong to this config.json")
+    return kept
 
 
 def _copy_weight(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
@@ -129,7 +195,8 @@ class EngineAttention(nn.Module):
 class EngineMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, ("gate", "up"), tp, cfg.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, ("gate", "up"), tp,
+                                                 cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, cfg.mlp_bias)
 
     def forward(self, x):
@@ -160,7 +227,8 @@ class EngineModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, batch: PagedBatch, kv_cache) -> torch.Tensor:
         """input_ids [N] (all new tokens of the batch, flattened) -> logits [B] at each sequence's last token."""
@@ -184,8 +252,12 @@ class EngineModel(nn.Module):
     def load_weights(self, weights) -> set[str]:
         """Load (HF name, full logical tensor) pairs; returns the engine parameter names touched."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        shapes = logical_shapes(self.config)
         touched = set()
         for hf_name, tensor in weights:
+            if hf_name.endswith(DERIVED_SUFFIXES):
+                continue
+            _check_one(shapes, hf_name, tensor)  # a shard is sliced only out of a whole tensor
             name, shard = self.engine_name(hf_name)
             if name not in params:
                 raise KeyError(f"engine has no parameter for '{hf_name}' (looked for '{name}')")

@@ -28,6 +28,14 @@ The step protocol with the engine (see block_manager for the block side):
     postprocess── seq.append_token(t, lp); if it is done: scheduler.finish(seq, reason)
                   (the new token's KV is written by the next decode step)
 
+`add` admits a sequence only if the pool could hold it alone at its longest: KV for
+
+    min(prompt + max_tokens, max_model_len) - 1 tokens      (the final token is never fed back)
+
+so a max_tokens past the model's maximum length reserves nothing more (the engine ends that sample at
+the maximum, finish_reason "length"); one that can never fit is refused with a `KVCacheError` saying
+how much KV it and a maximum-length sequence need, and which key to raise.
+
 A preempted sequence loses its blocks and goes back to the FRONT of the waiting queue; its next
 prefill recomputes the KV of all its tokens (prompt + completion so far, the newest included), which
 prefix caching often shortens. Nothing sampled is ever dropped.
@@ -39,34 +47,69 @@ from collections import deque
 
 from relayrl.engine.block_manager import BlockManager
 from relayrl.engine.sequence import Sequence, SequenceStatus
+from relayrl.errors import KVCacheError
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 max_model_len: int | None = None, kv_bytes_per_block: int | None = None):
+        """max_model_len: the model's maximum length (prompt and completion together); a sequence
+        reserves KV for at most that many tokens. kv_bytes_per_block: only for error messages (in bytes)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and {max_num_batched_tokens}"
             )
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a completion token), got {max_model_len}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv_bytes_per_block = kv_bytes_per_block
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
 
+    def final_length(self, seq: Sequence) -> int:
+        """The most tokens seq can reach: prompt + max_tokens, capped at the model's maximum length."""
+        n = seq.num_prompt_tokens + seq.params.max_tokens
+        return min(n, self.max_model_len) if self.max_model_len is not None else n
+
+    def max_kv_tokens(self, seq: Sequence) -> int:
+        # the final sampled token finishes the sequence and is never fed back, so it needs no slot
+        return max(seq.num_tokens, self.final_length(seq) - 1)
+
+    def blocks_for(self, kv_tokens: int) -> int:
+        return -(-kv_tokens // self.block_manager.block_size)
+
     def add(self, seq: Sequence) -> None:
-        # the most tokens that ever need KV: the final sampled token finishes the sequence and is
-        # never fed back, so it needs no slot
-        max_kv_tokens = max(seq.num_tokens, seq.num_prompt_tokens + seq.params.max_tokens - 1)
-        bm = self.block_manager
-        needed = -(-max_kv_tokens // bm.block_size)
-        if needed > bm.num_blocks:
-            raise ValueError(
-                f"sequence {seq.seq_id} may grow to {max_kv_tokens} tokens = {needed} KV blocks of "
-                f"{bm.block_size}, but the pool has {bm.num_blocks}; lower max_tokens or give the engine more KV memory"
-            )
+        max_kv_tokens = self.max_kv_tokens(seq)
+        needed = self.blocks_for(max_kv_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise KVCacheError(self._too_small(seq, max_kv_tokens, needed))
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def _too_small(self, seq: Sequence, kv_tokens: int, needed: int) -> str:
+        bm, per_block = self.block_manager, self.kv_bytes_per_block
+
+        def size(blocks: int) -> str:
+            in_bytes = f" = {blocks * per_block} bytes" if per_block else ""
+            return f"{blocks} blocks of {bm.block_size} tokens{in_bytes}"
+
+        asked = seq.num_prompt_tokens + seq.params.max_tokens - 1
+        capped = " (capped at the model's maximum length)" if kv_tokens < asked else ""
+        msg = (f"sequence {seq.seq_id} (prompt {seq.num_prompt_tokens} tokens, max_tokens {seq.params.max_tokens}) "
+               f"needs KV for {kv_tokens} tokens{capped} = {size(needed)}, "
+               f"but the KV cache holds {size(bm.num_blocks)}")
+        if self.max_model_len is not None:
+            msg += (f"; one sequence of the model's maximum length ({self.max_model_len} tokens) needs "
+                    f"{size(self.blocks_for(self.max_model_len - 1))}")
+        if per_block:
+            fix = f"raise kv_cache_bytes (rollout.kv_cache_bytes in a run config) to at least {needed * per_block}"
+        else:
+            fix = f"give the engine at least {needed} KV blocks"
+        return f"{msg}. To run it, {fix}, or lower max_tokens or the prompt's length"
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,6 +119,18 @@ class Scheduler:
         if batch:
             return batch, True
         return self._schedule_decode(), False
+
+    def restart(self, block_manager: BlockManager) -> None:
+        """Move to a fresh, empty block pool (after a failed step, whose KV writes are unknown): every
+        running sequence goes back to the front of waiting, in order, keeping its tokens and logprobs;
+        its next prefill recomputes its KV. Not counted as a preemption."""
+        for seq in self.running:
+            seq.block_table.clear()
+            seq.num_cached_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self.waiting.extendleft(reversed(self.running))
+        self.running.clear()
+        self.block_manager = block_manager
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
