@@ -58,9 +58,10 @@ def _cmd_sft(a) -> int:
 def _cmd_eval(a) -> int:
     from relayrl.controller.evaluate import evaluate
     from relayrl.data import DataConfig, build_datasets
-    from relayrl.engine import LLMEngine
+    from relayrl.engine import LLMEngine, SamplingParams
     from relayrl.rewards import RewardConfig, build_scorer
 
+    SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)  # bad flags: one line, at once
     data = DataConfig.from_dict({"task": a.task, "n_eval": a.n, "seed": a.seed, **({"path": a.path} if a.path else {})})
     _, eval_set = build_datasets(data)
     engine = LLMEngine.from_pretrained(a.model)
@@ -71,11 +72,16 @@ def _cmd_eval(a) -> int:
 
 def _cmd_generate(a) -> int:
     from relayrl.engine import LLMEngine, SamplingParams
+    from relayrl.errors import PromptError
 
+    # checked before the model loads: a bad flag is one line, at once
+    params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
+    for i, p in enumerate(a.prompts):
+        if not p:  # the BOS token added below would otherwise make it a prompt
+            raise PromptError(f"prompt {i} is empty: give some text to continue")
     engine = LLMEngine.from_pretrained(a.model)
     bos = [engine.tokenizer.bos_token_id] if engine.tokenizer.bos_token_id is not None else []
     prompts = [bos + engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in a.prompts]
-    params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
     for p, out in zip(a.prompts, engine.generate(prompts, params)):
         for s in out.samples:
             print(f"{p}{s.text}\t[{s.finish_reason}, {len(s.token_ids)} tokens, logprob {sum(s.logprobs):.3f}]")
