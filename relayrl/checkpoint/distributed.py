@@ -53,7 +53,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -193,7 +193,7 @@ def save_distributed(
     tmp = root / f"{TMP_PREFIX}{final.name}"  # no pid suffix: every rank must agree on the name
     state = _state(model, optimizer)
     sizes = _all_gather(state_bytes(state))
-    needed = expected_bytes(sum(b for b, _ in sizes), sum(n for _, n in sizes), len(meta_bytes) + (1 << 20))
+    needed = expected_bytes(sum(b for b, _ in sizes), sum(n for _, n in sizes), len(meta_bytes) + (64 << 10))
     extra_files: dict[str, bytes] = {}
 
     def prepare() -> None:
@@ -245,9 +245,18 @@ def save_distributed(
 # ---------------------------------------------------------------- load
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, checksums: bool = False) -> tuple[dict[str, Any], Metadata]:
-    """(meta.json, DCP index) of a complete sharded checkpoint, after checking every file against COMPLETE
-    (sizes; CRC-32 too with `checksums`). A CheckpointError naming the file for anything else."""
+class CheckpointContents(NamedTuple):
+    """The small files of a sharded checkpoint, parsed and checked: meta.json, DCP's index, rank 0's extra."""
+
+    meta: dict[str, Any]
+    index: Metadata
+    extra: dict[str, Any]
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, checksums: bool = False) -> CheckpointContents:
+    """Check a sharded checkpoint's files against COMPLETE (sizes; CRC-32 too with `checksums`) and parse
+    every file but the shards (which dcp_load reads as data). A CheckpointError naming the file at fault
+    for anything missing, truncated, corrupt or crafted."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist; pick one under RUN_DIR/{CHECKPOINTS_DIR}/")
@@ -256,12 +265,16 @@ def open_checkpoint(path: str | os.PathLike[str], *, checksums: bool = False) ->
     if meta.get("format") != DCP_FORMAT:
         raise CheckpointError(f"checkpoint {path} is a single-process checkpoint (save_checkpoint), not a sharded "
                               "one: read it with relayrl.checkpoint.load_checkpoint")
-    return meta, load_dcp_metadata(path, {n for n in files if SHARD_FILE.match(n)})
+    index = load_dcp_metadata(path, {n for n in files if SHARD_FILE.match(n)})
+    extra = read_state(path, EXTRA_ENTRY)
+    if type(extra) is not dict:
+        raise CheckpointError(f"checkpoint file {path / state_file_names(EXTRA_ENTRY)[0]} does not hold a dict")
+    return CheckpointContents(meta, index, extra)
 
 
 def read_meta(path: str | os.PathLike[str], *, checksums: bool = False) -> dict[str, Any]:
     """meta.json of a complete, sound distributed checkpoint; a one-line CheckpointError for anything else."""
-    return open_checkpoint(path, checksums=checksums)[0]
+    return open_checkpoint(path, checksums=checksums).meta
 
 
 def check_model_entries(path: Path, model_sd: Mapping[str, Any], index: Metadata) -> None:
@@ -293,12 +306,9 @@ def load_distributed(
     whole checkpoint: latest_valid_checkpoint already did that for a resume) and parsed as data only.
     """
     path = Path(path)
-    meta, index = open_checkpoint(path, checksums=verify)
+    meta, index, extra = open_checkpoint(path, checksums=verify)
     if optimizer is not None and not meta.get("has_optimizer", True):
         raise UserError(f"checkpoint {path} holds no optimizer state; load it without an optimizer")
-    extra = read_state(path, EXTRA_ENTRY)  # small, and checked before the large read
-    if type(extra) is not dict:
-        raise CheckpointError(f"checkpoint file {path / state_file_names(EXTRA_ENTRY)[0]} does not hold a dict")
     state = _state(model, optimizer)
     check_model_entries(path, state[MODEL_KEY], index)
     # DCP reads, for each tensor, the saved chunks that overlap this rank's shard, into it in place.

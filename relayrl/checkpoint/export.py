@@ -53,7 +53,7 @@ def export_hf(
     checkpoint holds. Runs in a single process and never touches torch.distributed's process group.
     """
     ckpt = Path(checkpoint_dir)
-    meta, index = open_checkpoint(ckpt, checksums=True)
+    meta, index, _ = open_checkpoint(ckpt, checksums=True)  # extra too: every file must be sound
     src = model_dir if model_dir is not None else meta.get("model_dir")
     if src is None:
         raise UserError(f"checkpoint {ckpt} does not record its base model directory (meta.json has no "
