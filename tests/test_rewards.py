@@ -22,8 +22,21 @@ def ex(answer, **meta):
     return Example(prompt="q", answer=answer, meta=meta)
 
 
+_open = []
+
+
 def scorer(*functions):
-    return build_scorer(RewardConfig.from_dict({"functions": list(functions)}))
+    # One worker each: these tests check what is scored, tests/test_reward_pool.py how the pool runs it.
+    s = build_scorer(RewardConfig.from_dict({"functions": list(functions), "workers": 1}))
+    _open.append(s)
+    return s
+
+
+@pytest.fixture(autouse=True)
+def _close_scorers():
+    yield
+    while _open:
+        _open.pop().close()
 
 
 def test_exact_match():
@@ -92,6 +105,13 @@ def test_scorer_params_and_duplicate_names():
 def test_reward_config_defaults_and_errors():
     cfg = RewardConfig.from_dict({})
     assert [f.name for f in cfg.functions] == ["task"]
+    assert (cfg.timeout_s, cfg.workers, cfg.memory_mb, cfg.cpu_s, cfg.on_failure) == (10.0, 2, 4096, None, 0.0)
+    assert cfg.cpu_limit_s() == 10 and RewardConfig.from_dict({"timeout_s": 2.5}).cpu_limit_s() == 3
+    assert RewardConfig.from_dict({"cpu_s": 4, "memory_mb": None}).cpu_limit_s() == 4
+    bad = {"nope": 1, "timeout_s": 0, "workers": -1, "memory_mb": 10, "cpu_s": 0, "on_failure": math.nan}
+    for key, value in bad.items():
+        with pytest.raises(ConfigError, match=f"unknown key '{key}'" if key == "nope" else f"^config error: {key}:"):
+            RewardConfig.from_dict({key: value})
     with pytest.raises(ConfigError, match="functions.0.weight"):
         RewardConfig.from_dict({"functions": [{"name": "task", "weight": "heavy"}]})
     with pytest.raises(ConfigError, match="functions"):
@@ -179,8 +199,35 @@ def test_merge_of_shards_fails_only_when_the_whole_step_fails():
     from relayrl.rewards import ScoreResult
 
     ok = ScoreResult([1.0, 0.0], {"f": [1.0, 0.0]}, 0, [True, False], {"f": 0})
-    dead = ScoreResult([0.0], {"f": [0.0]}, 1, [False], {"f": 1})
+    dead = ScoreResult([0.0], {"f": [0.0]}, 1, [False], {"f": 1}, timeouts=1, timeouts_per_function={"f": 1},
+                       first_errors={"f": "timed out after 1 s (reward.timeout_s)"})
     merged = ScoreResult.merge([ok, dead])  # one shard failed whole, the step did not
     assert merged.rewards == [1.0, 0.0, 0.0] and merged.failures == 1 and merged.correct == [True, False, False]
-    with pytest.raises(RewardError, match="every sample failed"):
+    assert merged.timeouts == 1 and merged.metrics()["reward/timeouts"] == 1.0
+    with pytest.raises(RewardError) as e:
         ScoreResult.merge([dead, dead])
+    assert str(e.value) == "every sample failed to score in reward function f: timed out after 1 s (reward.timeout_s)"
+
+
+def test_on_failure_value_is_the_same_in_process_and_in_the_pool(user_module):
+    fns = [{"name": "my_rewards:picky", "weight": 2.0}, {"name": "exact_match"}]
+    results = []
+    for workers in (0, 1):
+        cfg = RewardConfig.from_dict({"functions": fns, "on_failure": -1.0, "workers": workers})
+        with build_scorer(cfg) as s:
+            results.append(s.score(["boom", "nan", "fine"], [ex("fine")] * 3))
+    assert results[0] == results[1]
+    assert results[0].per_function["my_rewards:picky"] == [-1.0, -1.0, 1.0]
+    assert results[0].rewards == [-2.0, -2.0, 3.0] and results[0].failures == 2 and results[0].timeouts == 0
+    assert results[0].first_errors == {"my_rewards:picky": "ValueError: cannot score boom"}
+
+
+def test_importing_the_config_loads_no_reward_function_and_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from relayrl.rewards import RewardConfig, RewardFunctionConfig; "
+            "print(sorted(m for m in sys.modules if m in ('torch', 'math_verify', 'sympy', 'relayrl.rewards.builtin', "
+            "'relayrl.rewards.math_answer', 'relayrl.rewards.scorer', 'relayrl.rewards.pool')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

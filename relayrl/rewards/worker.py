@@ -31,6 +31,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 HEADER = struct.Struct("<IBI")
 VALUE = struct.Struct("<d")
@@ -115,10 +116,21 @@ def _init(sock: socket.socket, init: dict):
     return fns
 
 
-def _set_cpu_limit(cpu_s: int, hard: int) -> None:
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    soft = int(used.ru_utime + used.ru_stime) + 1 + cpu_s
-    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+class _CpuLimit:
+    """RLIMIT_CPU = CPU used so far + cpu_s, renewed before each call. The limit is in whole seconds, so
+    it only changes when the used seconds do: one cheap clock read per call, a setrlimit now and then."""
+
+    def __init__(self, cpu_s: int):
+        self.cpu_s, self.hard, self.second = cpu_s, resource.getrlimit(resource.RLIMIT_CPU)[1], -1
+
+    def renew(self) -> None:
+        second = int(time.process_time())
+        if second != self.second:
+            soft = second + 1 + self.cpu_s  # +1: the current second may be almost spent
+            if self.hard != resource.RLIM_INFINITY:
+                soft = min(soft, self.hard)
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, self.hard))
+            self.second = second
 
 
 def serve(sock: socket.socket) -> None:
@@ -133,15 +145,14 @@ def serve(sock: socket.socket) -> None:
 
     vm = _vm_mb() if os.path.exists("/proc/self/statm") else 0.0
     sock.sendall(_record(0, READY, json.dumps({"vm_mb": vm}).encode()))
-    cpu_s = init["cpu_s"]
-    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    cpu = _CpuLimit(init["cpu_s"]) if init["cpu_s"] is not None else None
     while True:
         msg = _recv_frame(sock)
         if msg is None:  # the driver closed the pool (or died)
             return
         for tid, fidx, completion, example in msg[1]:
-            if cpu_s is not None:
-                _set_cpu_limit(cpu_s, hard)
+            if cpu is not None:
+                cpu.renew()
             value, error = call_reward(fns[fidx], completion, example)
             if error is None:
                 sock.sendall(_record(tid, OK, VALUE.pack(value)))
