@@ -32,6 +32,13 @@ def picky(completion, example):
         return 10**400
     return completion == example.answer  # a bool counts as 1.0 / 0.0
 
+def spawns(completion, example):
+    import subprocess
+    child = subprocess.Popen(["sleep", "3600"])
+    with open(example.meta["pid_file"], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(3600)
+
 def slow(completion, example):
     time.sleep(0.001 * (len(completion) % 3))  # uneven call times: chunks finish out of order
     return len(completion) / 7
@@ -102,6 +109,37 @@ def test_a_hang_is_one_timeout_and_the_rest_of_its_chunk_is_scored(user_dir):
         t = time.monotonic()
         r = s.score(["x", "yy"], [Example("q", "1")] * 2)  # the next call only waits for the new worker to start
         assert r.rewards == [1.0, 2.0] and time.monotonic() - t < 3.0
+
+
+def test_a_killed_worker_takes_what_its_reward_started_with_it(user_dir, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    with scorer([{"name": "pool_rewards:spawns"}], workers=1, timeout_s=1.0) as s:
+        r = s.score(["x"], [Example("q", "1", meta={"pid_file": str(pid_file)})], check=False)
+        assert r.timeouts == 1
+        child = int(pid_file.read_text())
+        deadline = time.monotonic() + 3.0
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child)  # the worker's whole process group was killed
+
+
+def test_an_interrupted_run_leaves_a_working_pool(user_dir):
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    with scorer([{"name": "pool_rewards:hang"}], workers=1, timeout_s=60.0) as s:
+        old = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            with pytest.raises(KeyboardInterrupt):
+                s.score(["a", "hang", "b"], [Example("q", "1")] * 3)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        hung = s.pids()[0]
+        t = time.monotonic()
+        assert s.score(["abc", "de"], [Example("q", "1")] * 2).rewards == [3.0, 2.0]  # not the stale answers
+        assert time.monotonic() - t < 3.0 and not alive(hung) and s.runner.restarts == 1
 
 
 def test_every_sample_timing_out_stops_the_run_in_one_line(user_dir):

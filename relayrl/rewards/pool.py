@@ -102,6 +102,10 @@ class RewardPool:
     def run(self, calls: list[tuple[int, str, Any]]) -> list[Outcome]:
         if self._closed:
             raise RuntimeError("this reward pool is closed")
+        for w in list(self._workers):
+            if w.outstanding:  # a run that was interrupted (KeyboardInterrupt) left it mid-chunk
+                self._kill(w)
+                self._replace(w)
         self._calls, self._outcomes = calls, [None] * len(calls)
         self._pending = deque(range(len(calls)))
         try:
@@ -113,19 +117,32 @@ class RewardPool:
             self._calls, self._pending = [], deque()
 
     def close(self) -> None:
-        """Ask every worker to stop (EOF on its socket), kill those that do not within a second or two."""
+        """Ask the idle workers to stop (EOF on their sockets) and give them a second or two to exit
+        (flushing what they printed); then kill every worker's process group and reap the workers."""
         if self._closed:
             return
         self._closed = True
+        idle = [w for w in self._workers if not w.outstanding]
+        for w in idle:
+            try:
+                w.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        while idle and time.monotonic() < deadline:
+            # A worker's socket reads EOF once it has exited; it is not reaped yet, so its pid (its group's
+            # id) cannot have been reused when the finalizer kills the group.
+            readable, _, _ = select.select([w.sock for w in idle], [], [], max(0.0, deadline - time.monotonic()))
+            for sock in readable:
+                try:
+                    data = sock.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if not data:
+                    idle = [w for w in idle if w.sock is not sock]
         for w in self._workers:
             _close_sock(w.sock)
-        deadline = time.monotonic() + 2.0
-        for w in self._workers:
-            try:
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        self._finalizer()  # kills what is left, reaps it, and stops the spawner thread
+        self._finalizer()  # kills each worker's process group, reaps the workers, stops the spawner thread
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -141,8 +158,10 @@ class RewardPool:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "relayrl.rewards.worker", str(child.fileno()), str(os.getpid())]
         try:
+            # A session (and process group) of its own: a kill reaches what the reward function started
+            # too, and the terminal's Ctrl-C goes to the driver only.
             proc = self._spawner.submit(subprocess.Popen, cmd, pass_fds=(child.fileno(),), env=env,
-                                        stdin=subprocess.DEVNULL).result()
+                                        stdin=subprocess.DEVNULL, start_new_session=True).result()
         finally:
             child.close()
         self._procs[proc.pid] = proc
@@ -222,11 +241,9 @@ class RewardPool:
         w.deadline = time.monotonic() + (self.timeout_s if w.outstanding else math.inf)
 
     def _on_death(self, w: _Worker) -> None:
-        try:
-            rc = w.proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:  # it closed its socket but lives on: it is of no further use
-            self._kill(w)
-            rc = w.proc.returncode
+        # EOF on its socket: it has exited (or closed the socket, and is of no further use). Killing its
+        # group also ends anything it started; a process already exiting keeps its own exit status.
+        rc = self._kill(w)
         reason = self._death_reason(rc)
         if not w.ready:
             self._start_failures += 1
@@ -249,12 +266,13 @@ class RewardPool:
             self._pending.extendleft(reversed(w.outstanding))
             w.outstanding.clear()
 
-    def _kill(self, w: _Worker) -> None:
+    def _kill(self, w: _Worker) -> int | None:
+        """SIGKILL the worker's process group, reap the worker, return its exit status."""
+        _kill_group(w.proc)
         try:
-            w.proc.kill()
-        except ProcessLookupError:
-            pass
-        w.proc.wait()
+            return w.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (uninterruptible I/O): the finalizer retries
+            return None
 
     def _death_reason(self, rc: int) -> str:
         if rc is None or rc >= 0:
@@ -275,14 +293,22 @@ def _close_sock(sock: socket.socket) -> None:
     sock.close()
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.returncode is not None:  # reaped: its pid may belong to another process by now
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker leads its own group (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+
 def _kill_all(procs: dict[int, subprocess.Popen], spawner: ThreadPoolExecutor) -> None:
     """Finalizer (close, garbage collection, interpreter exit): no worker outlives its pool."""
     for proc in procs.values():
-        if proc.poll() is None:
-            try:
-                proc.kill()
-            except ProcessLookupError:
-                pass
+        _kill_group(proc)
     for proc in procs.values():
         try:
             proc.wait(timeout=5.0)
