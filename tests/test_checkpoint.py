@@ -327,7 +327,7 @@ def test_verify_finds_each_kind_of_damage(tmp_path):
     blob = path / "m.safetensors"
     good = blob.read_bytes()
     blob.write_bytes(good[:-10])
-    with pytest.raises(CheckpointError, match=r"m.safetensors has \d+ bytes, COMPLETE says \d+: it is truncated"):
+    with pytest.raises(CheckpointError, match=r"m.safetensors has \d+ bytes, COMPLETE says \d+: it was truncated"):
         verify_checkpoint(path, checksums=False)
     flipped = bytearray(good)
     flipped[-5] ^= 1

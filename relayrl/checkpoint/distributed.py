@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from relayrl.checkpoint.errors import CheckpointError
+from relayrl.checkpoint.errors import CheckpointError, CheckpointSpaceError
 from relayrl.checkpoint.layout import (
     CHECKPOINTS_DIR,
     FORMAT_VERSION,
@@ -111,7 +111,8 @@ def _all_gather(obj: Any) -> list:
 
 def _on_rank0(fn: Callable[[], Any]) -> None:
     """Run fn on rank 0 only; every rank then raises if it failed (none waits in a later collective).
-    A UserError on rank 0 is the same one line (a CheckpointError) on the others."""
+    A UserError on rank 0 is the same one line on the others (a CheckpointSpaceError when it was one, else a
+    CheckpointError)."""
     error: BaseException | None = None
     if _rank() == 0:
         try:
@@ -119,13 +120,13 @@ def _on_rank0(fn: Callable[[], Any]) -> None:
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the peers are told
             error = e
     if _distributed():
-        outcome = [None if error is None else (isinstance(error, UserError), f"{type(error).__name__}: {error}",
-                                               str(error))]
+        kind = "space" if isinstance(error, CheckpointSpaceError) else "user" if isinstance(error, UserError) else ""
+        outcome = [None if error is None else (kind, f"{type(error).__name__}: {error}", str(error))]
         dist.broadcast_object_list(outcome, src=0)
         if error is None and outcome[0] is not None:
-            user, described, message = outcome[0]
-            if user:
-                raise CheckpointError(message)
+            kind, described, message = outcome[0]
+            if kind:
+                raise (CheckpointSpaceError if kind == "space" else CheckpointError)(message)
             raise RuntimeError(f"checkpoint write failed on rank 0: {described}")
     if error is not None:
         raise error

@@ -106,9 +106,9 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict[str, 
             raise CheckpointError(f"checkpoint file {file} is missing (listed in {COMPLETE_MARKER})")
         size = file.stat().st_size
         if size != want["size"]:
-            what = "truncated" if size < want["size"] else "longer than written"
+            what = "truncated or replaced" if size < want["size"] else "changed"
             raise CheckpointError(f"checkpoint file {file} has {size} bytes, {COMPLETE_MARKER} says {want['size']}: "
-                                  f"it is {what} (corrupt)")
+                                  f"it was {what} after it was written")
         if checksums:
             try:
                 got = file_digest(file)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import pickle
 import pickletools
 import re
 import warnings
@@ -299,6 +300,9 @@ def load_dcp_metadata(path: Path, shard_files: set[str]) -> md.Metadata:
 
 
 def _one_line(e: BaseException) -> str:
+    if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+        # torch's own text goes on to suggest weights_only=False, the one thing not to do with such a file
+        return "it holds pickled objects other than tensors and plain values, refused by the weights-only loader"
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
