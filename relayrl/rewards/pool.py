@@ -13,7 +13,7 @@ chunks balance the workers), while the per-call record keeps the bound per call:
 knows which call a silent worker is on. Only idle workers are sent work, so a send never waits
 on a busy worker.
 
-Workers are fresh interpreters (`python -m relayrl.rewards.worker`, the 'spawn' start method's
+Workers are fresh interpreters (`python -c "...worker.main()"`, the 'spawn' start method's
 effect without multiprocessing re-importing the driver's __main__, which may import torch). They
 are started from one long-lived thread of the pool, because Linux sends PR_SET_PDEATHSIG when the
 thread that forked the child exits, not only the process: a worker started from a short-lived
@@ -42,8 +42,12 @@ from relayrl.errors import ConfigError, RewardError
 from relayrl.rewards import worker as proto
 
 # The directory that holds the relayrl package: a worker must import it even when the driver found it
-# through a sys.path entry added at run time (benchmarks/ scripts do that).
+# through a sys.path entry added at run time (benchmarks/ scripts do that). Added only when missing, and
+# not through PYTHONPATH, which would put an installed package's site-packages ahead of the stdlib.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_BOOT = ("import sys; root = sys.argv[3]\n"
+         "if root not in sys.path: sys.path.insert(1, root)\n"
+         "from relayrl.rewards.worker import main; main(sys.argv)")
 MAX_CHUNK = 64
 START_TIMEOUT_S = 120.0  # importing sympy for math-verify on a loaded 2-core machine can take seconds
 MAX_START_FAILURES = 3
@@ -154,13 +158,11 @@ class RewardPool:
 
     def _spawn(self) -> _Worker:
         parent, child = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "relayrl.rewards.worker", str(child.fileno()), str(os.getpid())]
+        cmd = [sys.executable, "-c", _BOOT, str(child.fileno()), str(os.getpid()), _PACKAGE_ROOT]
         try:
             # A session (and process group) of its own: a kill reaches what the reward function started
             # too, and the terminal's Ctrl-C goes to the driver only.
-            proc = self._spawner.submit(subprocess.Popen, cmd, pass_fds=(child.fileno(),), env=env,
+            proc = self._spawner.submit(subprocess.Popen, cmd, pass_fds=(child.fileno(),),
                                         stdin=subprocess.DEVNULL, start_new_session=True).result()
         finally:
             child.close()

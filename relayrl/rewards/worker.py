@@ -1,7 +1,7 @@
 """The reward worker process: loads the configured reward functions once, then scores the samples the
 pool sends it, one at a time in its main thread, reporting each result as soon as it has it.
 
-    python -m relayrl.rewards.worker FD PARENT_PID      (started by relayrl.rewards.pool, never by hand)
+    main([_, FD, PARENT_PID, ...])      (started by relayrl.rewards.pool in a fresh interpreter, never by hand)
 
 Protocol on the socket FD (a socketpair with the driver):
 
@@ -177,7 +177,3 @@ def main(argv: list[str]) -> None:
         except Exception:  # noqa: BLE001 - a closed or broken stream: nothing left to save
             pass
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main(sys.argv)
