@@ -74,7 +74,10 @@ class _Worker:
 
 class RewardPool:
     """`RewardPool(specs, workers=2, timeout_s=10, memory_mb=4096, cpu_s=10)`; `run(calls)` returns one
-    Outcome per (function index, completion, example) in order; `close()` stops every worker."""
+    Outcome per (function index, completion, example) in order; `close()` stops every worker.
+
+    specs are (name, params) pairs as in reward.functions; a call names its function by index. One
+    thread at a time may call run (the scorer is called by the driver's loop, one step at a time)."""
 
     def __init__(self, specs: list[tuple[str, dict[str, Any]]], *, workers: int, timeout_s: float,
                  memory_mb: int | None, cpu_s: int | None):

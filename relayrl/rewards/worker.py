@@ -5,7 +5,7 @@ pool sends it, one at a time in its main thread, reporting each result as soon a
 
 Protocol on the socket FD (a socketpair with the driver):
 
-    driver -> worker   4-byte length + pickle of ("init", {...}) once, then ("run", [(id, fn, completion, example)])
+    driver -> worker   8-byte length + pickle of ("init", {...}) once, then ("run", [(id, fn, completion, example)])
     worker -> driver   records: header <IBI (id, kind, payload length) + payload, never pickled:
                          OK          8-byte float64 value
                          FAIL        utf-8 message (the call raised or returned a non-value)
@@ -17,8 +17,8 @@ numbers and strings. The worker dies with the driver (PR_SET_PDEATHSIG=SIGKILL, 
 socket), ignores SIGINT (Ctrl-C is the driver's to handle), writes no core files, and runs under
 RLIMIT_AS = reward.memory_mb and, for each call, RLIMIT_CPU = the CPU it has used so far + cpu_s.
 A worker that goes past its CPU limit dies of SIGXCPU; the pool charges that sample and replaces it.
-Only the standard library, relayrl.errors and the reward registry are imported before the functions
-themselves (no torch).
+Before the functions themselves it imports only the standard library, relayrl.errors, the reward
+registry and relayrl.data (for `Example`; it brings pydantic): no torch.
 """
 
 from __future__ import annotations
