@@ -13,17 +13,15 @@ import pytest
 import torch
 
 from relayrl.checkpoint import (
+    CheckpointError,
+    SkippedCheckpoint,
     capture_rng_state,
     latest_checkpoint,
+    latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
-)
-from relayrl.checkpoint import (
-    CheckpointError,
-    SkippedCheckpoint,
-    latest_valid_checkpoint,
     verify_checkpoint,
 )
 from relayrl.checkpoint import io as ckpt_io

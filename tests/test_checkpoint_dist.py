@@ -236,7 +236,8 @@ def test_fsdp4_save_is_complete_and_sharded(saved):
     ckpts = list_checkpoints(saved["run_dir"])
     assert [p.name for p in ckpts] == ["step_00000001", "step_00000002"]
     files = {p.name for p in ckpts[-1].iterdir()}
-    assert {f"__{r}_0.distcp" for r in range(4)} | {".metadata", "extra.json", "extra.safetensors", "meta.json", "COMPLETE"} == files
+    data_files = {".metadata", "extra.json", "extra.safetensors", "meta.json", "COMPLETE"}
+    assert {f"__{r}_0.distcp" for r in range(4)} | data_files == files
     meta = read_meta(ckpts[-1])
     assert meta["step"] == 2 and meta["world_size"] == 4 and meta["model_dir"] == str(saved["model_dir"])
     assert not [p for p in (saved["run_dir"] / "checkpoints").iterdir() if p.name.startswith(".")]

@@ -44,6 +44,7 @@ from relayrl.checkpoint import (
     latest_valid_checkpoint,
     list_checkpoints,
     load_distributed,
+    save_checkpoint,
     save_distributed,
 )
 from relayrl.models import CausalLM, ModelConfig, load_pretrained, save_pretrained
@@ -98,15 +99,13 @@ def evil_torch_save(marker: Path) -> bytes:
 
 def _space_fault(rank: int, run_dir: str, model, opt, limit_rank: int | None, free: int | None) -> str:
     """Try to save step 3 with rank `limit_rank` under a 50 kB file-size limit, or rank 0 seeing `free` bytes."""
-    import relayrl.checkpoint.space as space
-
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     real_usage = shutil.disk_usage
     if rank == limit_rank:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, old_limit[1]))
     if free is not None and rank == 0:
-        space.shutil.disk_usage = lambda p: real_usage(p)._replace(free=free)
+        shutil.disk_usage = lambda p: real_usage(p)._replace(free=free)
     try:
         save_distributed(run_dir, 3, model, opt, {"step": 3})
         return "no error"
@@ -114,7 +113,7 @@ def _space_fault(rank: int, run_dir: str, model, opt, limit_rank: int | None, fr
         return f"{type(e).__name__}: {e}"
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
-        space.shutil.disk_usage = real_usage
+        shutil.disk_usage = real_usage
 
 
 def _save_on_fsdp2(rank, world_size, run_dir, model_dir):
@@ -358,13 +357,10 @@ def test_disk_full_mid_write_is_one_line_and_leaves_no_partial_checkpoint(tmp_pa
 
 
 def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
-    import relayrl.checkpoint.space as space
-    from relayrl.checkpoint import save_checkpoint
-
     model = tiny_model(0)
     good = save_distributed(tmp_path, 1, model, None, {"step": 1})
     real = shutil.disk_usage
-    monkeypatch.setattr(space.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
     needed = sum(p.numel() * 4 for p in model.parameters())
     with pytest.raises(CheckpointSpaceError, match=rf"in {tmp_path / 'checkpoints'}: it needs about (\d+) bytes") as e:
         save_distributed(tmp_path, 2, model, None, {"step": 2})
