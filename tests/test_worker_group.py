@@ -9,6 +9,7 @@ of the cost, so the tests share groups where they can.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -16,15 +17,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from relayrl.controller.batch import DataBatch
-from relayrl.controller.dispatch import Dispatch, DPInfo, dispatch
-from relayrl.controller.resource_pool import ResourcePool, colocated, split_pool
-from relayrl.controller.worker import ColocatedWorker, Worker, dp_info_from_dims
-from relayrl.controller.worker_group import WorkerGroup, spawn_roles
+from relayrl.single_controller.batch import DataBatch
+from relayrl.single_controller.dispatch import Dispatch, DPInfo, dispatch
+from relayrl.single_controller.resource_pool import ResourcePool, colocated, split_pool
+from relayrl.single_controller.worker import ColocatedWorker, Worker, dp_info_from_dims
+from relayrl.single_controller.liveness import Deadlines, GroupOptions
+from relayrl.single_controller.placement import spawn_roles
+from relayrl.single_controller.worker_group import WorkerGroup
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.launch import WorkerError
 
 TIMEOUT = 60
+
+
+def opts(backend: str, **kw) -> GroupOptions:
+    return GroupOptions(backend=backend, deadlines=Deadlines(build=TIMEOUT, compute=TIMEOUT, control=TIMEOUT), **kw)
 
 
 class ToyWorker(Worker):
@@ -151,14 +158,13 @@ def backend(request) -> str:
 
 @pytest.fixture(scope="class")
 def toy(backend):
-    with WorkerGroup(ResourcePool([4]), ToyWorker, tp=2, scale=3.0, backend=backend,
-                     timeout_s=TIMEOUT, error_grace_s=10) as group:
+    with WorkerGroup(ResourcePool([4]), ToyWorker, tp=2, scale=3.0, options=opts(backend, error_grace_s=10)) as group:
         yield group
 
 
 class TestSPMD:
     def test_one_to_all_and_layout(self, toy):
-        out = toy.whoami()
+        out = toy.call(ToyWorker.whoami)
         assert [o["rank"] for o in out] == [0, 1, 2, 3]
         assert [o["dist_rank"] for o in out] == [0, 1, 2, 3]
         assert {o["world_size"] for o in out} == {4}
@@ -167,22 +173,22 @@ class TestSPMD:
         assert toy.dp_size == 2
 
     def test_rank_zero_all_reduce(self, toy):
-        assert toy.all_reduce_sum(1.0) == 1 + 2 + 3 + 4
+        assert toy.call(ToyWorker.all_reduce_sum, 1.0) == 1 + 2 + 3 + 4
 
     def test_dp_split_order_and_tp_peers(self, toy):
         n = 5  # uneven: dp rank 0 gets rows 0-2, dp rank 1 rows 3-4
         x = torch.randn(n, 2)
         batch = DataBatch({"x": x, "row_id": torch.arange(n)}, meta={"step": 7},
                           non_tensors={"text": [f"row {i}" for i in range(n)]})
-        before = [len(s) for s in toy.seen_rows()]
-        out = toy.transform(batch, offset=0.5)
+        before = [len(s) for s in toy.call(ToyWorker.seen_rows)]
+        out = toy.call(ToyWorker.transform, batch, offset=0.5)
         assert isinstance(out, DataBatch) and len(out) == n
         torch.testing.assert_close(out["y"], x * 3.0 + 0.5)
         assert out["row_id"].tolist() == list(range(n))
         assert out["text"] == [f"ROW {i}" for i in range(n)]
         assert out["tp_rank"].tolist() == [0] * n  # only the representatives' results come back
         assert out.meta["world_rows"] == 2 * n  # each row went to both TP peers of its dp rank
-        seen = [s[b] for s, b in zip(toy.seen_rows(), before)]
+        seen = [s[b] for s, b in zip(toy.call(ToyWorker.seen_rows), before)]
         assert seen == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
 
     def test_plain_methods(self, toy):
@@ -194,21 +200,21 @@ class TestSPMD:
 
     def test_error_carries_worker_traceback(self, toy):
         with pytest.raises(WorkerError) as info:
-            toy.fail_on(2)
+            toy.call(ToyWorker.fail_on, 2)
         err = info.value
         assert err.rank == 2
         assert "boom on rank 2" in str(err) and "in fail_on" in err.traceback_text
         assert isinstance(err.__cause__, ValueError)
-        assert [o["rank"] for o in toy.whoami()] == [0, 1, 2, 3]  # the group is still usable
+        assert [o["rank"] for o in toy.call(ToyWorker.whoami)] == [0, 1, 2, 3]  # the group is still usable
 
     def test_failure_inside_collective_breaks_group(self, toy):
         """Runs last in this class: it leaves the group broken (the fixture's shutdown kills it)."""
-        toy.error_grace_s = 1
+        toy.options = dataclasses.replace(toy.options, error_grace_s=1)
         with pytest.raises(WorkerError, match="failed before the all_reduce") as info:
-            toy.fail_before_collective(3)
+            toy.call(ToyWorker.fail_before_collective, 3)
         assert info.value.rank == 3 and "did not answer" in str(info.value)
         with pytest.raises(RuntimeError, match="broken"):
-            toy.whoami()
+            toy.call(ToyWorker.whoami)
 
 
 # ---------------------------------------------------------------- failures
@@ -216,7 +222,7 @@ class TestSPMD:
 
 def test_construction_error(backend):
     with pytest.raises(WorkerError, match="cannot build this worker"):
-        WorkerGroup(ResourcePool([1]), BrokenWorker, backend=backend, timeout_s=TIMEOUT)
+        WorkerGroup(ResourcePool([1]), BrokenWorker, options=opts(backend))
 
 
 # ---------------------------------------------------------------- placement
@@ -227,7 +233,8 @@ ROLE_SPECS = {"actor": (ScoreWorker, (0,)), "reference": (ScoreWorker, (1,))}
 
 def driver_step(roles, batch: DataBatch) -> tuple[DataBatch, DataBatch, float]:
     """The same driver code for every placement."""
-    return roles.actor.score(batch), roles.reference.score(batch), roles.actor.weight_sum()
+    return roles["actor"].call(ScoreWorker.score, batch), roles["reference"].call(ScoreWorker.score, batch), \
+        roles["actor"].call(ScoreWorker.weight_sum)
 
 
 def test_colocated_and_disaggregated_agree(backend):
@@ -239,15 +246,14 @@ def test_colocated_and_disaggregated_agree(backend):
     }
     results = {}
     for name, placement in placements.items():
-        with spawn_roles(placement, ROLE_SPECS, backend=backend, colocated_cls=SharedProcess,
-                         timeout_s=TIMEOUT) as roles:
-            assert roles.actor.dp_size == (2 if name == "colocated" else 1)
+        with spawn_roles(placement, ROLE_SPECS, options=opts(backend), colocated_cls=SharedProcess) as roles:
+            assert roles["actor"].dp_size == (2 if name == "colocated" else 1)
             results[name] = driver_step(roles, batch)
             if name == "colocated":
-                assert roles.actor.group is roles.reference.group
-                pids = roles.actor.group.copy_actor_to_reference()
+                assert roles["actor"].group is roles["reference"].group
+                pids = roles["actor"].group.call(SharedProcess.copy_actor_to_reference)
                 assert sorted(pids) == sorted(set(results[name][0]["pid"].tolist()))
-                torch.testing.assert_close(roles.reference.score(batch)["score"], results[name][0]["score"])
+                torch.testing.assert_close(roles["reference"].call(ScoreWorker.score, batch)["score"], results[name][0]["score"])
     with torch.no_grad():
         expect_actor, expect_ref = reference_model(0)(x), reference_model(1)(x)
     for name, (actor, ref, wsum) in results.items():

@@ -8,8 +8,9 @@ import pickle
 import pytest
 import torch
 
-from relayrl.controller.batch import DataBatch, chunk_sizes
-from relayrl.controller.dispatch import (
+from relayrl.parallel.rendezvous import StoreAddress
+from relayrl.single_controller.batch import DataBatch, chunk_sizes
+from relayrl.single_controller.dispatch import (
     Dispatch,
     DPInfo,
     check_layout,
@@ -18,8 +19,8 @@ from relayrl.controller.dispatch import (
     dispatch_mode,
     split_inputs,
 )
-from relayrl.controller.resource_pool import ResourcePool, colocated, split_pool
-from relayrl.controller.worker import ColocatedWorker, RoleSpec, Worker, WorkerInfo, construct, dp_info_from_dims
+from relayrl.single_controller.resource_pool import ResourcePool, colocated, split_pool
+from relayrl.single_controller.worker import ColocatedWorker, RoleSpec, Worker, WorkerInfo, construct, dp_info_from_dims
 from relayrl.parallel.dims import ParallelDims
 
 
@@ -172,8 +173,8 @@ class Echo(Worker):
 
 
 def test_construct_injects_info_and_standalone_is_rank0_of_1():
-    w = construct(Echo, WorkerInfo(rank=3, world_size=4, master_port=1234), ("a",))
-    assert (w.seen_rank, w.world_size, w.master_port, w.tag) == (3, 4, 1234, "a")
+    w = construct(Echo, WorkerInfo(rank=3, world_size=4, store=StoreAddress("10.0.0.7", 1234, "t")), ("a",))
+    assert (w.seen_rank, w.world_size, w.master_addr, w.tag) == (3, 4, "10.0.0.7", "a")
     solo = Echo()
     assert (solo.rank, solo.world_size) == (0, 1) and solo.dp_info() == DPInfo(0, 1, True)
     with pytest.raises(RuntimeError, match="not created by a WorkerGroup"):

@@ -1,14 +1,24 @@
-"""Starting and stopping process groups, and running one function on N local processes.
+"""Starting and stopping processes and process groups: the one process manager of relayrl.
 
-    parent ── TCPStore(port 0) ──┬── spawn rank 0: init_process_group(store) → fn(0, N, *args) → result file
-           (holds the rendezvous │   ...
-            socket, so no other  └── spawn rank N-1 ...
-            process can take it)
-           wait on the children: all exit 0 → unpickle results; a child error → kill the rest, re-raise;
-           past the deadline → kill all, TimeoutError.
+Every process relayrl starts on this machine (a worker group's workers, the engine's tensor-parallel
+ranks, which are a worker group too, and the ranks of `launch` below) is started by `spawn_process`
+and stopped by `stop_processes`:
+
+    spawn_process(target, args)   a 'spawn' child that first asks the kernel to SIGKILL it when
+                                  its parent dies (Linux PR_SET_PDEATHSIG), so no rank outlives a
+                                  killed driver, whatever killed it (SIGKILL included)
+    stop_processes(procs)         SIGTERM, a grace period, then SIGKILL what is left; joins all
+
+`launch(fn, N, *args)` runs one function on N such processes joined in a gloo / nccl group:
+
+    parent ── hosted store (relayrl.parallel.rendezvous: loopback, token) ──┬── rank 0: init_process_group
+           │                                                                │   → fn(0, N, *args) → result file
+           │                                                                └── rank N-1 ...
+           wait on the children: all exit 0 → unpickle their results; a child error → kill the rest and
+           re-raise it; past the deadline → kill all, TimeoutError.
 
 Why the parent owns the store: "pick a free port, close it, let rank 0 bind it" races with any other
-process on the machine (parallel test runs); a store listening on port 0 in the parent never does.
+process on the machine (parallel test runs); a store the parent already listens on never does.
 
 Why the teardown is so careful (`shutdown_process_group`): with gloo, a process that exits while
 FSDP / DTensor / checkpoint objects still reference the process group aborts about half the time
@@ -17,8 +27,9 @@ runs inside a function whose locals are gone when it returns, then gc, a barrier
 tears down while a peer still talks to it, then destroy_process_group(). A spawned worker finally
 leaves with os._exit(code) after flushing its streams: its result is already on disk, and skipping
 interpreter finalisation removes the last chance for a C++ destructor to abort a finished run.
-Workers also ask the kernel to kill them when the parent dies, so a killed test run leaves no
-ranks behind blocked in a collective.
+
+This module imports torch and the standard library only (and relayrl.parallel.rendezvous); it must
+never import the RL layers (trainer, engine, controller) or single_controller.
 """
 
 from __future__ import annotations
@@ -26,12 +37,12 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import socket
+import signal
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -41,7 +52,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LOCALHOST = "127.0.0.1"
+from relayrl.parallel.rendezvous import LOCALHOST, StoreAddress, join_store, serve_store
+
+__all__ = ["LOCALHOST", "WorkerError", "die_with_parent", "init_process_group", "launch", "shutdown_process_group",
+           "spawn_process", "stop_processes"]
 
 
 class WorkerError(RuntimeError):
@@ -52,36 +66,77 @@ class WorkerError(RuntimeError):
         self.rank, self.traceback_text = rank, traceback_text
 
 
-def free_port(host: str = LOCALHOST) -> int:
-    """A port that was free a moment ago (racy; prefer a parent-owned store, see the module doc)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# ---------------------------------------------------------------------------- processes
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies, so a killed driver (or test
+    runner) leaves no rank behind blocked in a collective. Best effort elsewhere. If the parent is
+    already gone when this runs, exit at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
 
 
+def _child_main(target: Callable, args: tuple) -> None:
+    die_with_parent()
+    target(*args)
+
+
+def spawn_process(target: Callable, args: tuple = (), *, name: str | None = None,
+                  daemon: bool = False) -> mp.Process:
+    """Start target(*args) in a fresh 'spawn' process tied to this one's life (module doc).
+
+    target must be importable by name (a module-level function). daemon=False lets the child start
+    processes of its own (a rollout worker starts its engine's tensor-parallel ranks)."""
+    proc = mp.get_context("spawn").Process(target=_child_main, args=(target, args), name=name, daemon=daemon)
+    proc.start()
+    return proc
+
+
+def stop_processes(procs: Iterable[mp.Process], grace_s: float = 5.0) -> None:
+    """Stop processes started by spawn_process: SIGTERM to the live ones, wait up to grace_s for all
+    of them together, SIGKILL whatever is left, and join everything (no zombies). Safe to call twice
+    and on processes that already exited."""
+    procs = list(procs)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# ---------------------------------------------------------------------------- process groups
 def init_process_group(
     rank: int,
     world_size: int,
     *,
     backend: str = "gloo",
-    master_addr: str = LOCALHOST,
-    master_port: int | None = None,
+    store: StoreAddress | None = None,
     timeout_s: float = 300.0,
 ) -> None:
     """Join the default process group.
 
-    master_port given: connect to the TCP store already listening there (launch's parent hosts
-    it). master_port None: the env:// rendezvous of torchrun (MASTER_ADDR / MASTER_PORT set by the
-    launcher; torch decides who hosts the store). RANK / WORLD_SIZE / MASTER_* are set either way,
-    for code that reads them."""
+    store given: meet at that hosted store (relayrl.parallel.rendezvous; its token is in the
+    address). None: the env:// rendezvous of torchrun (MASTER_ADDR / MASTER_PORT set by the
+    launcher; torch decides who hosts the store). RANK / WORLD_SIZE are set either way, for code
+    that reads them."""
     timeout = timedelta(seconds=timeout_s)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-    if master_port is None:
+    if store is None:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         return
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    client = join_store(store, timeout_s)
+    dist.init_process_group(backend, store=client, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def shutdown_process_group() -> None:
@@ -94,6 +149,7 @@ def shutdown_process_group() -> None:
     gc.collect()
 
 
+# ---------------------------------------------------------------------------- launch
 def _call(fn: Callable, rank: int, world_size: int, args: tuple) -> Any:
     # A frame of its own: every object fn made is unreferenced once this returns.
     return fn(rank, world_size, *args)
@@ -105,27 +161,13 @@ def _write(path: Path, payload: tuple) -> None:
     tmp.rename(path)
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies (a killed test runner must
-    not leave ranks behind blocked in a collective). Best effort elsewhere."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            import signal
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def _worker(rank: int, world_size: int, port: int, backend: str, threads: int,
-            result_dir: str, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, world_size: int, store: StoreAddress, backend: str, threads: int,
+               result_dir: str, fn: Callable, args: tuple) -> None:
     code = 1
     out = Path(result_dir) / f"rank{rank}.pkl"
     try:
-        _die_with_parent()
         torch.set_num_threads(threads)
-        init_process_group(rank, world_size, backend=backend, master_port=port)
+        init_process_group(rank, world_size, backend=backend, store=store)
         try:
             result = _call(fn, rank, world_size, args)
             _write(out, ("ok", result))
@@ -148,19 +190,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int,
         os._exit(code)
 
 
-def _kill(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 def _load(path: Path):
+    # our own children's result files, in a private temporary directory
     return pickle.loads(path.read_bytes()) if path.exists() else None
 
 
@@ -172,21 +203,17 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout:
     to the CPU). A rank that raises makes this raise WorkerError with that rank's traceback (the
     others are killed); a run longer than `timeout` seconds is killed and raises TimeoutError.
     """
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore(LOCALHOST, 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    hosted = serve_store(LOCALHOST, world_size + 1, timeout_s=timeout)
     with tempfile.TemporaryDirectory(prefix="relayrl-launch-") as tmp:
         result_dir = Path(tmp)
-        procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, world_size, store.port, backend, threads, tmp, fn, args))
+        procs = [spawn_process(_rank_main, (r, world_size, hosted.address, backend, threads, tmp, fn, args),
+                               name=f"relayrl-launch-{r}", daemon=True)
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
         try:
             _wait(procs, result_dir, timeout)
         finally:
-            _kill(procs)
-            del store
+            stop_processes(procs)
+            hosted.close()
         payloads = [_load(result_dir / f"rank{r}.pkl") for r in range(world_size)]
     return [p[1] for p in payloads]
 

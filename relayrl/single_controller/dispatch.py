@@ -13,6 +13,10 @@ The mode is declared once, at the worker method; the driver just calls `group.me
     RANK_ZERO   every worker gets the same arguments       → rank 0's result
                 (SPMD collectives need all ranks)
 
+Each method also declares the kind of its deadline (relayrl.single_controller.liveness): "compute"
+by default (model work: generate, update, logprobs, checkpoints), "control" for quick bookkeeping
+calls, "build" for construction. The group's options turn a kind into seconds.
+
 The data-parallel convention (each worker reports it through `Worker.dp_info()`):
 
     dp_rank      which data shard this worker consumes; workers that share a dp_rank (tensor- or
@@ -32,9 +36,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from relayrl.controller.batch import DataBatch
+from relayrl.single_controller.batch import DataBatch
 
 _ATTR = "__relayrl_dispatch__"
+_DEADLINE_ATTR = "__relayrl_deadline__"
+DEADLINE_KINDS = ("build", "compute", "control")
 
 
 class Dispatch(str, Enum):
@@ -52,15 +58,19 @@ class DPInfo:
     is_representative: bool = True
 
 
-def dispatch(mode: Dispatch | str) -> Callable[[Callable], Callable]:
-    """Declare how a worker method is called from its group. The method itself is unchanged."""
+def dispatch(mode: Dispatch | str, deadline: str = "compute") -> Callable[[Callable], Callable]:
+    """Declare how a worker method is called from its group, and the kind of its deadline
+    (build | compute | control). The method itself is unchanged."""
     try:
         mode = Dispatch(mode)
     except ValueError:
         raise ValueError(f"unknown dispatch mode {mode!r}; use one of {[m.value for m in Dispatch]}") from None
+    if deadline not in DEADLINE_KINDS:
+        raise ValueError(f"unknown deadline kind {deadline!r}; use one of {DEADLINE_KINDS}")
 
     def mark(fn: Callable) -> Callable:
         setattr(fn, _ATTR, mode)
+        setattr(fn, _DEADLINE_ATTR, deadline)
         return fn
 
     return mark
@@ -69,6 +79,11 @@ def dispatch(mode: Dispatch | str) -> Callable[[Callable], Callable]:
 def dispatch_mode(fn: Any) -> Dispatch | None:
     """The mode a method was declared with, or None for a plain method."""
     return getattr(fn, _ATTR, None)
+
+
+def deadline_kind(fn: Any) -> str:
+    """The deadline kind a method was declared with ("compute" for plain methods)."""
+    return getattr(fn, _DEADLINE_ATTR, "compute")
 
 
 def check_layout(infos: Sequence[DPInfo], where: str = "worker group") -> None:

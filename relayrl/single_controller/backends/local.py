@@ -9,13 +9,16 @@ receive unchanged (ONE_TO_ALL arguments, a chunk shared by TP peers) is pickled 
 
 A worker leaves with os._exit after its reply to "close" is sent: its process group is already
 destroyed, and skipping interpreter finalisation removes the last chance for a C++ destructor to
-abort a finished run (as relayrl.parallel.launch does).
+abort a finished run (as relayrl.parallel.launch does). The processes are started and stopped by
+relayrl.parallel.launch (spawn_process / stop_processes), so they die with the driver, SIGKILL
+included. The group's store is hosted on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import time
 import weakref
@@ -23,9 +26,10 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from relayrl.controller.backends.host import Payload, WorkerHost, error_payload
-from relayrl.controller.resource_pool import ResourcePool
-from relayrl.parallel.launch import LOCALHOST, _kill  # one way to stop spawned processes
+from relayrl.parallel.launch import spawn_process, stop_processes
+from relayrl.parallel.rendezvous import LOCALHOST
+from relayrl.single_controller.backends.host import Payload, WorkerHost, error_payload
+from relayrl.single_controller.resource_pool import ResourcePool
 
 
 def _serve(conn) -> int:
@@ -67,16 +71,19 @@ class LocalBackend:
     def __init__(self, pool: ResourcePool):
         self.pool = pool
         ctx = mp.get_context("spawn")
-        self.conns, self.procs = [], []
+        self.conns: list = []
+        self.procs: list[mp.Process] = []
         for rank in range(pool.world_size):
             parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_process_main, args=(child,), name=f"relayrl-{pool.name or 'worker'}-{rank}")
-            proc.start()
+            # not daemons: a worker may start processes of its own (an engine's tensor-parallel ranks)
+            proc = spawn_process(_process_main, (child,), name=f"relayrl-{pool.name or 'worker'}-{rank}")
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        # not daemons (a worker may start processes of its own), so make sure they die with the driver
-        self._reaper = weakref.finalize(self, _kill, self.procs)
+        self._reaper = weakref.finalize(self, stop_processes, self.procs)
+
+    def pid(self, rank: int) -> int | None:
+        return self.procs[rank].pid
 
     def device_for(self, rank: int) -> str:
         return self.pool.device_for(rank)
@@ -90,7 +97,10 @@ class LocalBackend:
                 memo[key] = pickle.dumps((op, args))
             blobs[rank] = memo[key]
         for rank, blob in blobs.items():
-            self.conns[rank].send_bytes(blob)
+            try:
+                self.conns[rank].send_bytes(blob)
+            except OSError:  # a dead process's pipe: wait() reports it through the sentinel
+                pass
         return {rank: rank for rank in calls}
 
     def wait(self, handles: dict[int, int], timeout: float | None) -> dict[int, Payload]:
@@ -109,9 +119,9 @@ class LocalBackend:
             except (EOFError, OSError):
                 pass
             self.procs[rank].join(1)
-            out[rank] = ("error", f"worker process of rank {rank} died (exit code {self.procs[rank].exitcode}) "
-                                  "without answering; see its stderr (a driver script that starts worker groups "
-                                  "needs an `if __name__ == '__main__':` guard: workers are spawned)", None)
+            out[rank] = ("lost", f"died ({_exit_reason(self.procs[rank].exitcode)}) without answering; see its "
+                                 "stderr (a driver script that starts worker groups needs an "
+                                 "`if __name__ == '__main__':` guard: workers are spawned)")
         return out
 
     def stop(self, graceful: bool, timeout: float) -> None:
@@ -123,3 +133,14 @@ class LocalBackend:
         self._reaper()  # terminate → kill whatever did not exit
         for c in self.conns:
             c.close()
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -12,14 +12,14 @@ different pools run in separate processes on separate devices (disaggregated):
                                                             "rollout": [2] on node 1, devices 2-3}
     {**colocated(train, ["actor", "reference"]), "rollout": gen}                   (mixed)
 
-`relayrl.controller.worker_group.spawn_roles(placement, ...)` turns a placement into groups; the
+`relayrl.single_controller.placement.spawn_roles(placement, ...)` turns a placement into groups; the
 driver's calls are the same for every placement.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from relayrl.parallel.dims import backend_for
 
@@ -36,6 +36,7 @@ class ResourcePool:
     """
 
     processes_per_node: list[int]
+    _: KW_ONLY
     device: str = "cpu"
     name: str = ""
     device_offset: list[int] | None = None
@@ -102,7 +103,7 @@ def split_pool(pool: ResourcePool, sizes: Mapping[str, int]) -> Placement:
             per_node.setdefault(node, []).append(local)
         nodes = sorted(per_node)
         out[role] = ResourcePool(
-            [len(per_node[i]) for i in nodes], pool.device, name=role,
+            [len(per_node[i]) for i in nodes], device=pool.device, name=role,
             device_offset=[pool.device_offset[i] + per_node[i][0] for i in nodes],
             cpus_per_process=pool.cpus_per_process, node_ids=[pool.node_ids[i] for i in nodes])
         start += n

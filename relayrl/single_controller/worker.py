@@ -32,14 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from relayrl.controller.dispatch import DPInfo
 from relayrl.parallel import launch
 from relayrl.parallel.dims import ParallelDims, backend_for
+from relayrl.parallel.rendezvous import LOCALHOST, StoreAddress
+from relayrl.single_controller.dispatch import DPInfo
 
-ROLES = ("actor", "rollout", "reference", "reward")  # the roles of the RL loop; other names are allowed
 
-
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class WorkerInfo:
     """Where a worker process sits in its group, and how to reach the group's rendezvous store."""
 
@@ -48,8 +47,7 @@ class WorkerInfo:
     local_rank: int = 0
     node: int = 0
     device: str = "cpu"
-    master_addr: str = launch.LOCALHOST
-    master_port: int | None = None
+    store: StoreAddress | None = None  # the group's rendezvous, hosted by the process that started it
 
 
 class Worker:
@@ -75,11 +73,8 @@ class Worker:
 
     @property
     def master_addr(self) -> str:
-        return self._info.master_addr
-
-    @property
-    def master_port(self) -> int | None:
-        return self._info.master_port
+        """The address at which this worker reaches the process that started its group."""
+        return self._info.store.host if self._info.store is not None else LOCALHOST
 
     def init_distributed(self, backend: str | None = None, timeout_s: float = 300.0) -> None:
         """Join the group's default process group (gloo on CPU, nccl on CUDA unless `backend` says).
@@ -90,12 +85,12 @@ class Worker:
 
         if dist.is_initialized():
             return
-        if self.master_port is None:
+        if self._info.store is None:
             raise RuntimeError(f"{type(self).__name__} was not created by a WorkerGroup (no rendezvous "
                                "address); build it through WorkerGroup, or skip init_distributed when running it "
                                "in one process")
         launch.init_process_group(self.rank, self.world_size, backend=backend or backend_for(self.device),
-                                  master_addr=self.master_addr, master_port=self.master_port, timeout_s=timeout_s)
+                                  store=self._info.store, timeout_s=timeout_s)
 
     def dp_info(self) -> DPInfo:
         """Default: pure data parallel, every worker is its own dp rank. Override for TP/PP layouts."""
@@ -177,4 +172,4 @@ class ColocatedWorker(Worker):
 def check_role_name(name: str, owner: type) -> None:
     if not name.isidentifier() or name.startswith("_") or hasattr(owner, name):
         raise ValueError(f"role name {name!r} must be a public identifier that is not already an attribute of "
-                         f"{owner.__name__} (roles of the RL loop: {', '.join(ROLES)})")
+                         f"{owner.__name__}")

@@ -4,8 +4,8 @@
                → actor of rank r in bundle (its node's group, its local rank)
 
 Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so a worker's device is cuda:0. The driver
-hosts the rendezvous store at its node's IP: run the driver on a node of the cluster (`ray job
-submit` does). relayrl must be importable on every node. Calls are actor method calls; a payload
+hosts the rendezvous store at its node's IP (that interface only, behind the run's token gate:
+relayrl.parallel.rendezvous): run the driver on a node of the cluster (`ray job submit` does). relayrl must be importable on every node. Calls are actor method calls; a payload
 comes back as the call's result, a dead actor as an error payload. Shutdown: "close" on every
 actor (teardown order in host.py), then ray.kill and the placement groups are removed.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from relayrl.controller.backends.host import Payload, WorkerHost
-from relayrl.controller.resource_pool import ResourcePool
+from relayrl.single_controller.backends.host import Payload, WorkerHost
+from relayrl.single_controller.resource_pool import ResourcePool
 
 
 def _ray():
@@ -60,6 +60,9 @@ class RayBackend:
     def master_addr(self) -> str:
         return self._ray.util.get_node_ip_address()
 
+    def pid(self, rank: int) -> int | None:
+        return None  # known once the worker answers "construct"
+
     def device_for(self, rank: int) -> str:
         return "cpu" if self.pool.device_type == "cpu" else f"{self.pool.device_type}:0"
 
@@ -91,7 +94,9 @@ class RayBackend:
             rank = by_ref[ref]
             try:
                 out[rank] = ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - a dead actor, an unserialisable result
+            except ray.exceptions.RayActorError as e:  # the actor's process is gone
+                out[rank] = ("lost", f"died (Ray: {type(e).__name__}: {str(e).strip().splitlines()[0]})")
+            except Exception as e:  # noqa: BLE001 - an unserialisable result
                 out[rank] = ("error", f"Ray actor of rank {rank} failed: {type(e).__name__}: {e}", None)
         return out
 

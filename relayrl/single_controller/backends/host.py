@@ -1,12 +1,14 @@
 """WorkerHost: what runs inside every worker process, whatever the backend.
 
-    driver ──("construct", info, cls, args, kwargs, threads)──> host builds the worker object
+    driver ──("construct", info, cls, args, kwargs, threads)──> host starts its heartbeat, builds
+                                                                 the worker object, answers its pid
            ──("dp_infos", prefixes)──────────────────────────> each role's DPInfo
            ──("call", "actor.compute_logprobs", args, kwargs)─> getattr path, call
            ──("close",)───────────────────────────────────────> teardown hooks → drop the worker
                                                                  → gc → barrier → destroy group
 Every operation answers a payload, never raises:
     ("ok", value)  |  ("error", traceback text, pickled exception or None)
+A backend adds ("lost", what happened) for a process that died without answering.
 
 Why close drops the worker before the barrier: objects that reference the process group (FSDP
 modules, DTensors, meshes) must be gone before destroy_process_group(), or gloo aborts at exit
@@ -15,14 +17,16 @@ about half the time (relayrl.parallel.launch explains the order).
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import traceback
 from typing import Any
 
-from relayrl.controller.dispatch import DPInfo
-from relayrl.controller.worker import WorkerInfo, construct
 from relayrl.parallel import launch
+from relayrl.single_controller.dispatch import DPInfo
+from relayrl.single_controller.liveness import start_heartbeat
+from relayrl.single_controller.worker import WorkerInfo, construct
 
 Payload = tuple
 
@@ -55,6 +59,8 @@ class WorkerHost:
 
     def construct(self, info: WorkerInfo, cls: type, args: tuple, kwargs: dict, threads: int) -> Payload:
         try:
+            if info.store is not None:
+                start_heartbeat(info.store, info.rank)
             import torch
 
             torch.set_num_threads(threads)
@@ -62,7 +68,7 @@ class WorkerHost:
                 torch.cuda.set_device(info.device)
             self.info = info
             self.worker = construct(cls, info, args, kwargs)
-            return ("ok", None)
+            return ("ok", os.getpid())
         except BaseException:  # noqa: BLE001 - reported to the driver
             return error_payload(f"building {getattr(cls, '__name__', cls)} on rank {info.rank}:")
 
