@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import os
 import random
 from typing import Iterable, Sequence as Seq
 
@@ -29,22 +28,18 @@ import torch
 
 from relayrl.engine.block_manager import BlockManager
 from relayrl.engine.model import EngineModel, check_weights
-from relayrl.engine.model_runner import ModelRunner, kv_bytes_per_block, prepare
+from relayrl.engine.model_runner import ModelRunner, available_memory, kv_bytes_per_block, prepare
 from relayrl.engine.outputs import CompletionSample, RequestOutput
 from relayrl.engine.parallel_state import TPInfo, check_tp, head_layout
+from relayrl.engine.protocols import RunnerGroup
+from relayrl.engine.runner_groups import InProcessRunner
 from relayrl.engine.sampler import sample
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.engine.scheduler import Scheduler
 from relayrl.engine.sequence import Sequence, SequenceStatus
 from relayrl.errors import KVCacheError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
 from relayrl.models.config import ModelConfig
-
-
-def available_memory(device: str) -> int:
-    """Free bytes on `device` (the KV cache budget's base when no byte count is given)."""
-    if device.startswith("cuda"):
-        return torch.cuda.mem_get_info()[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+from relayrl.single_controller.liveness import GroupOptions
 
 
 class LLMEngine:
@@ -53,13 +48,16 @@ class LLMEngine:
         tensor_parallel_size: int = 1, device: str = "cpu", block_size: int = 16,
         num_blocks: int | None = None, kv_cache_bytes: int | None = None, kv_cache_fraction: float = 0.05,
         enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-        seed: int = 0, own_processes: bool = False, runner_group=None,
+        seed: int = 0, own_processes: bool = False, runner_group: RunnerGroup | None = None,
+        group_options: GroupOptions | None = None,
     ):
-        """own_processes: run the model in worker processes even at tensor_parallel_size 1 (the
-        engine's ranks then live apart from this process: a disaggregated weight sync).
-        runner_group: ranks hosted elsewhere (e.g. in the trainer's processes, colocated) — an
-        object with call / call_all / run_fn / close like TPWorkerGroup, and free_memory() (the
-        least free bytes over its ranks' devices)."""
+        """Where the ranks run (a RunnerGroup, relayrl.engine.protocols):
+        runner_group given      ranks hosted elsewhere (e.g. in the trainer's processes, colocated);
+        tensor_parallel_size>1  a worker group of its own (relayrl.engine.tp_workers), also at size 1
+        or own_processes        with own_processes (the ranks then live apart from this process: a
+                                disaggregated weight sync); group_options sets its deadlines
+        otherwise               one ModelRunner in this process (InProcessRunner).
+        The KV budget is checked before any process starts."""
         self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
         self.block_size, self.tp_size = block_size, tensor_parallel_size
         self.eos_ids = set(config.eos_ids)
@@ -67,16 +65,6 @@ class LLMEngine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = config.pad_token_id or 0
         check_tp(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size, config.intermediate_size)
-        if runner_group is not None:
-            self.workers, self.runner = runner_group, None
-        elif tensor_parallel_size > 1 or own_processes:
-            from relayrl.engine.tp_workers import TPWorkerGroup
-
-            self.workers = TPWorkerGroup(config, dtype, tensor_parallel_size, device)
-            self.runner = None
-        else:
-            self.workers = None
-            self.runner = ModelRunner(config, dtype, TPInfo(), device)
         _, kv_heads = head_layout(config.num_attention_heads, config.num_key_value_heads, TPInfo(0, tensor_parallel_size))
         per_block = kv_bytes_per_block(config, dtype, block_size, len(kv_heads))
         if num_blocks is None:
@@ -94,6 +82,14 @@ class LLMEngine:
                 f"the KV cache holds no block ({per_block} bytes each, num_blocks={num_blocks}); one sequence of the "
                 f"model's maximum length ({config.max_position_embeddings} tokens) needs {longest} bytes: set "
                 f"kv_cache_bytes (rollout.kv_cache_bytes in a run config) to at least that")
+        if runner_group is not None:
+            self.ranks: RunnerGroup = runner_group
+        elif tensor_parallel_size > 1 or own_processes:
+            from relayrl.engine.tp_workers import WorkerRanks
+
+            self.ranks = WorkerRanks(config, dtype, tensor_parallel_size, device=device, options=group_options)
+        else:
+            self.ranks = InProcessRunner(ModelRunner(config, dtype, TPInfo(), device))
         self.num_blocks, self.max_num_seqs = num_blocks, max_num_seqs
         self.max_num_batched_tokens, self.enable_prefix_caching = max_num_batched_tokens, enable_prefix_caching
         self._new_scheduler()
@@ -148,21 +144,23 @@ class LLMEngine:
                                    max_model_len=self.config.max_position_embeddings,
                                    kv_bytes_per_block=self.kv_bytes_per_block)
 
+    @property
+    def runner(self) -> ModelRunner | None:
+        """The ModelRunner, when the engine's one rank runs in this process (else None)."""
+        return self.ranks.runner if isinstance(self.ranks, InProcessRunner) else None
+
     def _call(self, method: str, *args):
-        if self.workers is not None:
-            return self.workers.call(method, *args)
-        return getattr(self.runner, method)(*args)
+        return self.ranks.call(method, *args)
 
     def run_on_ranks(self, fn, *args) -> list:
         """fn(model_runner, *args) on every tensor-parallel rank, wherever it lives; results by rank.
         The weight sync uses it to write each rank's parameters in place."""
-        if self.workers is not None:
-            return self.workers.run_fn(fn, *args)
-        return [fn(self.runner, *args)]
+        return self.ranks.run_fn(fn, *args)
 
     def close(self) -> None:
-        if self.workers is not None:
-            self.workers.close()
+        ranks = getattr(self, "ranks", None)  # absent when the constructor failed early
+        if ranks is not None:
+            ranks.close()
 
     def __del__(self):
         try:
@@ -320,7 +318,7 @@ class LLMEngine:
         seqs = self._requests.pop(rid)
         samples = [CompletionSample(list(s.completion_token_ids), list(s.logprobs),
                                     s.text if s.text is not None else self._decode(s.completion_token_ids),
-                                    s.finish_reason, list(s.top_logprobs)) for s in seqs]
+                                    finish_reason=s.finish_reason, top_logprobs=list(s.top_logprobs)) for s in seqs]
         return RequestOutput(rid, seqs[0].token_ids[: seqs[0].num_prompt_tokens], samples, self.weights_version)
 
     def abort(self, request_ids: Iterable[int]) -> list[RequestOutput]:

@@ -9,6 +9,8 @@ from a byte budget; `free_kv_cache` / `allocate_kv_cache` are what sleep and wak
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from relayrl.engine.attention import PagedBatch, build_batch
@@ -16,6 +18,13 @@ from relayrl.engine.model import EngineModel
 from relayrl.engine.parallel_state import TPInfo
 from relayrl.models.config import ModelConfig
 from relayrl.models.rope import rope_inv_freq
+
+
+def available_memory(device: str) -> int:
+    """Free bytes on `device` (the KV cache budget's base when no byte count is given)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def kv_bytes_per_block(cfg: ModelConfig, dtype: torch.dtype, block_size: int, kv_heads_local: int) -> int:

@@ -1,125 +1,84 @@
-"""Tensor-parallel execution: one process per TP rank, each holding a ModelRunner shard.
+"""Tensor-parallel ranks in processes of their own: a worker group of ModelRunners.
 
-    driver process (scheduler, sampler) ──pipe──> rank 0 ┐
-                                        ──pipe──> rank 1 ├─ gloo / nccl all-reduce inside the forward
-                                        ──pipe──> ...    ┘
-    every call goes to all ranks; rank 0's result comes back (all ranks compute the same logits),
-    or every rank's with call_all (e.g. a weight sync's per-rank figures)
-    run_fn(fn, *args): fn(runner, *args) on every rank — how layers above the engine (the weight
-    sync) act on a rank's parameters without the engine importing them
+    driver process (scheduler, sampler) ── WorkerGroup ──> rank 0: RunnerWorker ┐ gloo / nccl
+                                                       ──> rank 1: RunnerWorker ├ all-reduce inside
+                                                       ──> ...                  ┘ the forward
+    call(method)      every rank runs it; rank 0's result comes back (all ranks compute the same
+                      logits, so the others answer None instead of sending theirs)
+    call_all(method)  every rank's result (e.g. a weight sync's per-rank figures)
+    run_fn(fn, ...)   fn(runner, *args) on every rank — how the layers above the engine (the weight
+                      sync) act on a rank's parameters without the engine importing them
 
-The driver process itself joins no process group, so a trainer in the same process keeps its own.
+The ranks are an ordinary relayrl.single_controller worker group, so they start, rendezvous (the
+group's own store: no free-port race), are watched (deadlines, heartbeats) and stop like every other
+role's processes, and die with the process that started them. The starting process joins no process
+group, so a trainer in the same process keeps its own.
+
+This module imports the engine's own modules and relayrl.single_controller only.
 """
 
 from __future__ import annotations
 
-import gc
-import os
-import socket
-import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from relayrl.engine.model_runner import ModelRunner
+from relayrl.engine.model_runner import ModelRunner, available_memory
 from relayrl.engine.parallel_state import TPInfo
+from relayrl.models.config import ModelConfig
+from relayrl.single_controller.dispatch import Dispatch, dispatch
+from relayrl.single_controller.liveness import GroupOptions
+from relayrl.single_controller.resource_pool import ResourcePool
+from relayrl.single_controller.worker import Worker
+from relayrl.single_controller.worker_group import WorkerGroup
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class RunnerWorker(Worker):
+    """One tensor-parallel rank: its ModelRunner shard, in the group's default process group."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        self.init_distributed()
+        group = dist.group.WORLD if self.world_size > 1 else None
+        self.runner = ModelRunner(cfg, dtype, TPInfo(self.rank, self.world_size, group), self.device)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def run_method(self, method: str, args: tuple, every_rank: bool) -> Any:
+        result = getattr(self.runner, method)(*args)
+        return result if every_rank or self.rank == 0 else None
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def run_fn(self, fn: Callable, args: tuple) -> Any:
+        return fn(self.runner, *args)
+
+    @dispatch(Dispatch.ONE_TO_ALL, deadline="control")
+    def free_memory(self) -> int:
+        return available_memory(str(self.runner.device))
+
+    def teardown(self) -> None:
+        del self.runner
 
 
-def _worker(rank: int, size: int, port: int, cfg, dtype, device: str, conn) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=size)
-    try:
-        _serve(rank, size, cfg, dtype, device, conn)
-    finally:
-        # work done inside a function, then collect, barrier, destroy: gloo groups otherwise
-        # abort at exit on these machines about half the time
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+class WorkerRanks:
+    """The RunnerGroup of an engine whose ranks run in a worker group of their own."""
 
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int, *, device: str = "cpu",
+                 options: GroupOptions | None = None):
+        pool = ResourcePool([tp_size], device=device, name="rollout-tp")
+        self.group = WorkerGroup(pool, RunnerWorker, cfg, dtype, options=options)
 
-def _serve(rank, size, cfg, dtype, device, conn) -> None:
-    if device.startswith("cuda"):
-        device = f"cuda:{rank}"
-        torch.cuda.set_device(device)
-    runner = ModelRunner(cfg, dtype, TPInfo(rank, size, dist.group.WORLD), device)
-    conn.send(("ok", None))
-    while True:
-        method, args, every_rank = conn.recv()
-        if method == "stop":
-            conn.send(("ok", None))
-            return
-        try:
-            if method == "__fn__":
-                result = args[0](runner, *args[1:])
-            else:
-                result = getattr(runner, method)(*args)
-            conn.send(("ok", result if rank == 0 or every_rank else None))
-        except Exception:  # reported to the driver, which raises it
-            conn.send(("error", traceback.format_exc()))
-
-
-class TPWorkerGroup:
-    def __init__(self, cfg, dtype: torch.dtype, tp_size: int, device: str = "cpu"):
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self.conns, self.procs = [], []
-        for rank in range(tp_size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, tp_size, port, cfg, dtype, device, child), daemon=True)
-            p.start()
-            self.conns.append(parent)
-            self.procs.append(p)
-        self._gather()
-
-    def _recv(self, rank: int):
-        conn, proc = self.conns[rank], self.procs[rank]
-        while not conn.poll(1.0):  # a rank that died (killed, failed to start) must not hang the caller
-            if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel worker {rank} exited (code {proc.exitcode}) without answering")
-        return conn.recv()
-
-    def _gather(self) -> list:
-        results = [self._recv(r) for r in range(len(self.conns))]
-        errors = [r[1] for r in results if r[0] == "error"]
-        if errors:
-            raise RuntimeError("tensor-parallel worker failed:\n" + errors[0])
-        return [r[1] for r in results]
-
-    def call(self, method: str, *args):
-        """method(*args) on every rank's runner; rank 0's result."""
-        for c in self.conns:
-            c.send((method, args, False))
-        return self._gather()[0]
+    def call(self, method: str, *args) -> Any:
+        return self.group.call(RunnerWorker.run_method, method, args, False)[0]
 
     def call_all(self, method: str, *args) -> list:
-        """method(*args) on every rank's runner; every rank's result, by rank."""
-        for c in self.conns:
-            c.send((method, args, True))
-        return self._gather()
+        return self.group.call(RunnerWorker.run_method, method, args, True)
 
-    def run_fn(self, fn, *args) -> list:
-        """fn(runner, *args) on every rank (fn: a module-level function); results by rank."""
-        return self.call_all("__fn__", fn, *args)
+    def run_fn(self, fn: Callable, *args) -> list:
+        return self.group.call(RunnerWorker.run_fn, fn, args)
+
+    def free_memory(self) -> int:
+        return min(self.group.call(RunnerWorker.free_memory))
 
     def close(self) -> None:
-        if not self.procs:
-            return
-        try:
-            self.call("stop")
-        except (OSError, EOFError):
-            pass
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-        self.procs, self.conns = [], []
+        self.group.shutdown(raise_errors=False)

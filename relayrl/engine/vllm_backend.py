@@ -35,7 +35,7 @@ def from_vllm_output(request_id: int, out, weights_version: int) -> RequestOutpu
     for c in out.outputs:
         tokens = list(c.token_ids)
         lps = [float(step[t].logprob) for t, step in zip(tokens, c.logprobs or [])]
-        samples.append(CompletionSample(tokens, lps, c.text, c.finish_reason))
+        samples.append(CompletionSample(tokens, lps, c.text, finish_reason=c.finish_reason))
     return RequestOutput(request_id, list(out.prompt_token_ids), samples, weights_version)
 
 
@@ -44,7 +44,7 @@ def _load_into_worker(worker, weights):  # runs inside each vLLM worker (collect
 
 
 class VLLMEngine:
-    def __init__(self, path: str, dtype: torch.dtype = torch.bfloat16, tensor_parallel_size: int = 1,
+    def __init__(self, path: str, dtype: torch.dtype = torch.bfloat16, *, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, enable_prefix_caching: bool = True, seed: int = 0, **_):
         try:
             import vllm
@@ -61,6 +61,7 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.weights_version = 0
+        self.asleep = 0
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         from vllm.inputs import TokensPrompt
@@ -80,9 +81,30 @@ class VLLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         self.llm.sleep(level=level)
+        self.asleep = max(self.asleep, level)
 
     def wake(self) -> None:
         self.llm.wake_up()
+        self.asleep = 0
+
+    def stats(self) -> dict[str, float]:
+        return {}  # vLLM reports its own figures in its logs
+
+    def reset_stats(self) -> None:
+        pass
+
+    # vLLM's loader takes full tensors (FullWeightSync): there is no planned sync or canary to serve
+    def run_on_ranks(self, fn, *args) -> list:
+        raise NotImplementedError("the vLLM backend is synced with full tensors; it runs no functions on its ranks")
+
+    def begin_weight_update(self) -> None:
+        pass
+
+    def end_weight_update(self) -> int:
+        return self.weights_version
+
+    def score(self, rows, temperature: float = 1.0):
+        raise NotImplementedError("the vLLM backend scores no given rows (no canary: FullWeightSync)")
 
     def close(self) -> None:
         pass

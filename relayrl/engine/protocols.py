@@ -1,0 +1,84 @@
+"""The engine's two seams, as typing.Protocols: what the layers above may call, and where its ranks live.
+
+    RolloutEngine   what the driver, the evaluator and the weight sync use: generate, score, sleep /
+                    wake, the weight-update bracket, run_on_ranks, stats, close. LLMEngine is one;
+                    so are the rollout worker's proxy (relayrl.controller.remote) and vLLM's adapter.
+    RunnerGroup     where the engine's tensor-parallel ranks (ModelRunners) live, as the engine
+                    sees them: in this process (InProcessRunner), in worker processes of their own
+                    (a worker group, relayrl.engine.tp_workers), or hosted by the trainer's
+                    processes (relayrl.controller.engine_host). The engine calls every rank alike.
+
+The engine module imports relayrl.models, relayrl.single_controller (its tensor-parallel ranks are a
+worker group) and relayrl's ground floor; it must never import the trainer, sync, controller or cli.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from relayrl.engine.outputs import RequestOutput
+from relayrl.engine.sampling_params import SamplingParams
+
+
+class RunnerGroup(Protocol):
+    """The engine's tensor-parallel ranks, each holding a ModelRunner shard."""
+
+    def call(self, method: str, *args) -> Any:
+        """ModelRunner.method(*args) on every rank; rank 0's result (all ranks compute the same)."""
+
+    def call_all(self, method: str, *args) -> list:
+        """ModelRunner.method(*args) on every rank; every rank's result, by rank."""
+
+    def run_fn(self, fn: Callable, *args) -> list:
+        """fn(runner, *args) on every rank (fn: a module-level function); results by rank."""
+
+    def free_memory(self) -> int:
+        """The least free bytes over the ranks' devices (the KV cache budget's base)."""
+
+    def close(self) -> None:
+        """Stop the ranks this group owns (a no-op for ranks hosted by another role)."""
+
+
+class RolloutEngine(Protocol):
+    """What the RL loop uses of a rollout engine."""
+
+    tokenizer: Any
+    pad_id: int
+    weights_version: int
+    asleep: int  # 0 awake; 1 KV cache freed; 2 weights freed too
+
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion; one output per prompt, in order."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load full logical tensors by Hugging Face name; returns the new weights version."""
+
+    def run_on_ranks(self, fn: Callable, *args) -> list:
+        """fn(model_runner, *args) on every tensor-parallel rank; results by rank."""
+
+    def begin_weight_update(self) -> None:
+        """Before a sync writes into the ranks' parameters (storage freed by sleep(2) comes back)."""
+
+    def end_weight_update(self) -> int:
+        """After a complete sync: a new weights version."""
+
+    def score(self, rows: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
+        """Logprob of every token of `rows` given the ones before it, [B, L]."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 2: the weights too)."""
+
+    def wake(self) -> None:
+        """Restore the KV cache after sleep()."""
+
+    def stats(self) -> dict[str, float]:
+        """Engine figures since the last reset ({} when the backend has none)."""
+
+    def reset_stats(self) -> None:
+        """Start the stats() figures afresh."""
+
+    def close(self) -> None:
+        """Stop every process the engine owns."""

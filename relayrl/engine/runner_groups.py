@@ -1,0 +1,39 @@
+"""The engine's ranks in this process: the RunnerGroup of an engine that runs its one rank itself.
+
+An LLMEngine talks to its ranks only through a RunnerGroup (relayrl.engine.protocols). With
+tensor_parallel_size 1 and no worker processes asked for, that group is this one: one ModelRunner in
+the calling process, called directly (no pickling, no pipe). The weight sync's in-place copies and a
+colocated trainer in the driver's own process (relayrl.controller.local_policy) reach the runner
+through `run_fn` or `runner`.
+
+This module imports the engine's own modules only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from relayrl.engine.model_runner import ModelRunner, available_memory
+
+
+class InProcessRunner:
+    """One ModelRunner in this process, behind the RunnerGroup protocol."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def call(self, method: str, *args) -> Any:
+        return getattr(self.runner, method)(*args)
+
+    def call_all(self, method: str, *args) -> list:
+        return [self.call(method, *args)]
+
+    def run_fn(self, fn: Callable, *args) -> list:
+        return [fn(self.runner, *args)]
+
+    def free_memory(self) -> int:
+        return available_memory(str(self.runner.device))
+
+    def close(self) -> None:
+        pass  # nothing of its own to stop: the runner goes with this object
