@@ -4,7 +4,7 @@
     math          math-verify on ~400-character completions (reasoning text, then \\boxed{answer};
                   gold answers as fractions, decimals or integers, half of them right)
 
-Each shape runs at batch 128 and 1024 through `Scorer.score` (what the driver calls; it also scores
+Each shape runs at batch 128 and 1024 through `RewardScorer.score` (what the driver calls; it also scores
 the `task` reward of every sample, for accuracy, so a sample is two calls), in process
 (reward.workers = 0) and in the pool (reward.workers = 1 and 2), interleaved over --repeats rounds after
 one warm-up each; medians are reported. The results of the pool are checked equal to the in-process

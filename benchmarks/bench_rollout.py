@@ -62,7 +62,8 @@ import relayrl.engine.llm_engine as llm_engine_mod  # noqa: E402
 import relayrl.engine.model_runner as model_runner_mod  # noqa: E402
 from relayrl.engine import LLMEngine, SamplingParams  # noqa: E402
 from relayrl.models import load_pretrained  # noqa: E402
-from relayrl.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
+from relayrl.models.config import TinyModelConfig  # noqa: E402
+from relayrl.models.tiny import build_tiny_model  # noqa: E402
 from relayrl.models.tokenizer import load_tokenizer  # noqa: E402
 
 ALPHABET = "0123456789+-*= "
@@ -339,8 +340,8 @@ def main() -> None:
             results[d] = bench_dtype(model_dir, d, prompts, lens, args)
             results[d]["trace"] = block_trace(results[d]["engine"], prompts, lens, args)
 
-        print(f"\n| dtype | system | tokens | median s | tokens/s | relayrl / system (ratio of medians) "
-              f"| median of paired ratios |\n|---|---|---|---|---|---|---|")
+        print("\n| dtype | system | tokens | median s | tokens/s | relayrl / system (ratio of medians) "
+              "| median of paired ratios |\n|---|---|---|---|---|---|---|")
         for d, res in results.items():
             t_ours = res["times"]["relayrl"]
             for name, ts in res["times"].items():

@@ -49,15 +49,15 @@ from relayrl.parallel.dims import ParallelDims  # noqa: E402
 from relayrl.parallel.launch import launch  # noqa: E402
 from relayrl.parallel.parallelize import parallelize_model  # noqa: E402
 from relayrl.sync.apply import shard_state_dict  # noqa: E402
-from relayrl.sync.layout import EngineLayout, TrainerLayout  # noqa: E402
-from relayrl.sync.plan import plan_sync  # noqa: E402
+from relayrl.parallel.rendezvous import serve_store  # noqa: E402
+from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout  # noqa: E402
 from relayrl.sync.transfer import (  # noqa: E402
     BackgroundSend,
     Members,
     SyncComm,
     finish_receives,
     post_receives,
-    serve_rendezvous,
+    SyncSpec,
     sync_step,
     trainer_locals,
 )
@@ -91,20 +91,22 @@ def _timed(fn) -> float:
 
 
 # ---------------------------------------------------------------------------- colocated: 2 processes
-def colocated(rank: int, world: int, port: int, hidden: int, layers: int, rounds: int, warmup: int) -> dict:
+def colocated(rank: int, world: int, store, hidden: int, layers: int, rounds: int, warmup: int) -> dict:
     cfg = model_config(hidden, layers)
     torch.manual_seed(0)
     dims = ParallelDims(dp_shard=2, world_size=2)
     model = parallelize_model(CausalLM(cfg), dims, dims.build_mesh("cpu"))
-    plan = plan_sync(cfg, TrainerLayout(dp_shard=2), EngineLayout(2))
     members = Members(2, 2, colocated=True)
-    comm = SyncComm("127.0.0.1", port, rank, 2)
+    spec = SyncSpec(shape=ModelShape.of(cfg), trainer=TrainerLayout(dp_shard=2), engine=EngineLayout(2),
+                    members=members, dtype=torch.float32)
+    plan = spec.plan
+    comm = SyncComm(store, rank, 2)
     runner = ModelRunner(cfg, torch.float32, TPInfo(rank, 2, dist.group.WORLD))
     stats = {}
 
     def planned():
-        stats["s"] = sync_step(plan, comm=comm, members=members, dtype=torch.float32, trainer_rank=rank,
-                               engine_rank=rank, local=trainer_locals(model), params=runner.params())
+        stats["s"] = sync_step(spec, comm=comm, trainer_rank=rank, engine_rank=rank, local=trainer_locals(model),
+                               params=runner.params())
 
     def gathered():
         full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.state_dict().items()}
@@ -124,14 +126,16 @@ def colocated(rank: int, world: int, port: int, hidden: int, layers: int, rounds
 
 
 # ---------------------------------------------------------------------------- disaggregated: 4 processes
-def disaggregated(rank: int, world: int, port: int, hidden: int, layers: int, rounds: int, warmup: int,
+def disaggregated(rank: int, world: int, store, hidden: int, layers: int, rounds: int, warmup: int,
                   fp8: bool = False) -> dict:
     cfg = model_config(hidden, layers)
     torch.manual_seed(0)
     full = {k: v.detach() for k, v in CausalLM(cfg).state_dict().items()}
     layout, members = TrainerLayout(dp_shard=2), Members(2, 2, colocated=False)
-    plan = plan_sync(cfg, layout, EngineLayout(2))
-    comm = SyncComm("127.0.0.1", port, rank, 4)
+    spec = SyncSpec(shape=ModelShape.of(cfg), trainer=layout, engine=EngineLayout(2), members=members,
+                    dtype=torch.float32, fp8=fp8)
+    plan = spec.plan
+    comm = SyncComm(store, rank, 4)
     trainer_group = dist.new_group([0, 1])
     engine_group = dist.new_group([2, 3])
     trainer = rank < 2
@@ -142,10 +146,10 @@ def disaggregated(rank: int, world: int, port: int, hidden: int, layers: int, ro
 
     def planned():
         if trainer:
-            BackgroundSend(plan, rank, local, comm, members, torch.float32, fp8=fp8).join()
+            BackgroundSend(spec, rank, local, comm).join()
         else:
             params = runner.params()
-            stats["s"] = finish_receives(post_receives(plan, rank - 2, params, comm, members, fp8=fp8), params)
+            stats["s"] = finish_receives(post_receives(spec, rank - 2, params, comm), params)
 
     def gathered():
         # trainer ranks all-gather each tensor (chunks padded to equal size); then both hold the
@@ -255,16 +259,17 @@ def main() -> None:
              "MiB engine shard | MiB received / engine rank (gather) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     common = (args.hidden, args.layers, args.rounds, args.warmup)
-    store = serve_rendezvous()
-    lines += report("colocated: FSDP 2 -> TP 2 (2 processes)", launch(colocated, 2, store.port, *common, timeout=1800))
-    del store
-    store = serve_rendezvous()
+    store = serve_store()
+    lines += report("colocated: FSDP 2 -> TP 2 (2 processes)", launch(colocated, 2, store.address, *common, timeout=1800))
+    store.close()
+    store = serve_store()
     lines += report("disaggregated: FSDP 2 -> TP 2 (4 processes)",
-                    launch(disaggregated, 4, store.port, *common, timeout=1800))
-    del store
-    store = serve_rendezvous()
+                    launch(disaggregated, 4, store.address, *common, timeout=1800))
+    store.close()
+    store = serve_store()
     lines += report("disaggregated, float8 wire (sync.wire=float8)",
-                    launch(disaggregated, 4, store.port, *common, True, timeout=1800))
+                    launch(disaggregated, 4, store.address, *common, True, timeout=1800))
+    store.close()
     print("\n".join(lines), flush=True)
     if not args.skip_step:
         print("\n".join(step_share(args.steps)))

@@ -32,7 +32,8 @@ from relayrl.engine import LLMEngine, SamplingParams  # noqa: E402
 from relayrl.engine.model_runner import prepare  # noqa: E402
 from relayrl.engine.sequence import Sequence  # noqa: E402
 from relayrl.models import load_pretrained  # noqa: E402
-from relayrl.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
+from relayrl.models.config import TinyModelConfig  # noqa: E402
+from relayrl.models.tiny import build_tiny_model  # noqa: E402
 from relayrl.trainer.batch import build_rows, scatter_per_token  # noqa: E402
 from relayrl.trainer.logprobs import token_logprobs  # noqa: E402
 
@@ -54,15 +55,18 @@ def check_nccl(path: str, device: str) -> dict:
         return {"skipped": "needs cuda"}
     import torch.distributed as dist
 
-    from relayrl.engine.tp_workers import TPWorkerGroup, free_port
+    from relayrl.engine.tp_workers import WorkerRanks
+    from relayrl.parallel.launch import init_process_group
+    from relayrl.parallel.rendezvous import serve_store
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    hosted = serve_store()
+    init_process_group(0, 1, backend="nccl", store=hosted.address)
     x = torch.ones(4, device=device)
     dist.all_reduce(x)
     dist.destroy_process_group()
+    hosted.close()
     local = LLMEngine.from_pretrained(path, device=device, num_blocks=256)
-    workers = TPWorkerGroup(local.config, torch.float32, 1, device)
+    workers = WorkerRanks(local.config, torch.float32, 1, device=device)
     from relayrl.models import load_state_dict
 
     workers.call("load_weights", list(load_state_dict(path).items()))
@@ -138,8 +142,10 @@ def check_throughput(path: str, device: str) -> dict:
 def check_sync(path: str, device: str) -> dict:
     from relayrl.engine.model_runner import ModelRunner
     from relayrl.parallel.launch import launch
-    from relayrl.sync import EngineLayout, Members, TrainerLayout, plan_sync, sync_step
-    from relayrl.sync.transfer import serve_rendezvous, trainer_locals
+    from relayrl.parallel.rendezvous import serve_store
+    from relayrl.sync import EngineLayout, Members, SyncSpec, TrainerLayout, sync_step
+    from relayrl.sync.layout import ModelShape
+    from relayrl.sync.transfer import trainer_locals
 
     model = load_pretrained(path).to(device).eval()
     rows = prompts(8)
@@ -147,40 +153,42 @@ def check_sync(path: str, device: str) -> dict:
     with torch.no_grad():
         ref = token_logprobs(model, ids, torch.ones_like(ids))[0].cpu()
     res = {}
-    plan = plan_sync(model.config, TrainerLayout(), EngineLayout(1))
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         runner = ModelRunner(model.config, dtype, device=device)
+        spec = SyncSpec(shape=ModelShape.of(model.config), trainer=TrainerLayout(), engine=EngineLayout(1),
+                        members=Members(1, 1, True), dtype=dtype)
         t = time.perf_counter()
-        sync_step(plan, comm=None, members=Members(1, 1, True), dtype=dtype, trainer_rank=0, engine_rank=0,
-                  local=trainer_locals(model), params=runner.params())
+        sync_step(spec, comm=None, trainer_rank=0, engine_rank=0, local=trainer_locals(model), params=runner.params())
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         took = time.perf_counter() - t
         gap = (runner.score(ids.cpu().tolist()) - ref)[:, 1:].abs()
         res[f"in_process_{name}"] = {"seconds": round(took, 4), "canary_gap_mean": float(gap.mean()),
                                      "canary_gap_max": float(gap.max())}
-    store = serve_rendezvous()
-    got = launch(_sync_two_processes, 2, store.port, path, device, ids.cpu().tolist(), timeout=300)
+    store = serve_store()
+    got = launch(_sync_two_processes, 2, store.address, path, device, ids.cpu().tolist(), timeout=300)
+    store.close()
     res["two_processes_fp32"] = {"canary_gap_max": float((got[1] - ref)[:, 1:].abs().max())}
     return res
 
 
-def _sync_two_processes(rank: int, world: int, port: int, path: str, device: str, rows) -> torch.Tensor | None:
+def _sync_two_processes(rank: int, world: int, store, path: str, device: str, rows) -> torch.Tensor | None:
     """Process 0: the trainer (its tensors on the device); process 1: the engine (on the device)."""
     from relayrl.engine.model_runner import ModelRunner
-    from relayrl.sync import EngineLayout, Members, SyncComm, TrainerLayout, plan_sync, sync_step
+    from relayrl.sync import EngineLayout, Members, SyncComm, SyncSpec, TrainerLayout, sync_step
+    from relayrl.sync.layout import ModelShape
     from relayrl.sync.transfer import trainer_locals
 
     model = load_pretrained(path).to(device)
-    plan = plan_sync(model.config, TrainerLayout(), EngineLayout(1))
-    comm = SyncComm("127.0.0.1", port, rank, 2)
-    members = Members(1, 1, colocated=False)
+    spec = SyncSpec(shape=ModelShape.of(model.config), trainer=TrainerLayout(), engine=EngineLayout(1),
+                    members=Members(1, 1, colocated=False), dtype=torch.float32)
+    comm = SyncComm(store, rank, 2)
     if rank == 0:
-        sync_step(plan, comm=comm, members=members, dtype=torch.float32, trainer_rank=0, local=trainer_locals(model))
+        sync_step(spec, comm=comm, trainer_rank=0, local=trainer_locals(model))
         comm.close()
         return None
     runner = ModelRunner(model.config, torch.float32, device=device)
-    sync_step(plan, comm=comm, members=members, dtype=torch.float32, engine_rank=0, params=runner.params())
+    sync_step(spec, comm=comm, engine_rank=0, params=runner.params())
     comm.close()
     return runner.score(rows)
 

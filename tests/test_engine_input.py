@@ -309,7 +309,8 @@ def test_failed_step_aborts_the_call_and_the_engine_serves_the_next(short_model,
 # ---- the generate command: one line, exit 2 ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from relayrl.models.tiny import TinyModelConfig, build_tiny_model
+    from relayrl.models.config import TinyModelConfig
+    from relayrl.models.tiny import build_tiny_model
 
     cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, init_std=0.3)
     return str(build_tiny_model(tmp_path_factory.mktemp("cli") / "m", "0123456789+=", cfg))

@@ -15,7 +15,8 @@ from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
 from relayrl.sync.apply import shard_state_dict
 from relayrl.sync.boxes import Box
-from relayrl.sync.layout import EngineLayout, TrainerLayout
+from relayrl.parallel.rendezvous import serve_store
+from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout
 from relayrl.sync.plan import plan_sync
 from relayrl.sync.checksums import dest_checksums, first_mismatch, source_checksums
 from relayrl.sync.transfer import (
@@ -25,14 +26,14 @@ from relayrl.sync.transfer import (
     buckets,
     finish_receives,
     post_receives,
-    serve_rendezvous,
+    SyncSpec,
     sync_step,
     trainer_locals,
 )
 from relayrl.trainer.logprobs import token_logprobs
 
 from dist_harness import run_distributed
-from test_sync_plan import CONFIGS
+from helpers import SYNC_CONFIGS as CONFIGS
 
 # trainer layouts on 4 ranks as (tp, dp_shard, dp_replicate): FSDP 4, HSDP 2x2, FSDP 2 x TP 2,
 # TP 2 with 2 replicas (the seed case's trainer TP=2 feeding engine TP=4), 4 replicas
@@ -56,11 +57,16 @@ def _reference_logp(model: CausalLM) -> torch.Tensor:
     return token_logprobs(model, ids, torch.ones_like(ids))[0]
 
 
-def _grid(rank: int, world: int, port: int) -> list:
+def _spec(cfg, layout: TrainerLayout, etp: int, members: Members, dtype=torch.float32, **kw) -> SyncSpec:
+    return SyncSpec(shape=ModelShape.of(cfg), trainer=layout, engine=EngineLayout(etp), members=members, dtype=dtype,
+                    **kw)
+
+
+def _grid(rank: int, world: int, store) -> list:
     """Every (shape, trainer layout, engine TP) on these 4 processes, colocated: engine rank r in
     process r. Returns (case, engine rank, max |engine - reference|, max |engine - trainer|, bytes)."""
     members = Members(trainer_world=4, engine_world=4, colocated=True)  # engine ranks <= 4 live in 0..3
-    comm = SyncComm("127.0.0.1", port, rank, 4)
+    comm = SyncComm(store, rank, 4)
     groups = {1: None, 2: dist.new_group([0, 1]), 4: dist.group.WORLD}
     out = []
     for key, shape in CONFIGS.items():
@@ -87,9 +93,9 @@ def _grid(rank: int, world: int, port: int) -> list:
                 if runner is not None:
                     for p in runner.params().values():
                         p.fill_(float("nan"))  # anything the sync misses shows
-                stats = sync_step(plan, comm=comm, members=members, dtype=torch.float32, trainer_rank=rank,
-                                  engine_rank=rank if hosts else None, local=trainer_locals(model),
-                                  params=runner.params() if hosts else None, bucket_bytes=512, window=2)
+                spec = _spec(ref_model.config, layout, etp, members, bucket_bytes=512, window=2)
+                stats = sync_step(spec, comm=comm, trainer_rank=rank, engine_rank=rank if hosts else None,
+                                  local=trainer_locals(model), params=runner.params() if hosts else None)
                 if hosts:
                     got = runner.score(ROWS)
                     trainer = trainer.detach()
@@ -103,8 +109,8 @@ def _grid(rank: int, world: int, port: int) -> list:
 
 
 def test_grid_of_layouts_colocated_engine_equals_trainer():
-    store = serve_rendezvous()
-    results = run_distributed(_grid, 4, store.port, timeout=300)
+    store = serve_store()
+    results = run_distributed(_grid, 4, store.address, timeout=300)
     rows = [r for per_rank in results for r in per_rank]
     # every case ran on every engine rank: 3 shapes, 5/5/3 trainer layouts (one KV head: no TP 2), 3 engine TPs
     assert len({r[0] for r in rows}) == (5 + 5 + 3) * 3
@@ -120,28 +126,28 @@ def test_grid_of_layouts_colocated_engine_equals_trainer():
     assert all(0 < r[6] < r[5] for r in seed)
 
 
-def _disaggregated(rank: int, world: int, port: int, key: str, tp: int, etp: int, fp8: bool = False) -> tuple:
+def _disaggregated(rank: int, world: int, store, key: str, tp: int, etp: int, fp8: bool = False) -> tuple:
     """Trainer ranks 0..tp-1 (shards cut from the full state dict), engine ranks after them, in
     processes of their own: trainers send in a background thread, engines receive and unpack.
     Each returns its per-piece checksums (trainer: what the engine should hold; engine: what it does)."""
     model = _model(key)
     cfg = model.config
     layout, members = TrainerLayout(tp=tp), Members(tp, etp, colocated=False)
-    plan = plan_sync(cfg, layout, EngineLayout(etp))
-    comm = SyncComm("127.0.0.1", port, rank, members.world_size)
+    spec = _spec(cfg, layout, etp, members, bucket_bytes=256, window=2, fp8=fp8)  # many messages per pair
+    plan = spec.plan
+    comm = SyncComm(store, rank, members.world_size)
     engine_group = dist.new_group(list(range(tp, tp + etp)))
     full = {k: v.detach() for k, v in model.state_dict().items()}
     if rank < tp:
         local = shard_state_dict(full, cfg, layout, rank)
-        send = BackgroundSend(plan, rank, local, comm, members, torch.float32,
-                              256, 2, fp8)  # 256-byte buckets: many messages per pair, 2 in flight
+        send = BackgroundSend(spec, rank, local, comm)
         stats = send.join()
         comm.close()
         return ("trainer", stats.bytes_sent, stats.messages, source_checksums(plan, rank, local, torch.float32, fp8))
     e = rank - tp
     runner = ModelRunner(cfg, torch.float32, TPInfo(e, etp, engine_group if etp > 1 else None))
     params = runner.params()
-    stats = finish_receives(post_receives(plan, e, params, comm, members, 256, fp8, window=2), params)
+    stats = finish_receives(post_receives(spec, e, params, comm), params)
     got = runner.score(ROWS)
     comm.close()
     return ("engine", float((got - _reference_logp(model)).abs().mean()), stats.bytes_received,
@@ -151,8 +157,8 @@ def _disaggregated(rank: int, world: int, port: int, key: str, tp: int, etp: int
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["engine-dtype", "float8-wire"])
 def test_disaggregated_trainer_tp2_to_engine_tp2(fp8):
-    store = serve_rendezvous()
-    results = run_distributed(_disaggregated, 4, store.port, "gqa8x2", 2, 2, fp8, timeout=180)
+    store = serve_store()
+    results = run_distributed(_disaggregated, 4, store.address, "gqa8x2", 2, 2, fp8, timeout=180)
     trainers, engines = results[:2], results[2:]
     assert all(r[0] == "engine" for r in engines)
     plan = plan_sync(ModelConfig(**CONFIGS["gqa8x2"]), TrainerLayout(tp=2), EngineLayout(2))
@@ -186,8 +192,9 @@ def test_colocated_single_process_copies_in_place():
     cfg = model.config
     plan = plan_sync(cfg, TrainerLayout(), EngineLayout(1))
     runner = ModelRunner(cfg, torch.bfloat16)
-    stats = sync_step(plan, comm=None, members=Members(1, 1, True), dtype=torch.bfloat16, trainer_rank=0,
-                      engine_rank=0, local=trainer_locals(model), params=runner.params())
+    spec = _spec(cfg, TrainerLayout(), 1, Members(1, 1, True), torch.bfloat16)
+    stats = sync_step(spec, comm=None, trainer_rank=0, engine_rank=0, local=trainer_locals(model),
+                      params=runner.params())
     assert stats.bytes_received == 0 and stats.messages == 0
     assert stats.bytes_copied == plan.bytes_per_dst_rank(torch.bfloat16)[0]
     engine_embed = runner.params()["embed_tokens.weight"]
@@ -248,15 +255,14 @@ def test_receives_stay_within_the_window_and_unpack_exactly(fp8):
     model = _model("gqa8x2")
     cfg = model.config
     layout, members = TrainerLayout(tp=2), Members(2, 1, colocated=False)
-    plan = plan_sync(cfg, layout, EngineLayout(1))
+    spec = _spec(cfg, layout, 1, members, bucket_bytes=300, window=3, fp8=fp8)
+    plan = spec.plan
     full = {k: v.detach() for k, v in model.state_dict().items()}
     base = _Loopback(2)
     for r in range(2):
-        sync_step(plan, comm=base.as_member(r), members=members, dtype=torch.float32, trainer_rank=r,
-                  local=shard_state_dict(full, cfg, layout, r), bucket_bytes=300, window=3, fp8=fp8)
+        sync_step(spec, comm=base.as_member(r), trainer_rank=r, local=shard_state_dict(full, cfg, layout, r))
     runner = ModelRunner(cfg, torch.float32)
-    stats = finish_receives(post_receives(plan, 0, runner.params(), base, members, 300, fp8, window=3),
-                            runner.params())
+    stats = finish_receives(post_receives(spec, 0, runner.params(), base), runner.params())
     assert not base.box  # every message taken
     per_bucket = 2 if fp8 else 1  # fp8: the values and their scales
     assert base.most == 3 * per_bucket < stats.messages  # many buckets, never more than 3 posted at once

@@ -8,35 +8,40 @@ import torch
 
 from relayrl.algorithms import AlgoConfig
 from relayrl.controller.config import RunConfig
-from relayrl.controller.roles import LocalPolicy
+from relayrl.controller.local_policy import LocalPolicy
 from relayrl.controller.run import train
-from relayrl.controller.weight_sync import SyncConfig, SyncVerificationError, WeightSync
+from relayrl.controller.weight_sync import PlannedWeightSync, SyncVerificationError
 from relayrl.engine import LLMEngine
 from relayrl.errors import ConfigError
+from relayrl.sync.config import SyncConfig
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.sync.layout import ModelShape, TrainerLayout
-from relayrl.sync.plan import naive_plan
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.config import TrainerConfig
 
-from test_driver import cfg_for
-from test_driver_groups import EXACT, _cfg, _same_metrics, _steps
-from test_sync_plan import CONFIGS
+from helpers import EXACT, SYNC_CONFIGS, assert_same_metrics, cfg_for, group_cfg, naive_plan, step_metrics
 
 
 def _policy(key: str = "gqa8x2") -> LocalPolicy:
     torch.manual_seed(0)
-    model = CausalLM(ModelConfig(**CONFIGS[key]))
+    model = CausalLM(ModelConfig(**SYNC_CONFIGS[key]))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)  # a peaked distribution: wrong weights move the logprobs far
     return LocalPolicy(Actor(model, TrainerConfig(), AlgoConfig(), total_steps=1))
 
 
-def _sync(policy, engine, tp: int, colocated: bool, **cfg) -> WeightSync:
+def _sync(policy, engine, tp: int, colocated: bool, **cfg) -> PlannedWeightSync:
     shape = ModelShape.of(policy.actor.model.config)
-    return WeightSync(policy, engine, shape, TrainerLayout(), tp, colocated, engine.dtype, torch.float32,
-                      temperature=1.0, cfg=SyncConfig(**cfg))
+    return PlannedWeightSync(policy, engine, shape=shape, trainer_layout=TrainerLayout(), engine_tp=tp,
+                             colocated=colocated, engine_dtype=engine.dtype, trainer_dtype=torch.float32,
+                             temperature=1.0, cfg=SyncConfig(**cfg))
+
+
+def _colocated_engine(policy: LocalPolicy, dtype: torch.dtype = torch.float32) -> LLMEngine:
+    """The engine's one rank beside the actor, in this process (filled by the first sync)."""
+    cfg = policy.actor.model.config
+    return LLMEngine(cfg, dtype=dtype, runner_group=policy.host_engine(cfg, dtype, 1), kv_cache_bytes=1 << 16)
 
 
 def _write_naive(runner, naive: dict) -> None:
@@ -68,7 +73,7 @@ def test_naive_fused_slicing_is_caught_and_named():
 
 def test_debug_checksums_catch_what_the_canary_cannot():
     policy = _policy()
-    engine = LLMEngine(policy.actor.model.config, kv_cache_bytes=1 << 16)  # colocated: this process
+    engine = _colocated_engine(policy)  # colocated: this process
     ws = _sync(policy, engine, 1, colocated=True)
     m = ws.sync()
     assert m["sync/bytes_copied_in_place"] == m["sync/bytes_per_engine_rank"] and m["sync/bytes_between_processes"] == 0
@@ -96,7 +101,7 @@ def _with_engine_tp(cfg: RunConfig, tp: int) -> RunConfig:
 
 def test_first_sync_compares_every_piece_and_nan_never_passes():
     policy = _policy()
-    engine = LLMEngine(policy.actor.model.config, kv_cache_bytes=1 << 16)
+    engine = _colocated_engine(policy)
     ws = _sync(policy, engine, 1, colocated=True)
     ws.transfer()
 
@@ -120,7 +125,7 @@ def test_first_sync_compares_every_piece_and_nan_never_passes():
 
 def test_bf16_bound_leaves_room_for_the_measured_rounding():
     policy = _policy()
-    engine = LLMEngine(policy.actor.model.config, dtype=torch.bfloat16, kv_cache_bytes=1 << 16)
+    engine = _colocated_engine(policy, torch.bfloat16)
     ws = _sync(policy, engine, 1, colocated=True)
     assert ws.bound == 0.05
     gap = ws.sync()["sync/canary_gap"]
@@ -133,11 +138,11 @@ def test_bf16_bound_leaves_room_for_the_measured_rounding():
 
 def test_grpo_colocated_and_disaggregated_give_the_same_run(tmp_path):
     """FSDP 2 trainer, engine TP 2: in the actor's processes, then in processes of its own."""
-    co = train(_with_engine_tp(_cfg(tmp_path, "colocated", backend="local", dp_shard=2), 2), show_progress=False)
-    dis = train(_with_engine_tp(_cfg(tmp_path, "disaggregated", backend="local", dp_shard=2,
+    co = train(_with_engine_tp(group_cfg(tmp_path, "colocated", backend="local", dp_shard=2), 2), show_progress=False)
+    dis = train(_with_engine_tp(group_cfg(tmp_path, "disaggregated", backend="local", dp_shard=2,
                                      placement="disaggregated"), 2), show_progress=False)
-    a, b = _steps(co["run_dir"]), _steps(dis["run_dir"])
-    _same_metrics(a, b)
+    a, b = step_metrics(co["run_dir"]), step_metrics(dis["run_dir"])
+    assert_same_metrics(a, b)
     for x, y in zip(a, b):
         assert x["sync/canary_gap"] == y["sync/canary_gap"] < 1e-5
         total = x["sync/bytes_between_processes"] + x["sync/bytes_copied_in_place"]
@@ -155,7 +160,7 @@ def test_sleep_and_wake_between_steps_changes_nothing(tmp_path, monkeypatch):
     slept = train(cfg_for(tmp_path, "slept", run={"steps": 3, "save_every": 0}, rollout={"sleep_level": 2}),
                   show_progress=False)
     assert len(freed) == 3  # the weights really went away after every rollout, and came back by the sync
-    a, b = _steps(awake["run_dir"]), _steps(slept["run_dir"])
+    a, b = step_metrics(awake["run_dir"]), step_metrics(slept["run_dir"])
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
         for k in EXACT + ("loss", "sync/canary_gap"):
@@ -173,7 +178,7 @@ def test_placement_errors_say_what_to_change():
 
 def test_metrics_carry_the_sync(tmp_path):
     res = train(cfg_for(tmp_path, "m", run={"steps": 1, "save_every": 0}), show_progress=False)
-    (m,) = _steps(res["run_dir"])
+    (m,) = step_metrics(res["run_dir"])
     for k in ("time/sync", "time/sync_transfer", "time/sync_verify", "sync/canary_gap", "sync/bytes_per_engine_rank",
               "sync/bytes_copied_in_place", "sync/bytes_between_processes"):
         assert k in m, k
@@ -196,7 +201,7 @@ def test_debug_mode_writes_per_tensor_checksums(tmp_path):
 
 def test_float8_wire_rounds_every_piece_the_same_way():
     policy = _policy()
-    engine = LLMEngine(policy.actor.model.config, kv_cache_bytes=1 << 16)
+    engine = _colocated_engine(policy)
     exact = _sync(policy, engine, 1, colocated=True).sync()["sync/canary_gap"]
     ws = _sync(policy, engine, 1, colocated=True, wire="float8", debug_checksums=True)
     gap = ws.sync()["sync/canary_gap"]  # debug: every piece's checksum against the fp8-rounded source
@@ -222,7 +227,6 @@ def test_a_sender_that_dies_fails_the_sync_within_the_timeout(monkeypatch):
         def dies(*args, **kwargs):
             raise OSError("trainer rank 0 lost its network")
 
-        monkeypatch.setattr(transfer, "sync_send", dies)
         monkeypatch.setattr(transfer.BackgroundSend, "__init__",
                             lambda self, *a, **k: transfer._Background.__init__(self, dies, *a, **k))
         t0 = time.perf_counter()

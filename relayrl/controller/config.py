@@ -6,7 +6,9 @@
     rollout:  sampling and batch shape       eval:    held-out evaluation
     run:      steps, seed, output, checkpoints
 
-Loaded from YAML with dotted overrides (`trainer.lr=1e-4`); every error names the key.
+Loaded from YAML with dotted overrides (`trainer.lr=1e-4`); every error names the key. Loading a
+RunConfig imports config modules (and the registries their names are checked against) only: never the
+engine, trainer, checkpoint, sync or worker-group code (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
-from relayrl.algorithms import AlgoConfig
+from relayrl.algorithms.config import AlgoConfig
 from relayrl.config import Config, apply_overrides, load_yaml
 from relayrl.data.config import DataConfig
-from relayrl.controller.roles import ParallelConfig
-from relayrl.controller.weight_sync import SyncConfig
-from relayrl.models.tiny import TinyModelConfig
-from relayrl.rewards import RewardConfig
+from relayrl.models.config import TinyModelConfig
+from relayrl.parallel.config import ParallelConfig
+from relayrl.rewards.config import RewardConfig
+from relayrl.sync.config import SyncConfig
 from relayrl.trainer.config import TrainerConfig
 
 Dtype = Literal["float32", "bfloat16"]

@@ -20,15 +20,18 @@ from relayrl.algorithms import get_advantage, group_has_signal, mismatch_stats
 from relayrl.controller.config import RunConfig
 from relayrl.controller.prompts import encode_prompt
 from relayrl.data import Example, PromptSampler
-from relayrl.engine import LLMEngine, SamplingParams
+from relayrl.engine.protocols import RolloutEngine
+from relayrl.engine.sampling_params import SamplingParams
 from relayrl.observe import StageTimer
-from relayrl.rewards import Scorer
+from relayrl.rewards.protocol import Scorer
+from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.batch import TrainBatch, build_rows, scatter_per_token
+from relayrl.trainer.policy import Policy
 
 STAGES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "update")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rollout:
     """G samples for each of a set of prompts (samples of one prompt are contiguous)."""
 
@@ -41,27 +44,34 @@ class Rollout:
     correct: list[bool]
     reward_metrics: dict[str, float]
 
+    LISTS = ("examples", "prompt_ids", "response_ids", "rollout_logp", "texts", "correct")  # one item per sample
+
     def select_groups(self, groups: list[int], G: int) -> "Rollout":
         idx = [g * G + j for g in groups for j in range(G)]
-        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        return Rollout(pick(self.examples), pick(self.prompt_ids), pick(self.response_ids), pick(self.rollout_logp),
-                       pick(self.texts), self.rewards[idx], pick(self.correct), self.reward_metrics)
+        picked = {name: [getattr(self, name)[i] for i in idx] for name in self.LISTS}
+        return Rollout(**picked, rewards=self.rewards[idx], reward_metrics=self.reward_metrics)
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
-        cat = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
-        return Rollout(cat("examples"), cat("prompt_ids"), cat("response_ids"), cat("rollout_logp"), cat("texts"),
-                       torch.cat([p.rewards for p in parts]), cat("correct"), parts[0].reward_metrics)
+        joined = {name: [x for p in parts for x in getattr(p, name)] for name in Rollout.LISTS}
+        return Rollout(**joined, rewards=torch.cat([p.rewards for p in parts]), reward_metrics=parts[0].reward_metrics)
 
 
 class Driver:
-    """policy: where the trainer runs (relayrl.controller.roles: LocalPolicy in this process, or
-    GroupPolicy over worker groups); the driver code is the same for both."""
+    """The RL loop over its roles, each behind the protocol of the layer that owns it:
 
-    def __init__(self, cfg: RunConfig, policy, engine: LLMEngine, scorer: Scorer, sampler: PromptSampler,
-                 weight_sync):
+        policy       relayrl.trainer.policy.Policy        where the trainer runs (LocalPolicy in this
+                                                           process, GroupPolicy over worker groups)
+        engine       relayrl.engine.protocols.RolloutEngine
+        scorer       relayrl.rewards.protocol.Scorer
+        weight_sync  relayrl.sync.protocol.WeightSync     planned + verified (relayrl.controller.weight_sync)
+
+    The driver code is the same for every placement and backend."""
+
+    def __init__(self, cfg: RunConfig, *, policy: Policy, engine: RolloutEngine, scorer: Scorer,
+                 sampler: PromptSampler, weight_sync: WeightSync):
         self.cfg, self.policy, self.engine, self.scorer, self.sampler = cfg, policy, engine, scorer, sampler
-        self.weight_sync = weight_sync  # relayrl.controller.weight_sync: planned + verified
+        self.weight_sync = weight_sync
         self.step = 0
         self.timer = StageTimer()
 
@@ -88,9 +98,11 @@ class Driver:
             texts = [s.text for _, _, s in samples]
             exs = [ex for ex, _, _ in samples]
             res = self.scorer.score(texts, exs)
-        return Rollout(exs, [p for _, p, _ in samples], [s.token_ids for _, _, s in samples],
-                       [s.logprobs for _, _, s in samples], texts, torch.tensor(res.rewards, dtype=torch.float32),
-                       res.correct, res.metrics())
+        return Rollout(examples=exs, prompt_ids=[p for _, p, _ in samples],
+                       response_ids=[s.token_ids for _, _, s in samples],
+                       rollout_logp=[s.logprobs for _, _, s in samples], texts=texts,
+                       rewards=torch.tensor(res.rewards, dtype=torch.float32), correct=res.correct,
+                       reward_metrics=res.metrics())
 
     def collect(self) -> tuple[Rollout, float]:
         """Roll out prompts_per_step prompts; with DAPO dynamic sampling, keep drawing prompts until
@@ -155,9 +167,7 @@ class Driver:
         }
 
     def _engine_stats(self) -> dict[str, float]:
-        """The engine's prefix-cache and block figures for this step (the vLLM backend has none)."""
-        if not hasattr(self.engine, "stats"):
-            return {}
+        """The engine's prefix-cache and block figures for this step (the vLLM backend has none: {})."""
         stats = self.engine.stats()
         self.engine.reset_stats()
         return stats

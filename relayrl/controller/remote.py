@@ -1,27 +1,32 @@
-"""The rollout and reward roles as worker groups, behind the interfaces the driver already uses.
+"""The rollout and reward roles as worker groups, behind the protocols the driver already uses.
 
     driver ── RemoteEngine ──> RolloutWorker (1 process: the engine, with its own TP workers below)
-           ── RemoteScorer ──> RewardWorker x N (DP_SPLIT: each scores its share of a step's samples)
+           ── RemoteScorer ──> RewardWorker x N (DP_SPLIT: each scores its share of a step's samples
+                                               in a reward pool of its own)
 
-RemoteEngine looks like LLMEngine to the driver (generate, load_weights, run_on_ranks for the weight
-sync, score, sleep / wake, stats, tokenizer, pad_id);
-RemoteScorer like Scorer (score -> ScoreResult). With `parallel.rollout_worker` and
-`parallel.reward_workers` the four roles of the loop (actor, rollout, reference, reward) each run in
-their own worker group, on local processes or Ray.
+RemoteEngine is a relayrl.engine.protocols.RolloutEngine (generate, load_weights, run_on_ranks for
+the weight sync, score, sleep / wake, stats, tokenizer, pad_id); RemoteScorer a
+relayrl.rewards.protocol.Scorer. With `parallel.rollout_worker` and `parallel.reward_workers` the
+four roles of the loop (actor, rollout, reference, reward) each run in their own worker group, on
+local processes or Ray. A user error inside a worker (a reward function that fails on every sample,
+a bad prompt) comes back as itself, one line (relayrl.single_controller.worker_group).
 """
 
 from __future__ import annotations
 
-from relayrl.controller.batch import DataBatch
-from relayrl.controller.dispatch import Dispatch, dispatch
-from relayrl.controller.resource_pool import ResourcePool
-from relayrl.controller.worker import Worker
-from relayrl.controller.worker_group import WorkerGroup
+from collections.abc import Callable, Sequence
+
+from relayrl.data.tasks import Example
 from relayrl.engine import LLMEngine
-from relayrl.errors import RewardError
+from relayrl.engine.sampling_params import SamplingParams
 from relayrl.models.tokenizer import load_tokenizer
-from relayrl.parallel.launch import WorkerError
 from relayrl.rewards import ScoreResult, build_scorer
+from relayrl.single_controller.batch import DataBatch
+from relayrl.single_controller.dispatch import Dispatch, dispatch
+from relayrl.single_controller.liveness import GroupOptions
+from relayrl.single_controller.resource_pool import ResourcePool
+from relayrl.single_controller.worker import Worker
+from relayrl.single_controller.worker_group import WorkerGroup
 
 
 class RolloutWorker(Worker):
@@ -41,7 +46,7 @@ class RolloutWorker(Worker):
         """run_on_ranks, begin/end_weight_update, score, sleep, wake: the engine's own methods."""
         return getattr(self.engine, method)(*args)
 
-    @dispatch(Dispatch.RANK_ZERO)
+    @dispatch(Dispatch.RANK_ZERO, deadline="control")
     def stats(self, reset: bool) -> dict:
         out = self.engine.stats()
         if reset:
@@ -60,67 +65,71 @@ class RewardWorker(Worker):
     def score(self, batch: DataBatch) -> ScoreResult:
         return self.scorer.score(batch.non_tensors["texts"], batch.non_tensors["examples"], check=False)
 
+    def teardown(self) -> None:
+        self.scorer.close()
+
 
 class RemoteEngine:
-    def __init__(self, model_dir, engine_kwargs: dict, backend: str):
+    """The engine in a rollout worker of its own (a RolloutEngine)."""
+
+    def __init__(self, model_dir, engine_kwargs: dict, options: GroupOptions):
         self.group = WorkerGroup(ResourcePool([1], name="rollout"), RolloutWorker, str(model_dir), engine_kwargs,
-                                 backend=backend)
+                                 options=options)
         self.tokenizer = load_tokenizer(model_dir)  # prompts are encoded by the driver
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.weights_version = 0
         self.asleep = 0
 
-    def generate(self, prompts, params):
-        return self.group.generate(prompts, params)
+    def _engine(self, method: str, *args):
+        return self.group.call(RolloutWorker.engine_method, method, args)
+
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]):
+        return self.group.call(RolloutWorker.generate, prompts, params)
 
     def load_weights(self, weights) -> int:
-        self.weights_version = self.group.load_weights([(n, t) for n, t in weights])
+        self.weights_version = self.group.call(RolloutWorker.load_weights, [(n, t) for n, t in weights])
         return self.weights_version
 
-    def run_on_ranks(self, fn, *args) -> list:
-        return self.group.engine_method("run_on_ranks", (fn, *args))
+    def run_on_ranks(self, fn: Callable, *args) -> list:
+        return self._engine("run_on_ranks", fn, *args)
 
     def begin_weight_update(self) -> None:
-        self.group.engine_method("begin_weight_update", ())
+        self._engine("begin_weight_update")
 
     def end_weight_update(self) -> int:
-        self.weights_version = self.group.engine_method("end_weight_update", ())
+        self.weights_version = self._engine("end_weight_update")
         return self.weights_version
 
     def score(self, rows, temperature: float = 1.0):
-        return self.group.engine_method("score", (rows, temperature))
+        return self._engine("score", rows, temperature)
 
     def sleep(self, level: int = 1) -> None:
-        self.group.engine_method("sleep", (level,))
+        self._engine("sleep", level)
         self.asleep = max(self.asleep, level)
 
     def wake(self) -> None:
-        self.group.engine_method("wake", ())
+        self._engine("wake")
         self.asleep = 0
 
     def stats(self) -> dict:
-        return self.group.stats(False)
+        return self.group.call(RolloutWorker.stats, False)
 
     def reset_stats(self) -> None:
-        self.group.stats(True)
+        self.group.call(RolloutWorker.stats, True)
 
     def close(self) -> None:
-        self.group.shutdown()
+        self.group.shutdown(raise_errors=False)
 
 
 class RemoteScorer:
-    def __init__(self, reward_cfg, workers: int, backend: str):
-        self.group = WorkerGroup(ResourcePool([workers], name="reward"), RewardWorker, reward_cfg, backend=backend)
+    """Reward scoring split over N reward workers (a Scorer)."""
 
-    def score(self, completions: list[str], examples: list) -> ScoreResult:
+    def __init__(self, reward_cfg, workers: int, options: GroupOptions):
+        self.group = WorkerGroup(ResourcePool([workers], name="reward"), RewardWorker, reward_cfg, options=options)
+
+    def score(self, completions: Sequence[str], examples: Sequence[Example]) -> ScoreResult:
         batch = DataBatch({}, non_tensors={"texts": list(completions), "examples": list(examples)})
-        try:
-            parts = self.group.score(batch)
-        except WorkerError as e:  # a user's reward function that cannot run stays a one-line error
-            if isinstance(e.__cause__, RewardError):
-                raise e.__cause__ from None
-            raise
-        return ScoreResult.merge(parts)
+        return ScoreResult.merge(self.group.call(RewardWorker.score, batch))
 
     def close(self) -> None:
-        self.group.shutdown()
+        self.group.shutdown(raise_errors=False)

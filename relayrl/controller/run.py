@@ -15,28 +15,37 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import yaml
 
-from relayrl.checkpoint import capture_rng_state, latest_checkpoint, restore_rng_state
+from relayrl.checkpoint import capture_rng_state, latest_valid_checkpoint, restore_rng_state
+from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
 from relayrl.controller.evaluate import evaluate
-from relayrl.controller.policy import policy_dir
+from relayrl.controller.group_policy import GroupPolicy, group_options
+from relayrl.controller.local_policy import LocalPolicy
 from relayrl.controller.remote import RemoteEngine, RemoteScorer
-from relayrl.controller.roles import GroupPolicy, LocalPolicy
-from relayrl.controller.weight_sync import FullWeightSync, WeightSync
+from relayrl.controller.weight_sync import FullWeightSync, PlannedWeightSync
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
-from relayrl.errors import UserError
+from relayrl.engine.protocols import RolloutEngine
+from relayrl.engine.parallel_state import check_tp
+from relayrl.errors import ConfigError, UserError
 from relayrl.models import load_config, load_pretrained, save_pretrained
+from relayrl.models.config import ModelConfig
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
+from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.rewards import build_scorer
+from relayrl.rewards.protocol import Scorer
 from relayrl.sync.layout import ModelShape, TrainerLayout
+from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.actor import Actor
+from relayrl.trainer.policy import Policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,13 +56,14 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def build_engine(cfg: RunConfig, src: Path, policy):
+def build_engine(cfg: RunConfig, src: Path, policy: LocalPolicy | GroupPolicy) -> RolloutEngine:
     """The rollout engine, its ranks where parallel.placement puts them:
 
         vllm                          vLLM's engine (its own workers; synced with full tensors)
-        colocated, backend none       in this process, beside the trainer
-        colocated, worker groups      ranks 0..tp-1 of the actor's processes
-        disaggregated                 processes of its own (TP workers; or a rollout worker group)
+        colocated                     in the trainer's processes: beside the actor in this one
+                                      (backend none), or ranks 0..tp-1 of the actor workers
+        disaggregated                 processes of its own (a worker group of its ranks; or the
+                                      whole engine in a rollout worker)
 
     Colocated engines start empty: the first (verified) sync gives them the policy's weights."""
     r, par = cfg.rollout, cfg.parallel
@@ -65,67 +75,99 @@ def build_engine(cfg: RunConfig, src: Path, policy):
     kwargs.update(max_num_seqs=r.max_num_seqs, block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes,
                   tensor_parallel_size=r.tp)
     if par.rollout_worker:
-        return RemoteEngine(src, kwargs, par.backend)
+        return RemoteEngine(src, kwargs, group_options(par))
     config, tokenizer = load_config(src), load_tokenizer(src)
     if par.placement == "disaggregated":
-        return LLMEngine(config, tokenizer, own_processes=True, **kwargs)
-    if par.backend == "none":
-        return LLMEngine(config, tokenizer, **kwargs)
+        return LLMEngine(config, tokenizer, own_processes=True, group_options=group_options(par), **kwargs)
     return LLMEngine(config, tokenizer, runner_group=policy.host_engine(config, kwargs["dtype"], r.tp), **kwargs)
 
 
-def build_weight_sync(cfg: RunConfig, src: Path, policy, engine):
+def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: RolloutEngine) -> WeightSync:
     """The planned, verified sync for relayrl's engine; vLLM's loader takes full tensors."""
     if cfg.rollout.backend == "vllm":
         return FullWeightSync(policy, engine)
     par = cfg.parallel
     layout = TrainerLayout() if par.backend == "none" else TrainerLayout(par.tp, par.dp_shard, par.dp_replicate)
-    return WeightSync(policy, engine, ModelShape.of(load_config(src)), layout, cfg.rollout.tp,
-                      colocated=par.placement == "colocated" and not par.rollout_worker,
-                      engine_dtype=DTYPES[cfg.rollout.engine_dtype],
-                      trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 else torch.float32,
-                      temperature=cfg.rollout.temperature, cfg=cfg.sync)
+    return PlannedWeightSync(policy, engine, shape=ModelShape.of(load_config(src)), trainer_layout=layout,
+                             engine_tp=cfg.rollout.tp, colocated=par.placement == "colocated" and not par.rollout_worker,
+                             engine_dtype=DTYPES[cfg.rollout.engine_dtype],
+                             trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 else torch.float32,
+                             temperature=cfg.rollout.temperature, cfg=cfg.sync)
 
 
-def build_scorer_for(cfg: RunConfig):
+def build_scorer_for(cfg: RunConfig) -> Scorer:
     if cfg.parallel.reward_workers:
-        return RemoteScorer(cfg.reward, cfg.parallel.reward_workers, cfg.parallel.backend)
+        return RemoteScorer(cfg.reward, cfg.parallel.reward_workers, group_options(cfg.parallel))
     return build_scorer(cfg.reward)
 
 
+def close_all(*roles) -> None:
+    """Close every role, each on its own: one that fails (a dead worker group) must not keep the
+    others (the engine's processes, the reward pool) from closing. The first error is re-raised
+    after all were tried, unless an error is already on its way out."""
+    first = None
+    for role in roles:
+        if role is None:
+            continue
+        try:
+            role.close()
+        except Exception as e:  # noqa: BLE001 - close the rest first
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def check_fits_model(cfg: RunConfig, model: ModelConfig) -> None:
+    """Layout against the model, before any process starts (one line naming the key, not an error
+    found inside the workers): the trainer's and the engine's tensor-parallel degrees must divide the
+    heads, KV heads, intermediate size (and, for the trainer's vocab-parallel logprobs, the vocabulary)."""
+    try:
+        check_tp_divisibility(model, cfg.parallel.tp)
+    except ConfigError as e:
+        raise ConfigError(f"parallel.tp: {e}") from None
+    if cfg.rollout.backend == "relayrl":
+        try:
+            check_tp(model.num_attention_heads, model.num_key_value_heads, cfg.rollout.tp, model.intermediate_size)
+        except UserError as e:
+            raise ConfigError(f"rollout.tp: {e}") from None
+
+
 def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
-    src = policy_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
+    src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
+    check_fits_model(cfg, load_config(src))
     torch.manual_seed(cfg.run.seed)
-    tokenizer = load_tokenizer(src)
     train_set, eval_set = build_datasets(cfg.data)
-    policy, engine = build_policy(cfg, src), None
+    policy, engine, sync, scorer = build_policy(cfg, src), None, None, None
     try:
         engine = build_engine(cfg, src, policy)
         sync = build_weight_sync(cfg, src, policy, engine)
-        driver = Driver(cfg, policy, engine, build_scorer_for(cfg), PromptSampler(train_set, cfg.run.seed), sync)
+        scorer = build_scorer_for(cfg)
+        driver = Driver(cfg, policy=policy, engine=engine, scorer=scorer,
+                        sampler=PromptSampler(train_set, cfg.run.seed), weight_sync=sync)
     except BaseException:
-        for role in (engine, policy):  # no process outlives a failed start
-            if role is not None and hasattr(role, "close"):
-                role.close()
+        try:  # no process outlives a failed start
+            close_all(sync, scorer, engine, policy)
+        except Exception:  # noqa: BLE001 - the start's own error is the one to report
+            pass
         raise
     return driver, eval_set, src
 
 
-def build_policy(cfg: RunConfig, src: Path):
+def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
     """The trainer in this process (parallel.backend none), or as worker groups (local / ray)."""
     with_ref = cfg.algo.kl_coef > 0
     if cfg.parallel.backend == "none":
         actor = Actor(load_pretrained(src), cfg.trainer, cfg.algo, total_steps=cfg.run.steps,
                       temperature=cfg.rollout.temperature, seed=cfg.run.seed)
         ref = load_pretrained(src).eval().requires_grad_(False) if with_ref else None
-        return LocalPolicy(actor, ref, cfg.rollout.temperature, cfg.trainer.micro_batch_size)
-    return GroupPolicy(src, cfg.parallel, cfg.trainer, cfg.algo, cfg.run.steps, cfg.rollout.temperature,
-                       cfg.run.seed, with_ref)
+        return LocalPolicy(actor, ref, temperature=cfg.rollout.temperature, micro_batch_size=cfg.trainer.micro_batch_size)
+    return GroupPolicy(src, par=cfg.parallel, trainer_cfg=cfg.trainer, algo_cfg=cfg.algo, total_steps=cfg.run.steps,
+                       temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=with_ref)
 
 
 def _save(driver: Driver, run_dir: Path, cfg: RunConfig, src: Path) -> None:
     extra = {"step": driver.step, "sampler": driver.sampler.state_dict(), "rng": capture_rng_state()}
-    driver.policy.save(run_dir, driver.step, extra, {"model_dir": str(src)}, cfg.run.keep_last)
+    driver.policy.save(run_dir, driver.step, extra=extra, meta={"model_dir": str(src)}, keep_last=cfg.run.keep_last)
 
 
 def _restore(driver: Driver, ckpt: Path) -> int:
@@ -152,18 +194,33 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     run_dir = Path(cfg.run.out_dir)
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a new directory")
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if resume and ckpt is None:
-        raise UserError(f"no complete checkpoint in {run_dir}/checkpoints to resume from")
+    ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     driver, eval_set, src = build_driver(cfg, run_dir)
+    failed = True
     try:
-        return _run(driver, cfg, run_dir, src, eval_set, ckpt, show_progress)
+        out = _run(driver, cfg, run_dir, src, eval_set, ckpt, show_progress)
+        failed = False
+        return out
     finally:
-        for role in (driver.weight_sync, driver.policy, driver.engine, driver.scorer):
-            if hasattr(role, "close"):
-                role.close()
+        try:
+            close_all(driver.weight_sync, driver.scorer, driver.engine, driver.policy)
+        except Exception:  # noqa: BLE001 - never hide the run's own error behind a close's
+            if not failed:
+                raise
+
+
+def resume_point(run_dir: Path) -> Path:
+    """The newest checkpoint whose every file passes its manifest (sizes and checksums); each newer one
+    skipped is reported in one line with its reason (truncated, corrupt, crafted, incomplete)."""
+    ckpt, skipped = latest_valid_checkpoint(run_dir)
+    for s in skipped:
+        print(f"relayrl: skipping checkpoint {s.path.name}: {s.reason}", file=sys.stderr)
+    if ckpt is None:
+        newest = f"; the newest: {skipped[0].reason}" if skipped else ""
+        raise UserError(f"no valid checkpoint in {run_dir}/checkpoints to resume from{newest}")
+    return ckpt
 
 
 def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckpt, show_progress: bool) -> dict:

@@ -15,7 +15,7 @@ from pydantic import Field
 from relayrl.config import Config
 from relayrl.controller.config import EvalConfig, ModelSection
 from relayrl.controller.evaluate import evaluate
-from relayrl.controller.policy import policy_dir
+from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.prompts import encode_answer, encode_prompt
 from relayrl.controller.run import write_atomic
 from relayrl.data import DataConfig, PromptSampler, build_datasets
@@ -53,7 +53,7 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
         raise UserError(f"{run_dir} already holds a run; set sft.out_dir to a new directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    src = policy_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
+    src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
     torch.manual_seed(cfg.sft.seed)
     tok = load_tokenizer(src)
     train_set, eval_set = build_datasets(cfg.data)

@@ -7,10 +7,10 @@
                              trainer ranks + engine ranks carries every piece point to point
 
     sync():  engine.begin_weight_update()
-             colocated      policy.sync_colocated(spec)    every trainer rank: sync_step (both roles)
-             disaggregated  policy.start_send(spec)        trainer ranks post sends in a thread, return
-                            engine.run_on_ranks(receive)   engine ranks post receives, unpack buckets
-                            policy.finish_send()
+             colocated      policy.run_on_ranks(trainer_colocated, spec)
+             disaggregated  policy.run_on_ranks(trainer_start_send, spec)   sends posted in a thread
+                            engine.run_on_ranks(engine_receive, spec)       receives, unpacks
+                            policy.run_on_ranks(trainer_finish_send)
              engine.end_weight_update()
              verify()       canary rows scored by the trainer and by the engine; a mean |logprob gap|
                             over the bound of the engine's dtype (or NaN) stops the run, naming the
@@ -18,38 +18,28 @@
                             compared after the first sync (the plan never changes, so a layout bug
                             shows there) and, with sync.debug_checksums, after every sync.
 
-The trainer side (`TrainerSide`) and the engine side (`engine_*`, run on each engine rank through
-LLMEngine.run_on_ranks) are plain code, so LocalPolicy, ActorWorker and the engine's ranks wherever
-they live run the same thing. The driver process holds the rendezvous store and joins no group.
+What each rank runs is in relayrl.controller.sync_steps. The driver process hosts the sync group's
+rendezvous (on the address the trainer's workers reach it by, behind the run's token) and joins no
+group itself. Both classes here implement relayrl.sync.protocol.WeightSync.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal, Optional
 
 import torch
-from pydantic import Field
 
-from relayrl.config import Config
+from relayrl.controller import sync_steps as steps
+from relayrl.engine.protocols import RolloutEngine
 from relayrl.errors import UserError
-from relayrl.sync.checksums import dest_checksums, describe_piece, first_mismatch, source_checksums
+from relayrl.parallel.rendezvous import serve_store
+from relayrl.sync.checksums import describe_piece, first_mismatch
+from relayrl.sync.config import SyncConfig
 from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout
-from relayrl.sync.transfer import (
-    BackgroundSend,
-    Members,
-    SyncComm,
-    SyncSpec,
-    SyncStats,
-    check_locals,
-    finish_receives,
-    post_receives,
-    serve_rendezvous,
-    sync_step,
-    trainer_locals,
-)
+from relayrl.sync.transfer import Members, SyncSpec
 from relayrl.sync.wire import FP8
 from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.policy import Policy
 
 # mean |trainer logp - engine logp| over the canary tokens, by the lower of the two precisions.
 # Measured on the demo's SFT and GRPO models (benchmarks/RESULTS.md): 0 with fp32 on both sides,
@@ -59,99 +49,8 @@ GAP_BOUND = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2, FP8
 GAP_MARGIN = 3.0  # the bound after the first (checksum-verified) sync: at least 3x the gap measured there
 
 
-class SyncConfig(Config):
-    """The `sync:` section: how weights move from the trainer to the engine, and how it is checked."""
-
-    bucket_mb: float = Field(32.0, gt=0)  # pieces for one (source, destination) pair, per message
-    window: int = Field(4, ge=1)  # buckets a member keeps in flight, each way
-    # the canary costs one forward of rows x len tokens on each side per sync (at least one row
-    # per trainer rank): 64 tokens, a small share of a step's rollout tokens
-    canary_rows: int = Field(4, ge=1)
-    canary_len: int = Field(16, ge=2)
-    gap_bound: Optional[float] = Field(None, gt=0)  # None: by the engine's (and trainer's) dtype
-    debug_checksums: bool = False  # compare every piece's checksum on every sync, not only on failure
-    # float8: each piece crosses as float8 e4m3 with a scale of its own, recomputed every sync (a
-    # quarter of fp32's bytes, half of bf16's); the engine holds the dequantised values
-    wire: Literal["engine", "float8"] = "engine"
-    # how long a member waits on a message (a peer that died mid-sync surfaces as an error after this)
-    timeout_s: float = Field(300.0, gt=0)
-
-
 class SyncVerificationError(UserError):
     """The engine does not hold what the trainer holds (or computes differently from it)."""
-
-
-# ---------------------------------------------------------------------------- member-side functions
-class TrainerSide:
-    """What a trainer rank keeps between syncs: its sync group and a send in flight."""
-
-    def __init__(self):
-        self.comm: SyncComm | None = None
-        self.send: BackgroundSend | None = None
-
-    def connect(self, host: str, port: int, rank: int, members: Members, timeout_s: float = 300.0) -> None:
-        if members.world_size > 1:
-            self.comm = SyncComm(host, port, members.of_trainer(rank), members.world_size, timeout_s)
-
-    def colocated(self, model, rank: int, spec: SyncSpec, engine_params: dict | None) -> SyncStats:
-        hosts = engine_params is not None
-        return sync_step(spec.plan, comm=self.comm, members=spec.members, dtype=spec.dtype, trainer_rank=rank,
-                         engine_rank=rank if hosts else None, local=trainer_locals(model), params=engine_params,
-                         bucket_bytes=spec.bucket_bytes, window=spec.window, fp8=spec.fp8)
-
-    def start_send(self, model, rank: int, spec: SyncSpec) -> None:
-        if self.send is not None:
-            raise RuntimeError("a weight sync's sends are still pending (the last sync failed part way): "
-                               "restart the run from its last checkpoint")
-        local = trainer_locals(model)
-        check_locals(spec.plan, rank, local)
-        self.send = BackgroundSend(spec.plan, rank, local, self.comm, spec.members, spec.dtype,
-                                   spec.bucket_bytes, spec.window, spec.fp8)
-
-    def finish_send(self) -> SyncStats:
-        send, self.send = self.send, None
-        return send.join() if send is not None else SyncStats()
-
-    def close(self) -> None:
-        if self.comm is not None:
-            self.comm.close()
-            self.comm = None
-
-    @staticmethod
-    def checksums(model, rank: int, spec: SyncSpec) -> dict[int, float]:
-        return source_checksums(spec.plan, rank, trainer_locals(model), spec.dtype, spec.fp8)
-
-
-def engine_connect(runner, host: str, port: int, members: Members, timeout_s: float = 300.0) -> None:
-    runner.sync_comm = SyncComm(host, port, members.of_engine(runner.tp.rank), members.world_size, timeout_s)
-
-
-def engine_close(runner) -> None:
-    comm = getattr(runner, "sync_comm", None)
-    if comm is not None:
-        comm.close()
-        runner.sync_comm = None
-
-
-def engine_receive(runner, spec: SyncSpec) -> SyncStats:
-    t0 = time.perf_counter()
-    params = runner.params()
-    stats = finish_receives(post_receives(spec.plan, runner.tp.rank, params, runner.sync_comm, spec.members,
-                                          spec.bucket_bytes, spec.fp8, spec.window), params)
-    stats.seconds = time.perf_counter() - t0
-    return stats
-
-
-def engine_checksums(runner, spec: SyncSpec) -> dict[int, float]:
-    return dest_checksums(spec.plan, runner.tp.rank, runner.params())
-
-
-def merge(dicts) -> dict:
-    out = {}
-    for d in dicts:
-        if d:
-            out.update(d)
-    return out
 
 
 # ---------------------------------------------------------------------------- the driver's side
@@ -161,28 +60,30 @@ def canary_rows(vocab_size: int, rows: int, length: int) -> list[list[int]]:
     return torch.randint(0, vocab_size, (rows, length), generator=g).tolist()
 
 
-class WeightSync:
+class PlannedWeightSync:
     """Moves the policy's weights into the engine by the plan, and checks them, every step."""
 
-    def __init__(self, policy, engine, shape: ModelShape, trainer_layout: TrainerLayout, engine_tp: int,
-                 colocated: bool, engine_dtype: torch.dtype, trainer_dtype: torch.dtype, temperature: float,
-                 cfg: SyncConfig = SyncConfig()):
+    def __init__(self, policy: Policy, engine: RolloutEngine, *, shape: ModelShape, trainer_layout: TrainerLayout,
+                 engine_tp: int, colocated: bool, engine_dtype: torch.dtype, trainer_dtype: torch.dtype,
+                 temperature: float, cfg: SyncConfig | None = None):
+        cfg = cfg if cfg is not None else SyncConfig()
         self.policy, self.engine, self.cfg, self.temperature = policy, engine, cfg, temperature
         members = Members(trainer_layout.world_size, engine_tp, colocated)
-        self.spec = SyncSpec(shape, trainer_layout, EngineLayout(engine_tp), members, engine_dtype,
-                             bucket_bytes=int(cfg.bucket_mb * 2**20), window=cfg.window, fp8=cfg.wire == "float8")
+        self.spec = SyncSpec(shape=shape, trainer=trainer_layout, engine=EngineLayout(engine_tp), members=members,
+                             dtype=engine_dtype, bucket_bytes=int(cfg.bucket_mb * 2**20), window=cfg.window,
+                             fp8=cfg.wire == "float8")
         lower = FP8 if self.spec.fp8 else engine_dtype if engine_dtype != torch.float32 else trainer_dtype
         self.bound = cfg.gap_bound if cfg.gap_bound is not None else GAP_BOUND[lower]
         self.rows = canary_rows(shape.vocab_size, max(cfg.canary_rows, trainer_layout.world_size), cfg.canary_len)
         self.shard_bytes = max(self.spec.plan.bytes_per_dst_rank(engine_dtype).values())  # the largest engine shard
         self.syncs = 0
-        self._store = None
+        self._hosted = None
         if members.world_size > 1:
-            host = getattr(policy, "address", "127.0.0.1")  # the driver, as the trainer's workers reach it
-            self._store = serve_rendezvous(host, timeout_s=cfg.timeout_s)
-            policy.sync_connect(host, self._store.port, members, cfg.timeout_s)
+            # the driver, as the trainer's workers reach it
+            self._hosted = serve_store(policy.address, members.world_size + 1, timeout_s=cfg.timeout_s)
+            policy.run_on_ranks(steps.trainer_connect, self._hosted.address, members, cfg.timeout_s)
             if not colocated:
-                engine.run_on_ranks(engine_connect, host, self._store.port, members, cfg.timeout_s)
+                engine.run_on_ranks(steps.engine_connect, self._hosted.address, members, cfg.timeout_s)
         self.checked_pieces = False  # every piece's checksum is compared after the first sync
         self.last_table: dict[str, tuple[float, float]] = {}  # the last comparison (debug mode: every sync)
         self.broken = False
@@ -202,13 +103,11 @@ class WeightSync:
         self.engine.begin_weight_update()
         try:
             if self.colocated:
-                stats = self.policy.sync_colocated(self.spec, self.engine)
+                stats = steps.total(self.policy.run_on_ranks(steps.trainer_colocated, self.spec))
             else:
-                self.policy.start_send(self.spec)
-                received = self.engine.run_on_ranks(engine_receive, self.spec)
-                stats = self.policy.finish_send()
-                for s in received:
-                    stats = stats.add(s)
+                self.policy.run_on_ranks(steps.trainer_start_send, self.spec)
+                received = self.engine.run_on_ranks(steps.engine_receive, self.spec)
+                stats = steps.total(self.policy.run_on_ranks(steps.trainer_finish_send) + received)
         except BaseException:
             self.broken = True  # sends or receives may still be posted: no later sync may reuse the group
             raise
@@ -221,7 +120,7 @@ class WeightSync:
     def sync(self, label: str | None = None) -> dict[str, float]:
         """transfer(), wake() an engine put to sleep since the last sync, then verify() both."""
         out = self.transfer()
-        woke = bool(getattr(self.engine, "asleep", 0))
+        woke = bool(self.engine.asleep)
         if woke:
             self.engine.wake()
         t0 = time.perf_counter()
@@ -264,7 +163,8 @@ class WeightSync:
 
     def checksums(self) -> tuple[dict[int, float], dict[int, float]]:
         """(trainer side, engine side): plan piece index -> checksum (the debug view)."""
-        return self.policy.sync_checksums(self.spec), merge(self.engine.run_on_ranks(engine_checksums, self.spec))
+        return (steps.merged(self.policy.run_on_ranks(steps.trainer_checksums, self.spec)),
+                steps.merged(self.engine.run_on_ranks(steps.engine_checksums, self.spec)))
 
     def first_bad_piece(self):
         src, dst = self.checksums()
@@ -285,28 +185,29 @@ class WeightSync:
 
     def close(self) -> None:
         """Shut both sides' sync groups down (best effort: this runs on the way out of failures too)."""
-        if self._store is None:
+        if self._hosted is None:
             return
         try:
-            self.policy.sync_close()
+            self.policy.run_on_ranks(steps.trainer_close)
             if not self.colocated:
-                self.engine.run_on_ranks(engine_close)
-        except Exception:
-            pass  # a broken role is torn down by its own close
-        self._store = None
+                self.engine.run_on_ranks(steps.engine_close)
+        except Exception:  # noqa: BLE001 - a broken role is torn down by its own close
+            pass
+        self._hosted.close()
+        self._hosted = None
 
 
 class FullWeightSync:
     """vLLM's own loader takes full tensors (the one engine whose layout needs them): gathered on
     the trainer, sliced by vLLM. No plan, no canary (vLLM scores no given rows)."""
 
-    def __init__(self, policy, engine):
+    def __init__(self, policy: Policy, engine: RolloutEngine):
         self.policy, self.engine = policy, engine
         self.last_table: dict = {}  # no pieces, no checksums
 
     def sync(self, label: str | None = None) -> dict[str, float]:
         self.engine.load_weights(self.policy.weights())
-        if getattr(self.engine, "asleep", 0):
+        if self.engine.asleep:
             self.engine.wake()
         return {}
 

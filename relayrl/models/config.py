@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
+
+from relayrl.config import Config
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -20,7 +24,7 @@ ARCHITECTURES = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -138,3 +142,17 @@ class ModelConfig:
             d["use_sliding_window"] = self.sliding_window is not None
             d["sliding_window"] = self.sliding_window
         return d
+
+
+class TinyModelConfig(Config):
+    """The `model.tiny` section: the shape of the tiny model built for a built-in task (no download)."""
+
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3"] = "qwen2"
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(384, ge=8)
+    num_hidden_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    tie_word_embeddings: bool = True
+    init_std: float = Field(0.02, gt=0)
+    seed: int = 0

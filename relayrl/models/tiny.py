@@ -5,27 +5,11 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field
-
-from relayrl.config import Config
-from relayrl.models.config import ModelConfig
+from relayrl.models.config import ModelConfig, TinyModelConfig
 from relayrl.models.hf_io import save_pretrained
 from relayrl.models.tokenizer import build_char_tokenizer
 from relayrl.models.transformer import CausalLM
-
-
-class TinyModelConfig(Config):
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3"] = "qwen2"
-    hidden_size: int = Field(128, ge=8)
-    intermediate_size: int = Field(384, ge=8)
-    num_hidden_layers: int = Field(4, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    tie_word_embeddings: bool = True
-    init_std: float = Field(0.02, gt=0)
-    seed: int = 0
 
 
 def build_tiny_model(out_dir: str | Path, alphabet: str, cfg: TinyModelConfig) -> Path:

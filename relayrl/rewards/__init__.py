@@ -8,14 +8,16 @@ the config (pydantic), not math-verify and sympy; and a reward worker importing
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from relayrl.lazy import lazy_exports
 
 _EXPORTS = {
     "RewardConfig": "relayrl.rewards.config",
     "RewardFunctionConfig": "relayrl.rewards.config",
     "ScoreResult": "relayrl.rewards.result",
-    "Scorer": "relayrl.rewards.scorer",
+    "RewardScorer": "relayrl.rewards.scorer",
+    "Scorer": "relayrl.rewards.protocol",
     "build_scorer": "relayrl.rewards.scorer",
     "RewardPool": "relayrl.rewards.pool",
     "Outcome": "relayrl.rewards.pool",
@@ -30,7 +32,9 @@ _EXPORTS = {
     "reward_names": "relayrl.rewards.registry",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["Outcome", "RewardConfig", "RewardFn", "RewardFunctionConfig", "RewardPool", "RewardScorer",
+           "ScoreResult", "Scorer", "build_scorer", "exact_match", "format_reward", "get_reward_fn",
+           "load_user_function", "math_reward", "register_reward", "reward_names", "task_reward"]
 
 if TYPE_CHECKING:
     from relayrl.rewards.builtin import exact_match, format_reward, task_reward
@@ -39,16 +43,8 @@ if TYPE_CHECKING:
     from relayrl.rewards.pool import Outcome, RewardPool
     from relayrl.rewards.registry import RewardFn, get_reward_fn, load_user_function, register_reward, reward_names
     from relayrl.rewards.result import ScoreResult
-    from relayrl.rewards.scorer import Scorer, build_scorer
+    from relayrl.rewards.protocol import Scorer
+    from relayrl.rewards.scorer import RewardScorer, build_scorer
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'relayrl.rewards' has no attribute '{name}'")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,4 +1,4 @@
-"""The `Scorer`: a weighted sum of reward functions over a batch, every call run in the reward pool.
+"""The `RewardScorer`: a weighted sum of reward functions over a batch, every call run in the reward pool.
 
     reward[i]  = sum_f weight_f * value_f[i]
     value_f[i] = fn_f(completion[i], example[i], **params_f), or reward.on_failure when the call raises,
@@ -63,7 +63,7 @@ class BoundFunction:
     weight: float
 
 
-class Scorer:
+class RewardScorer:
     """`score(completions, examples, check=True) -> ScoreResult`; `close()`; a context manager."""
 
     def __init__(self, functions: list[BoundFunction], runner: Runner, correct_index: int, on_failure: float = 0.0):
@@ -108,14 +108,14 @@ class Scorer:
     def close(self) -> None:
         self.runner.close()
 
-    def __enter__(self) -> "Scorer":
+    def __enter__(self) -> "RewardScorer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def build_scorer(cfg: RewardConfig) -> Scorer:
+def build_scorer(cfg: RewardConfig) -> RewardScorer:
     specs = [(fc.name, dict(fc.params)) for fc in cfg.functions]
     bound, seen = [], set()
     for i, fc in enumerate(cfg.functions):
@@ -133,4 +133,4 @@ def build_scorer(cfg: RewardConfig) -> Scorer:
     else:
         runner = RewardPool(specs, workers=cfg.workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
                             cpu_s=cfg.cpu_limit_s())
-    return Scorer(bound, runner, correct_index, cfg.on_failure)
+    return RewardScorer(bound, runner, correct_index, cfg.on_failure)

@@ -6,8 +6,8 @@ Who is where (a `Members` map: trainer rank / engine rank -> rank in the sync gr
                    r -> r pieces are copied in place (no buffer), the others go over the group
     disaggregated  members = trainer ranks 0..T-1, then engine ranks T..T+E-1
 
-The sync group is a gloo process group of its own (`SyncComm`: a TCPStore rendezvous at the
-driver), made beside whatever default group the trainer or the engine's TP workers already have.
+The sync group is a gloo process group of its own (`SyncComm`: it meets at a store the driver hosts,
+behind the run's token: relayrl.parallel.rendezvous), made beside whatever default group the trainer or the engine's TP workers already have.
 Buckets of GPU tensors are staged through host memory; an nccl sync group is not wired yet.
 
 One sync, on every member (`sync_send` / `post_receives` + `finish_receives`, or `sync_step` for both):
@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from relayrl.parallel.rendezvous import StoreAddress, join_store
 from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout, trainer_holdings
 from relayrl.sync.plan import SyncPlan, Transfer, plan_sync
 from relayrl.sync.wire import decode, encode, fp8_round_trip, fp8_scales, nbytes, receive_buffers
@@ -69,6 +70,25 @@ class Members:
         return rank if self.colocated else self.trainer_world + rank
 
 
+@dataclass(kw_only=True, frozen=True)
+class SyncSpec:
+    """Everything a member needs to play its part in a sync (small, picklable; the plan is derived
+    and cached in each process)."""
+
+    shape: ModelShape
+    trainer: TrainerLayout
+    engine: EngineLayout
+    members: Members
+    dtype: torch.dtype  # the engine's: what goes over the wire
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    window: int = 4
+    fp8: bool = False  # float8 e4m3 on the wire, a scale per piece
+
+    @property
+    def plan(self) -> SyncPlan:
+        return plan_sync(self.shape, self.trainer, self.engine)
+
+
 class SyncComm:
     """A gloo process group used only for weight sync. Construction returns at once; the rendezvous
     (all members must join) runs in a thread and the first operation waits for it, so a driver can
@@ -79,17 +99,17 @@ class SyncComm:
 
     wire_device = torch.device("cpu")
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0):
+    def __init__(self, store: StoreAddress, rank: int, world_size: int, timeout_s: float = 300.0):
         self.rank, self.world_size = rank, world_size
         self._pg = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._connect, args=(host, port, timeout_s), daemon=True)
+        self._thread = threading.Thread(target=self._connect, args=(store, timeout_s), daemon=True)
         self._thread.start()
 
-    def _connect(self, host: str, port: int, timeout_s: float) -> None:
+    def _connect(self, address: StoreAddress, timeout_s: float) -> None:
         try:
             timeout = timedelta(seconds=timeout_s)
-            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            store = join_store(address, timeout_s)
             prefixed = dist.PrefixStore("relayrl-sync", store)
             self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.world_size, timeout)
         except BaseException as e:  # raised in the caller's thread by .pg
@@ -119,11 +139,6 @@ class SyncComm:
                 pg.shutdown()
             except Exception:  # already broken: nothing more to release
                 pass
-
-
-def serve_rendezvous(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
-    """The store the members meet at (held by the driver, which is not a member). port 0: any free."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 # ---------------------------------------------------------------------------- the trainer's shards
@@ -167,7 +182,7 @@ def buckets(transfers: tuple[Transfer, ...], itemsize: int, bucket_bytes: int) -
     return out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SyncStats:
     """What one member did in one sync (bytes as they travel: the engine's dtype, or float8 + scales)."""
 
@@ -178,7 +193,7 @@ class SyncStats:
     seconds: float = 0.0
 
     def add(self, other: "SyncStats") -> "SyncStats":
-        return SyncStats(*(getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__))
+        return SyncStats(**{f: getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__})
 
 
 # ---------------------------------------------------------------------------- one sync
@@ -204,6 +219,7 @@ class PendingReceives:
     message order, at most `window` of them posted at a time."""
 
     todo: list  # buckets not yet posted
+    _: KW_ONLY
     comm: SyncComm | None
     dtype: torch.dtype
     fp8: bool
@@ -222,10 +238,9 @@ class PendingReceives:
 
 
 @torch.no_grad()
-def post_receives(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tensor], comm: SyncComm,
-                  members: Members, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp8: bool = False,
-                  window: int = 4) -> PendingReceives:
+def post_receives(spec: SyncSpec, engine_rank: int, params: dict[str, torch.Tensor], comm: SyncComm) -> PendingReceives:
     """Engine side, step 1: post the first `window` buckets' receives (returns at once)."""
+    plan, members, fp8 = spec.plan, spec.members, spec.fp8
     me = members.of_engine(engine_rank)
     dtype = next(iter(params.values())).dtype
     todo = []
@@ -233,9 +248,10 @@ def post_receives(plan: SyncPlan, engine_rank: int, params: dict[str, torch.Tens
         peer = members.of_trainer(src)
         if peer == me:
             continue
-        for b, ts in enumerate(buckets(plan.between(src, engine_rank), 1 if fp8 else dtype.itemsize, bucket_bytes)):
+        for b, ts in enumerate(buckets(plan.between(src, engine_rank), 1 if fp8 else dtype.itemsize,
+                                       spec.bucket_bytes)):
             todo.append((peer, b, ts))
-    pending = PendingReceives(todo, comm, dtype, fp8, window)
+    pending = PendingReceives(todo, comm=comm, dtype=dtype, fp8=fp8, window=spec.window)
     pending.post_more()
     return pending
 
@@ -253,17 +269,16 @@ def finish_receives(pending: PendingReceives, params: dict[str, torch.Tensor]) -
 
 
 @torch.no_grad()
-def sync_send(plan: SyncPlan, trainer_rank: int, local: dict[str, torch.Tensor], comm: SyncComm,
-              members: Members, dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              window: int = 4, fp8: bool = False) -> SyncStats:
+def sync_send(spec: SyncSpec, trainer_rank: int, local: dict[str, torch.Tensor], comm: SyncComm) -> SyncStats:
     """Trainer side: send every bucket this rank sources to other processes, `window` in flight."""
+    plan, members, dtype, fp8, window = spec.plan, spec.members, spec.dtype, spec.fp8, spec.window
     me = members.of_trainer(trainer_rank)
     stats, inflight = SyncStats(), []
     for (src, dst), ts_all in sorted(plan.pairs().items(), key=lambda kv: kv[0][1]):
         peer = members.of_engine(dst)
         if src != trainer_rank or peer == me:
             continue
-        for b, ts in enumerate(buckets(ts_all, 1 if fp8 else dtype.itemsize, bucket_bytes)):
+        for b, ts in enumerate(buckets(ts_all, 1 if fp8 else dtype.itemsize, spec.bucket_bytes)):
             while len(inflight) >= window:  # at most `window` buckets of this rank in flight
                 for w in inflight.pop(0)[0]:
                     w.wait()
@@ -309,51 +324,30 @@ class BackgroundSend(_Background):
         super().__init__(sync_send, *args, **kwargs)
 
 
-def sync_step(plan: SyncPlan, *, comm: SyncComm | None, members: Members, dtype: torch.dtype,
-              trainer_rank: int | None = None, engine_rank: int | None = None,
-              local: dict[str, torch.Tensor] | None = None, params: dict[str, torch.Tensor] | None = None,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 4, fp8: bool = False) -> SyncStats:
+def sync_step(spec: SyncSpec, *, comm: SyncComm | None, trainer_rank: int | None = None,
+              engine_rank: int | None = None, local: dict[str, torch.Tensor] | None = None,
+              params: dict[str, torch.Tensor] | None = None) -> SyncStats:
     """Everything one member does in one sync, when it is trainer rank, engine rank or both
     (colocated): its first receives posted, its own pieces copied in place, then sending and
-    receiving side by side (a thread each when it does both). `dtype`: the engine's (what goes
-    over the wire unless `fp8`)."""
+    receiving side by side (a thread each when it does both)."""
+    plan, members = spec.plan, spec.members
     t0 = time.perf_counter()
     if trainer_rank is not None:
         check_locals(plan, trainer_rank, local)
     stats, receiving = SyncStats(), None
     sends = trainer_rank is not None and members.world_size > 1
     if engine_rank is not None:
-        pending = post_receives(plan, engine_rank, params, comm, members, bucket_bytes, fp8, window)
+        pending = post_receives(spec, engine_rank, params, comm)
         if trainer_rank is not None and members.of_trainer(trainer_rank) == members.of_engine(engine_rank):
-            stats = stats.add(copy_own(plan, engine_rank, local, params, fp8))
+            stats = stats.add(copy_own(plan, engine_rank, local, params, spec.fp8))
         # both roles in one process: receiving runs in a thread of its own, so neither side's window
         # waits on the other (see the module doc)
         receiving = _Background(finish_receives, pending, params) if sends else None
         if not sends:
             stats = stats.add(finish_receives(pending, params))
     if sends:
-        stats = stats.add(sync_send(plan, trainer_rank, local, comm, members, dtype, bucket_bytes, window, fp8))
+        stats = stats.add(sync_send(spec, trainer_rank, local, comm))
     if receiving is not None:
         stats = stats.add(receiving.join())
     stats.seconds = time.perf_counter() - t0
     return stats
-
-
-# ---------------------------------------------------------------------------- what both ends agree on
-@dataclass(frozen=True)
-class SyncSpec:
-    """Everything a member needs to play its part in a sync (small, picklable; the plan is derived
-    and cached in each process)."""
-
-    shape: ModelShape
-    trainer: TrainerLayout
-    engine: EngineLayout
-    members: Members
-    dtype: torch.dtype  # the engine's: what goes over the wire
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    window: int = 4
-    fp8: bool = False  # float8 e4m3 on the wire, a scale per piece
-
-    @property
-    def plan(self) -> SyncPlan:
-        return plan_sync(self.shape, self.trainer, self.engine)

@@ -1,4 +1,5 @@
-"""Where the policy comes from: a given Hugging Face directory, or the tiny model of the task."""
+"""Where the policy starts from: a given Hugging Face directory, or the tiny model of a built-in task
+built into the run directory (nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from pathlib import Path
 from relayrl.data import DataConfig, build_task
 from relayrl.errors import ConfigError
 from relayrl.models import load_config
-from relayrl.models.tiny import TinyModelConfig, build_tiny_model
+from relayrl.models.config import TinyModelConfig
+from relayrl.models.tiny import build_tiny_model
 
 
-def policy_dir(model_path: str | None, tiny: TinyModelConfig, data: DataConfig, run_dir: Path) -> Path:
+def base_model_dir(model_path: str | None, tiny: TinyModelConfig, data: DataConfig, run_dir: Path) -> Path:
     if model_path is not None:
         load_config(model_path)  # a missing or malformed directory fails here, before any work
         return Path(model_path)

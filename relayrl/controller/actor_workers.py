@@ -1,0 +1,157 @@
+"""The trainer-side roles as worker-group workers: the actor (which may also host the engine's ranks)
+and the reference model.
+
+    ActorWorker       one rank of the actor: its (FSDP / DDP / TP) model, optimizer and schedule;
+                      compute_logprobs and update split over data-parallel ranks; checkpoints;
+                      run_on_rank(fn) for the weight sync; colocated, rank r < engine tp also hosts
+                      engine rank r (init_engine, engine_call, engine_run: relayrl.controller.engine_host)
+    ReferenceWorker   one rank of the frozen reference model: compute_ref_logprobs
+
+Both build their model the same way (load, then parallelize_model by `parallel.*`). TrainBatch and
+DataBatch convert field by field (`to_data` / `to_train`): DataBatch is what crosses processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from relayrl.engine.model_runner import ModelRunner, available_memory
+from relayrl.engine.parallel_state import TPInfo
+from relayrl.models import load_pretrained
+from relayrl.parallel.config import ParallelConfig
+from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.parallelize import parallelize_model
+from relayrl.single_controller.batch import DataBatch
+from relayrl.single_controller.dispatch import Dispatch, DPInfo, dispatch
+from relayrl.single_controller.worker import Worker, dp_info_from_dims
+from relayrl.trainer.actor import Actor
+from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.checkpointing import load_actor, save_actor
+from relayrl.trainer.logprobs import token_logprobs
+
+FIELDS = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logp", "rollout_logp", "ref_logp")
+
+
+def to_data(batch: TrainBatch) -> DataBatch:
+    return DataBatch({k: getattr(batch, k) for k in FIELDS if getattr(batch, k) is not None})
+
+
+def to_train(batch: DataBatch) -> TrainBatch:
+    return TrainBatch(**{k: batch.tensors.get(k) for k in FIELDS})
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as one full CPU tensor (gathering a DTensor's shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+
+class _ParallelModelWorker(Worker):
+    def _build_model(self, model_dir: str, par: ParallelConfig, seed: int, trains: bool = True):
+        self.init_distributed()
+        torch.manual_seed(seed)
+        self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
+                                 world_size=self.world_size)
+        mesh = self.dims.build_mesh(self.device.split(":")[0])
+        model = load_pretrained(model_dir)
+        if not trains and par.dp_mode == "ddp":
+            return model  # DDP only syncs gradients: a frozen model is simply replicated
+        return parallelize_model(model, self.dims, mesh, dp_mode=par.dp_mode,
+                                 activation_checkpointing=par.activation_checkpointing and trains)
+
+    def dp_info(self) -> DPInfo:
+        return dp_info_from_dims(self.rank, self.dims)
+
+
+class ActorWorker(_ParallelModelWorker):
+    """One actor rank; also a relayrl.trainer.policy.TrainerRank (rank, model, engine_runner, sync_state)."""
+
+    def __init__(self, model_dir: str, par: ParallelConfig, trainer_cfg, algo_cfg, *, total_steps: int,
+                 temperature: float, seed: int):
+        model = self._build_model(model_dir, par, seed)
+        self.actor = Actor(model, trainer_cfg, algo_cfg, total_steps=total_steps, temperature=temperature, seed=seed,
+                           dims=self.dims)
+        self.engine_runner: ModelRunner | None = None
+        self.sync_state: dict[str, Any] = {}
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.actor.model
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def run_on_rank(self, fn, args: tuple) -> Any:
+        """fn(self, *args): how the weight sync acts on this rank's shards (relayrl.controller.sync_steps)."""
+        return fn(self, *args)
+
+    # ---- the colocated engine: rank r of the engine's tensor-parallel group lives here (r < tp) ----
+    @dispatch(Dispatch.ONE_TO_ALL, deadline="build")
+    def init_engine(self, model_config, dtype: torch.dtype, tp: int) -> int | None:
+        """Returns the free bytes of this rank's device (hosting ranks): the KV cache's budget base."""
+        import torch.distributed as dist
+
+        group = None
+        if tp > 1:  # every rank takes part in making the group, members or not
+            group = dist.group.WORLD if tp == self.world_size else dist.new_group(list(range(tp)))
+        if self.rank < tp:
+            self.engine_runner = ModelRunner(model_config, dtype, TPInfo(self.rank, tp, group), self.device)
+            return available_memory(self.device)
+        return None
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def engine_call(self, method: str, args: tuple) -> Any:
+        return None if self.engine_runner is None else getattr(self.engine_runner, method)(*args)
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def engine_run(self, fn, args: tuple) -> Any:
+        return None if self.engine_runner is None else fn(self.engine_runner, *args)
+
+    # ---- the RL step ----
+    @dispatch(Dispatch.DP_SPLIT)
+    def compute_logprobs(self, batch: DataBatch) -> DataBatch:
+        return DataBatch({"old_logp": self.actor.compute_logprobs(to_train(batch))})
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def update(self, batch: DataBatch) -> dict:
+        return self.actor.update(to_train(batch))  # stats already reduced over data-parallel ranks
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter as one full tensor: for exporting the final model and for the vLLM
+        backend, whose loader takes full tensors. The rollout engine is synced by the plan."""
+        return {n: full_tensor(p) for n, p in self.actor.model.state_dict().items()}
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def save(self, run_dir: str, step: int, extra: dict, meta: dict, keep_last: int | None) -> str:
+        """Every rank writes its shard (collective); rank 0 adds the run state and renames when complete."""
+        return str(save_actor(self.actor, run_dir, step, extra=extra, meta=meta, keep_last=keep_last))
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def load(self, path: str) -> dict:
+        return load_actor(self.actor, path)
+
+    def teardown(self) -> None:
+        del self.actor
+        self.engine_runner = None
+        self.sync_state.clear()
+
+
+class ReferenceWorker(_ParallelModelWorker):
+    def __init__(self, model_dir: str, par: ParallelConfig, *, temperature: float, micro_batch_size: int,
+                 seed: int):
+        self.model = self._build_model(model_dir, par, seed, trains=False).eval().requires_grad_(False)
+        self.temperature, self.micro = temperature, micro_batch_size
+        self.tp_group = self.dims.tp_mesh.get_group() if self.dims.tp > 1 else None
+
+    @dispatch(Dispatch.DP_SPLIT)
+    @torch.no_grad()
+    def compute_ref_logprobs(self, batch: DataBatch) -> DataBatch:
+        tb = to_train(batch)
+        parts = [token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
+                                tp_group=self.tp_group)[0] * mb.response_mask for mb in tb.split(self.micro)]
+        return DataBatch({"ref_logp": torch.cat(parts)})
+
+    def teardown(self) -> None:
+        del self.model

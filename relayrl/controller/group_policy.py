@@ -1,0 +1,89 @@
+"""GroupPolicy: the trainer as worker groups — the actor group (and the reference model's) on local
+processes or Ray, SPMD inside — behind the Policy protocol (relayrl.trainer.policy).
+
+    driver ── GroupPolicy ──> actor group: ActorWorker x (dp_replicate x dp_shard x tp)
+                          └─> reference: ReferenceWorker, in the actor's processes (placement
+                              colocated: one ColocatedWorker per process) or a pool of its own
+
+Every call is declared at the worker (relayrl.controller.actor_workers) and called here by the
+method itself, so a reader goes from the driver's call to its definition. `group_options` turns the
+run's `parallel.*` settings into the groups' deadlines and heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relayrl.controller.actor_workers import ActorWorker, ReferenceWorker, to_data
+from relayrl.controller.engine_host import ActorHostedRanks
+from relayrl.models.config import ModelConfig
+from relayrl.parallel.config import ParallelConfig
+from relayrl.single_controller.liveness import Deadlines, GroupOptions
+from relayrl.single_controller.placement import spawn_roles
+from relayrl.single_controller.resource_pool import ResourcePool
+from relayrl.single_controller.worker import RoleSpec
+from relayrl.trainer.batch import TrainBatch
+
+
+def group_options(par: ParallelConfig) -> GroupOptions:
+    """The worker groups' options from the run's `parallel:` section."""
+    t = par.call_timeout_s
+    return GroupOptions(backend=par.backend, heartbeat_timeout_s=par.heartbeat_timeout_s,
+                        deadlines=Deadlines(build=t.build, compute=t.compute, control=t.control, close=t.close))
+
+
+class GroupPolicy:
+    """The actor (and reference) as worker groups; the same protocol as LocalPolicy."""
+
+    def __init__(self, model_dir: str | Path, *, par: ParallelConfig, trainer_cfg, algo_cfg, total_steps: int,
+                 temperature: float, seed: int, with_reference: bool):
+        pool = ResourcePool([par.world_size], name="actor")
+        placement = {"actor": pool}
+        roles = {"actor": RoleSpec(ActorWorker, (str(model_dir), par, trainer_cfg, algo_cfg),
+                                   dict(total_steps=total_steps, temperature=temperature, seed=seed))}
+        if with_reference:
+            # colocated: one group whose processes host both roles; disaggregated: a pool of its own
+            placement["reference"] = pool if par.placement == "colocated" else ResourcePool([par.world_size], name="ref")
+            roles["reference"] = RoleSpec(ReferenceWorker, (str(model_dir), par),
+                                          dict(temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
+                                               seed=seed))
+        self.roles = spawn_roles(placement, roles, options=group_options(par))
+        self.actor = self.roles["actor"]
+        self.ref = self.roles["reference"] if with_reference else None
+        self.address = self.actor.master_addr  # where the workers reach the driver (the sync's rendezvous)
+
+    def host_engine(self, model_config: ModelConfig, dtype: torch.dtype, tp: int) -> ActorHostedRanks:
+        """Colocated: the engine's ranks in the actor processes (LLMEngine(runner_group=...))."""
+        free = self.actor.call(ActorWorker.init_engine, model_config, dtype, tp)
+        return ActorHostedRanks(self.actor, tp, min(f for f in free if f is not None))
+
+    def run_on_ranks(self, fn: Callable, *args) -> list:
+        return self.actor.call(ActorWorker.run_on_rank, fn, args)
+
+    def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.actor.call(ActorWorker.full_weights).items()
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.actor.call(ActorWorker.compute_logprobs, to_data(batch))["old_logp"]
+
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.ref is None:
+            return None
+        return self.ref.call(ReferenceWorker.compute_ref_logprobs, to_data(batch))["ref_logp"]
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        return self.actor.call(ActorWorker.update, to_data(batch))[0]  # one (identical) dict per dp rank
+
+    def save(self, run_dir: str | Path, step: int, *, extra: Mapping[str, Any], meta: Mapping[str, Any],
+             keep_last: int | None) -> Path:
+        return Path(self.actor.call(ActorWorker.save, str(run_dir), step, dict(extra), dict(meta), keep_last))
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        return self.actor.call(ActorWorker.load, str(path))
+
+    def close(self) -> None:
+        self.roles.shutdown(raise_errors=False)

@@ -1,0 +1,83 @@
+"""LocalPolicy: the trainer (actor, and reference model) in the driver's own process
+(`parallel.backend: none`), behind the same Policy protocol as the worker groups (relayrl.trainer.policy).
+
+The driver's process is trainer rank 0 of 1. Colocated, the engine's one rank lives here too:
+`host_engine` builds its ModelRunner beside the actor, so the weight sync copies every piece in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from relayrl.engine.model_runner import ModelRunner
+from relayrl.engine.parallel_state import TPInfo
+from relayrl.engine.runner_groups import InProcessRunner
+from relayrl.models.config import ModelConfig
+from relayrl.parallel.rendezvous import LOCALHOST
+from relayrl.trainer.actor import Actor
+from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.checkpointing import load_actor, save_actor
+from relayrl.trainer.logprobs import token_logprobs
+
+
+class LocalRank:
+    """The driver's process as trainer rank 0 (a relayrl.trainer.policy.TrainerRank)."""
+
+    def __init__(self, model: nn.Module):
+        self.rank, self.model = 0, model
+        self.engine_runner: ModelRunner | None = None
+        self.sync_state: dict[str, Any] = {}
+
+
+class LocalPolicy:
+    """The actor (and reference model) in the driver's process."""
+
+    def __init__(self, actor: Actor, ref_model: nn.Module | None = None, *, temperature: float = 1.0,
+                 micro_batch_size: int = 32):
+        self.actor, self.ref_model = actor, ref_model
+        self.temperature, self.micro = temperature, micro_batch_size
+        self.local = LocalRank(actor.model)
+        self.address = LOCALHOST
+
+    def host_engine(self, model_config: ModelConfig, dtype: torch.dtype, tp: int) -> InProcessRunner:
+        """Colocated: the engine's one rank beside the actor (LLMEngine(runner_group=...))."""
+        if tp != 1:
+            raise ValueError("a trainer in the driver's process hosts one engine rank (rollout.tp=1)")
+        device = str(next(self.actor.model.parameters()).device)
+        self.local.engine_runner = ModelRunner(model_config, dtype, TPInfo(), device)
+        return InProcessRunner(self.local.engine_runner)
+
+    def run_on_ranks(self, fn: Callable, *args) -> list:
+        return [fn(self.local, *args)]
+
+    def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.actor.model.state_dict().items()
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.actor.compute_logprobs(batch)
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.ref_model is None:
+            return None
+        return torch.cat([token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature)[0]
+                          * mb.response_mask for mb in batch.split(self.micro)])
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        return self.actor.update(batch)
+
+    def save(self, run_dir: str | Path, step: int, *, extra: Mapping[str, Any], meta: Mapping[str, Any],
+             keep_last: int | None) -> Path:
+        return save_actor(self.actor, run_dir, step, extra=extra, meta=meta, keep_last=keep_last)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        return load_actor(self.actor, path)
+
+    def close(self) -> None:
+        self.local.engine_runner = None
+        self.local.sync_state.clear()

@@ -1,0 +1,120 @@
+"""What each member of a weight sync runs on its own rank, trainer side and engine side, side by side.
+
+The driver's PlannedWeightSync (relayrl.controller.weight_sync) sends these functions to where the
+ranks are, with the same one call on both roles:
+
+    policy.run_on_ranks(trainer_*, ...)   fn(trainer_rank, ...) on every trainer rank (relayrl.trainer.policy)
+    engine.run_on_ranks(engine_*, ...)    fn(model_runner, ...) on every engine rank
+
+so LocalPolicy, ActorWorker and the engine's ranks, wherever they live, run the same code. A rank's
+state between syncs (its sync group, a send in flight) is kept on the rank itself: in
+`trainer_rank.sync_state` and in `runner.sync_comm`. The functions are module-level so that they
+pickle by name to worker processes.
+
+    colocated        trainer_colocated   every trainer rank plays both roles for its engine rank r:
+                                         own pieces copied in place, the rest sent and received
+    disaggregated    trainer_start_send  the trainer ranks post their sends in a thread, return
+                     engine_receive      the engine ranks receive and unpack
+                     trainer_finish_send the trainer ranks wait for their sends
+
+This module imports relayrl.sync (the mechanics) and the trainer's shard view; never the engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+from relayrl.parallel.rendezvous import StoreAddress
+from relayrl.sync.checksums import dest_checksums, source_checksums
+from relayrl.sync.transfer import (
+    BackgroundSend,
+    Members,
+    SyncComm,
+    SyncSpec,
+    SyncStats,
+    check_locals,
+    finish_receives,
+    post_receives,
+    sync_step,
+    trainer_locals,
+)
+from relayrl.trainer.policy import TrainerRank
+
+_COMM, _SEND = "comm", "send"  # keys of trainer_rank.sync_state
+
+
+# ---------------------------------------------------------------------------- trainer ranks
+def trainer_connect(rank: TrainerRank, store: StoreAddress, members: Members, timeout_s: float) -> None:
+    if members.world_size > 1:
+        rank.sync_state[_COMM] = SyncComm(store, members.of_trainer(rank.rank), members.world_size, timeout_s)
+
+
+def trainer_close(rank: TrainerRank) -> None:
+    comm = rank.sync_state.pop(_COMM, None)
+    if comm is not None:
+        comm.close()
+
+
+def trainer_colocated(rank: TrainerRank, spec: SyncSpec) -> SyncStats:
+    """Both roles of this process: engine rank r lives in trainer rank r's process (when r < engine tp)."""
+    runner = rank.engine_runner
+    return sync_step(spec, comm=rank.sync_state.get(_COMM), trainer_rank=rank.rank,
+                     engine_rank=rank.rank if runner is not None else None, local=trainer_locals(rank.model),
+                     params=runner.params() if runner is not None else None)
+
+
+def trainer_start_send(rank: TrainerRank, spec: SyncSpec) -> None:
+    if rank.sync_state.get(_SEND) is not None:
+        raise RuntimeError("a weight sync's sends are still pending (the last sync failed part way): "
+                           "restart the run from its last checkpoint")
+    local = trainer_locals(rank.model)
+    check_locals(spec.plan, rank.rank, local)
+    rank.sync_state[_SEND] = BackgroundSend(spec, rank.rank, local, rank.sync_state.get(_COMM))
+
+
+def trainer_finish_send(rank: TrainerRank) -> SyncStats:
+    send = rank.sync_state.pop(_SEND, None)
+    return send.join() if send is not None else SyncStats()
+
+
+def trainer_checksums(rank: TrainerRank, spec: SyncSpec) -> dict[int, float]:
+    return source_checksums(spec.plan, rank.rank, trainer_locals(rank.model), spec.dtype, spec.fp8)
+
+
+# ---------------------------------------------------------------------------- engine ranks
+def engine_connect(runner, store: StoreAddress, members: Members, timeout_s: float) -> None:
+    runner.sync_comm = SyncComm(store, members.of_engine(runner.tp.rank), members.world_size, timeout_s)
+
+
+def engine_close(runner) -> None:
+    comm = getattr(runner, "sync_comm", None)
+    if comm is not None:
+        comm.close()
+        runner.sync_comm = None
+
+
+def engine_receive(runner, spec: SyncSpec) -> SyncStats:
+    t0 = time.perf_counter()
+    params = runner.params()
+    stats = finish_receives(post_receives(spec, runner.tp.rank, params, runner.sync_comm), params)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def engine_checksums(runner, spec: SyncSpec) -> dict[int, float]:
+    return dest_checksums(spec.plan, runner.tp.rank, runner.params())
+
+
+def total(parts: list[SyncStats]) -> SyncStats:
+    out = SyncStats()
+    for p in parts:
+        out = out.add(p)
+    return out
+
+
+def merged(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        if d:
+            out.update(d)
+    return out

@@ -1,0 +1,47 @@
+"""ParallelConfig: the `parallel:` section of a run — how many processes the trainer uses, in what
+layout, where the other roles run, and how long their calls may take.
+
+This module is configuration only: it imports relayrl.config and pydantic, nothing that starts
+processes or touches torch.distributed, so loading a run's config stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from relayrl.config import Config
+
+
+class CallTimeouts(Config):
+    """Seconds a worker-group call of each kind may take (`parallel.call_timeout_s.<kind>`)."""
+
+    build: Optional[float] = Field(1800.0, gt=0)  # start the workers and build their models
+    compute: Optional[float] = Field(3600.0, gt=0)  # one step's model work (generate, update, logprobs, save)
+    control: Optional[float] = Field(300.0, gt=0)  # bookkeeping calls
+    close: Optional[float] = Field(120.0, gt=0)  # teardown at the end of the run
+
+
+class ParallelConfig(Config):
+    """How the trainer runs: in the driver's process, or as a worker group of dp x tp ranks."""
+
+    backend: Literal["none", "local", "ray"] = "none"  # none: one process, the driver's own
+    dp_replicate: int = Field(1, ge=1)
+    dp_shard: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    activation_checkpointing: bool = False
+    # colocated: the rollout engine's ranks and the reference model run in the actor's processes
+    # (engine rank r in actor rank r); disaggregated: each in processes of their own
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    rollout_worker: bool = False  # the engine in a worker group of its own instead of the driver
+    reward_workers: int = Field(0, ge=0)  # score in N reward workers (0: in the driver's reward pool)
+    # liveness: every worker-group call has a deadline by its kind; a worker that sends no heartbeat
+    # for heartbeat_timeout_s is reported stopped or hung, and the run stops naming it
+    call_timeout_s: CallTimeouts = Field(default_factory=CallTimeouts)
+    heartbeat_timeout_s: Optional[float] = Field(30.0, ge=2)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp

@@ -1,0 +1,25 @@
+"""The seam between the driver and reward scoring, as a typing.Protocol.
+
+A Scorer turns a step's completions into rewards: `score(completions, examples) -> ScoreResult`,
+and owns whatever runs the reward functions (a pool of worker processes), which `close()` stops.
+relayrl.rewards.scorer.RewardScorer is one (the functions in this process's reward pool); the
+reward worker group's proxy (relayrl.controller.remote.RemoteScorer) is another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from relayrl.data.tasks import Example
+from relayrl.rewards.result import ScoreResult
+
+
+class Scorer(Protocol):
+    """Scores completions; a sample that cannot be scored counts as a failure, not an error."""
+
+    def score(self, completions: Sequence[str], examples: Sequence[Example]) -> ScoreResult:
+        """Rewards, per-function values, accuracy and failure counts for the batch, in order."""
+
+    def close(self) -> None:
+        """Stop the processes that run the reward functions."""

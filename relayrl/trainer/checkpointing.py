@@ -1,0 +1,35 @@
+"""Saving and restoring an Actor: its (sharded) model and optimizer, LR schedule and shuffle stream.
+
+One checkpoint format serves every layout (torch.distributed.checkpoint shards, relayrl.checkpoint),
+so a run saved on N ranks resumes on M, or in one process. The actor's own state (scheduler position,
+the mini-batch shuffle generator) rides in the checkpoint's run state next to the caller's `extra`.
+
+The trainer imports relayrl.checkpoint (below it); it never imports the engine, sync or controller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from relayrl.checkpoint import load_distributed, save_distributed
+from relayrl.trainer.actor import Actor
+from relayrl.trainer.optim import foreach_ok
+
+
+def save_actor(actor: Actor, run_dir: str | Path, step: int, *, extra: Mapping[str, Any], meta: Mapping[str, Any],
+               keep_last: int | None) -> Path:
+    """Collective: every rank writes its shard; rank 0 adds the run state (`extra` + the actor's)."""
+    extra = {**extra, "scheduler": actor.scheduler.state_dict(), "shuffle": actor.shuffle_gen.get_state()}
+    return save_distributed(run_dir, step, actor.model, actor.optimizer, extra, meta=meta, keep_last=keep_last)
+
+
+def load_actor(actor: Actor, path: str | Path) -> dict[str, Any]:
+    """Collective: load into the actor's current layout, whatever layout wrote it; returns the run state."""
+    extra = load_distributed(path, actor.model, actor.optimizer)
+    for group in actor.optimizer.param_groups:  # the saved layout's choice does not fit this one
+        group["foreach"] = foreach_ok(group["params"])
+    actor.scheduler.load_state_dict(extra["scheduler"])  # after the optimizer: its lr wins
+    actor.shuffle_gen.set_state(extra["shuffle"])
+    return extra
