@@ -198,8 +198,10 @@ def test_merge_of_shards_fails_only_when_the_whole_step_fails():
     from relayrl.errors import RewardError
     from relayrl.rewards import ScoreResult
 
-    ok = ScoreResult([1.0, 0.0], {"f": [1.0, 0.0]}, 0, [True, False], {"f": 0})
-    dead = ScoreResult([0.0], {"f": [0.0]}, 1, [False], {"f": 1}, timeouts=1, timeouts_per_function={"f": 1},
+    ok = ScoreResult(rewards=[1.0, 0.0], per_function={"f": [1.0, 0.0]}, failures=0, correct=[True, False],
+                     failures_per_function={"f": 0})
+    dead = ScoreResult(rewards=[0.0], per_function={"f": [0.0]}, failures=1, correct=[False],
+                       failures_per_function={"f": 1}, timeouts=1, timeouts_per_function={"f": 1},
                        first_errors={"f": "timed out after 1 s (reward.timeout_s)"})
     merged = ScoreResult.merge([ok, dead])  # one shard failed whole, the step did not
     assert merged.rewards == [1.0, 0.0, 0.0] and merged.failures == 1 and merged.correct == [True, False, False]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PagedBatch:
     decode: bool  # one query per sequence: no query padding to gather or drop
     positions: torch.Tensor  # [N] absolute position of each new token
@@ -37,7 +37,6 @@ def build_batch(
     sliding_window: int | None = None,
 ) -> PagedBatch:
     """Sequence b computes tokens [token_starts[b], context_lens[b]) with all its keys in the cache."""
-    B = len(context_lens)
     q_lens = [c - s for s, c in zip(token_starts, context_lens)]
     Qmax, Lmax = max(q_lens), max(context_lens)
     pos_rows = torch.arange(Lmax)

@@ -129,7 +129,7 @@ class QKVParallelLinear(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """Output features split over ranks; `parts` logical tensors fused side by side (gate, up)."""
 
-    def __init__(self, in_features: int, out_per_part: int, parts: tuple[str, ...], tp: TPInfo, bias: bool):
+    def __init__(self, in_features: int, out_per_part: int, parts: tuple[str, ...], tp: TPInfo, *, bias: bool):
         super().__init__()
         self.parts, self.tp = parts, tp
         self.local = out_per_part // tp.size
@@ -148,7 +148,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input features split over ranks; partial outputs are summed with an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPInfo, bias: bool, col_ranges=None):
+    def __init__(self, in_features: int, out_features: int, tp: TPInfo, *, bias: bool, col_ranges=None):
         super().__init__()
         self.tp = tp
         # which input columns this rank holds (o_proj: its Q heads' columns)
@@ -174,7 +174,7 @@ class EngineAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg, tp)
         self.nq, self.nkv = len(self.qkv_proj.q_heads), len(self.qkv_proj.kv_heads)
         q = self.qkv_proj.q_heads
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.hd, cfg.hidden_size, tp, cfg.o_bias,
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.hd, cfg.hidden_size, tp, bias=cfg.o_bias,
                                         col_ranges=range(q.start * self.hd, q.stop * self.hd))
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -196,8 +196,8 @@ class EngineMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, ("gate", "up"), tp,
-                                                 cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, cfg.mlp_bias)
+                                                 bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 
 @dataclass
@@ -10,6 +10,7 @@ class CompletionSample:
     token_ids: list[int]
     logprobs: list[float]  # of each sampled token, as defined in relayrl.engine.sampler
     text: str
+    _: KW_ONLY
     finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort"
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when SamplingParams.logprobs > 0
 

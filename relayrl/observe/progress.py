@@ -34,6 +34,7 @@ class Progress:
         self,
         total: int,
         desc: str = "train",
+        *,
         initial: int = 0,
         file: TextIO | None = None,
         disable: bool = False,

@@ -36,7 +36,7 @@ def backend_for(device: str | torch.device) -> str:
     raise ConfigError(f"no collective backend known for device type {kind!r} (supported: cpu → gloo, cuda → nccl)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelDims:
     """Parallel degrees of one role. dp_shard=-1 takes whatever the world leaves."""
 

@@ -34,7 +34,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ class Outcome:
 class _Worker:
     proc: subprocess.Popen
     sock: socket.socket
+    _: KW_ONLY
     ready: bool = False
     buf: bytearray = field(default_factory=bytearray)
     outstanding: deque = field(default_factory=deque)  # call ids sent, not yet answered, in order

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from relayrl.errors import RewardError
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ScoreResult:
     rewards: list[float]
     per_function: dict[str, list[float]]

@@ -42,7 +42,7 @@ from relayrl.sync.boxes import Box
 ENGINE_FUSION = FUSED_INTO
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ModelShape:
     """The fields of a ModelConfig that decide tensor names and shapes (hashable: plans are cached)."""
 

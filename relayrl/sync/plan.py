@@ -14,7 +14,7 @@
       (engine 1 and 3 hold the same KV head as engine 0 and 2: KV heads are replicated when tp > Hkv)
 
 A fused tensor is only ever the concatenation of logical boxes written into place; the naive
-"concatenate q|k|v, then cut the fused rows in tp equal parts" (`naive_plan`, kept to show it is
+"concatenate q|k|v, then cut the fused rows in tp equal parts" (tests/helpers.py `naive_plan`, kept to show it is
 wrong) hands rank 1 the tail of Q and the head of K instead of its own heads.
 
 Replicated sources (norms, rowwise biases, anything under HSDP replicas): several trainer ranks hold
@@ -38,14 +38,13 @@ from relayrl.sync.layout import (
     ModelShape,
     TrainerLayout,
     engine_holdings,
-    engine_param_name,
     engine_param_shapes,
     logical_tensors,
     trainer_holdings,
 )
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Transfer:
     """Copy `shape` elements of logical tensor `name`: trainer `src_rank`'s local tensor at
     `src_offset` -> engine `dst_rank`'s parameter `dst_param` at `dst_offset`. `logical` is the
@@ -78,7 +77,7 @@ def choose_source(holders: tuple[int, ...], dst_rank: int) -> int:
     return dst_rank if dst_rank in holders else holders[dst_rank % len(holders)]
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class SyncPlan:
     shape: ModelShape
     trainer: TrainerLayout
@@ -212,7 +211,7 @@ def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout) -> SyncPlan:
             if covered != Box.full(shapes[param]).size:
                 raise RuntimeError(f"plan covers {covered} elements of engine rank {dst}'s {param} "
                                    f"{shapes[param]}: a layout bug")
-    return SyncPlan(shape, tl, el, tuple(transfers), tuple(param_shapes))
+    return SyncPlan(shape=shape, trainer=tl, engine=el, transfers=tuple(transfers), param_shapes=tuple(param_shapes))
 
 
 def plan_sync(cfg: ModelConfig | ModelShape, trainer_layout: TrainerLayout, engine_layout: EngineLayout) -> SyncPlan:
@@ -221,18 +220,3 @@ def plan_sync(cfg: ModelConfig | ModelShape, trainer_layout: TrainerLayout, engi
 
 
 # ---------------------------------------------------------------------------- the wrong way
-def naive_plan(full_sd: dict[str, torch.Tensor], cfg: ModelConfig | ModelShape, engine_tp: int) -> dict[int, dict[str, torch.Tensor]]:
-    """WRONG, kept to show why: assemble each fused weight from the full logical tensors, then cut it
-    in engine_tp equal row blocks. Rank r's qkv block straddles the q|k|v boundaries (rank 1 of 2
-    gets the last Q heads and the first KV heads' K rows, not its Q heads + their K and V), and with
-    tp > Hkv the block is not even the right size. Returns engine rank -> {fused param: tensor}."""
-    shape = ModelShape.of(cfg)
-    out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(engine_tp)}
-    for i in range(shape.num_hidden_layers):
-        for parts in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-            group = "self_attn" if parts[0] == "q_proj" else "mlp"
-            names = [f"model.layers.{i}.{group}.{p}.weight" for p in parts]
-            fused = torch.cat([full_sd[n] for n in names])
-            for r, block in enumerate(fused.chunk(engine_tp)):
-                out[r][engine_param_name(names[0])] = block.clone()
-    return out

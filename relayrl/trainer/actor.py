@@ -35,7 +35,7 @@ class Actor:
     are the GLOBAL token / sequence counts (an all-reduce over the data-parallel group) and the
     gradients are summed over ranks, so every layout takes the single-process step."""
 
-    def __init__(self, model: CausalLM, cfg: TrainerConfig, algo: AlgoConfig, total_steps: int, temperature: float = 1.0,
+    def __init__(self, model: CausalLM, cfg: TrainerConfig, algo: AlgoConfig, *, total_steps: int, temperature: float = 1.0,
                  seed: int = 0, dims: ParallelDims | None = None):
         self.model = model
         self.cfg, self.algo = cfg, algo

@@ -14,7 +14,7 @@ Logprobs are aligned to tokens: logp[:, t] = log p(input_ids[:, t] | input_ids[:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
@@ -24,6 +24,7 @@ class TrainBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
+    _: KW_ONLY
     advantages: torch.Tensor | None = None
     old_logp: torch.Tensor | None = None
     rollout_logp: torch.Tensor | None = None
