@@ -40,26 +40,19 @@ from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
 from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs
 
+from helpers import perturbed_model, small_config
+
 REL = 1e-5
 LR = 1e-2
 OPTIM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
 
 
 def tiny_config(**kw) -> ModelConfig:
-    base = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    return ModelConfig(**{**base, **kw})
+    return small_config(**kw)
 
 
 def build_model(seed: int) -> CausalLM:
-    model = CausalLM(tiny_config())
-    model.reset_parameters(std=0.2, seed=seed)
-    with torch.no_grad():  # non-trivial norms, so a norm left at its init cannot pass as loaded
-        g = torch.Generator().manual_seed(seed + 1)
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return perturbed_model(small_config(), seed)
 
 
 def adamw(model):

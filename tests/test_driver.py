@@ -1,24 +1,14 @@
 """The driver end to end: learning, metrics, resume equality, dynamic sampling, KL, bf16 engine."""
 
-import json
 
 import pytest
 
 from relayrl.controller import driver as driver_mod
-from relayrl.controller.config import RunConfig
 from relayrl.controller.run import train
 from relayrl.errors import RewardError
 from relayrl.observe import read_metrics
 
-SMALL = {
-    "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                       "num_attention_heads": 4, "num_key_value_heads": 2, "init_std": 0.2}},
-    "data": {"task": "arith", "n_train": 64, "n_eval": 16},
-    "rollout": {"prompts_per_step": 4, "group_size": 4, "max_tokens": 6},
-    "trainer": {"lr": 1e-3, "micro_batch_size": 8, "mini_batches": 2},
-    "eval": {"max_tokens": 4},
-    "run": {"steps": 4, "save_every": 2, "tensorboard": False},
-}
+from helpers import cfg_for
 
 REQUIRED = [
     "reward/mean", "reward/std", "reward/accuracy", "response_length/mean", "response_length/max",
@@ -26,14 +16,6 @@ REQUIRED = [
     "groups/no_signal_frac", "time/sync", "time/rollout", "time/reward", "time/old_logp", "time/ref_logp",
     "time/update", "time/step", "throughput/gen_tokens_per_s",
 ]
-
-
-def cfg_for(tmp_path, name, **sections):
-    d = json.loads(json.dumps(SMALL))
-    for k, v in sections.items():
-        d[k] = {**d.get(k, {}), **v}
-    d["run"]["out_dir"] = str(tmp_path / name)
-    return RunConfig.from_dict(d)
 
 
 def _training_lines(run_dir):

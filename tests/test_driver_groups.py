@@ -9,54 +9,28 @@ import pytest
 
 from relayrl.cli.main import main
 from relayrl.controller.run import train
-from relayrl.observe import read_metrics
 
-from test_driver import cfg_for
-
-EXACT = ("reward/mean", "reward/std", "reward/accuracy", "response_length/mean", "response_length/max",
-         "groups/no_signal_frac", "engine/prefix_hit_rate")
-CLOSE = ("loss", "grad_norm", "clip_frac", "entropy", "kl", "mismatch/logp_abs_mean", "ratio_max")
-
-
-def _steps(run_dir):
-    return [m for m in read_metrics(run_dir) if "reward/mean" in m]
-
-
-def _same_metrics(a, b):
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b):
-        for k in EXACT:
-            assert x[k] == y[k], k  # same samples: the rollouts saw the same weights
-        for k in CLOSE:
-            if k in x:
-                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), k
-
-
-def _cfg(tmp_path, name, **parallel):
-    # a reward with spread: real advantages, so gradients are signal (with all-zero advantages the
-    # gradient is rounding noise, which Adam scales up to full steps — layout-dependent by nature)
-    return cfg_for(tmp_path, name, algo={"kl_coef": 0.05}, run={"steps": 2, "save_every": 0},
-                   reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]}, parallel=parallel)
+from helpers import assert_same_metrics, group_cfg, step_metrics
 
 
 def test_local_worker_groups_match_single_process(tmp_path):
-    ref = train(_cfg(tmp_path, "single"), show_progress=False)
+    ref = train(group_cfg(tmp_path, "single"), show_progress=False)
     # every role in a worker group: actor (FSDP 2) + reference colocated, rollout, 2 reward workers
-    fsdp = train(_cfg(tmp_path, "fsdp2", backend="local", dp_shard=2, rollout_worker=True, reward_workers=2,
+    fsdp = train(group_cfg(tmp_path, "fsdp2", backend="local", dp_shard=2, rollout_worker=True, reward_workers=2,
                            placement="disaggregated"),
                  show_progress=False)
-    tp = train(_cfg(tmp_path, "tp2_disagg", backend="local", tp=2, placement="disaggregated"), show_progress=False)
-    _same_metrics(_steps(fsdp["run_dir"]), _steps(ref["run_dir"]))
-    _same_metrics(_steps(tp["run_dir"]), _steps(ref["run_dir"]))
+    tp = train(group_cfg(tmp_path, "tp2_disagg", backend="local", tp=2, placement="disaggregated"), show_progress=False)
+    assert_same_metrics(step_metrics(fsdp["run_dir"]), step_metrics(ref["run_dir"]))
+    assert_same_metrics(step_metrics(tp["run_dir"]), step_metrics(ref["run_dir"]))
 
 
 def test_ray_worker_groups_match_single_process(tmp_path):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        ref = train(_cfg(tmp_path, "single"), show_progress=False)
-        got = train(_cfg(tmp_path, "ray_ddp2", backend="ray", dp_replicate=2, dp_mode="ddp"), show_progress=False)
-        _same_metrics(_steps(got["run_dir"]), _steps(ref["run_dir"]))
+        ref = train(group_cfg(tmp_path, "single"), show_progress=False)
+        got = train(group_cfg(tmp_path, "ray_ddp2", backend="ray", dp_replicate=2, dp_mode="ddp"), show_progress=False)
+        assert_same_metrics(step_metrics(got["run_dir"]), step_metrics(ref["run_dir"]))
     finally:
         ray.shutdown()
 
@@ -78,6 +52,6 @@ def test_resume_on_another_layout_from_the_command_line(tmp_path, capsys):
     assert steps == [0, 1, 1, 2, 2, 3, 3]  # eval, train, eval per step, continuing the count
     straight = tmp_path / "straight"
     assert main(["train", str(cfg), *[c.replace(str(out), str(straight)) for c in common], "run.steps=3"]) == 0
-    _same_metrics(_steps(out), _steps(straight))
+    assert_same_metrics(step_metrics(out), step_metrics(straight))
     assert main(["export", str(out / "checkpoints" / "step_00000003"), "--out", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()

@@ -36,6 +36,8 @@ from relayrl.parallel.parallelize import parallelize_model
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 
+from helpers import perturbed_model, small_config
+
 REL = 1e-5  # scale-relative tolerance: max |a - b| <= REL * max |b|
 STEPS = 3
 LR = 1e-2
@@ -65,21 +67,11 @@ CASES = {
 
 
 def tiny_config(name: str) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, **CONFIGS[name],
-    )
+    return small_config(**CONFIGS[name])
 
 
 def build_model(name: str) -> CausalLM:
-    model = CausalLM(tiny_config(name))
-    model.reset_parameters(std=0.2, seed=0)
-    with torch.no_grad():  # non-trivial norms and biases, so a wrong one cannot hide behind 1s and 0s
-        g = torch.Generator().manual_seed(1)
-        for n, p in model.named_parameters():
-            if "norm" in n or n.endswith("bias"):
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return perturbed_model(tiny_config(name))
 
 
 def global_batch():

@@ -21,20 +21,11 @@ from relayrl.sync.layout import (
     logical_tensors,
     trainer_holdings,
 )
-from relayrl.sync.plan import choose_source, naive_plan, plan_sync
+from relayrl.sync.plan import choose_source, plan_sync
 
-CONFIGS = {
-    # the seed case: 8 Q heads, 2 KV heads — engine TP 4 replicates each KV head on 2 ranks
-    "gqa8x2": dict(model_type="qwen2", vocab_size=30, hidden_size=18, intermediate_size=24, num_hidden_layers=2,
-                   num_attention_heads=8, num_key_value_heads=2, head_dim=4, qkv_bias=True, tie_word_embeddings=True),
-    # MHA, all biases, untied; hidden 10 over dp 4: torch.chunk gives 3, 3, 3, 1
-    "mha4": dict(model_type="llama", vocab_size=14, hidden_size=10, intermediate_size=12, num_hidden_layers=1,
-                 num_attention_heads=4, num_key_value_heads=4, head_dim=2, qkv_bias=True, o_bias=True,
-                 mlp_bias=True),
-    # one KV head (replicated on every engine rank), qk-norm; k_proj has 2 rows: dp 4 leaves empty chunks
-    "mqa4x1": dict(model_type="qwen3", vocab_size=20, hidden_size=12, intermediate_size=8, num_hidden_layers=1,
-                   num_attention_heads=4, num_key_value_heads=1, head_dim=2, qk_norm=True),
-}
+from helpers import SYNC_CONFIGS, naive_plan
+
+CONFIGS = SYNC_CONFIGS
 TRAINER = [(tp, dp) for tp in (1, 2) for dp in (1, 2, 4)]
 ENGINE_TP = (1, 2, 4)
 

@@ -1,0 +1,121 @@
+"""Helpers several test modules share: the small run configs of the driver tests, the comparison of
+two runs' metrics, the tiny model builders, the sync tests' model shapes, and the deliberately wrong
+"assemble the fused weight, then slice it" engine load the sync verifier must catch.
+
+Test modules import from here, never from each other.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from relayrl.controller.config import RunConfig
+from relayrl.models import CausalLM, ModelConfig
+from relayrl.sync.layout import ModelShape, engine_param_name
+from relayrl.observe import read_metrics
+
+# ---------------------------------------------------------------------------- run configs
+SMALL = {
+    "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "init_std": 0.2}},
+    "data": {"task": "arith", "n_train": 64, "n_eval": 16},
+    "rollout": {"prompts_per_step": 4, "group_size": 4, "max_tokens": 6},
+    "trainer": {"lr": 1e-3, "micro_batch_size": 8, "mini_batches": 2},
+    "eval": {"max_tokens": 4},
+    "run": {"steps": 4, "save_every": 2, "tensorboard": False},
+}
+
+
+def cfg_for(tmp_path, name, **sections) -> RunConfig:
+    """SMALL with `sections` merged in, writing to tmp_path/name."""
+    d = json.loads(json.dumps(SMALL))
+    for k, v in sections.items():
+        d[k] = {**d.get(k, {}), **v}
+    d["run"]["out_dir"] = str(tmp_path / name)
+    return RunConfig.from_dict(d)
+
+
+def group_cfg(tmp_path, name, **parallel) -> RunConfig:
+    """A 2-step run with a KL term and a reward with spread, under `parallel.*` settings."""
+    # a reward with spread: real advantages, so gradients are signal (with all-zero advantages the
+    # gradient is rounding noise, which Adam scales up to full steps — layout-dependent by nature)
+    return cfg_for(tmp_path, name, algo={"kl_coef": 0.05}, run={"steps": 2, "save_every": 0},
+                   reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]}, parallel=parallel)
+
+
+# ---------------------------------------------------------------------------- comparing runs
+EXACT = ("reward/mean", "reward/std", "reward/accuracy", "response_length/mean", "response_length/max",
+         "groups/no_signal_frac", "engine/prefix_hit_rate")
+CLOSE = ("loss", "grad_norm", "clip_frac", "entropy", "kl", "mismatch/logp_abs_mean", "ratio_max")
+
+
+def step_metrics(run_dir) -> list[dict]:
+    return [m for m in read_metrics(run_dir) if "reward/mean" in m]
+
+
+def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
+    """Same samples (the rollouts saw the same weights) and the same update, to rounding."""
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        for k in EXACT:
+            assert x[k] == y[k], k
+        for k in CLOSE:
+            if k in x:
+                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), k
+
+
+# ---------------------------------------------------------------------------- tiny models
+def small_config(**kw) -> ModelConfig:
+    """A 2-layer, 4-head (2 KV heads) model; `kw` overrides any field."""
+    base = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return ModelConfig(**{**base, **kw})
+
+
+def perturbed_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
+    """cfg's model with std-0.2 weights and non-trivial norms and biases, so a norm or bias left at its
+    init (1s, 0s) cannot pass as loaded or as correctly sharded."""
+    model = CausalLM(cfg)
+    model.reset_parameters(std=0.2, seed=seed)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+# ---------------------------------------------------------------------------- weight sync
+SYNC_CONFIGS = {
+    # the seed case: 8 Q heads, 2 KV heads — engine TP 4 replicates each KV head on 2 ranks
+    "gqa8x2": dict(model_type="qwen2", vocab_size=30, hidden_size=18, intermediate_size=24, num_hidden_layers=2,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=4, qkv_bias=True, tie_word_embeddings=True),
+    # MHA, all biases, untied; hidden 10 over dp 4: torch.chunk gives 3, 3, 3, 1
+    "mha4": dict(model_type="llama", vocab_size=14, hidden_size=10, intermediate_size=12, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=4, head_dim=2, qkv_bias=True, o_bias=True,
+                 mlp_bias=True),
+    # one KV head (replicated on every engine rank), qk-norm; k_proj has 2 rows: dp 4 leaves empty chunks
+    "mqa4x1": dict(model_type="qwen3", vocab_size=20, hidden_size=12, intermediate_size=8, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=2, qk_norm=True),
+}
+
+
+def naive_plan(full_sd: dict[str, torch.Tensor], cfg: ModelConfig | ModelShape,
+               engine_tp: int) -> dict[int, dict[str, torch.Tensor]]:
+    """WRONG, kept to show why: assemble each fused weight from the full logical tensors, then cut it
+    in engine_tp equal row blocks. Rank r's qkv block straddles the q|k|v boundaries (rank 1 of 2
+    gets the last Q heads and the first KV heads' K rows, not its Q heads + their K and V), and with
+    tp > Hkv the block is not even the right size. Returns engine rank -> {fused param: tensor}."""
+    shape = ModelShape.of(cfg)
+    out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(engine_tp)}
+    for i in range(shape.num_hidden_layers):
+        for parts in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            group = "self_attn" if parts[0] == "q_proj" else "mlp"
+            names = [f"model.layers.{i}.{group}.{p}.weight" for p in parts]
+            fused = torch.cat([full_sd[n] for n in names])
+            for r, block in enumerate(fused.chunk(engine_tp)):
+                out[r][engine_param_name(names[0])] = block.clone()
+    return out

@@ -1,0 +1,121 @@
+"""The layering of ../shared/DESIGN.md, checked: no module imports a layer above its own, and loading a
+run's config imports config modules only.
+
+The order is written here as data (which layers each layer may import), parsed from every module's
+import statements (top-level and inside functions alike), and shown to fail on a deliberately added
+upward import in a temporary package tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "relayrl"
+
+GROUND = {"config", "errors", "lazy"}  # relayrl/config.py, errors.py, lazy.py: every layer may use them
+LEAVES = ("models", "parallel", "algorithms", "sandbox", "data", "observe")  # torch and the standard library only
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "lazy": set(),
+    "config": {"errors"},
+    **{leaf: set(GROUND) for leaf in LEAVES},
+    "single_controller": GROUND | {"parallel"},  # generic: knows nothing of RL
+    "rewards": GROUND | {"sandbox", "data"},
+    "envs": GROUND | {"rewards", "sandbox", "data"},
+    "checkpoint": GROUND | {"parallel", "models"},
+    "sync": GROUND | {"models", "parallel"},  # never the trainer or the engine: it is handed plain tensors
+    "engine": GROUND | {"models", "single_controller"},  # its tensor-parallel ranks are a worker group
+    "trainer": GROUND | {"parallel", "models", "algorithms", "checkpoint"},
+}
+ALLOWED["controller"] = set(ALLOWED) - {"controller"}  # the RL application: everything below the CLI
+ALLOWED["cli"] = set(ALLOWED) - {"cli"}
+
+
+def imported_layers(path: Path, root: Path) -> set[str]:
+    """The relayrl layers a module imports (absolute `relayrl.x` imports; relative ones resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = path.relative_to(root.parent).parts[:-1]  # ("relayrl", "sync") for relayrl/sync/plan.py
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # from ..x import y: relative to the module's own package
+                base = list(package[: len(package) - node.level + 1])
+                names = [".".join(base + ([node.module] if node.module else []))]
+            else:
+                names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "relayrl" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def layer_of(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).parts
+    return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
+
+
+def upward_imports(root: Path) -> list[str]:
+    """'module imports relayrl.layer' for every import the order forbids (and every unknown layer)."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        layer = layer_of(path, root)
+        if layer == "__init__":
+            continue
+        if layer not in ALLOWED:
+            bad.append(f"{path.relative_to(root.parent)} is in a layer the order does not know: {layer}")
+            continue
+        for other in sorted(imported_layers(path, root) - {layer}):
+            if other not in ALLOWED[layer]:
+                bad.append(f"{path.relative_to(root.parent)} imports relayrl.{other}")
+    return bad
+
+
+def test_no_layer_imports_a_layer_above_it():
+    assert upward_imports(ROOT) == []
+
+
+def test_the_check_fails_on_an_upward_import(tmp_path):
+    pkg = tmp_path / "relayrl"
+    for layer in ("models", "trainer", "sync"):
+        (pkg / layer).mkdir(parents=True)
+        (pkg / layer / "__init__.py").write_text("")
+    (pkg / "models" / "fine.py").write_text("from relayrl.config import Config\nimport torch\n")
+    (pkg / "trainer" / "fine.py").write_text("from relayrl.models.fine import Config\n")
+    assert upward_imports(pkg) == []
+    # a model module reaching up into the trainer, one inside a function, and a relative one from sync
+    (pkg / "models" / "bad.py").write_text("from relayrl.trainer.fine import Config\n")
+    (pkg / "models" / "lazy_bad.py").write_text("def f():\n    import relayrl.controller.run\n")
+    (pkg / "sync" / "bad.py").write_text("from ..trainer import fine\n")
+    assert upward_imports(pkg) == [
+        "relayrl/models/bad.py imports relayrl.trainer",
+        "relayrl/models/lazy_bad.py imports relayrl.controller",
+        "relayrl/sync/bad.py imports relayrl.trainer",
+    ]
+
+
+def test_loading_a_run_config_imports_config_modules_only():
+    """RunConfig composes each layer's config section: loading it must not import the engine, the
+    trainer, checkpoints, worker groups or the weight sync."""
+    code = ("import json, sys; from relayrl.controller.config import load_run_config; "
+            "load_run_config('configs/grpo_arith.yaml', ['trainer.lr=3e-3']); "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('relayrl'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, check=True)
+    loaded = json.loads(out.stdout)
+    assert "relayrl.controller.config" in loaded
+    # config modules, the package __init__s on their way, and the registries names are checked against
+    # (algorithm functions and built-in tasks: pure functions of torch / the standard library)
+    allowed_prefixes = ("relayrl.algorithms", "relayrl.data")
+    allowed = {"relayrl", "relayrl.config", "relayrl.errors", "relayrl.lazy", "relayrl.controller",
+               "relayrl.models", "relayrl.parallel", "relayrl.rewards", "relayrl.sync", "relayrl.trainer"}
+    stray = [m for m in loaded
+             if m not in allowed and not m.endswith(".config") and not m.startswith(allowed_prefixes)]
+    assert stray == []
