@@ -8,6 +8,7 @@ subclassing `Config`; the run config composes them. Every error names the dotted
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,6 +18,43 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from relayrl.errors import ConfigError
 
 C = TypeVar("C", bound="Config")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with numbers as people write them (YAML 1.2's rules): PyYAML follows YAML 1.1, where
+    `3e-3` and `1e5` (no dot) are strings, `1:30` is 90 (base 60) and `010` is 8 (octal)."""
+
+
+_EXP = r"[eE][-+]?[0-9]+"
+_FLOAT = re.compile(rf"""^(?:[-+]?(?:\.[0-9][0-9_]*(?:{_EXP})?               # .5, .5e3
+                             |[0-9][0-9_]*(?:\.[0-9_]*(?:{_EXP})?|{_EXP}))  # 1.5, 1., 1.5e-3, 3e-3
+                       |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X)
+_INT = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+)$")
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+def _int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    return int(text, 0) if text[:2] in ("0x", "0o") else int(text)  # 010 is ten, not eight
+
+
+def _float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
+    text = loader.construct_scalar(node).replace("_", "").lower()
+    return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _float)
+
+
+def parse_yaml(text: str) -> Any:
+    """yaml.safe_load, with numbers as people write them: 3e-3, 1E-5, .5, 1_000 (never code: safe)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
 class Config(BaseModel):
@@ -54,7 +92,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = parse_yaml(p.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -74,7 +112,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override '{item}' must look like key.path=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = parse_yaml(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
         node = data

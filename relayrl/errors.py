@@ -45,3 +45,9 @@ class KVCacheError(UserError, ValueError):
 
 class TensorParallelError(UserError, ValueError):
     """A tensor-parallel degree does not divide the attention heads, KV heads or intermediate size."""
+
+
+class RunFault(Exception):
+    """The run cannot go on because of a fault outside its code and input: a worker process died,
+    stopped answering heartbeats, or ran past its deadline. The CLI prints the message on one line
+    and exits with status 3 (complete checkpoints are kept: resume with --resume)."""

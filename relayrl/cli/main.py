@@ -1,6 +1,7 @@
 """`relayrl` command line: thin entry points — parse, build, run, close.
 
-A user error (bad config, bad model directory, empty dataset, ...) prints one line and exits 2;
+A user error (bad config, bad model directory, empty dataset, ...) prints one line and exits 2; a
+fault that stops a run (a worker died, hung or missed its deadline) prints one line and exits 3;
 `--debug` shows the traceback instead.
 """
 
@@ -10,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from relayrl.errors import UserError
+from relayrl.errors import RunFault, UserError
 
 
 def _split_config(a) -> None:
@@ -196,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -203,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if args.debug:
             raise
-        print(f"relayrl: error: {e}", file=sys.stderr)
+        print(f"relayrl: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except RunFault as e:  # a worker died, hung or missed its deadline: the run stops, checkpoints stay
+        if args.debug:
+            raise
+        print(f"relayrl: error: {_one_line(e)}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("relayrl: interrupted (complete checkpoints are kept)", file=sys.stderr)
         return 130

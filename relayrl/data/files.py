@@ -42,8 +42,15 @@ def load_dataset_file(
 
 def _read_jsonl(p: Path) -> list[tuple[int, dict[str, Any]]]:
     rows = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    offset = 0  # of the line's first byte, for an encoding error's position
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{p} is not UTF-8: byte {offset + e.start} (line {lineno}) is {raw[e.start]:#04x}; "
+                                "save the dataset as UTF-8") from None
+            offset += len(raw)
             if not line.strip():
                 continue  # blank lines (often a trailing one) are not rows
             try:
