@@ -50,7 +50,8 @@ from relayrl.parallel.launch import launch  # noqa: E402
 from relayrl.parallel.parallelize import parallelize_model  # noqa: E402
 from relayrl.sync.apply import shard_state_dict  # noqa: E402
 from relayrl.parallel.rendezvous import serve_store  # noqa: E402
-from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout  # noqa: E402
+from relayrl.models.config import ModelShape  # noqa: E402
+from relayrl.sync.layout import EngineLayout, TrainerLayout  # noqa: E402
 from relayrl.sync.transfer import (  # noqa: E402
     BackgroundSend,
     Members,

@@ -144,7 +144,7 @@ def check_sync(path: str, device: str) -> dict:
     from relayrl.parallel.launch import launch
     from relayrl.parallel.rendezvous import serve_store
     from relayrl.sync import EngineLayout, Members, SyncSpec, TrainerLayout, sync_step
-    from relayrl.sync.layout import ModelShape
+    from relayrl.models.config import ModelShape
     from relayrl.sync.transfer import trainer_locals
 
     model = load_pretrained(path).to(device).eval()
@@ -176,7 +176,7 @@ def _sync_two_processes(rank: int, world: int, store, path: str, device: str, ro
     """Process 0: the trainer (its tensors on the device); process 1: the engine (on the device)."""
     from relayrl.engine.model_runner import ModelRunner
     from relayrl.sync import EngineLayout, Members, SyncComm, SyncSpec, TrainerLayout, sync_step
-    from relayrl.sync.layout import ModelShape
+    from relayrl.models.config import ModelShape
     from relayrl.sync.transfer import trainer_locals
 
     model = load_pretrained(path).to(device)

@@ -14,7 +14,8 @@ import torch
 
 from relayrl.controller.config import RunConfig
 from relayrl.models import CausalLM, ModelConfig
-from relayrl.sync.layout import ModelShape, engine_param_name
+from relayrl.models.config import ModelShape
+from relayrl.sync.layout import engine_param_name
 from relayrl.observe import read_metrics
 
 # ---------------------------------------------------------------------------- run configs
@@ -103,7 +104,7 @@ SYNC_CONFIGS = {
 }
 
 
-def naive_plan(full_sd: dict[str, torch.Tensor], cfg: ModelConfig | ModelShape,
+def naive_plan(full_sd: dict[str, torch.Tensor], cfg: ModelShape,
                engine_tp: int) -> dict[int, dict[str, torch.Tensor]]:
     """WRONG, kept to show why: assemble each fused weight from the full logical tensors, then cut it
     in engine_tp equal row blocks. Rank r's qkv block straddles the q|k|v boundaries (rank 1 of 2

@@ -16,7 +16,8 @@ from relayrl.parallel.parallelize import parallelize_model
 from relayrl.sync.apply import shard_state_dict
 from relayrl.sync.boxes import Box
 from relayrl.parallel.rendezvous import serve_store
-from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout
+from relayrl.models.config import ModelShape
+from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.plan import plan_sync
 from relayrl.sync.checksums import dest_checksums, first_mismatch, source_checksums
 from relayrl.sync.transfer import (

@@ -15,7 +15,8 @@ from relayrl.engine import LLMEngine
 from relayrl.errors import ConfigError
 from relayrl.sync.config import SyncConfig
 from relayrl.models import CausalLM, ModelConfig
-from relayrl.sync.layout import ModelShape, TrainerLayout
+from relayrl.models.config import ModelShape
+from relayrl.sync.layout import TrainerLayout
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.config import TrainerConfig
 

@@ -42,7 +42,8 @@ from relayrl.observe import MetricsLogger, Progress
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
-from relayrl.sync.layout import ModelShape, TrainerLayout
+from relayrl.models.config import ModelShape
+from relayrl.sync.layout import TrainerLayout
 from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.policy import Policy

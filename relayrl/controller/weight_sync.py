@@ -35,7 +35,8 @@ from relayrl.errors import UserError
 from relayrl.parallel.rendezvous import serve_store
 from relayrl.sync.checksums import describe_piece, first_mismatch
 from relayrl.sync.config import SyncConfig
-from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout
+from relayrl.models.config import ModelShape
+from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.transfer import Members, SyncSpec
 from relayrl.sync.wire import FP8
 from relayrl.trainer.batch import TrainBatch

@@ -24,9 +24,12 @@ ARCHITECTURES = {
 }
 
 
-@dataclass(kw_only=True)
-class ModelConfig:
-    model_type: str
+@dataclass(kw_only=True, unsafe_hash=True)
+class ModelShape:
+    """The fields of a model config that decide its tensors' names and shapes: what a weight-sync plan
+    or a checkpoint layout depends on. Hashable (plans are cached by it). A ModelConfig is a ModelShape
+    plus everything else; `ModelShape.of(cfg)` keeps only these fields."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,14 +37,29 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3" | "linear", ...}
     qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 when attention_bias
     o_bias: bool = False  # Llama/Qwen3 attention_bias also biases o_proj
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
     tie_word_embeddings: bool = False
+
+    @classmethod
+    def of(cls, cfg: ModelShape) -> ModelShape:
+        """The shape of a ModelConfig (or a shape itself)."""
+        if type(cfg) is cls:
+            return cfg
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(kw_only=True, eq=True)
+class ModelConfig(ModelShape):
+    """The decoder's config: its shape (ModelShape) plus model type, norms, RoPE, lengths and token ids."""
+
+    __hash__ = None  # mutable and holds dicts: not hashable (its ModelShape.of is)
+    model_type: str
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3" | "linear", ...}
     max_position_embeddings: int = 2048
     sliding_window: int | None = None
     bos_token_id: int | None = None

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from relayrl.models.config import ModelConfig
-from relayrl.sync.layout import ModelShape, TrainerLayout, trainer_holdings
+from relayrl.models.config import ModelShape
+from relayrl.sync.layout import TrainerLayout, trainer_holdings
 from relayrl.sync.plan import SyncPlan, Transfer
 from relayrl.sync.wire import pack_pieces, unpack_pieces
 
 
-def shard_state_dict(full_sd: dict[str, torch.Tensor], cfg: ModelConfig | ModelShape, layout: TrainerLayout,
+def shard_state_dict(full_sd: dict[str, torch.Tensor], cfg: ModelShape, layout: TrainerLayout,
                      rank: int) -> dict[str, torch.Tensor]:
     """Trainer `rank`'s local tensors (HF names) cut from the full logical state dict."""
     out = {}

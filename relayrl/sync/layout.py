@@ -33,37 +33,13 @@ from fnmatch import fnmatch
 from functools import lru_cache
 
 from relayrl.errors import ConfigError
-from relayrl.models.config import ModelConfig
+from relayrl.models.config import ModelShape
 from relayrl.models.fusion import FUSED_INTO
 from relayrl.parallel.tensor_parallel import WEIGHT_SHARD_DIM, check_tp_divisibility, tp_plan
 from relayrl.sync.boxes import Box
 
 # logical (HF) module -> (engine module, which part of the fused tensor, in order)
 ENGINE_FUSION = FUSED_INTO
-
-
-@dataclass(kw_only=True, frozen=True)
-class ModelShape:
-    """The fields of a ModelConfig that decide tensor names and shapes (hashable: plans are cached)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    tie_word_embeddings: bool = False
-
-    @classmethod
-    def of(cls, cfg: "ModelConfig | ModelShape") -> "ModelShape":
-        if isinstance(cfg, ModelShape):
-            return cfg
-        return cls(**{f: getattr(cfg, f) for f in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
@@ -156,7 +132,7 @@ def _logical(shape: ModelShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple(out)
 
 
-def logical_tensors(cfg: ModelConfig | ModelShape) -> dict[str, tuple[int, ...]]:
+def logical_tensors(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor of the checkpoint (what a sync must deliver)."""
     return dict(_logical(ModelShape.of(cfg)))
 
@@ -204,7 +180,7 @@ def _trainer(shape: ModelShape, layout: TrainerLayout, rank: int) -> tuple[tuple
     return tuple(out)
 
 
-def trainer_holdings(cfg: ModelConfig | ModelShape, layout: TrainerLayout, rank: int) -> dict[str, list[Holding]]:
+def trainer_holdings(cfg: ModelShape, layout: TrainerLayout, rank: int) -> dict[str, list[Holding]]:
     """HF name -> what trainer `rank` holds of it (one box, possibly empty: FSDP's trailing chunks)."""
     return {name: [h] for name, h in _trainer(ModelShape.of(cfg), layout, rank)}
 
@@ -268,14 +244,14 @@ def _engine(shape: ModelShape, layout: EngineLayout, rank: int) -> tuple[tuple[s
     return tuple((k, tuple(v)) for k, v in params.items())
 
 
-def engine_holdings(cfg: ModelConfig | ModelShape, layout: EngineLayout, rank: int) -> dict[str, list[EnginePiece]]:
+def engine_holdings(cfg: ModelShape, layout: EngineLayout, rank: int) -> dict[str, list[EnginePiece]]:
     """Engine parameter name -> the logical boxes it is made of, with their destination offsets.
 
     Tied embeddings: lm_head.weight is absent (the engine's lm_head shares embed_tokens.weight)."""
     return {k: list(v) for k, v in _engine(ModelShape.of(cfg), layout, rank)}
 
 
-def engine_param_shapes(cfg: ModelConfig | ModelShape, layout: EngineLayout, rank: int) -> dict[str, tuple[int, ...]]:
+def engine_param_shapes(cfg: ModelShape, layout: EngineLayout, rank: int) -> dict[str, tuple[int, ...]]:
     """Engine parameter name -> its shape on `rank` (the bounding box of its pieces)."""
     out = {}
     for name, pieces in engine_holdings(cfg, layout, rank).items():

@@ -31,7 +31,6 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from relayrl.models.config import ModelConfig
 from relayrl.sync.boxes import Box
 from relayrl.sync.layout import (
     EngineLayout,
@@ -214,9 +213,6 @@ def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout) -> SyncPlan:
     return SyncPlan(shape=shape, trainer=tl, engine=el, transfers=tuple(transfers), param_shapes=tuple(param_shapes))
 
 
-def plan_sync(cfg: ModelConfig | ModelShape, trainer_layout: TrainerLayout, engine_layout: EngineLayout) -> SyncPlan:
+def plan_sync(cfg: ModelShape, trainer_layout: TrainerLayout, engine_layout: EngineLayout) -> SyncPlan:
     """The reshard plan from a trainer layout to one engine replica's layout (cached)."""
     return _plan(ModelShape.of(cfg), trainer_layout, engine_layout)
-
-
-# ---------------------------------------------------------------------------- the wrong way

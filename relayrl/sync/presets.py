@@ -7,7 +7,7 @@ config.json files of these models.
 from __future__ import annotations
 
 from relayrl.errors import ConfigError
-from relayrl.sync.layout import ModelShape
+from relayrl.models.config import ModelShape
 
 PRESETS: dict[str, ModelShape] = {
     # the planner's test case: 8 Q heads over 2 KV heads, so engine TP 4 replicates KV heads

@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from relayrl.parallel.rendezvous import StoreAddress, join_store
-from relayrl.sync.layout import EngineLayout, ModelShape, TrainerLayout, trainer_holdings
+from relayrl.models.config import ModelShape
+from relayrl.sync.layout import EngineLayout, TrainerLayout, trainer_holdings
 from relayrl.sync.plan import SyncPlan, Transfer, plan_sync
 from relayrl.sync.wire import decode, encode, fp8_round_trip, fp8_scales, nbytes, receive_buffers
 
