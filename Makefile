@@ -18,7 +18,7 @@ $(VENV)/.torch: $(BIN)/python
 	touch $@
 
 $(VENV)/.relayrl: $(VENV)/.torch pyproject.toml
-	$(BIN)/python -m pip install -q -e ".[ray]" pytest
+	$(BIN)/python -m pip install -q -e ".[ray]" pytest ruff
 	touch $@
 
 setup: $(VENV)/.relayrl
@@ -30,6 +30,7 @@ demo: setup
 	$(BIN)/relayrl demo --out $(DEMO_OUT)
 
 test: setup
+	$(BIN)/ruff check relayrl tests benchmarks
 	$(BIN)/python -m pytest -q -x --durations=15
 
 bench: setup-dev

@@ -28,28 +28,28 @@ model is saved with save_pretrained and loaded back into relayrl's engine).
 from __future__ import annotations
 
 import argparse
-import warnings
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relayrl.controller.config import RunConfig  # noqa: E402
-from relayrl.controller.demo import DATA, GRPO, SFT  # noqa: E402
-from relayrl.controller.evaluate import evaluate  # noqa: E402
-from relayrl.controller.prompts import encode_prompt  # noqa: E402
-from relayrl.controller.run import build_driver  # noqa: E402
-from relayrl.controller.sft_job import SFTJobConfig, run_sft  # noqa: E402
-from relayrl.data import DataConfig, PromptSampler, build_datasets  # noqa: E402
-from relayrl.engine import LLMEngine  # noqa: E402
-from relayrl.models import load_pretrained  # noqa: E402
-from relayrl.models.tokenizer import load_tokenizer  # noqa: E402
-from relayrl.rewards import RewardConfig, build_scorer  # noqa: E402
+from relayrl.controller.config import RunConfig
+from relayrl.controller.demo import DATA, GRPO, SFT
+from relayrl.controller.evaluate import evaluate
+from relayrl.controller.prompts import encode_prompt
+from relayrl.controller.run import build_driver
+from relayrl.controller.sft_job import SFTJobConfig, run_sft
+from relayrl.data import DataConfig, PromptSampler, build_datasets
+from relayrl.engine import LLMEngine
+from relayrl.models import load_pretrained
+from relayrl.models.tokenizer import load_tokenizer
+from relayrl.rewards import RewardConfig, build_scorer
 
 STAGES = ("sync", "rollout", "reward", "old_logp", "update")
 
@@ -134,9 +134,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 
-    from transformers import PrinterCallback, TrainerCallback
     import transformers
     import trl
+    from transformers import PrinterCallback, TrainerCallback
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
@@ -213,15 +213,17 @@ def main() -> None:
     rows = {
         "relayrl": (med_rl, [m["reward/mean"] for m in rl_metrics], [m["response_length/mean"] for m in rl_metrics],
                     acc_rl, statistics.median(m["time/rollout"] for m in rl_metrics[1:] or rl_metrics)),
-        "trl": (med_trl, trl_log["reward"], trl_log["length"], acc_trl, statistics.median(trl_log["gen"][1:] or trl_log["gen"])),
+        "trl": (med_trl, trl_log["reward"], trl_log["length"], acc_trl,
+                statistics.median(trl_log["gen"][1:] or trl_log["gen"])),
     }
     print(f"\nheld-out greedy accuracy of the start model: {acc0:.3f} (n={len(eval_set)})")
     print(f"\n| system | s/step (median, steps 2..{args.steps}) | completions/s | generation s/step | "
-          f"mean resp. tokens | train reward, last {k} | held-out acc after {args.steps} |\n|---|---|---|---|---|---|---|")
+          f"mean resp. tokens | train reward, last {k} | held-out acc after {args.steps} |\n"
+          "|---|---|---|---|---|---|---|")
     for name, (med, rew, lens, acc, gen_s) in rows.items():
         print(f"| {name} | {med:.3f} | {n / med:.0f} | {gen_s:.3f} | {statistics.mean(lens):.2f} | "
               f"{statistics.mean(rew[-k:]):.3f} | {acc:.3f} |")
-    paired = statistics.median(b / a for a, b in zip(rl_step, trl_step))
+    paired = statistics.median(b / a for a, b in zip(rl_step, trl_step, strict=True))
     print(f"\nrelayrl / TRL completions per second: {med_trl / med_rl:.2f}x (ratio of medians), "
           f"{paired:.2f}x (median of per-step paired ratios)")
     stage = {s: statistics.median(m[f"time/{s}"] for m in rl_metrics[1:] or rl_metrics) for s in STAGES}

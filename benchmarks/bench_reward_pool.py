@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relayrl.data import Example, get_task  # noqa: E402
-from relayrl.rewards import RewardConfig, build_scorer  # noqa: E402
+from relayrl.data import Example, get_task
+from relayrl.rewards import RewardConfig, build_scorer
 
 
 def exact_match_batch(n: int, rng: random.Random):
@@ -81,7 +81,7 @@ def main() -> None:
             for n in args.batches:
                 comps, exs = make(n, rng)
                 times = {w: [] for w in scorers}
-                for w, s in scorers.items():  # warm-up: imports, regex and gold-parse caches
+                for s in scorers.values():  # warm-up: imports, regex and gold-parse caches
                     timed(s, comps, exs)
                 for _ in range(args.repeats):
                     ref = None
@@ -98,7 +98,8 @@ def main() -> None:
             for s in scorers.values():
                 s.close()
     print(f"\nmedian of {args.repeats} rounds; per sample = one reward call + the task-accuracy call\n")
-    print("| shape | batch | workers | in-process us/sample | pool us/sample | ratio pool/in-process | overhead us/sample |")
+    print("| shape | batch | workers | in-process us/sample | pool us/sample | ratio pool/in-process "
+          "| overhead us/sample |")
     print("|---|---|---|---|---|---|---|")
     for shape, n, w, base, pool, ratio, over in rows:
         print(f"| {shape} | {n} | {w} | {base:.1f} | {pool:.1f} | {ratio:.2f} | {over:+.1f} |")

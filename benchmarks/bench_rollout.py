@@ -58,13 +58,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import relayrl.engine.llm_engine as llm_engine_mod  # noqa: E402
-import relayrl.engine.model_runner as model_runner_mod  # noqa: E402
-from relayrl.engine import LLMEngine, SamplingParams  # noqa: E402
-from relayrl.models import load_pretrained  # noqa: E402
-from relayrl.models.config import TinyModelConfig  # noqa: E402
-from relayrl.models.tiny import build_tiny_model  # noqa: E402
-from relayrl.models.tokenizer import load_tokenizer  # noqa: E402
+import relayrl.engine.llm_engine as llm_engine_mod
+import relayrl.engine.model_runner as model_runner_mod
+from relayrl.engine import LLMEngine, SamplingParams
+from relayrl.models import load_pretrained
+from relayrl.models.config import TinyModelConfig
+from relayrl.models.tiny import build_tiny_model
+from relayrl.models.tokenizer import load_tokenizer
 
 ALPHABET = "0123456789+-*= "
 PRESETS = {
@@ -102,7 +102,7 @@ def make_prompts(tok, k: int, shots: int, seed: int) -> list[list[int]]:
 
 def kv_blocks_needed(prompts, lens, n: int, block_size: int) -> int:
     """Blocks for every sequence at its full length at once, no prefix sharing: never preempts."""
-    return sum(n * -(-(len(p) + L - 1) // block_size) for p, L in zip(prompts, lens))
+    return sum(n * -(-(len(p) + L - 1) // block_size) for p, L in zip(prompts, lens, strict=True))
 
 
 def fresh(engine: LLMEngine) -> None:
@@ -112,12 +112,13 @@ def fresh(engine: LLMEngine) -> None:
 
 
 def sampling_params(lens, n: int, seed: int) -> list[SamplingParams]:
-    return [SamplingParams(n=n, temperature=1.0, max_tokens=L, ignore_eos=True, seed=seed + i) for i, L in enumerate(lens)]
+    return [SamplingParams(n=n, temperature=1.0, max_tokens=L, ignore_eos=True, seed=seed + i)
+            for i, L in enumerate(lens)]
 
 
 def check(outs, lens) -> int:
     total = 0
-    for out, L in zip(outs, lens):
+    for out, L in zip(outs, lens, strict=True):
         for s in out.samples:
             assert len(s.token_ids) == len(s.logprobs) == L, (len(s.token_ids), L)
             total += L
@@ -221,7 +222,7 @@ def block_trace(engine: LLMEngine, prompts, lens, args) -> dict:
         return seqs, is_prefill
 
     sched.schedule = schedule
-    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params(lens, args.n, args.seed))]
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params(lens, args.n, args.seed), strict=True)]
     outs = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -263,7 +264,8 @@ def phase_profile(engine: LLMEngine, prompts, lens, args) -> None:
     llm_engine_mod.prepare = timed("prepare (incl. build_batch)", orig["prepare"])
     model_runner_mod.build_batch = timed("  of which build_batch", orig["bb"])
     llm_engine_mod.sample = timed("sample()", orig["sample"])
-    engine.runner.run = timed(lambda _: "model run, prefill" if state["prefill"] else "model run, decode", engine.runner.run)
+    engine.runner.run = timed(lambda _: "model run, prefill" if state["prefill"] else "model run, decode",
+                              engine.runner.run)
     step_orig = engine.step
     engine.step = timed("step() total", step_orig)
     try:
@@ -271,7 +273,8 @@ def phase_profile(engine: LLMEngine, prompts, lens, args) -> None:
         run_relayrl(engine, prompts, lens, args.n, args.seed)
         total = time.perf_counter() - t0
     finally:
-        llm_engine_mod.prepare, llm_engine_mod.sample, model_runner_mod.build_batch = orig["prepare"], orig["sample"], orig["bb"]
+        llm_engine_mod.prepare, llm_engine_mod.sample = orig["prepare"], orig["sample"]
+        model_runner_mod.build_batch = orig["bb"]
         del engine.runner.run, engine.step
     step = acc["step() total"]
     named = sum(v for k, v in acc.items() if k not in ("step() total", "  of which build_batch"))
@@ -346,7 +349,7 @@ def main() -> None:
             t_ours = res["times"]["relayrl"]
             for name, ts in res["times"].items():
                 med = statistics.median(ts)
-                paired = statistics.median(b / a for a, b in zip(t_ours, ts))
+                paired = statistics.median(b / a for a, b in zip(t_ours, ts, strict=True))
                 print(f"| {d} | {name} | {res['tokens']} | {med:.3f} | {res['tokens'] / med:.0f} "
                       f"| {med / statistics.median(t_ours):.2f}x | {paired:.2f}x |")
         for d, res in results.items():

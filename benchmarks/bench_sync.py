@@ -42,23 +42,23 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relayrl.engine.model_runner import ModelRunner  # noqa: E402
-from relayrl.engine.parallel_state import TPInfo  # noqa: E402
-from relayrl.models import CausalLM, ModelConfig  # noqa: E402
-from relayrl.parallel.dims import ParallelDims  # noqa: E402
-from relayrl.parallel.launch import launch  # noqa: E402
-from relayrl.parallel.parallelize import parallelize_model  # noqa: E402
-from relayrl.sync.apply import shard_state_dict  # noqa: E402
-from relayrl.parallel.rendezvous import serve_store  # noqa: E402
-from relayrl.models.config import ModelShape  # noqa: E402
-from relayrl.sync.layout import EngineLayout, TrainerLayout  # noqa: E402
-from relayrl.sync.transfer import (  # noqa: E402
+from relayrl.engine.model_runner import ModelRunner
+from relayrl.engine.parallel_state import TPInfo
+from relayrl.models import CausalLM, ModelConfig
+from relayrl.models.config import ModelShape
+from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.launch import launch
+from relayrl.parallel.parallelize import parallelize_model
+from relayrl.parallel.rendezvous import serve_store
+from relayrl.sync.apply import shard_state_dict
+from relayrl.sync.layout import EngineLayout, TrainerLayout
+from relayrl.sync.transfer import (
     BackgroundSend,
     Members,
     SyncComm,
+    SyncSpec,
     finish_receives,
     post_receives,
-    SyncSpec,
     sync_step,
     trainer_locals,
 )
@@ -232,7 +232,9 @@ def step_share(steps: int) -> list[str]:
             d["run"]["out_dir"] = os.path.join(tmp, str(len(lines)))
             res = train(RunConfig.from_dict(d), show_progress=False)
             ms = [m for m in read_metrics(res["run_dir"]) if "time/sync" in m][1:]  # the first step warms up
-            mean = lambda k: statistics.mean(m[k] for m in ms)  # noqa: E731
+            def mean(k, ms=ms):
+                return statistics.mean(m[k] for m in ms)
+
             lines.append(f"| {name} | {mean('time/sync'):.3f} | {mean('time/sync_transfer'):.3f} | "
                          f"{mean('time/sync_verify'):.3f} | {mean('time/step'):.3f} | "
                          f"{mean('time/sync') / mean('time/step'):.1%} |")
@@ -254,14 +256,16 @@ def main() -> None:
         return
     cfg = model_config(args.hidden, args.layers)
     n = sum(p.numel() for p in CausalLM(cfg).parameters())
-    print(f"model: {n / 1e6:.1f}M parameters ({n * 4 / 2**20:.0f} MiB fp32); rounds {args.rounds} after {args.warmup} warm-up")
+    print(f"model: {n / 1e6:.1f}M parameters ({n * 4 / 2**20:.0f} MiB fp32); "
+          f"rounds {args.rounds} after {args.warmup} warm-up")
     lines = ["| placement: trainer -> engine | planned (ms) | gather-then-slice (ms) | memcpy floor (ms) | "
              "gather / planned | planned / floor | MiB received / engine rank (planned) | MiB copied in place | "
              "MiB engine shard | MiB received / engine rank (gather) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     common = (args.hidden, args.layers, args.rounds, args.warmup)
     store = serve_store()
-    lines += report("colocated: FSDP 2 -> TP 2 (2 processes)", launch(colocated, 2, store.address, *common, timeout=1800))
+    lines += report("colocated: FSDP 2 -> TP 2 (2 processes)",
+                    launch(colocated, 2, store.address, *common, timeout=1800))
     store.close()
     store = serve_store()
     lines += report("disaggregated: FSDP 2 -> TP 2 (4 processes)",

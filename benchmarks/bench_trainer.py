@@ -73,14 +73,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relayrl.algorithms import AlgoConfig  # noqa: E402
-from relayrl.models import CausalLM, ModelConfig  # noqa: E402
-from relayrl.parallel.dims import ParallelDims  # noqa: E402
-from relayrl.parallel.launch import launch  # noqa: E402
-from relayrl.parallel.parallelize import apply_activation_checkpointing, parallelize_model  # noqa: E402
-from relayrl.trainer.actor import Actor  # noqa: E402
-from relayrl.trainer.batch import TrainBatch, build_rows  # noqa: E402
-from relayrl.trainer.config import TrainerConfig  # noqa: E402
+from relayrl.algorithms import AlgoConfig
+from relayrl.models import CausalLM, ModelConfig
+from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.launch import launch
+from relayrl.parallel.parallelize import apply_activation_checkpointing, parallelize_model
+from relayrl.trainer.actor import Actor
+from relayrl.trainer.batch import TrainBatch, build_rows
+from relayrl.trainer.config import TrainerConfig
 
 MiB = 2**20
 
@@ -340,8 +340,8 @@ def summarise(times, shares, phases, tokens, flops, flops_6n, peak, peak1, min_s
         for layout in med:
             if layout == "single":
                 continue
-            paired = [s / f for s, f, ok1, ok2 in zip(times["single"], times[layout], keep["single"], keep[layout])
-                      if ok1 and ok2]
+            rounds = zip(times["single"], times[layout], keep["single"], keep[layout], strict=True)
+            paired = [s / f for s, f, ok1, ok2 in rounds if ok1 and ok2]
             print(f"  {layout} / single throughput: {med['single'] / med[layout]:.2f}x (ratio of medians); "
                   f"paired {[round(x, 2) for x in paired]}")
     if "single1" in med:
@@ -441,7 +441,8 @@ def main() -> None:
                     phases[layout].append((max(o["steps"][i]["t_fb"] for o in out),
                                            max(o["steps"][i]["t_opt"] for o in out)))
                 losses[layout] = (round(out[0]["loss"], 6), round(out[0]["grad_norm"], 5))
-                print(f"  round {r} {layout:7s}: update s per rank {[[round(x['time'], 2) for x in o['steps']] for o in out]}"
+                per_rank = [[round(x["time"], 2) for x in o["steps"]] for o in out]
+                print(f"  round {r} {layout:7s}: update s per rank {per_rank}"
                       f"; CPU share of its cores {[round(x, 2) for x in shares[layout][-args.repeats:]]}"
                       f"; load {os.getloadavg()[0]:.2f}")
         print(f"  last update's loss / grad_norm: {losses}")
@@ -466,7 +467,8 @@ def main() -> None:
                 print(f"  {layout:6s} rank {rank}: held params {_mib(h['params'])} + grads {_mib(h['grads'])} + "
                       f"AdamW {_mib(h['optim'])} = {_mib(held)} MiB ({held / n_params:.2f} B/param; arithmetic "
                       f"{_mib(arith[layout])} MiB); RSS base {_mib(o['rss_base'])}, after build "
-                      f"+{_mib(o['rss_built'] - o['rss_base'])}, before update +{_mib(s['rss_before'] - o['rss_base'])}, "
+                      f"+{_mib(o['rss_built'] - o['rss_base'])}, "
+                      f"before update +{_mib(s['rss_before'] - o['rss_base'])}, "
                       f"peak fwd/bwd +{_mib(s['fb_hwm'] - o['rss_base'])}, peak optim step "
                       f"+{_mib(s['opt_hwm'] - o['rss_base'])} => peak rise {_mib(peak_rise)} MiB; "
                       f"update {s['time']:.2f}s; rows {o['rows']}; steps' peaks "
@@ -481,7 +483,8 @@ def main() -> None:
                     for k in ("ddp", "fsdp")}
             rest = {k: worst(k, lambda o: o["steps"][-1]["rss_before"] - o["rss_base"]) for k in ("ddp", "fsdp")}
             print(f"  DDP / FSDP (max over ranks): held states {held['ddp'] / held['fsdp']:.2f}x (ideal 2x); "
-                  f"RSS between updates {rest['ddp'] / rest['fsdp']:.2f}x; peak RSS rise {rise['ddp'] / rise['fsdp']:.2f}x")
+                  f"RSS between updates {rest['ddp'] / rest['fsdp']:.2f}x; "
+                  f"peak RSS rise {rise['ddp'] / rise['fsdp']:.2f}x")
             act = rise["fsdp"] - held["fsdp"]
             print(f"  arithmetic with the FSDP rank's peak minus its held states as 'activations etc.' "
                   f"({_mib(act)} MiB): DDP {_mib(arith['ddp'] + act)} vs FSDP {_mib(arith['fsdp'] + act)} MiB "

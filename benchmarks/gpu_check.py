@@ -28,14 +28,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from relayrl.engine import LLMEngine, SamplingParams  # noqa: E402
-from relayrl.engine.model_runner import prepare  # noqa: E402
-from relayrl.engine.sequence import Sequence  # noqa: E402
-from relayrl.models import load_pretrained  # noqa: E402
-from relayrl.models.config import TinyModelConfig  # noqa: E402
-from relayrl.models.tiny import build_tiny_model  # noqa: E402
-from relayrl.trainer.batch import build_rows, scatter_per_token  # noqa: E402
-from relayrl.trainer.logprobs import token_logprobs  # noqa: E402
+from relayrl.engine import LLMEngine, SamplingParams
+from relayrl.engine.model_runner import prepare
+from relayrl.engine.sequence import Sequence
+from relayrl.models import load_pretrained
+from relayrl.models.config import TinyModelConfig
+from relayrl.models.tiny import build_tiny_model
+from relayrl.trainer.batch import build_rows, scatter_per_token
+from relayrl.trainer.logprobs import token_logprobs
 
 
 def model_dir(small: bool) -> str:
@@ -47,7 +47,8 @@ def model_dir(small: bool) -> str:
 
 def prompts(n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(4, 18, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [torch.randint(4, 18, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
 
 
 def check_nccl(path: str, device: str) -> dict:
@@ -87,7 +88,7 @@ def check_greedy(path: str, device: str) -> dict:
     outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     same = 0
     with torch.no_grad():
-        for p, o in zip(ps, outs):
+        for p, o in zip(ps, outs, strict=True):
             ids = list(p)
             for _ in range(16):
                 ids.append(int(model(torch.tensor([ids], device=device))[0, -1].argmax()))
@@ -116,8 +117,10 @@ def check_bf16(path: str, device: str) -> dict:
 def check_throughput(path: str, device: str) -> dict:
     ps = prompts(32)
     g = torch.Generator().manual_seed(1)
-    lengths = [int(x) for x in torch.where(torch.rand(32, generator=g) < 0.15, 256, torch.randint(8, 64, (32,), generator=g))]
-    params = [SamplingParams(n=8, temperature=1.0, max_tokens=n, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
+    long = torch.rand(32, generator=g) < 0.15  # a few long requests among short ones
+    lengths = [int(x) for x in torch.where(long, 256, torch.randint(8, 64, (32,), generator=g))]
+    params = [SamplingParams(n=8, temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
+              for i, n in enumerate(lengths)]
     total = 8 * sum(lengths)
     res = {}
     eng = LLMEngine.from_pretrained(path, device=device, dtype=torch.bfloat16, kv_cache_fraction=0.3)
@@ -141,10 +144,10 @@ def check_throughput(path: str, device: str) -> dict:
 
 def check_sync(path: str, device: str) -> dict:
     from relayrl.engine.model_runner import ModelRunner
+    from relayrl.models.config import ModelShape
     from relayrl.parallel.launch import launch
     from relayrl.parallel.rendezvous import serve_store
     from relayrl.sync import EngineLayout, Members, SyncSpec, TrainerLayout, sync_step
-    from relayrl.models.config import ModelShape
     from relayrl.sync.transfer import trainer_locals
 
     model = load_pretrained(path).to(device).eval()
@@ -175,8 +178,8 @@ def check_sync(path: str, device: str) -> dict:
 def _sync_two_processes(rank: int, world: int, store, path: str, device: str, rows) -> torch.Tensor | None:
     """Process 0: the trainer (its tensors on the device); process 1: the engine (on the device)."""
     from relayrl.engine.model_runner import ModelRunner
-    from relayrl.sync import EngineLayout, Members, SyncComm, SyncSpec, TrainerLayout, sync_step
     from relayrl.models.config import ModelShape
+    from relayrl.sync import EngineLayout, Members, SyncComm, SyncSpec, TrainerLayout, sync_step
     from relayrl.sync.transfer import trainer_locals
 
     model = load_pretrained(path).to(device)
@@ -200,9 +203,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     path = model_dir(a.small)
-    results = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu", "torch": torch.__version__}
-    for name, fn in (("nccl", check_nccl), ("greedy_fp32", check_greedy), ("bf16", check_bf16), ("throughput", check_throughput),
-                     ("sync", check_sync)):
+    results = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+               "torch": torch.__version__}
+    for name, fn in (("nccl", check_nccl), ("greedy_fp32", check_greedy), ("bf16", check_bf16),
+                     ("throughput", check_throughput), ("sync", check_sync)):
         t = time.perf_counter()
         try:
             results[name] = fn(path, a.device)

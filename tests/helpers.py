@@ -15,8 +15,8 @@ import torch
 from relayrl.controller.config import RunConfig
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.models.config import ModelShape
-from relayrl.sync.layout import engine_param_name
 from relayrl.observe import read_metrics
+from relayrl.sync.layout import engine_param_name
 
 # ---------------------------------------------------------------------------- run configs
 SMALL = {
@@ -60,7 +60,7 @@ def step_metrics(run_dir) -> list[dict]:
 def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
     """Same samples (the rollouts saw the same weights) and the same update, to rounding."""
     assert len(a) == len(b) > 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         for k in EXACT:
             assert x[k] == y[k], k
         for k in CLOSE:

@@ -216,7 +216,8 @@ def test_gspo_gradient_matches_finite_difference():
         plus, minus = logp.detach().clone(), logp.detach().clone()
         plus[i, j] += h
         minus[i, j] -= h
-        fd = (get_loss("gspo")(plus, old, adv, mask, **kw)[0] - get_loss("gspo")(minus, old, adv, mask, **kw)[0]) / (2 * h)
+        gspo = get_loss("gspo")
+        fd = (gspo(plus, old, adv, mask, **kw)[0] - gspo(minus, old, adv, mask, **kw)[0]) / (2 * h)
         close(logp.grad[i, j], fd, tol=1e-7)
 
 
@@ -300,7 +301,8 @@ def test_group_filtering():
 
 def test_algo_config_defaults_and_errors():
     cfg = AlgoConfig()
-    assert (cfg.advantage, cfg.loss, cfg.agg, cfg.clip_low, cfg.clip_high, cfg.tis_cap) == ("grpo", "ppo", "token-mean", 0.2, 0.28, 2.0)
+    assert (cfg.advantage, cfg.loss, cfg.agg, cfg.clip_low, cfg.clip_high, cfg.tis_cap) == (
+        "grpo", "ppo", "token-mean", 0.2, 0.28, 2.0)
     assert AlgoConfig.from_dict({"tis_cap": None, "mis_low": 0.5, "mis_high": 2.0}).uses_mis
     bad = [
         ({"clip_lo": 0.2}, "unknown key 'clip_lo'"),

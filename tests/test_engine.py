@@ -37,7 +37,7 @@ def test_greedy_matches_full_recompute(tiny_model):
     eng = engine(tiny_model, max_num_seqs=3)  # 3 slots for 4 prompts: one joins as another finishes
     outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
     with torch.no_grad():
-        for prompt, o in zip(PROMPTS, outs):
+        for prompt, o in zip(PROMPTS, outs, strict=True):
             ref_tokens, ref_lps = _greedy_reference(tiny_model, prompt, 12)
             assert o.samples[0].token_ids == ref_tokens
             torch.testing.assert_close(torch.tensor(o.samples[0].logprobs), torch.tensor(ref_lps), atol=1e-5, rtol=0)
@@ -76,7 +76,7 @@ def test_seeded_sampling_independent_of_batch(tiny_model):
     eng = engine(tiny_model)
     together = eng.generate(PROMPTS, sp)
     alone = [eng.generate([p], sp)[0] for p in PROMPTS]
-    for a, b in zip(together, alone):
+    for a, b in zip(together, alone, strict=True):
         assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
         assert len({tuple(s.token_ids) for s in a.samples}) > 1  # the n samples differ
     other = eng.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, top_k=20, max_tokens=10, seed=12))
@@ -143,7 +143,8 @@ def test_stop_strings_cut_text_and_keep_completing_token(tiny_model, tmp_path):
     text = tok.decode(base.token_ids, skip_special_tokens=True)
     stop = text[3:5]
     assert stop and stop not in text[:4]
-    out = eng.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0].samples[0]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    out = eng.generate([[5, 6, 7]], sp)[0].samples[0]
     assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
     assert out.token_ids == base.token_ids[: len(out.token_ids)]
     assert tok.decode(out.token_ids, skip_special_tokens=True).endswith(stop)
@@ -156,7 +157,7 @@ def test_top_logprobs_follow_the_same_definition(tiny_model):
     with torch.no_grad():
         ids = PROMPTS[0] + s.token_ids
         logits = tiny_model(torch.tensor([ids]))[0, len(PROMPTS[0]) - 1:-1] / 0.5
-    for step, top in zip(logits.log_softmax(-1), s.top_logprobs):
+    for step, top in zip(logits.log_softmax(-1), s.top_logprobs, strict=True):
         want = step.topk(3)
         assert list(top) == want.indices.tolist()
         torch.testing.assert_close(torch.tensor(list(top.values())), want.values, atol=1e-5, rtol=0)
@@ -170,5 +171,5 @@ def test_checkpoint_of_tied_model_loads_into_engine(tiny_model, tmp_path):
     eng = LLMEngine(load_config(tmp_path / "m"), num_blocks=64, block_size=4)  # what from_pretrained does
     eng.load_weights(load_state_dict(tmp_path / "m").items())
     out = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
-    for p, o in zip(PROMPTS, out):
+    for p, o in zip(PROMPTS, out, strict=True):
         assert o.samples[0].token_ids == _greedy_reference(tiny_model, p, 8)[0]

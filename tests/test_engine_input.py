@@ -14,8 +14,15 @@ from relayrl.engine.model import check_weights, logical_shapes
 from relayrl.engine.parallel_state import check_tp
 from relayrl.engine.scheduler import Scheduler
 from relayrl.engine.sequence import Sequence
-from relayrl.errors import (KVCacheError, ModelDirError, PromptError, SamplingParamsError, TensorParallelError,
-                            UserError, WeightShapeError)
+from relayrl.errors import (
+    KVCacheError,
+    ModelDirError,
+    PromptError,
+    SamplingParamsError,
+    TensorParallelError,
+    UserError,
+    WeightShapeError,
+)
 from relayrl.models import CausalLM, save_pretrained
 
 from conftest import tiny_config

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dist_harness import WorkerError, run_distributed
 from relayrl.algorithms.aggregation import token_mean
 from relayrl.errors import ConfigError
 from relayrl.models import CausalLM, ModelConfig
@@ -36,6 +35,7 @@ from relayrl.parallel.parallelize import parallelize_model
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 
+from dist_harness import WorkerError, run_distributed
 from helpers import perturbed_model, small_config
 
 REL = 1e-5  # scale-relative tolerance: max |a - b| <= REL * max |b|
@@ -100,7 +100,7 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-3, weight_decay=0.1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(config: str):
     torch.manual_seed(0)
     model = build_model(config)
@@ -261,7 +261,7 @@ def _cases_for(world_size):
     return cases
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(world_size):
     try:
         return run_distributed(_run_cases, world_size, _cases_for(world_size), timeout=150), None
@@ -310,7 +310,7 @@ def test_layout_matches_single_process(case):
 def test_collectives_forward_and_backward():
     for rank, checks in enumerate(_case_results(2, "collectives")):
         for name, pairs in checks.items():
-            for (a, b), what in zip(pairs, ("forward", "backward")):
+            for (a, b), what in zip(pairs, ("forward", "backward"), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{name} {what} on rank {rank}")
 
 
@@ -353,7 +353,7 @@ def test_activation_checkpointing_recomputes_with_same_grads():
         n = [0]
         for layer in model.model.layers:
             # a pre-hook: the recompute stops early (inside the mlp) once it has what backward needs
-            layer.mlp.register_forward_pre_hook(lambda *_: n.__setitem__(0, n[0] + 1))
+            layer.mlp.register_forward_pre_hook(lambda *_, n=n: n.__setitem__(0, n[0] + 1))
         logp = full_logprobs(model(ids, attention_mask=attn), ids)
         nll_loss(logp, loss_mask, loss_mask[:, 1:].sum()).backward()
         grads.append({k: p.grad for k, p in model.named_parameters()})

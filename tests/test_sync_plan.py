@@ -128,7 +128,8 @@ def test_seed_case_pieces_by_hand():
     assert got[2] == [(1, "q_proj", (0, 0), (8, h), (0, 0)),   # Q heads 4,5 = trainer 1's local rows 0:8
                       (1, "k_proj", (0, 0), (4, h), (8, 0)),
                       (1, "v_proj", (0, 0), (4, h), (12, 0))]
-    o = [(t.src_rank, t.src_offset, t.shape) for t in plan.for_dst(3) if t.dst_param == "layers.0.self_attn.o_proj.weight"]
+    o = [(t.src_rank, t.src_offset, t.shape) for t in plan.for_dst(3)
+         if t.dst_param == "layers.0.self_attn.o_proj.weight"]
     assert o == [(1, (0, 8), (h, 8))]  # Q heads 6,7 = columns 24:32 = trainer 1's (16:32) local columns 8:16
     assert plan.sources(0) == {0, 1}  # embed_tokens is vocab-sharded on the trainer, whole on the engine
     assert plan_sync(cfg, TrainerLayout(tp=2), EngineLayout(4)) is plan  # cached
@@ -216,7 +217,8 @@ def test_fsdp_chunks_follow_torch_chunk():
              for r in range(4)]
     assert sizes == [c.shape[0] for c in torch.arange(6).chunk(4)] + [0] == [2, 2, 2, 0]
     # rank numbering: tp fastest — rank 3 of (dp_shard 2, tp 2) is shard 1, tp rank 1
-    (h,) = trainer_holdings(_cfg("gqa8x2"), TrainerLayout(tp=2, dp_shard=2), 3)["model.layers.0.self_attn.q_proj.weight"]
+    holdings = trainer_holdings(_cfg("gqa8x2"), TrainerLayout(tp=2, dp_shard=2), 3)
+    (h,) = holdings["model.layers.0.self_attn.q_proj.weight"]
     assert h.box == Box(24, 32, 0, 18)
 
 

@@ -11,23 +11,23 @@ import torch.distributed as dist
 from relayrl.engine.model_runner import ModelRunner
 from relayrl.engine.parallel_state import TPInfo, check_tp
 from relayrl.models import CausalLM, ModelConfig
+from relayrl.models.config import ModelShape
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
+from relayrl.parallel.rendezvous import serve_store
 from relayrl.sync.apply import shard_state_dict
 from relayrl.sync.boxes import Box
-from relayrl.parallel.rendezvous import serve_store
-from relayrl.models.config import ModelShape
+from relayrl.sync.checksums import dest_checksums, first_mismatch, source_checksums
 from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.plan import plan_sync
-from relayrl.sync.checksums import dest_checksums, first_mismatch, source_checksums
 from relayrl.sync.transfer import (
     BackgroundSend,
     Members,
     SyncComm,
+    SyncSpec,
     buckets,
     finish_receives,
     post_receives,
-    SyncSpec,
     sync_step,
     trainer_locals,
 )
@@ -223,7 +223,7 @@ class _Loopback:
     def __init__(self, me: int):
         self.me, self.box, self.outstanding, self.most = me, {}, 0, 0
 
-    def as_member(self, me: int) -> "_Loopback":
+    def as_member(self, me: int) -> _Loopback:
         other = _Loopback(me)
         other.box = self.box
         return other

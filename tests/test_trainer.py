@@ -15,8 +15,10 @@ from relayrl.trainer.optim import lr_factor
 
 def _batch(model, n=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-    resps = [torch.randint(3, 60, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    resps = [torch.randint(3, 60, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(n)]
     ids, attn, resp = build_rows(prompts, resps)
     adv = torch.randn(n, generator=g)
     b = TrainBatch(ids, attn, resp, advantages=adv)
@@ -71,7 +73,8 @@ def test_padding_free_gradient_equals_padded(tiny_model):
 def test_update_moves_policy_toward_positive_advantage(tiny_model):
     batch = _batch(tiny_model)
     model = copy.deepcopy(tiny_model)
-    actor = Actor(model, TrainerConfig(lr=1e-3, micro_batch_size=4, mini_batches=2, ppo_epochs=2), AlgoConfig(), total_steps=1)
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, mini_batches=2, ppo_epochs=2)
+    actor = Actor(model, cfg, AlgoConfig(), total_steps=1)
     before = actor.compute_logprobs(batch)
     stats = actor.update(batch)
     after = actor.compute_logprobs(batch)
@@ -108,7 +111,7 @@ def test_sft_loss_is_answer_only_cross_entropy(tiny_model):
     model = copy.deepcopy(tiny_model)
     with torch.no_grad():  # reference: cross-entropy of each answer token given its prefix
         nll = []
-        for p, a in zip(prompts, answers):
+        for p, a in zip(prompts, answers, strict=True):
             logits = model(torch.tensor([p + a]))[0]
             for j, t in enumerate(a):
                 nll.append(torch.nn.functional.cross_entropy(logits[len(p) + j - 1][None], torch.tensor([t])))

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from dist_harness import run_distributed
 from relayrl.algorithms import AlgoConfig
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.parallel.dims import ParallelDims
@@ -22,6 +21,8 @@ from relayrl.parallel.parallelize import parallelize_model
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
+
+from dist_harness import run_distributed
 
 AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LAYOUTS = {"fsdp2": dict(dp_shard=2), "ddp2": dict(dp_replicate=2), "tp2": dict(tp=2)}
@@ -45,8 +46,10 @@ def _cfgs(agg):
 
 def _batch() -> TrainBatch:
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
-    resps = [torch.randint(3, 60, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
+    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(8)]
+    resps = [torch.randint(3, 60, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(8)]
     ids, attn, resp = build_rows(prompts, resps)
     model = _model()
     actor = Actor(model, *_cfgs("token-mean"), total_steps=1)

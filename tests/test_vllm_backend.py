@@ -16,7 +16,9 @@ def test_sampling_params_map_to_vllm_names():
 
 
 def test_outputs_map_back_with_sampled_token_logprobs():
-    lp = lambda x: SimpleNamespace(logprob=x)  # noqa: E731
+    def lp(x):
+        return SimpleNamespace(logprob=x)
+
     comp = SimpleNamespace(token_ids=[4, 9], logprobs=[{4: lp(-0.5), 7: lp(-1.0)}, {9: lp(-0.25)}],
                            text="ab", finish_reason="stop")
     out = from_vllm_output(3, SimpleNamespace(prompt_token_ids=[1, 2], outputs=[comp]), weights_version=2)

@@ -13,9 +13,9 @@ from relayrl.controller.run import train
 from relayrl.controller.weight_sync import PlannedWeightSync, SyncVerificationError
 from relayrl.engine import LLMEngine
 from relayrl.errors import ConfigError
-from relayrl.sync.config import SyncConfig
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.models.config import ModelShape
+from relayrl.sync.config import SyncConfig
 from relayrl.sync.layout import TrainerLayout
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.config import TrainerConfig
@@ -144,7 +144,7 @@ def test_grpo_colocated_and_disaggregated_give_the_same_run(tmp_path):
                                      placement="disaggregated"), 2), show_progress=False)
     a, b = step_metrics(co["run_dir"]), step_metrics(dis["run_dir"])
     assert_same_metrics(a, b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert x["sync/canary_gap"] == y["sync/canary_gap"] < 1e-5
         total = x["sync/bytes_between_processes"] + x["sync/bytes_copied_in_place"]
         assert total == y["sync/bytes_between_processes"] > 0 and y["sync/bytes_copied_in_place"] == 0
@@ -163,7 +163,7 @@ def test_sleep_and_wake_between_steps_changes_nothing(tmp_path, monkeypatch):
     assert len(freed) == 3  # the weights really went away after every rollout, and came back by the sync
     a, b = step_metrics(awake["run_dir"]), step_metrics(slept["run_dir"])
     assert len(a) == len(b) == 3
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         for k in EXACT + ("loss", "sync/canary_gap"):
             assert x[k] == y[k], k
 

@@ -17,15 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from relayrl.single_controller.batch import DataBatch
-from relayrl.single_controller.dispatch import Dispatch, DPInfo, dispatch
-from relayrl.single_controller.resource_pool import ResourcePool, colocated, split_pool
-from relayrl.single_controller.worker import ColocatedWorker, Worker, dp_info_from_dims
-from relayrl.single_controller.liveness import Deadlines, GroupOptions
-from relayrl.single_controller.placement import spawn_roles
-from relayrl.single_controller.worker_group import WorkerGroup
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.launch import WorkerError
+from relayrl.single_controller.batch import DataBatch
+from relayrl.single_controller.dispatch import Dispatch, DPInfo, dispatch
+from relayrl.single_controller.liveness import Deadlines, GroupOptions
+from relayrl.single_controller.placement import spawn_roles
+from relayrl.single_controller.resource_pool import ResourcePool, colocated, split_pool
+from relayrl.single_controller.worker import ColocatedWorker, Worker, dp_info_from_dims
+from relayrl.single_controller.worker_group import WorkerGroup
 
 TIMEOUT = 60
 
@@ -188,7 +188,7 @@ class TestSPMD:
         assert out["text"] == [f"ROW {i}" for i in range(n)]
         assert out["tp_rank"].tolist() == [0] * n  # only the representatives' results come back
         assert out.meta["world_rows"] == 2 * n  # each row went to both TP peers of its dp rank
-        seen = [s[b] for s, b in zip(toy.call(ToyWorker.seen_rows), before)]
+        seen = [s[b] for s, b in zip(toy.call(ToyWorker.seen_rows), before, strict=True)]
         assert seen == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
 
     def test_plain_methods(self, toy):
@@ -253,7 +253,8 @@ def test_colocated_and_disaggregated_agree(backend):
                 assert roles["actor"].group is roles["reference"].group
                 pids = roles["actor"].group.call(SharedProcess.copy_actor_to_reference)
                 assert sorted(pids) == sorted(set(results[name][0]["pid"].tolist()))
-                torch.testing.assert_close(roles["reference"].call(ScoreWorker.score, batch)["score"], results[name][0]["score"])
+                torch.testing.assert_close(roles["reference"].call(ScoreWorker.score, batch)["score"],
+                                           results[name][0]["score"])
     with torch.no_grad():
         expect_actor, expect_ref = reference_model(0)(x), reference_model(1)(x)
     for name, (actor, ref, wsum) in results.items():

@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.rendezvous import StoreAddress
 from relayrl.single_controller.batch import DataBatch, chunk_sizes
 from relayrl.single_controller.dispatch import (
@@ -21,7 +22,6 @@ from relayrl.single_controller.dispatch import (
 )
 from relayrl.single_controller.resource_pool import ResourcePool, colocated, split_pool
 from relayrl.single_controller.worker import ColocatedWorker, RoleSpec, Worker, WorkerInfo, construct, dp_info_from_dims
-from relayrl.parallel.dims import ParallelDims
 
 
 def make_batch(n: int = 5) -> DataBatch:

@@ -8,14 +8,15 @@ naming the key and listing the choices:
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from relayrl.algorithms import advantages as _advantages  # noqa: F401  (registers estimators)
-from relayrl.algorithms import aggregation as _aggregation  # noqa: F401
-from relayrl.algorithms import kl as _kl  # noqa: F401
-from relayrl.algorithms import policy_loss as _policy_loss  # noqa: F401
+# Imported for their side effect: each module fills its registry as it loads, and the validators below look names up.
+from relayrl.algorithms import advantages as _advantages  # noqa: F401 - registers the advantage estimators
+from relayrl.algorithms import aggregation as _aggregation  # noqa: F401 - registers the loss aggregations
+from relayrl.algorithms import kl as _kl  # noqa: F401 - registers the KL estimators
+from relayrl.algorithms import policy_loss as _policy_loss  # noqa: F401 - registers the policy losses
 from relayrl.algorithms.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LOSSES, Registry
 from relayrl.config import Config
 
@@ -46,9 +47,9 @@ class AlgoConfig(Config):
     entropy_coef: float = 0.0
     # rollout-vs-trainer correction: TIS weight cap (None: no TIS); MIS band on the
     # geometric-mean sequence ratio (both None: no MIS)
-    tis_cap: Optional[PositiveFloat] = 2.0
-    mis_low: Optional[NonNegFloat] = None
-    mis_high: Optional[PositiveFloat] = None
+    tis_cap: PositiveFloat | None = 2.0
+    mis_low: NonNegFloat | None = None
+    mis_high: PositiveFloat | None = None
     # DAPO dynamic sampling: drop groups without reward spread, resample up to N rounds
     filter_groups: bool = False
     max_resample_rounds: int = Field(3, ge=0)
@@ -74,7 +75,7 @@ class AlgoConfig(Config):
         return _check_name(KL_ESTIMATORS, v)
 
     @model_validator(mode="after")
-    def _mis_band(self) -> "AlgoConfig":
+    def _mis_band(self) -> AlgoConfig:
         if (self.mis_low is None) != (self.mis_high is None):
             raise ValueError("mis_low and mis_high must be set together (or both left unset)")
         if self.mis_low is not None and self.mis_high is not None and self.mis_low >= self.mis_high:

@@ -5,7 +5,8 @@
 
 The second form never takes log of a probability that underflowed to 0, so it stays finite for
 very peaked distributions. Half-precision logits are upcast to float32 (bf16 keeps ~3 digits, too
-few for the sum over V); the result is cast back to the logits' dtype. Gradients flow, so it can be used as a bonus term.
+few for the sum over V); the result is cast back to the logits' dtype. Gradients flow, so it can be
+used as a bonus term.
 Memory: this materialises softmax of [B, T, V]; a trainer with a large vocabulary calls it on
 chunks of T.
 """

@@ -127,7 +127,7 @@ def _top(stack: list, kind: type) -> Any:
     return stack[-1]
 
 
-def _unpickle(data: bytes) -> Any:  # noqa: C901 - one branch per opcode, the common ones first
+def _unpickle(data: bytes) -> Any:  # one branch per opcode, the common ones first
     stack: list = []
     marks: list[list] = []
     memo: dict[int, Any] = {}
@@ -299,7 +299,8 @@ def _check_index(meta: Any, shard_files: set[str]) -> None:
                 torch.Size:
             raise IndexRefused("a malformed storage index")
         rel, start, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
-        if type(info) is not _StorageInfo or type(rel) is not str or not SHARD_FILE.match(rel) or rel not in shard_files:
+        if (type(info) is not _StorageInfo or type(rel) is not str or not SHARD_FILE.match(rel)
+                or rel not in shard_files):
             raise IndexRefused(f"an item of {fqn!r} stored in {rel!r}, which is not a shard file of this checkpoint")
         if type(start) is not int or type(length) is not int or start < 0 or length < 0:
             raise IndexRefused(f"a malformed offset / length for {fqn!r}")
@@ -314,7 +315,8 @@ def _check_index(meta: Any, shard_files: set[str]) -> None:
         raise IndexRefused("malformed planner data")
     sm = getattr(meta, "storage_meta", None)
     if sm is not None and not (type(sm) is md.StorageMeta and all(
-            getattr(sm, a, None) is None or type(getattr(sm, a)) is str for a in ("checkpoint_id", "save_id", "load_id"))
+            getattr(sm, a, None) is None or type(getattr(sm, a)) is str
+            for a in ("checkpoint_id", "save_id", "load_id"))
             and type(getattr(sm, "modules", [])) is list and all(type(m) is str for m in sm.modules)):
         raise IndexRefused("a malformed storage_meta")
     if getattr(meta, "version", None) is not None and type(meta.version) is not str:

@@ -117,7 +117,7 @@ def _on_rank0(fn: Callable[[], Any]) -> None:
     if _rank() == 0:
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the peers are told
+        except BaseException as e:  # re-raised below, after the peers are told
             error = e
     if _distributed():
         kind = "space" if isinstance(error, CheckpointSpaceError) else "user" if isinstance(error, UserError) else ""

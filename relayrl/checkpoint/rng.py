@@ -60,7 +60,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if cuda_states is None:
         return
     if not torch.cuda.is_available():
-        warnings.warn("checkpoint has CUDA RNG states but CUDA is unavailable; they are ignored")
+        warnings.warn("checkpoint has CUDA RNG states but CUDA is unavailable; they are ignored", stacklevel=2)
         return
     if not isinstance(cuda_states, list):
         raise CheckpointError("the checkpoint's RNG state 'cuda' is not a list")
@@ -69,7 +69,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         # Resuming on a different number of devices cannot reproduce per-device draws exactly;
         # restore what matches and say so rather than fail the resume.
         warnings.warn(
-            f"checkpoint has {len(cuda_states)} CUDA RNG states, this process sees {count} devices"
+            f"checkpoint has {len(cuda_states)} CUDA RNG states, this process sees {count} devices", stacklevel=2
         )
     for device, device_state in enumerate(cuda_states[:count]):
         torch.cuda.set_rng_state(_byte_tensor(device_state, f"'cuda'[{device}]"), device)

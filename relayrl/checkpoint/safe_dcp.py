@@ -91,7 +91,7 @@ class SafeReader(FileSystemReader):
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except CheckpointError:
                 raise
-            except Exception as e:  # noqa: BLE001 - any failure to read a file is that file's fault
+            except Exception as e:  # any failure to read a file is that file's fault
                 raise CheckpointError(f"checkpoint file {Path(self.path) / rel} cannot be loaded as data "
                                       f"({_one_line(e)}); it is corrupt or crafted, and was not loaded") from None
         fut: Future = Future()

@@ -14,7 +14,7 @@ engine, trainer, checkpoint, sync or worker-group code (tests/test_layering.py c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -31,7 +31,7 @@ Dtype = Literal["float32", "bfloat16"]
 
 
 class ModelSection(Config):
-    path: Optional[str] = None  # a Hugging Face directory; None builds the tiny model of the task
+    path: str | None = None  # a Hugging Face directory; None builds the tiny model of the task
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
 
 
@@ -47,7 +47,7 @@ class RolloutConfig(Config):
     engine_dtype: Dtype = "float32"  # bfloat16: the engine rounds, the trainer keeps fp32 masters
     max_num_seqs: int = Field(256, ge=1)
     block_size: int = Field(16, ge=1)
-    kv_cache_bytes: Optional[int] = Field(None, ge=1)  # None: a share of free memory
+    kv_cache_bytes: int | None = Field(None, ge=1)  # None: a share of free memory
     enable_prefix_caching: bool = True
     tp: int = Field(1, ge=1)  # the engine's tensor-parallel degree (its ranks: see parallel.placement)
     # free the KV cache (1) or also the weights (2) while the trainer updates; woken (and verified) at the next sync
@@ -65,7 +65,7 @@ class RunSection(Config):
     seed: int = 0
     out_dir: str = "runs/grpo"
     save_every: int = Field(0, ge=0)  # 0: only at the end
-    keep_last: Optional[int] = Field(2, ge=1)
+    keep_last: int | None = Field(2, ge=1)
     tensorboard: bool = True
 
 
@@ -82,7 +82,7 @@ class RunConfig(Config):
     sync: SyncConfig = Field(default_factory=SyncConfig)
 
     @model_validator(mode="after")
-    def _parallel_fits(self) -> "RunConfig":
+    def _parallel_fits(self) -> RunConfig:
         p = self.parallel
         if p.backend == "none" and (p.world_size > 1 or p.rollout_worker or p.reward_workers):
             raise ValueError("worker groups (parallel degrees > 1, parallel.rollout_worker, parallel.reward_workers) "
@@ -98,13 +98,13 @@ class RunConfig(Config):
                                  "set parallel.placement=disaggregated")
             trainer_procs = 1 if p.backend == "none" else p.world_size
             if self.rollout.tp > trainer_procs:
-                raise ValueError(f"colocated, the engine's {self.rollout.tp} tensor-parallel ranks run in the trainer's "
-                                 f"{trainer_procs} process(es): lower rollout.tp, raise the trainer's degrees "
-                                 "(parallel.backend=local), or set parallel.placement=disaggregated")
+                raise ValueError(f"colocated, the engine's {self.rollout.tp} tensor-parallel ranks run in the "
+                                 f"trainer's {trainer_procs} process(es): lower rollout.tp, raise the trainer's "
+                                 "degrees (parallel.backend=local), or set parallel.placement=disaggregated")
         return self
 
     @model_validator(mode="after")
-    def _batch_fits(self) -> "RunConfig":
+    def _batch_fits(self) -> RunConfig:
         n = self.rollout.prompts_per_step * self.rollout.group_size
         if self.trainer.mini_batches > n:
             raise ValueError(

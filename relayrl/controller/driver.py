@@ -46,13 +46,13 @@ class Rollout:
 
     LISTS = ("examples", "prompt_ids", "response_ids", "rollout_logp", "texts", "correct")  # one item per sample
 
-    def select_groups(self, groups: list[int], G: int) -> "Rollout":
+    def select_groups(self, groups: list[int], G: int) -> Rollout:
         idx = [g * G + j for g in groups for j in range(G)]
         picked = {name: [getattr(self, name)[i] for i in idx] for name in self.LISTS}
         return Rollout(**picked, rewards=self.rewards[idx], reward_metrics=self.reward_metrics)
 
     @staticmethod
-    def concat(parts: list["Rollout"]) -> "Rollout":
+    def concat(parts: list[Rollout]) -> Rollout:
         joined = {name: [x for p in parts for x in getattr(p, name)] for name in Rollout.LISTS}
         return Rollout(**joined, rewards=torch.cat([p.rewards for p in parts]), reward_metrics=parts[0].reward_metrics)
 
@@ -92,7 +92,7 @@ class Driver:
         with self.timer.stage("rollout"):
             prompts = [encode_prompt(tok, ex, self.cfg.data) for ex in examples]
             outs = self.engine.generate(prompts, [self._params(self.step, round_, i) for i in range(len(examples))])
-        samples = [(ex, o.prompt_token_ids, s) for ex, o in zip(examples, outs) for s in o.samples]
+        samples = [(ex, o.prompt_token_ids, s) for ex, o in zip(examples, outs, strict=True) for s in o.samples]
         assert len(samples) == G * len(examples)
         with self.timer.stage("reward"):
             texts = [s.text for _, _, s in samples]

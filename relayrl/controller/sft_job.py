@@ -13,9 +13,9 @@ import yaml
 from pydantic import Field
 
 from relayrl.config import Config
+from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.config import EvalConfig, ModelSection
 from relayrl.controller.evaluate import evaluate
-from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.prompts import encode_answer, encode_prompt
 from relayrl.controller.run import write_atomic
 from relayrl.data import DataConfig, PromptSampler, build_datasets

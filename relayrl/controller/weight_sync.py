@@ -32,10 +32,10 @@ import torch
 from relayrl.controller import sync_steps as steps
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.errors import UserError
+from relayrl.models.config import ModelShape
 from relayrl.parallel.rendezvous import serve_store
 from relayrl.sync.checksums import describe_piece, first_mismatch
 from relayrl.sync.config import SyncConfig
-from relayrl.models.config import ModelShape
 from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.transfer import Members, SyncSpec
 from relayrl.sync.wire import FP8
@@ -114,7 +114,8 @@ class PlannedWeightSync:
             raise
         self.engine.end_weight_update()
         self.syncs += 1
-        return {"time/sync_transfer": time.perf_counter() - t0, "sync/bytes_between_processes": float(stats.bytes_received),
+        return {"time/sync_transfer": time.perf_counter() - t0,
+                "sync/bytes_between_processes": float(stats.bytes_received),
                 "sync/bytes_copied_in_place": float(stats.bytes_copied),
                 "sync/bytes_per_engine_rank": float(self.shard_bytes), "sync/messages": float(stats.messages)}
 
@@ -192,7 +193,7 @@ class PlannedWeightSync:
             self.policy.run_on_ranks(steps.trainer_close)
             if not self.colocated:
                 self.engine.run_on_ranks(steps.engine_close)
-        except Exception:  # noqa: BLE001 - a broken role is torn down by its own close
+        except Exception:  # a broken role is torn down by its own close
             pass
         self._hosted.close()
         self._hosted = None

@@ -43,7 +43,7 @@ class ArithTask:
         for _ in range(n):
             operands = [rng.randint(0, hi) for _ in range(self.num_operands)]
             ops = [rng.choice(self.ops) for _ in range(self.num_operands - 1)]
-            expr = str(operands[0]) + "".join(op + str(x) for op, x in zip(ops, operands[1:]))
+            expr = str(operands[0]) + "".join(op + str(x) for op, x in zip(ops, operands[1:], strict=True))
             out.append(
                 Example(
                     prompt=expr + "=",
@@ -63,7 +63,7 @@ def evaluate(operands: list[int], ops: list[str]) -> int:
     Sum of signed products: each `+`/`-` starts a new term, each `*` multiplies into the current one.
     """
     total, term, sign = 0, operands[0], 1
-    for op, x in zip(ops, operands[1:]):
+    for op, x in zip(ops, operands[1:], strict=True):
         if op == "*":
             term *= x
         else:

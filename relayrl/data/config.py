@@ -50,7 +50,7 @@ class DataConfig(Config):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "DataConfig":
+    def _consistent(self) -> DataConfig:
         if self.task == FILE_TASK and not self.path:
             raise ValueError("task 'file' needs path: set data.path to a .jsonl or .parquet file")
         if self.task != FILE_TASK and (self.path or self.eval_path):

@@ -59,4 +59,4 @@ def position_credit(pred: str, answer: str) -> float:
     denom = max(len(answer), len(pred))
     if denom == 0:
         return 1.0
-    return sum(p == a for p, a in zip(pred, answer)) / denom
+    return sum(p == a for p, a in zip(pred, answer, strict=False)) / denom

@@ -14,7 +14,7 @@ string with SHA-512, so the data do not depend on PYTHONHASHSEED or on the chunk
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 from relayrl.data.tasks import Example, Task
 from relayrl.errors import DataError

@@ -16,9 +16,10 @@ works without passing task objects through worker boundaries.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from relayrl.errors import ConfigError
 
@@ -100,4 +101,4 @@ def first_line(completion: str) -> str:
 
 def _load_builtins() -> None:
     # Imported lazily: the task modules import this one to register themselves.
-    from relayrl.data import arith, sort  # noqa: F401
+    from relayrl.data import arith, sort  # noqa: F401 - imported for their registrations

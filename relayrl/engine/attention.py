@@ -37,7 +37,7 @@ def build_batch(
     sliding_window: int | None = None,
 ) -> PagedBatch:
     """Sequence b computes tokens [token_starts[b], context_lens[b]) with all its keys in the cache."""
-    q_lens = [c - s for s, c in zip(token_starts, context_lens)]
+    q_lens = [c - s for s, c in zip(token_starts, context_lens, strict=True)]
     Qmax, Lmax = max(q_lens), max(context_lens)
     pos_rows = torch.arange(Lmax)
     # gather slots of every key position, from block tables padded to a rectangle

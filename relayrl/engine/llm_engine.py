@@ -22,7 +22,8 @@ from __future__ import annotations
 import itertools
 import operator
 import random
-from typing import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -65,7 +66,8 @@ class LLMEngine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = config.pad_token_id or 0
         check_tp(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size, config.intermediate_size)
-        _, kv_heads = head_layout(config.num_attention_heads, config.num_key_value_heads, TPInfo(0, tensor_parallel_size))
+        _, kv_heads = head_layout(config.num_attention_heads, config.num_key_value_heads,
+                                  TPInfo(0, tensor_parallel_size))
         per_block = kv_bytes_per_block(config, dtype, block_size, len(kv_heads))
         if num_blocks is None:
             # ranks hosted elsewhere (colocated in the trainer's processes) report their own device's memory
@@ -108,7 +110,7 @@ class LLMEngine:
 
     # ---- construction ----
     @classmethod
-    def from_pretrained(cls, path, **kwargs) -> "LLMEngine":
+    def from_pretrained(cls, path, **kwargs) -> LLMEngine:
         from relayrl.models import load_config, load_state_dict
         from relayrl.models.tokenizer import load_tokenizer
 
@@ -127,7 +129,7 @@ class LLMEngine:
         return engine
 
     @classmethod
-    def from_model(cls, model, tokenizer=None, **kwargs) -> "LLMEngine":
+    def from_model(cls, model, tokenizer=None, **kwargs) -> LLMEngine:
         kwargs.setdefault("dtype", next(model.parameters()).dtype)
         engine = cls(model.config, tokenizer, **kwargs)
         try:
@@ -178,7 +180,8 @@ class LLMEngine:
         self.begin_weight_update()
         missing = self._expected_loads - self._call("load_weights", weights)
         if missing:
-            raise KeyError(f"weight sync left {len(missing)} engine tensor(s) stale, e.g. {sorted(missing, key=str)[0]}")
+            raise KeyError(f"weight sync left {len(missing)} engine tensor(s) stale, "
+                           f"e.g. {sorted(missing, key=str)[0]}")
         return self.end_weight_update()  # weights are back; the KV cache comes back with wake()
 
     def begin_weight_update(self) -> None:
@@ -291,7 +294,8 @@ class LLMEngine:
             for _ in done_tokens:
                 stream.random()
             seqs.append(Sequence(next(self._seq_ids), ids, params, self.block_size, request_id=rid, sample_index=j,
-                                 rng=stream, completion_token_ids=list(done_tokens), completion_logprobs=list(done_lps)))
+                                 rng=stream, completion_token_ids=list(done_tokens),
+                                 completion_logprobs=list(done_lps)))
         self._requests[rid] = seqs
         try:
             for s in seqs:
@@ -353,13 +357,15 @@ class LLMEngine:
             self.peak_used_fraction, self.utilisation_at_peak = used, self.block_manager.utilisation()
         input_ids, batch = prepare(seqs, is_prefill, self.block_size, self.config.sliding_window)
         logits = self._call("run", input_ids, batch)
-        row = lambda f, dt: torch.tensor([f(s.params) for s in seqs], dtype=dt)  # noqa: E731
+        def row(f, dt):  # one sampling parameter per sequence, as a column for the batched sampler
+            return torch.tensor([f(s.params) for s in seqs], dtype=dt)
+
         u = torch.tensor([s.rng.random() for s in seqs], dtype=torch.float64).float()
         tokens, logps = sample(logits, row(lambda p: p.temperature, torch.float32), row(lambda p: p.top_k, torch.long),
                                row(lambda p: p.top_p, torch.float32), row(lambda p: p.min_p, torch.float32), u)
         self._record_top_logprobs(seqs, logits)
         done_requests = set()
-        for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist()):
+        for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist(), strict=True):
             s.append_token(t, lp)
             reason = self._finish_reason(s)
             if reason is not None:
@@ -378,7 +384,7 @@ class LLMEngine:
         for i, s in enumerate(seqs):
             n = s.params.logprobs
             if n:
-                s.top_logprobs.append(dict(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist())))
+                s.top_logprobs.append(dict(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist(), strict=True)))
 
     def _decode(self, tokens) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -412,10 +418,10 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise SamplingParamsError(f"give one SamplingParams, or one per prompt: got {len(params)} for "
                                       f"{len(prompts)} prompts")
-        ids = [self._prepare(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        ids = [self._prepare(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         rids: list[int] = []
         try:
-            for i, (toks, sp) in enumerate(zip(ids, params)):
+            for i, (toks, sp) in enumerate(zip(ids, params, strict=True)):
                 rids.append(self._add(toks, sp, None, None, f"prompt {i}"))
             done: dict[int, RequestOutput] = {}
             while self.has_unfinished():

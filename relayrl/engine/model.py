@@ -42,7 +42,7 @@ DERIVED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.
 def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> shape of every tensor the config implies (lm_head.weight listed even when
     tied: a checkpoint or a model's state_dict may carry it, always of the embedding's shape)."""
-    H, V, I, hd = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
+    H, V, F, hd = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim  # F: the MLP's width
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     out = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
     for i in range(cfg.num_hidden_layers):
@@ -56,9 +56,9 @@ def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[attn + "o_proj.bias"] = (H,)
         if cfg.qk_norm:
             out[attn + "q_norm.weight"] = out[attn + "k_norm.weight"] = (hd,)
-        out.update({mlp + "gate_proj.weight": (I, H), mlp + "up_proj.weight": (I, H), mlp + "down_proj.weight": (H, I)})
+        out.update({mlp + "gate_proj.weight": (F, H), mlp + "up_proj.weight": (F, H), mlp + "down_proj.weight": (H, F)})
         if cfg.mlp_bias:
-            out.update({mlp + "gate_proj.bias": (I,), mlp + "up_proj.bias": (I,), mlp + "down_proj.bias": (H,)})
+            out.update({mlp + "gate_proj.bias": (F,), mlp + "up_proj.bias": (F,), mlp + "down_proj.bias": (H,)})
     return out
 
 
@@ -272,7 +272,7 @@ class EngineModel(nn.Module):
     def expected_loads(self) -> set[tuple[str, str | None]]:
         """Every (engine parameter, shard) a complete sync must write."""
         out = set()
-        for name, p in self.named_parameters(remove_duplicate=False):
+        for name, _ in self.named_parameters(remove_duplicate=False):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             mod = name.rsplit(".", 2)[-2]

@@ -34,7 +34,7 @@ def kv_bytes_per_block(cfg: ModelConfig, dtype: torch.dtype, block_size: int, kv
 def prepare(seqs, is_prefill: bool, block_size: int, sliding_window: int | None):
     """Flatten a scheduled batch: (input_ids [N], PagedBatch)."""
     starts = [s.num_cached_tokens if is_prefill else s.num_tokens - 1 for s in seqs]
-    ids = [t for s, st in zip(seqs, starts) for t in s.token_ids[st:]]
+    ids = [t for s, st in zip(seqs, starts, strict=True) for t in s.token_ids[st:]]
     batch = build_batch(starts, [s.num_tokens for s in seqs], [s.block_table for s in seqs], block_size, sliding_window)
     return torch.tensor(ids, dtype=torch.long), batch
 

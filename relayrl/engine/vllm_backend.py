@@ -11,7 +11,7 @@ here is imported unless the backend is chosen.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -34,7 +34,7 @@ def from_vllm_output(request_id: int, out, weights_version: int) -> RequestOutpu
     samples = []
     for c in out.outputs:
         tokens = list(c.token_ids)
-        lps = [float(step[t].logprob) for t, step in zip(tokens, c.logprobs or [])]
+        lps = [float(step[t].logprob) for t, step in zip(tokens, c.logprobs or [], strict=False)]
         samples.append(CompletionSample(tokens, lps, c.text, finish_reason=c.finish_reason))
     return RequestOutput(request_id, list(out.prompt_token_ids), samples, weights_version)
 
@@ -49,11 +49,12 @@ class VLLMEngine:
         try:
             import vllm
         except ImportError:
-            raise ImportError("the vLLM rollout backend needs vllm (a GPU machine): pip install 'relayrl[vllm]'") from None
+            raise ImportError("the vLLM rollout backend needs vllm (a GPU machine): "
+                              "pip install 'relayrl[vllm]'") from None
         self._vllm = vllm
-        kwargs = dict(model=str(path), dtype=str(dtype).removeprefix("torch."), tensor_parallel_size=tensor_parallel_size,
-                      gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-                      seed=seed, enable_sleep_mode=True)
+        kwargs = dict(model=str(path), dtype=str(dtype).removeprefix("torch."),
+                      tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                      enable_prefix_caching=enable_prefix_caching, seed=seed, enable_sleep_mode=True)
         try:
             self.llm = vllm.LLM(**kwargs, logprobs_mode="processed_logprobs")
         except TypeError:  # older vLLM: raw logprobs only (see the module docstring)

@@ -79,7 +79,7 @@ class ModelConfig(ModelShape):
         return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         mt = d.get("model_type")
         if mt not in ARCHITECTURES:
             raise ValueError(f"unsupported model_type {mt!r} (supported: {', '.join(ARCHITECTURES)})")

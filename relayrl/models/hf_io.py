@@ -27,7 +27,8 @@ TOKENIZER_FILES = (
 def load_config(path: str | Path) -> ModelConfig:
     p = Path(path)
     if not p.is_dir():
-        raise ModelDirError(f"model directory not found: {p} (expected a Hugging Face directory with config.json and *.safetensors)")
+        raise ModelDirError(f"model directory not found: {p} "
+                            "(expected a Hugging Face directory with config.json and *.safetensors)")
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise ModelDirError(f"{p} has no config.json: not a Hugging Face model directory")
@@ -72,7 +73,8 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> CausalLM:
     """Build the model from `path/config.json` and load its safetensors weights."""
     cfg = load_config(path)
     with torch.device("meta"):
@@ -91,7 +93,8 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device
     own = model.state_dict()
     for k in expected:
         if tuple(sd[k].shape) != tuple(own[k].shape):
-            raise ModelDirError(f"{path}: tensor '{k}' has shape {tuple(sd[k].shape)}, config implies {tuple(own[k].shape)}")
+            raise ModelDirError(f"{path}: tensor '{k}' has shape {tuple(sd[k].shape)}, "
+                                f"config implies {tuple(own[k].shape)}")
     model.load_state_dict({k: sd[k] for k in expected}, strict=False, assign=False)
     return model.to(dtype)
 

@@ -112,12 +112,12 @@ def _parse_lines(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as e:
             # Only the final line can be half-written by a killed run; damage anywhere else means
             # the file was edited or corrupted, which silently skipping would hide.
             if i == last:
                 break
-            raise UserError(f"{path} line {i + 1} is not valid JSON; fix or remove that line")
+            raise UserError(f"{path} line {i + 1} is not valid JSON; fix or remove that line") from e
         records.append(record)
     return records
 

@@ -7,7 +7,7 @@ processes or touches torch.distributed, so loading a run's config stays cheap.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field
 
@@ -17,10 +17,10 @@ from relayrl.config import Config
 class CallTimeouts(Config):
     """Seconds a worker-group call of each kind may take (`parallel.call_timeout_s.<kind>`)."""
 
-    build: Optional[float] = Field(1800.0, gt=0)  # start the workers and build their models
-    compute: Optional[float] = Field(3600.0, gt=0)  # one step's model work (generate, update, logprobs, save)
-    control: Optional[float] = Field(300.0, gt=0)  # bookkeeping calls
-    close: Optional[float] = Field(120.0, gt=0)  # teardown at the end of the run
+    build: float | None = Field(1800.0, gt=0)  # start the workers and build their models
+    compute: float | None = Field(3600.0, gt=0)  # one step's model work (generate, update, logprobs, save)
+    control: float | None = Field(300.0, gt=0)  # bookkeeping calls
+    close: float | None = Field(120.0, gt=0)  # teardown at the end of the run
 
 
 class ParallelConfig(Config):
@@ -40,7 +40,7 @@ class ParallelConfig(Config):
     # liveness: every worker-group call has a deadline by its kind; a worker that sends no heartbeat
     # for heartbeat_timeout_s is reported stopped or hung, and the run stops naming it
     call_timeout_s: CallTimeouts = Field(default_factory=CallTimeouts)
-    heartbeat_timeout_s: Optional[float] = Field(30.0, ge=2)
+    heartbeat_timeout_s: float | None = Field(30.0, ge=2)
 
     @property
     def world_size(self) -> int:

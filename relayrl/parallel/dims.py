@@ -104,7 +104,7 @@ class ParallelDims:
     @property
     def dp_mesh(self) -> DeviceMesh:
         """1-D mesh over all data-parallel ranks (batch sharding, global token counts, DDP)."""
-        self.mesh  # noqa: B018 - raises the helpful error when the mesh is not built
+        self.mesh  # noqa: B018 - the property raises the helpful error when the mesh is not built
         return self._dp_mesh
 
     @property

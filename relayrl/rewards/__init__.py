@@ -41,9 +41,9 @@ if TYPE_CHECKING:
     from relayrl.rewards.config import RewardConfig, RewardFunctionConfig
     from relayrl.rewards.math_answer import math_reward
     from relayrl.rewards.pool import Outcome, RewardPool
+    from relayrl.rewards.protocol import Scorer
     from relayrl.rewards.registry import RewardFn, get_reward_fn, load_user_function, register_reward, reward_names
     from relayrl.rewards.result import ScoreResult
-    from relayrl.rewards.protocol import Scorer
     from relayrl.rewards.scorer import RewardScorer, build_scorer
 
 

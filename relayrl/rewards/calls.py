@@ -60,7 +60,7 @@ def call_reward(fn: RewardFn, completion: str, example: Any) -> tuple[float | No
         return None, f"called sys.exit({_safe_repr(e.code)})"
     except MemoryError:
         return None, "MemoryError (over reward.memory_mb?)"
-    except BaseException as e:  # noqa: BLE001 - user code may raise anything on odd output
+    except BaseException as e:  # user code may raise anything on odd output
         return None, f"{type(e).__name__}: {_first_line(e)}"
     return to_reward(v)
 
@@ -72,7 +72,7 @@ def to_reward(v: Any) -> tuple[float | None, str | None]:
         f = float(v)
     except OverflowError:
         return None, f"returned an {type(v).__name__} too large for a float ({_safe_repr(v)})"
-    except BaseException as e:  # noqa: BLE001 - a user's Real subclass may fail to convert in any way
+    except BaseException as e:  # a user's Real subclass may fail to convert in any way
         return None, f"returned {type(v).__name__} that float() rejects: {type(e).__name__}: {_first_line(e)}"
     if not math.isfinite(f):
         return None, f"returned {f!r}, expected a finite real number"
@@ -82,7 +82,7 @@ def to_reward(v: Any) -> tuple[float | None, str | None]:
 def _first_line(e: BaseException) -> str:
     try:
         text = str(e).strip()
-    except BaseException:  # noqa: BLE001 - a user exception's __str__ may itself fail
+    except BaseException:  # a user exception's __str__ may itself fail
         return "(unprintable message)"
     line = text.splitlines()[0] if text else "(no message)"
     return line if len(line) <= MAX_MESSAGE else line[:MAX_MESSAGE] + "..."
@@ -91,7 +91,7 @@ def _first_line(e: BaseException) -> str:
 def _safe_repr(v: Any) -> str:
     try:
         text = repr(v)
-    except BaseException:  # noqa: BLE001 - huge ints refuse repr (int max str digits); user objects may raise
+    except BaseException:  # huge ints refuse repr (int max str digits); user objects may raise
         return f"<{type(v).__name__}>"
     text = text.replace("\n", " ")
     return text if len(text) <= 60 else text[:60] + "..."

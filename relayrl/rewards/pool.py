@@ -152,7 +152,7 @@ class RewardPool:
             _close_sock(w.sock)
         self._finalizer()  # kills each worker's process group, reaps the workers, stops the spawner thread
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc) -> None:

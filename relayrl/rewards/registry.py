@@ -14,8 +14,8 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from relayrl.errors import RewardError
 

@@ -20,7 +20,7 @@ class ScoreResult:
     first_errors: dict[str, str] = field(default_factory=dict)  # per function, the first failure's message
 
     @staticmethod
-    def merge(parts: list["ScoreResult"]) -> "ScoreResult":
+    def merge(parts: list[ScoreResult]) -> ScoreResult:
         """Concatenate the results of consecutive shards of one step; raises RewardError when a
         function failed on every sample of the whole step."""
         n = sum(len(p.rewards) for p in parts)

@@ -27,8 +27,8 @@ from relayrl.errors import RewardError
 from relayrl.rewards.calls import call_reward, load_functions
 from relayrl.rewards.config import RewardConfig
 from relayrl.rewards.pool import Outcome, RewardPool
-from relayrl.rewards.result import ScoreResult
 from relayrl.rewards.registry import RewardFn
+from relayrl.rewards.result import ScoreResult
 
 
 class Runner(Protocol):
@@ -77,7 +77,7 @@ class RewardScorer:
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
         n = len(completions)
         n_fns = max(len(self.functions), self.correct_index + 1)
-        outs = self.runner.run([(f, c, ex) for f in range(n_fns) for c, ex in zip(completions, examples)])
+        outs = self.runner.run([(f, c, ex) for f in range(n_fns) for c, ex in zip(completions, examples, strict=True)])
         rewards = [0.0] * n
         per_function: dict[str, list[float]] = {}
         failures: dict[str, int] = {}
@@ -93,7 +93,7 @@ class RewardScorer:
             timeouts[f.name] = sum(o.timed_out for o in block)
             if errors:
                 first_errors[f.name] = errors[0]
-            rewards = [r + f.weight * v for r, v in zip(rewards, values)]
+            rewards = [r + f.weight * v for r, v in zip(rewards, values, strict=True)]
         # A sample the task cannot score is simply not correct: accuracy is a metric, not a reward.
         block = outs[self.correct_index * n:(self.correct_index + 1) * n]
         correct = [o.error is None and o.value >= 1.0 for o in block]
@@ -108,7 +108,7 @@ class RewardScorer:
     def close(self) -> None:
         self.runner.close()
 
-    def __enter__(self) -> "RewardScorer":
+    def __enter__(self) -> RewardScorer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -93,7 +93,7 @@ class DataBatch:
             self.non_tensors[key] = list(value)
         self._length = rows if len(self.keys()) == 1 else self._length
 
-    def select(self, idx: Index) -> "DataBatch":
+    def select(self, idx: Index) -> DataBatch:
         """The rows at idx (a slice, a list of ints, an index tensor or a boolean mask); meta is kept."""
         if isinstance(idx, slice):
             rows = list(range(len(self)))[idx]
@@ -110,7 +110,7 @@ class DataBatch:
         non_tensors = {k: [v[i] for i in rows] for k, v in self.non_tensors.items()}
         return DataBatch(tensors, self.meta, non_tensors)
 
-    def split(self, n_chunks: int) -> list["DataBatch"]:
+    def split(self, n_chunks: int) -> list[DataBatch]:
         """n_chunks contiguous chunks, sizes from chunk_sizes (may be empty when n_chunks > len)."""
         out, start = [], 0
         for size in chunk_sizes(len(self), n_chunks):
@@ -119,7 +119,7 @@ class DataBatch:
         return out
 
     @staticmethod
-    def concat(parts: Sequence["DataBatch"]) -> "DataBatch":
+    def concat(parts: Sequence[DataBatch]) -> DataBatch:
         """Rows of parts[0], then parts[1], ...; all parts need the same keys; meta from parts[0]."""
         if not parts:
             raise ValueError("DataBatch.concat needs at least one batch")
@@ -132,7 +132,7 @@ class DataBatch:
         non_tensors = {k: [x for p in parts for x in p.non_tensors[k]] for k in first.non_tensors}
         return DataBatch(tensors, first.meta, non_tensors)
 
-    def to(self, device: str | torch.device) -> "DataBatch":
+    def to(self, device: str | torch.device) -> DataBatch:
         return DataBatch({k: t.to(device) for k, t in self.tensors.items()}, self.meta, self.non_tensors)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -131,7 +131,7 @@ def collect_outputs(mode: Dispatch, infos: Sequence[DPInfo], results: Sequence[A
         return list(results)
     if mode is Dispatch.RANK_ZERO:
         return results[0]
-    by_dp = [r for r, i in sorted(zip(results, infos), key=lambda p: p[1].dp_rank) if i.is_representative]
+    by_dp = [r for r, i in sorted(zip(results, infos, strict=True), key=lambda p: p[1].dp_rank) if i.is_representative]
     if all(isinstance(r, DataBatch) for r in by_dp):
         return DataBatch.concat(by_dp)
     if all(r is None for r in by_dp):

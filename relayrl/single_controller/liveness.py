@@ -84,7 +84,7 @@ def start_heartbeat(store: StoreAddress, rank: int) -> threading.Thread:
             while True:
                 client.add(key, 1)
                 time.sleep(HEARTBEAT_S)
-        except Exception:  # noqa: BLE001 - the group's store is gone: so is the group
+        except Exception:  # the group's store is gone: so is the group
             return
 
     thread = threading.Thread(target=beat, daemon=True, name="relayrl-heartbeat")
@@ -115,7 +115,7 @@ class Liveness:
         for r in ranks:
             try:
                 n = self.store.add(KEY.format(rank=r), 0)
-            except Exception:  # noqa: BLE001 - a store we host cannot fail short of this process dying
+            except Exception:  # a store we host cannot fail short of this process dying
                 return []
             if n != self._count[r]:
                 self._count[r], self._changed[r], self._started[r] = n, now, True

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.single_controller.resource_pool import ResourcePool
 from relayrl.single_controller.worker import ColocatedWorker, RoleSpec
-from relayrl.single_controller.worker_group import WorkerGroup, GroupHandle
+from relayrl.single_controller.worker_group import GroupHandle, WorkerGroup
 
 
 class RoleGroups(Mapping):
@@ -46,12 +46,12 @@ class RoleGroups(Mapping):
         for g in reversed(self.groups):
             try:
                 g.shutdown(timeout_s, raise_errors)
-            except Exception as e:  # noqa: BLE001 - shut the others down too
+            except Exception as e:  # shut the others down too
                 first = first or e
         if first is not None:
             raise first
 
-    def __enter__(self) -> "RoleGroups":
+    def __enter__(self) -> RoleGroups:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -86,6 +86,6 @@ def spawn_roles(placement: Mapping[str, ResourcePool], roles: Mapping[str, RoleS
         RoleGroups({}, groups).shutdown(raise_errors=False)
         raise
     handles: dict[str, GroupHandle] = {}
-    for names, group in zip(by_pool.values(), groups):
+    for names, group in zip(by_pool.values(), groups, strict=True):
         handles.update({names[0]: group} if len(names) == 1 else {n: group.role(n) for n in names})
     return RoleGroups({r: handles[r] for r in placement}, groups)

@@ -130,7 +130,7 @@ class RoleSpec:
     kwargs: dict = field(default_factory=dict)
 
     @staticmethod
-    def of(spec: "RoleSpec | type | tuple") -> "RoleSpec":
+    def of(spec: RoleSpec | type | tuple) -> RoleSpec:
         """Accepts a RoleSpec, a class, (cls, args) or (cls, args, kwargs)."""
         if isinstance(spec, RoleSpec):
             return spec

@@ -67,7 +67,7 @@ def _method_name(method: Callable | str) -> str:
 class GroupHandle:
     """The calls a driver makes on a group, or on one role of a colocated group (path prefix)."""
 
-    def __init__(self, group: "WorkerGroup", prefix: str, cls: type):
+    def __init__(self, group: WorkerGroup, prefix: str, cls: type):
         self._group, self._prefix, self._cls = group, prefix, cls
 
     @property
@@ -79,7 +79,7 @@ class GroupHandle:
         return f"{self._prefix}.{method}" if self._prefix else method
 
     @property
-    def group(self) -> "WorkerGroup":
+    def group(self) -> WorkerGroup:
         """The WorkerGroup behind this handle (for a colocated role: the group hosting all its roles)."""
         return self._group
 
@@ -144,7 +144,7 @@ class WorkerGroup(GroupHandle):
 
     @classmethod
     def start(cls, pool: ResourcePool, worker_cls: type, init_args: tuple = (), init_kwargs: dict | None = None,
-              options: GroupOptions | None = None) -> "WorkerGroup":
+              options: GroupOptions | None = None) -> WorkerGroup:
         """Start the processes and send them "construct" without waiting; call wait_ready() next."""
         group = cls.__new__(cls)
         group._begin(pool, worker_cls, init_args, dict(init_kwargs or {}), options or GroupOptions())
@@ -176,7 +176,7 @@ class WorkerGroup(GroupHandle):
             self._fail_construction()
             raise
 
-    def wait_ready(self) -> "WorkerGroup":
+    def wait_ready(self) -> WorkerGroup:
         """Wait for construction, then learn each role's dp layout."""
         try:
             calls, handles, started = self._pending
@@ -257,8 +257,10 @@ class WorkerGroup(GroupHandle):
                         values[rank] = payload[1]
                     elif payload[0] == "lost":
                         self._broken = f"{self._who(rank)} {payload[1]}"
+                        hint = ("; see its stderr (a driver script that starts worker groups needs an `if __name__ "
+                                "== '__main__':` guard: workers are spawned)") if what == "construct" else ""
                         raise WorkerLostError(f"{self._who(rank)} {payload[1]} during {what!r}; the group is "
-                                              "stopped")
+                                              f"stopped{hint}")
                     else:
                         errors.append((rank, payload))
                         if grace_end is None:
@@ -298,7 +300,7 @@ class WorkerGroup(GroupHandle):
         if graceful:
             try:
                 self._gather(*self._submit_close(), "close", "close", timeout_s)
-            except Exception as e:  # noqa: BLE001 - still stop the processes
+            except Exception as e:  # still stop the processes
                 errors, graceful = e, False
         self._closed = True
         self._backend.stop(graceful, timeout_s)
@@ -314,7 +316,7 @@ class WorkerGroup(GroupHandle):
         calls = {r: ("close", ()) for r in range(self.world_size)}
         return calls, self._backend.submit_all(calls)
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -334,7 +336,7 @@ def _raise_worker_errors(errors: list[tuple[int, tuple]], pending: dict) -> None
     if blob is not None:
         try:
             cause = pickle.loads(blob)  # our own workers' exceptions
-        except Exception:  # noqa: BLE001 - the traceback text is enough
+        except Exception:  # the traceback text is enough
             cause = None
     error = WorkerError(rank, text)
     if isinstance(cause, UserError):  # a user error stays one line, wherever it was found

@@ -28,12 +28,12 @@ class Box:
 
     # ---- construction ----
     @classmethod
-    def full(cls, shape: tuple[int, ...]) -> "Box":
+    def full(cls, shape: tuple[int, ...]) -> Box:
         """The whole of a tensor of `shape` (1-D or 2-D)."""
         return cls.at((0,) * len(shape), shape)
 
     @classmethod
-    def at(cls, offset: tuple[int, ...], shape: tuple[int, ...]) -> "Box":
+    def at(cls, offset: tuple[int, ...], shape: tuple[int, ...]) -> Box:
         """The box of `shape` whose first element sits at `offset`."""
         if len(offset) != len(shape) or len(shape) not in (1, 2):
             raise ValueError(f"boxes are 1-D or 2-D; got offset {offset} and shape {shape}")
@@ -65,28 +65,28 @@ class Box:
     def empty(self) -> bool:
         return self.size == 0
 
-    def with_rows(self, r0: int, r1: int) -> "Box":
+    def with_rows(self, r0: int, r1: int) -> Box:
         return Box(r0, r1, self.c0, self.c1)
 
-    def with_cols(self, c0: int, c1: int) -> "Box":
+    def with_cols(self, c0: int, c1: int) -> Box:
         if self.c0 is None:
             raise ValueError("a 1-D box has no columns")
         return Box(self.r0, self.r1, c0, c1)
 
-    def shift(self, dr: int, dc: int = 0) -> "Box":
+    def shift(self, dr: int, dc: int = 0) -> Box:
         """Translate by (dr, dc): moves a box between logical and local coordinates."""
         if self.c0 is None:
             return Box(self.r0 + dr, self.r1 + dr)
         return Box(self.r0 + dr, self.r1 + dr, self.c0 + dc, self.c1 + dc)
 
-    def relative_to(self, outer: "Box") -> "Box":
+    def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of a tensor that holds exactly `outer`."""
         return self.shift(-outer.r0, -(outer.c0 or 0))
 
-    def contains(self, other: "Box") -> bool:
+    def contains(self, other: Box) -> bool:
         return (self & other) == other
 
-    def __and__(self, other: "Box") -> "Box | None":
+    def __and__(self, other: Box) -> Box | None:
         """Intersection, or None when the boxes do not overlap (or either is empty)."""
         if self.ndim != other.ndim:
             raise ValueError(f"cannot intersect a {self.ndim}-D box with a {other.ndim}-D box")

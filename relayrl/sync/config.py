@@ -6,7 +6,7 @@ Configuration only: imports relayrl.config and pydantic, never torch.distributed
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field
 
@@ -22,7 +22,7 @@ class SyncConfig(Config):
     # per trainer rank): 64 tokens, a small share of a step's rollout tokens
     canary_rows: int = Field(4, ge=1)
     canary_len: int = Field(16, ge=2)
-    gap_bound: Optional[float] = Field(None, gt=0)  # None: by the engine's (and trainer's) dtype
+    gap_bound: float | None = Field(None, gt=0)  # None: by the engine's (and trainer's) dtype
     debug_checksums: bool = False  # compare every piece's checksum on every sync, not only on failure
     # float8: each piece crosses as float8 e4m3 with a scale of its own, recomputed every sync (a
     # quarter of fp32's bytes, half of bf16's); the engine holds the dequantised values

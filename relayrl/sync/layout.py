@@ -217,7 +217,8 @@ def _engine(shape: ModelShape, layout: EngineLayout, rank: int) -> tuple[tuple[s
         raise ValueError(f"engine rank {rank} out of range for tensor parallel degree {tp}")
     if shape.intermediate_size % tp:
         # the engine's gate_up (floor(I/tp) rows) and down_proj (columns r*I//tp...) would disagree
-        raise ConfigError(f"engine tensor parallel degree {tp} must divide intermediate_size ({shape.intermediate_size})")
+        raise ConfigError(f"engine tensor parallel degree {tp} must divide intermediate_size "
+                          f"({shape.intermediate_size})")
     hd = shape.head_dim
     q_heads, kv_heads = engine_heads(shape.num_attention_heads, shape.num_key_value_heads, tp, rank)
     nq, nkv = len(q_heads) * hd, len(kv_heads) * hd

@@ -137,6 +137,7 @@ class SyncPlan:
         (only the first `layers` decoder layers: the others repeat the pattern)."""
         s, tl = self.shape, self.trainer
         tied = ", tied embeddings" if s.tie_word_embeddings else ""
+        mib = f"MiB ({str(dtype).removeprefix('torch.')})"
         lines = [
             f"sync plan: trainer tp={tl.tp} dp_shard={tl.dp_shard} dp_replicate={tl.dp_replicate} "
             f"({tl.world_size} ranks) -> engine tp={self.engine.tp}",
@@ -144,7 +145,7 @@ class SyncPlan:
             f"x head_dim {s.head_dim}, hidden {s.hidden_size}, intermediate {s.intermediate_size}, "
             f"vocab {s.vocab_size}{tied}",
             "",
-            f"{'engine rank':>11}  {'params':>6}  {'elements':>12}  {'MiB (' + str(dtype).removeprefix('torch.') + ')':>14}"
+            f"{'engine rank':>11}  {'params':>6}  {'elements':>12}  {mib:>14}"
             f"  {'pieces':>6}  from trainer ranks",
         ]
         nbytes = self.bytes_per_dst_rank(dtype)

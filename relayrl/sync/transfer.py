@@ -7,7 +7,8 @@ Who is where (a `Members` map: trainer rank / engine rank -> rank in the sync gr
     disaggregated  members = trainer ranks 0..T-1, then engine ranks T..T+E-1
 
 The sync group is a gloo process group of its own (`SyncComm`: it meets at a store the driver hosts,
-behind the run's token: relayrl.parallel.rendezvous), made beside whatever default group the trainer or the engine's TP workers already have.
+behind the run's token: relayrl.parallel.rendezvous), made beside whatever default group the trainer
+or the engine's TP workers already have.
 Buckets of GPU tensors are staged through host memory; an nccl sync group is not wired yet.
 
 One sync, on every member (`sync_send` / `post_receives` + `finish_receives`, or `sync_step` for both):
@@ -42,8 +43,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relayrl.parallel.rendezvous import StoreAddress, join_store
 from relayrl.models.config import ModelShape
+from relayrl.parallel.rendezvous import StoreAddress, join_store
 from relayrl.sync.layout import EngineLayout, TrainerLayout, trainer_holdings
 from relayrl.sync.plan import SyncPlan, Transfer, plan_sync
 from relayrl.sync.wire import decode, encode, fp8_round_trip, fp8_scales, nbytes, receive_buffers
@@ -193,7 +194,7 @@ class SyncStats:
     messages: int = 0
     seconds: float = 0.0
 
-    def add(self, other: "SyncStats") -> "SyncStats":
+    def add(self, other: SyncStats) -> SyncStats:
         return SyncStats(**{f: getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__})
 
 

@@ -13,6 +13,7 @@ the accumulated gradient is the gradient of the full mini-batch loss.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import defaultdict
 
 import torch
@@ -35,8 +36,8 @@ class Actor:
     are the GLOBAL token / sequence counts (an all-reduce over the data-parallel group) and the
     gradients are summed over ranks, so every layout takes the single-process step."""
 
-    def __init__(self, model: CausalLM, cfg: TrainerConfig, algo: AlgoConfig, *, total_steps: int, temperature: float = 1.0,
-                 seed: int = 0, dims: ParallelDims | None = None):
+    def __init__(self, model: CausalLM, cfg: TrainerConfig, algo: AlgoConfig, *, total_steps: int,
+                 temperature: float = 1.0, seed: int = 0, dims: ParallelDims | None = None):
         self.model = model
         self.cfg, self.algo = cfg, algo
         self.temperature = temperature
@@ -72,7 +73,7 @@ class Actor:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
             k = int(t)
         bounds = [len(rows) * i // k for i in range(k + 1)]
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             if b > a:
                 yield rows.select(slice(a, b)), True
             else:
@@ -103,7 +104,7 @@ class Actor:
             tally.all_reduce(self.dp_group)
         return {**tally.result(), "lr": self.scheduler.get_last_lr()[0]}
 
-    def step_on(self, mini: TrainBatch, tally: "_Tally", template: TrainBatch | None = None) -> None:
+    def step_on(self, mini: TrainBatch, tally: _Tally, template: TrainBatch | None = None) -> None:
         """One optimiser step on a mini-batch (accumulated over micro-batches)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._accumulate(mini, tally, template if template is not None else mini)
@@ -117,7 +118,7 @@ class Actor:
         self._accumulate(mini, tally, mini)
         return tally.result()
 
-    def _accumulate(self, mini: TrainBatch, tally: "_Tally", template: TrainBatch) -> None:
+    def _accumulate(self, mini: TrainBatch, tally: _Tally, template: TrainBatch) -> None:
         counts = torch.tensor([float(mini.response_mask.sum()), float(len(mini))])
         if self.dp_group is not None:  # the global batch's counts: every rank divides by the same
             dist.all_reduce(counts, group=self.dp_group)
@@ -125,7 +126,8 @@ class Actor:
         micro = [mb for mb, _ in self._micro_batches(mini, template)]
         # DDP: all-reduce once, after the last micro-batch. FSDP keeps reducing every micro-batch:
         # deferring it would hold an unsharded gradient of the whole model on every rank (measured).
-        set_sync = None if isinstance(self.model, FSDPModule) else getattr(self.model, "set_requires_gradient_sync", None)
+        set_sync = (None if isinstance(self.model, FSDPModule)
+                    else getattr(self.model, "set_requires_gradient_sync", None))
         tally.loss_steps += 1
         for i, mb in enumerate(micro):
             if set_sync is not None:  # reduce gradients once, after the last micro-batch
@@ -176,7 +178,7 @@ class _Tally:
         dist.all_reduce(sums, group=group)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         self.tokens, self.loss = float(sums[0]), float(sums[1])
-        self.weighted = {k: float(v) for k, v in zip(keys, sums[2:])}
+        self.weighted = {k: float(v) for k, v in zip(keys, sums[2:], strict=True)}
         self.ratio_max = float(peak)
 
     def result(self) -> dict[str, float]:

@@ -33,27 +33,27 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, idx: torch.Tensor | slice) -> "TrainBatch":
+    def select(self, idx: torch.Tensor | slice) -> TrainBatch:
         return TrainBatch(**{
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx])
             for f in dataclasses.fields(self)
         })
 
-    def split(self, size: int) -> list["TrainBatch"]:
+    def split(self, size: int) -> list[TrainBatch]:
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
 
-    def replace(self, **kw) -> "TrainBatch":
+    def replace(self, **kw) -> TrainBatch:
         return dataclasses.replace(self, **kw)
 
 
 def build_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0):
     """Right-padded rows [prompt | response]; returns (input_ids, attention_mask, response_mask)."""
-    T = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    T = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     B = len(prompts)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     attn = torch.zeros(B, T, dtype=torch.long)
     resp = torch.zeros(B, T)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n = len(p) + len(r)
         ids[i, :n] = torch.tensor(p + r)
         attn[i, :n] = 1
@@ -64,6 +64,6 @@ def build_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: int
 def scatter_per_token(values: list[list[float]], prompts: list[list[int]], T: int) -> torch.Tensor:
     """Place per-response-token values (e.g. the engine's logprobs) at their row positions."""
     out = torch.zeros(len(values), T)
-    for i, (v, p) in enumerate(zip(values, prompts)):
+    for i, (v, p) in enumerate(zip(values, prompts, strict=True)):
         out[i, len(p):len(p) + len(v)] = torch.tensor(v, dtype=torch.float32)
     return out

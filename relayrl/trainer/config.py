@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field
 
@@ -15,7 +15,7 @@ class TrainerConfig(Config):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
-    grad_clip: Optional[float] = Field(1.0, gt=0)  # None: no clipping (the norm is still reported)
+    grad_clip: float | None = Field(1.0, gt=0)  # None: no clipping (the norm is still reported)
     # the schedule steps once per RL step: linear warm-up, then constant or cosine to min_lr_ratio
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)

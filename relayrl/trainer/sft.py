@@ -30,7 +30,8 @@ class SFTTrainer:
         for mb in batch.split(self.cfg.micro_batch_size):
             ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.bf16 else torch.autocast("cpu", enabled=False)
             with ctx:
-                logp, _ = token_logprobs(self.model, mb.input_ids, mb.attention_mask, padding_free=self.cfg.padding_free)
+                logp, _ = token_logprobs(self.model, mb.input_ids, mb.attention_mask,
+                                         padding_free=self.cfg.padding_free)
             loss = -(logp * mb.response_mask).sum() / num_tokens
             loss.backward()
             total += float(loss.detach())

@@ -38,7 +38,7 @@ def error_payload(context: str = "") -> Payload:
     try:
         blob = pickle.dumps(exc)
         pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
-    except Exception:  # noqa: BLE001 - the text still carries everything
+    except Exception:  # the text still carries everything
         blob = None
     return ("error", text, blob)
 
@@ -69,7 +69,7 @@ class WorkerHost:
             self.info = info
             self.worker = construct(cls, info, args, kwargs)
             return ("ok", os.getpid())
-        except BaseException:  # noqa: BLE001 - reported to the driver
+        except BaseException:  # reported to the driver
             return error_payload(f"building {getattr(cls, '__name__', cls)} on rank {info.rank}:")
 
     def dp_infos(self, prefixes: list[str]) -> Payload:
@@ -80,7 +80,7 @@ class WorkerHost:
                 out[prefix] = obj.dp_info() if hasattr(obj, "dp_info") else \
                     DPInfo(self.info.rank, self.info.world_size, True)
             return ("ok", out)
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             return error_payload()
 
     def call(self, path: str, args: tuple, kwargs: dict) -> Payload:
@@ -88,7 +88,7 @@ class WorkerHost:
             if self.worker is None:
                 raise RuntimeError("this worker was never built (its construction failed) or is closed")
             return ("ok", resolve(self.worker, path)(*args, **kwargs))
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             return error_payload()
 
     def close(self) -> Payload:
@@ -97,11 +97,11 @@ class WorkerHost:
         try:
             if self.worker is not None and hasattr(self.worker, "teardown"):
                 self.worker.teardown()
-        except BaseException:  # noqa: BLE001 - still tear the process group down
+        except BaseException:  # still tear the process group down
             result = error_payload("teardown:")
         self.worker = None
         try:
             launch.shutdown_process_group()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             result = error_payload("destroying the process group:")
         return result

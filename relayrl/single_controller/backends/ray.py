@@ -5,8 +5,9 @@
 
 Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so a worker's device is cuda:0. The driver
 hosts the rendezvous store at its node's IP (that interface only, behind the run's token gate:
-relayrl.parallel.rendezvous): run the driver on a node of the cluster (`ray job submit` does). relayrl must be importable on every node. Calls are actor method calls; a payload
-comes back as the call's result, a dead actor as an error payload. Shutdown: "close" on every
+relayrl.parallel.rendezvous): run the driver on a node of the cluster (`ray job submit` does).
+relayrl must be importable on every node. Calls are actor method calls; a payload comes back as
+the call's result, a dead actor as an error payload. Shutdown: "close" on every
 actor (teardown order in host.py), then ray.kill and the placement groups are removed.
 """
 
@@ -96,7 +97,7 @@ class RayBackend:
                 out[rank] = ray.get(ref)
             except ray.exceptions.RayActorError as e:  # the actor's process is gone
                 out[rank] = ("lost", f"died (Ray: {type(e).__name__}: {str(e).strip().splitlines()[0]})")
-            except Exception as e:  # noqa: BLE001 - an unserialisable result
+            except Exception as e:  # an unserialisable result
                 out[rank] = ("error", f"Ray actor of rank {rank} failed: {type(e).__name__}: {e}", None)
         return out
 
