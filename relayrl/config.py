@@ -1,9 +1,13 @@
-"""Typed config: pydantic models that forbid unknown keys, load from YAML, take dotted overrides.
+"""This module is the typed config base: pydantic models that forbid unknown keys, load from YAML and take
+dotted overrides.
 
 Each layer defines the config of the code it configures (`DataConfig` in `relayrl.data`, ...) by
 subclassing `Config`; the run config composes them. Every error names the dotted key:
 
     config error: trainer.lr: Input should be greater than 0 (got -1)
+
+It is part of relayrl's ground floor: it imports pydantic, PyYAML and relayrl.errors only, and it must
+never import any other relayrl module, since every layer imports it.
 """
 
 from __future__ import annotations

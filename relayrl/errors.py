@@ -1,8 +1,11 @@
-"""User-facing errors.
+"""This module defines the errors a user can cause and fix.
 
 Anything a user can cause (bad config, bad model directory, empty dataset, a reward function that
 cannot be imported) raises a subclass of `UserError`; the CLI prints its message on one line and
 exits with status 2. Everything else is a bug and keeps its traceback.
+
+It is part of relayrl's ground floor: it imports nothing, and it must never import another relayrl
+module, since every layer imports it.
 """
 
 

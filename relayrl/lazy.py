@@ -1,5 +1,5 @@
-"""Package exports imported on first use (PEP 562), so that importing one light module of a package
-(its config, say) does not import the package's heavy modules too.
+"""This module lets a package export names that are imported on first use (PEP 562), so that importing
+one light module of a package (its config, say) does not import the package's heavy modules too.
 
     # relayrl/models/__init__.py
     __getattr__, __dir__ = lazy_exports(__name__, {"CausalLM": "relayrl.models.transformer", ...})
@@ -7,7 +7,8 @@
         from relayrl.models.transformer import CausalLM
 
 Loading a run's config therefore imports config modules, not the engine, trainer or torch.distributed
-(tests/test_layering.py checks it). Part of relayrl's ground floor: imports the standard library only.
+(tests/test_layering.py checks it). It is part of relayrl's ground floor: it imports the standard library
+only, and it must never import another relayrl module.
 """
 
 from __future__ import annotations

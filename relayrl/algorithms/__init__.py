@@ -1,8 +1,10 @@
-"""Algorithm pieces as small registered functions: advantages, policy losses, aggregation, KL,
-entropy, rollout-mismatch corrections, group filtering, and the combined actor objective.
+"""This package holds the algorithm pieces as small registered functions: advantages, policy losses,
+aggregation, KL, entropy, rollout-mismatch corrections, group filtering, and the combined actor
+objective.
 
-Imports torch, the standard library and relayrl.config only. Importing this package registers
-every built-in estimator / loss / aggregation / KL kind.
+It imports torch, pydantic, the standard library and relayrl.config only; it must never import
+another relayrl layer: the algorithms are a leaf, which the trainer and the controller import.
+Importing this package registers every built-in estimator / loss / aggregation / KL kind.
 """
 
 from relayrl.algorithms.advantages import dr_grpo, grpo, rloo

@@ -1,4 +1,5 @@
-"""Group-relative advantages: one scalar per sampled response, computed from its group's rewards.
+"""This module computes group-relative advantages: one scalar per sampled response, from its group's
+rewards.
 
 Layout: the G samples of one prompt are contiguous, so `rewards[g*G:(g+1)*G]` is group g and
 `rewards.view(-1, G)` has one row per prompt. Every estimator has the signature
@@ -7,6 +8,9 @@ Layout: the G samples of one prompt are contiguous, so `rewards[g*G:(g+1)*G]` is
 
 so the driver can swap them by name (`estimators that ignore norm_std accept it anyway`).
 Rewards carry no gradient; the result is a plain tensor in the rewards' float dtype.
+
+It imports torch and the algorithm registry only; it must never import another relayrl layer: the
+algorithms are a leaf, which the trainer and the controller import.
 """
 
 from __future__ import annotations

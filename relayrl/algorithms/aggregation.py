@@ -1,4 +1,4 @@
-"""Reducing per-token values [B, T] under a loss mask to one scalar.
+"""This module reduces per-token values [B, T] under a loss mask to one scalar.
 
 Three modes (the choice changes how much each token / each sequence weighs in the gradient):
 
@@ -20,6 +20,9 @@ whereas dividing each micro-batch by its own count would weight micro-batches un
 
 Defaults when not given: N_tok = max(mask.sum(), 1) so an all-masked batch gives 0, not NaN;
 N_seq = B. A sequence with no masked tokens contributes 0 to seq-mean-token-mean (n_i clamped to 1).
+
+It imports torch and the algorithm registry only; it must never import another relayrl layer: the
+algorithms are a leaf, which the trainer and the controller import.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
-"""AlgoConfig: which algorithm pieces to use and their coefficients (the `algo:` config section).
+"""AlgoConfig says which algorithm pieces a run uses, with their coefficients (the `algo:` config section).
 
 Names (advantage, loss, agg, kl_kind) are checked against the registries, so a typo is an error
 naming the key and listing the choices:
 
     config error: loss: Value error, unknown loss 'ppo2'; known: gspo, ppo (got 'ppo2')
+
+It imports pydantic, relayrl.config and the algorithm modules whose registries it checks names against;
+it must never import another relayrl layer: the algorithms are a leaf, which the trainer and the
+controller import.
 """
 
 from __future__ import annotations

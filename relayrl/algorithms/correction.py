@@ -1,4 +1,4 @@
-"""Correcting for the rollout engine and the trainer disagreeing on token probabilities.
+"""This module corrects for the rollout engine and the trainer disagreeing on token probabilities.
 
 Tokens are sampled by the rollout engine (pi_rollout: its kernels, its precision, maybe a stale
 weight copy), but the loss's "old" policy is the trainer's recomputation pi_old. The samples are
@@ -15,6 +15,9 @@ Two corrections, both using only the recorded rollout logprobs:
     lies outside [low, high] — those sequences are too far off-policy to trust at all.
 
 All outputs are detached: they are weights and masks, not part of the objective's gradient.
+
+It imports torch and the algorithms' own modules only; it must never import another relayrl layer: the
+algorithms are a leaf, which the trainer and the controller import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Entropy of the model's next-token distribution at every position.
+"""This module computes the entropy of the model's next-token distribution at every position.
 
     H = -sum_v p_v log p_v,   p = softmax(z)
       = logsumexp(z) - sum_v p_v z_v          (since log p_v = z_v - logsumexp(z))
@@ -9,6 +9,9 @@ few for the sum over V); the result is cast back to the logits' dtype. Gradients
 used as a bonus term.
 Memory: this materialises softmax of [B, T, V]; a trainer with a large vocabulary calls it on
 chunks of T.
+
+It imports torch only; it must never import another relayrl layer: the algorithms are a leaf, which the
+trainer and the controller import.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""Which prompt groups carry a learning signal (DAPO dynamic sampling).
+"""This module selects the prompt groups that carry a learning signal (DAPO dynamic sampling).
 
 With group-relative advantages, a group whose G rewards are all equal (all solved, all failed)
 has advantage 0 for every sample: it costs a forward/backward and contributes nothing but a
 smaller effective batch. DAPO keeps only groups with reward spread and samples more prompts
 until the batch is full; the driver does the resampling, these functions do the selection.
 Groups are contiguous: rewards[g*G:(g+1)*G] (the layout of advantages.py).
+
+It imports torch only; it must never import another relayrl layer: the algorithms are a leaf, which the
+trainer and the controller import.
 """
 
 from __future__ import annotations

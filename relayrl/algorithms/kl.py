@@ -1,4 +1,4 @@
-"""Per-token estimators of KL(pi || ref) from tokens sampled from pi.
+"""This module holds the per-token estimators of KL(pi || ref) from tokens sampled from pi.
 
 With x ~ pi and the log-ratio  l = log pi(x) - log ref(x)  (so  r = ref(x)/pi(x) = exp(-l)),
 Schulman's estimators ("Approximating KL Divergence", 2020) are
@@ -14,6 +14,9 @@ Safety clamp: l is clamped to [-max_log_ratio, max_log_ratio] (20 by default) be
 estimator, so k3's exp(-l) cannot overflow to inf (inf * 0 in a masked sum would be NaN). A token
 with |l| > 20 means the policies disagree by a factor above e^20 ~ 5e8 on it; the clamp caps its
 penalty and zeroes its gradient, which a healthy run never reaches. Pass None to disable.
+
+It imports torch and the algorithm registry only; it must never import another relayrl layer: the
+algorithms are a leaf, which the trainer and the controller import.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The full actor objective for one (micro-)batch: policy loss + KL penalty - entropy bonus,
-with the rollout-mismatch corrections applied first.
+"""This module computes the full actor objective for one (micro-)batch: policy loss + KL penalty -
+entropy bonus, with the rollout-mismatch corrections applied first.
 
     rollout_logp ──> MIS keep-mask [B] ──> mask_eff = mask * keep
                  └─> TIS weights [B,T] (capped w = pi_old/pi_rollout, on mask_eff)
@@ -19,6 +19,9 @@ averages them over micro-batches for logging):
     loss/policy, loss/kl (0 when the KL term is off), clip_frac, ratio_mean, ratio_max,
     is/masked_seq_frac (share of the B sequences MIS dropped), is/weight_mean (1 without TIS),
     kl (only when ref_logp is given), entropy (only when entropy is given).
+
+It imports torch and the algorithms' own modules only; it must never import another relayrl layer: the
+algorithms are a leaf, which the trainer and the controller import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Clipped policy-gradient losses. One signature for all, so the trainer picks them by name:
+"""This module holds the clipped policy-gradient losses. They share one signature, so the trainer picks
+them by name:
 
     fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, agg,
        num_tokens=None, num_seqs=None, is_weights=None) -> (loss scalar, stats)
@@ -17,6 +18,9 @@ values at padding) cannot turn into inf * 0 = NaN; their gradient is 0 either wa
 
 stats (detached): clip_frac = share of masked tokens where the clipped term was the active one
 (clipping changed the objective); ratio_mean / ratio_max of the ratios the loss used.
+
+It imports torch and the algorithms' own modules only; it must never import another relayrl layer: the
+algorithms are a leaf, which the trainer and the controller import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Name → function registries for algorithm pieces.
+"""This module keeps the name → function registries of the algorithm pieces.
 
 Algorithms are chosen by name in config (`algo.loss: gspo`), so every variant is a small function
 registered under its name instead of a string branch inside the trainer:
@@ -10,6 +10,9 @@ registered under its name instead of a string branch inside the trainer:
 
 Looking up an unknown name raises ValueError listing the known names, so a typo in a config is
 reported with the alternatives.
+
+It imports the standard library only; it must never import another relayrl layer: the algorithms are a
+leaf, which the trainer and the controller import.
 """
 
 from __future__ import annotations

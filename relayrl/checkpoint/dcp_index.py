@@ -16,7 +16,7 @@ whatever a crafted file names. `read_dcp_index` instead interprets the pickle it
 The result is then checked field by field (every storage entry points at a shard file the manifest
 lists, every tensor's chunks tile it exactly), so what DCP gets is a well-formed index. Anything else is
 `IndexRefused`, which the caller reports as a CheckpointError naming the file. This module imports only
-torch and the standard library.
+torch and the standard library; it must never import the trainer, engine or controller (they import it).
 """
 
 from __future__ import annotations

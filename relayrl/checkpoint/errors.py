@@ -4,7 +4,8 @@ A checkpoint on disk is untrusted input: it may be truncated by a crash, corrupt
 halfway, or crafted. Every such case is reported as a `CheckpointError` naming the file at fault, never as
 an EOFError / UnpicklingError / JSONDecodeError traceback. Running out of disk space while writing one is a
 `CheckpointSpaceError` naming the directory and the bytes needed. This module imports nothing but
-relayrl.errors, so every checkpoint module can use it.
+relayrl.errors, so every checkpoint module can use it; it must never import the trainer, engine or
+controller (they import it).
 """
 
 from __future__ import annotations

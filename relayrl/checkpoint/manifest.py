@@ -11,7 +11,8 @@ file, for every load) or sizes and checksums (a full read, before resuming a run
 The checksum is zlib's CRC-32 over 4 MiB reads: it finds truncation and bit rot at disk speed, and it is
 not a signature (whoever can write the files can rewrite COMPLETE too). What keeps a crafted checkpoint
 from running code is that every file is parsed as data (see statefile and safe_dcp). This module imports
-only the standard library and the checkpoint errors.
+only the standard library and the checkpoint errors; it must never import the trainer, engine or
+controller (they import it).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ The captured state is plain data — tuples, ints, a numpy array, uint8 tensors 
 (relayrl.checkpoint.statefile) and comes back with the same types, and restore_rng_state checks it
 before handing it to the generators: a malformed state is a one-line CheckpointError.
 RNG state is per process; under torch.distributed each rank saves its own entry. This module imports
-only torch, numpy (optional) and the checkpoint errors.
+only torch, numpy (optional) and the checkpoint errors; it must never import the trainer, engine or
+controller (they import it).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ DCP (torch 2.13) reads a checkpoint in three ways, two of which would run code f
 build DCP's metadata records, then a check of their structure). `SafeReader` hands DCP that checked index
 and reads each shard file under a guard that names the file in a one-line CheckpointError; `SafePlanner`
 loads bytes items with weights_only=True. `dcp_load` runs dcp.load with both and unwraps the errors DCP
-gathers from the ranks. This module imports only
-torch and the checkpoint modules dcp_index and errors.
+gathers from the ranks. This module imports only torch and the checkpoint modules dcp_index and
+errors; it must never import the trainer, engine or controller (they import it).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ or EDQUOT from any file write, torch's `inline_container` messages ("PytorchStre
 file ...", "file write failed"), and the same failures gathered from every rank by
 torch.distributed.checkpoint. The writer then removes its temporary directory and raises a
 CheckpointSpaceError, so the previous checkpoint stays the latest. This module imports only torch and
-the checkpoint errors.
+the checkpoint errors; it must never import the trainer, engine or controller (they import it).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ TREE is JSON with a few tagged objects (one key starting with "$") for what JSON
 so that Python's `random` state (a tuple with a tuple inside) and numpy's (a tuple with an ndarray) come
 back with the same types and values. Dict subclasses (OrderedDict) come back as dicts. Anything else
 (functions, objects, numpy scalars, bytes) is refused at save time with a TypeError naming its key path.
-This module imports only torch, safetensors, numpy (optional) and the checkpoint errors.
+This module imports only torch, safetensors, numpy (optional) and the checkpoint errors; it must never
+import the trainer, engine or controller (they import it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The trainer-side roles as worker-group workers: the actor (which may also host the engine's ranks)
-and the reference model.
+"""This module defines the trainer-side roles as worker-group workers: the actor (which may also host the
+engine's ranks) and the reference model.
 
     ActorWorker       one rank of the actor: its (FSDP / DDP / TP) model, optimizer and schedule;
                       compute_logprobs and update split over data-parallel ranks; checkpoints;
@@ -9,6 +9,9 @@ and the reference model.
 
 Both build their model the same way (load, then parallelize_model by `parallel.*`). TrainBatch and
 DataBatch convert field by field (`to_data` / `to_train`): DataBatch is what crosses processes.
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
 """
 
 from __future__ import annotations

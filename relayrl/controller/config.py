@@ -1,4 +1,4 @@
-"""RunConfig: the whole job, composed of each layer's own config section.
+"""RunConfig describes the whole job; it is composed of each layer's own config section.
 
     model:    where the policy comes from (a Hugging Face directory, or the tiny model of the task)
     data:     relayrl.data.DataConfig        reward:  relayrl.rewards.RewardConfig
@@ -6,9 +6,10 @@
     rollout:  sampling and batch shape       eval:    held-out evaluation
     run:      steps, seed, output, checkpoints
 
-Loaded from YAML with dotted overrides (`trainer.lr=1e-4`); every error names the key. Loading a
-RunConfig imports config modules (and the registries their names are checked against) only: never the
-engine, trainer, checkpoint, sync or worker-group code (tests/test_layering.py checks it).
+It loads from YAML with dotted overrides (`trainer.lr=1e-4`); every error names the key. This module
+imports config modules (and the registries their names are checked against) only; it must never import
+the engine, trainer, checkpoint, sync or worker-group code, nor relayrl.cli, so that loading a RunConfig
+stays cheap (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""`relayrl demo`: the whole story on a laptop CPU, on built-in defaults.
+"""This module runs `relayrl demo`: the whole story on a laptop CPU, on built-in defaults.
 
     tiny model (char tokenizer) ──SFT warm-start on arith──> accuracy_before
                                  ──GRPO──────────────────> accuracy_after ──> report PNGs
 
-Writes OUT/sft, OUT/grpo (a full run directory) and OUT/summary.json with accuracy_before,
+It writes OUT/sft, OUT/grpo (a full run directory) and OUT/summary.json with accuracy_before,
 accuracy_after and seconds. The settings below are the demo's own; `relayrl train` and
 `relayrl sft` take the same sections from YAML.
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The driver: one RL step, written as a single-machine program.
+"""The driver runs one RL step, written as a single-machine program.
 
     sync ──> rollout ──> reward ──> advantage ──> old_logp (+ ref_logp) ──> update
     trainer   engine:     scorer:    group-        trainer recomputes        clipped loss,
@@ -7,6 +7,10 @@
 
 Every stage is timed (`time/<stage>`). Sampling seeds derive from (run seed, step, round, prompt),
 so a run resumed from a checkpoint draws exactly the samples the uninterrupted run drew.
+
+It is typed against the protocols the layers below own (Policy, RolloutEngine, Scorer, WeightSync). Like
+the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
 """
 
 from __future__ import annotations
@@ -76,8 +80,8 @@ class Driver:
         self.timer = StageTimer()
 
     def sync_weights(self) -> dict[str, float]:
-        """The trainer's weights into the engine by the plan; an engine put to sleep after the last
-        rollout wakes; then the canary checks what the engine now computes."""
+        """Move the trainer's weights into the engine by the plan (an engine put to sleep after the last
+        rollout wakes up), then let the canary check what the engine now computes."""
         return self.weight_sync.sync(f"before step {self.step + 1}")
 
     def _params(self, step: int, round_: int, i: int) -> SamplingParams:

@@ -1,10 +1,13 @@
-"""The engine's tensor-parallel ranks hosted by the actor's processes (placement colocated), seen by
-the engine as a RunnerGroup (relayrl.engine.protocols).
+"""This module hosts the engine's tensor-parallel ranks in the actor's processes (placement colocated), and
+shows them to the engine as a RunnerGroup (relayrl.engine.protocols).
 
     LLMEngine ──RunnerGroup──> ActorHostedRanks ──ActorWorker.engine_call / engine_run──> actor ranks
                                                    0..tp-1 each hold one ModelRunner; ranks >= tp answer None
 
 The actor group owns the processes, so closing the engine stops nothing here.
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Held-out evaluation: generate for each eval prompt, score, report accuracy and reward."""
+"""This module runs the held-out evaluation: it generates one completion per eval prompt, scores them, and
+reports accuracy, reward and response length.
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
+"""
 
 from __future__ import annotations
 

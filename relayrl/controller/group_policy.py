@@ -1,5 +1,5 @@
-"""GroupPolicy: the trainer as worker groups — the actor group (and the reference model's) on local
-processes or Ray, SPMD inside — behind the Policy protocol (relayrl.trainer.policy).
+"""GroupPolicy runs the trainer as worker groups (the actor group, and the reference model's) on local
+processes or Ray, SPMD inside, behind the Policy protocol (relayrl.trainer.policy).
 
     driver ── GroupPolicy ──> actor group: ActorWorker x (dp_replicate x dp_shard x tp)
                           └─> reference: ReferenceWorker, in the actor's processes (placement
@@ -8,6 +8,9 @@ processes or Ray, SPMD inside — behind the Policy protocol (relayrl.trainer.po
 Every call is declared at the worker (relayrl.controller.actor_workers) and called here by the
 method itself, so a reader goes from the driver's call to its definition. `group_options` turns the
 run's `parallel.*` settings into the groups' deadlines and heartbeat timeout.
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""LocalPolicy: the trainer (actor, and reference model) in the driver's own process
+"""LocalPolicy runs the trainer (actor, and reference model) in the driver's own process
 (`parallel.backend: none`), behind the same Policy protocol as the worker groups (relayrl.trainer.policy).
 
 The driver's process is trainer rank 0 of 1. Colocated, the engine's one rank lives here too:
 `host_engine` builds its ModelRunner beside the actor, so the weight sync copies every piece in place.
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
 """
 
 from __future__ import annotations

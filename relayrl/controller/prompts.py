@@ -1,4 +1,9 @@
-"""Prompt text → token ids, the one place both rollout and SFT turn examples into model input."""
+"""This module turns an example's prompt into token ids; it is the one place where both rollout and SFT turn
+examples into model input.
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
+"""
 
 from __future__ import annotations
 

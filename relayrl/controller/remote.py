@@ -1,15 +1,19 @@
-"""The rollout and reward roles as worker groups, behind the protocols the driver already uses.
+"""This module runs the rollout and reward roles as worker groups, behind the protocols the driver already
+uses.
 
     driver ── RemoteEngine ──> RolloutWorker (1 process: the engine, with its own TP workers below)
            ── RemoteScorer ──> RewardWorker x N (DP_SPLIT: each scores its share of a step's samples
                                                in a reward pool of its own)
 
 RemoteEngine is a relayrl.engine.protocols.RolloutEngine (generate, load_weights, run_on_ranks for
-the weight sync, score, sleep / wake, stats, tokenizer, pad_id); RemoteScorer a
+the weight sync, score, sleep / wake, stats, tokenizer, pad_id); RemoteScorer is a
 relayrl.rewards.protocol.Scorer. With `parallel.rollout_worker` and `parallel.reward_workers` the
 four roles of the loop (actor, rollout, reference, reward) each run in their own worker group, on
 local processes or Ray. A user error inside a worker (a reward function that fails on every sample,
 a bad prompt) comes back as itself, one line (relayrl.single_controller.worker_group).
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
 """
 
 from __future__ import annotations

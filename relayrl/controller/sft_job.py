@@ -1,6 +1,10 @@
-"""`relayrl sft`: supervised warm-start on prompt/answer pairs (loss on the answer tokens only).
+"""This module runs `relayrl sft`: a supervised warm-start on prompt/answer pairs (loss on the answer tokens
+only). It writes this run directory:
 
     run_dir/  config.yaml  metrics.jsonl  eval.jsonl  model/ (Hugging Face directory)
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
 """
 
 from __future__ import annotations

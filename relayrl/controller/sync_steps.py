@@ -1,4 +1,5 @@
-"""What each member of a weight sync runs on its own rank, trainer side and engine side, side by side.
+"""This module holds what each member of a weight sync runs on its own rank, trainer side and engine side,
+side by side.
 
 The driver's PlannedWeightSync (relayrl.controller.weight_sync) sends these functions to where the
 ranks are, with the same one call on both roles:
@@ -17,7 +18,8 @@ pickle by name to worker processes.
                      engine_receive      the engine ranks receive and unpack
                      trainer_finish_send the trainer ranks wait for their sends
 
-This module imports relayrl.sync (the mechanics) and the trainer's shard view; never the engine.
+This module imports relayrl.sync (the mechanics) and the trainer's shard view; it must never import the
+engine (it reaches the engine's ranks only through the functions it hands to run_on_ranks) or relayrl.cli.
 """
 
 from __future__ import annotations

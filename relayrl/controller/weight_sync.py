@@ -1,4 +1,5 @@
-"""The driver's weight sync: the planned reshard, carried out where the roles live, verified every time.
+"""This module is the driver's weight sync: it carries out the planned reshard where the roles live, and
+verifies it every time.
 
     placement colocated      engine rank r runs in trainer rank r's process (the driver's own with
                              parallel.backend none; the actor workers otherwise): own pieces are
@@ -21,6 +22,9 @@
 What each rank runs is in relayrl.controller.sync_steps. The driver process hosts the sync group's
 rendezvous (on the address the trainer's workers reach it by, behind the run's token) and joins no
 group itself. Both classes here implement relayrl.sync.protocol.WeightSync.
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
 """
 
 from __future__ import annotations
@@ -200,8 +204,9 @@ class PlannedWeightSync:
 
 
 class FullWeightSync:
-    """vLLM's own loader takes full tensors (the one engine whose layout needs them): gathered on
-    the trainer, sliced by vLLM. No plan, no canary (vLLM scores no given rows)."""
+    """The weight sync for vLLM, whose own loader takes full tensors (the one engine whose layout needs
+    them): the trainer gathers them and vLLM slices them. There is no plan and no canary (vLLM scores
+    no given rows)."""
 
     def __init__(self, policy: Policy, engine: RolloutEngine):
         self.policy, self.engine = policy, engine

@@ -1,4 +1,10 @@
-"""Built-in tasks, dataset loading, train/eval splits, prompt formatting and the prompt sampler."""
+"""This package provides the built-in tasks, dataset loading, train/eval splits, prompt formatting and the
+prompt sampler.
+
+It imports the standard library, pydantic, pyarrow (for parquet files, on first use) and relayrl's
+ground floor only; it must never import another relayrl layer: data is a leaf, which rewards and the
+controller import.
+"""
 
 from relayrl.data.chat import format_prompt
 from relayrl.data.config import DataConfig, build_datasets, build_task

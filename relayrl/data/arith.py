@@ -1,9 +1,12 @@
-"""`arith`: integer arithmetic, e.g. prompt "12+7=" with answer "19".
+"""This module defines the `arith` task: integer arithmetic, e.g. prompt "12+7=" with answer "19".
 
 Prompts are kept short so a tiny char-level model can learn the task. Operands are uniform in
 [0, 10**digits - 1]; the answer follows the usual precedence (`*` before `+`/`-`) and may be
 negative. A completion is correct (score 1.0) when its first stripped line equals the answer
 exactly; anything else scores 0.0.
+
+It imports the standard library, the task registry and relayrl.errors only; it must never import another
+relayrl layer: data is a leaf, which rewards and the controller import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Turning a raw prompt into the text the model sees (optionally through its chat template)."""
+"""This module turns a raw prompt into the text the model sees (optionally through its chat template).
+
+It imports relayrl.errors only; it must never import another relayrl layer: data is a leaf, which
+rewards and the controller import.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`DataConfig` and `build_datasets`: from the `data:` config section to train and eval examples.
+"""This module defines `DataConfig` and `build_datasets`, which turn the `data:` config section into train
+and eval examples.
 
 Built-in task (`task: arith`, `sort`, ...): both splits are generated, see `split.py`.
 
@@ -10,6 +11,9 @@ File (`task: file`, `path: train.jsonl`):
     (the sampler cycles through them for as many steps as the run takes).
 
 Prompts are returned raw; the driver applies `format_prompt` with the policy's tokenizer.
+
+It imports pydantic, relayrl's ground floor and the data modules only; it must never import another
+relayrl layer: data is a leaf, which rewards and the controller import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Loading a user's dataset from .jsonl or .parquet into Examples.
+"""This module loads a user's dataset from .jsonl or .parquet into Examples.
 
 Each row needs a string prompt field; the answer field is required unless `answer_field` is None
 (then the answer is ""). Non-string answers (numbers) are converted with str(). Every other
@@ -7,6 +7,9 @@ index. File examples have no `meta["task"]`, which is how the `task` reward know
 exact match.
 
 Every problem is a DataError on one line that says where (file, line or row) and what to do.
+
+It imports the standard library, pyarrow (on first use) and relayrl.errors only; it must never import another relayrl
+layer: data is a leaf, which rewards and the controller import.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""Seeded, resumable iteration over training prompts.
+"""This module iterates over the training prompts, seeded and resumable.
 
 Epoch e visits every example once, in the order of a permutation seeded by "{seed}/epoch/{e}";
 a batch may straddle two epochs. The whole position is (epoch, position, seed), so saving
 `state_dict()` with a checkpoint and loading it on resume continues at exactly the next prompt.
+
+It imports the standard library, the Example type and relayrl.errors only; it must never import another relayrl layer:
+data is a leaf, which rewards and the controller import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`sort`: sort a short string of digits, e.g. prompt "sort 3142=" with answer "1234".
+"""This module defines the `sort` task: sort a short string of digits, e.g. prompt "sort 3142=" with
+answer "1234".
 
 Partial credit, so a tiny model gets a learning signal before it is fully right:
 
@@ -8,6 +9,9 @@ Partial credit, so a tiny model gets a learning signal before it is fully right:
 Positions are compared left to right; dividing by the longer length makes extra characters cost as
 much as missing ones. Only the exact answer scores 1.0. Examples: answer "1234" -> "1234": 1.0,
 "1243": 0.5, "12345": 0.8, "123": 0.75, "": 0.0.
+
+It imports the standard library, the task registry and relayrl.errors only; it must never import another
+relayrl layer: data is a leaf, which rewards and the controller import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Train / held-out eval splits of a built-in task, disjoint by prompt.
+"""This module makes the train and held-out eval splits of a built-in task, disjoint by prompt.
 
     eval  = the first n_eval distinct prompts of the stream seeded "{seed}/eval"
     train = the first n_train examples of the stream seeded "{seed}/train" whose prompt is not in eval
@@ -9,6 +9,9 @@ have few distinct prompts); it never contains an eval prompt.
 
 Streams are generated in chunks, each from its own string seed: `random.Random(str)` hashes the
 string with SHA-512, so the data do not depend on PYTHONHASHSEED or on the chunk count asked for.
+
+It imports the standard library, the task registry and relayrl.errors only; it must never import another relayrl layer:
+data is a leaf, which rewards and the controller import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The task protocol and registry: built-in tasks generate their own data from a seed.
+"""This module defines the task protocol and registry: built-in tasks generate their own data from a seed.
 
 A task is a small object with
 
@@ -11,6 +11,9 @@ A task is a small object with
 Every generated example carries `meta["task"]` and `meta["params"]`, so a scorer that sees only
 the example can rebuild the task that made it (`task_for_example`). That is how the `task` reward
 works without passing task objects through worker boundaries.
+
+It imports the standard library and relayrl.errors only; it must never import another relayrl layer:
+data is a leaf, which rewards and the controller import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Paged attention over a block-structured KV cache (portable torch: CPU and GPU alike).
+"""This module computes paged attention over a block-structured KV cache (portable torch: CPU and GPU
+alike).
 
     cache per layer: k, v  [num_blocks * block_size, kv_heads, head_dim]   slot = block * block_size + offset
 
@@ -10,6 +11,9 @@ tokens; decode: one token each). For every layer:
     2. gather each sequence's keys by its block table: [B, max_context, kv_heads, head_dim]
     3. attention of each sequence's queries over its own keys (causal by absolute position,
        sliding window when the model has one), then scatter back to the N tokens
+
+It imports torch only; like the whole engine, it must never import the trainer, sync, the controller or
+the CLI.
 """
 
 from __future__ import annotations

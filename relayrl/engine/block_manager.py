@@ -1,4 +1,5 @@
-"""Where each sequence's KV lives: a pool of fixed-size blocks, reference-counted and prefix-cached.
+"""The block manager decides where each sequence's KV lives: in a pool of fixed-size blocks,
+reference-counted and prefix-cached.
 
 The KV cache is `num_blocks` blocks of `block_size` token slots. A sequence's block table maps its
 logical blocks to physical ones; token position p lives in slot
@@ -42,6 +43,9 @@ Who writes when (the protocol with the scheduler and the engine):
     run:      KV of the newest token written; next token sampled; post: append_token again ...
 
 Hence the cache only ever holds blocks whose KV is written (or written within the current batch).
+
+It imports the standard library and the engine's Sequence only; like the whole engine, it must never
+import the trainer, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The rollout engine: continuous batching over a paged KV cache with prefix caching.
+"""LLMEngine is the rollout engine: continuous batching over a paged KV cache with prefix caching.
 
     add_request ──> Sequence(s) ──> scheduler.waiting
     step():  schedule (prefill first, under a token budget; else decode; preempt when out of blocks)
@@ -15,6 +15,10 @@ weights against the shapes the model config implies (`load_weights`, `from_pretr
 settings, empty prompts, token ids outside the vocabulary and prompts that leave no room for a
 completion within max_position_embeddings (`add_request`, `generate`), a KV budget too small for one
 sequence. A failed `generate` leaves nothing of its own queued.
+
+It imports torch, the engine's own modules, relayrl.models and relayrl.single_controller (the deadlines
+of its worker ranks); like the whole engine, it must never import the trainer, sync, the controller or
+the CLI.
 """
 
 from __future__ import annotations
@@ -185,12 +189,12 @@ class LLMEngine:
         return self.end_weight_update()  # weights are back; the KV cache comes back with wake()
 
     def begin_weight_update(self) -> None:
-        """Before a sync writes into the ranks' parameters: storage released by sleep(2) comes back."""
+        """Call before a sync writes into the ranks' parameters: storage released by sleep(2) comes back."""
         if self.asleep >= 2:
             self._call("restore_weight_storage")
 
     def end_weight_update(self) -> int:
-        """After a complete sync: a new weights version."""
+        """Call after a complete sync: it starts a new weights version and returns its number."""
         if self.asleep >= 2:
             self.asleep = 1
         self.has_weights = True

@@ -1,4 +1,5 @@
-"""The engine's inference model: fused projections, tensor-parallel shards, paged attention.
+"""This module is the engine's inference model, with fused projections, tensor-parallel shards and paged
+attention.
 
     per layer:  x ─norm─> qkv_proj (column-parallel, fused) ─> q | k | v ─rope─> paged attention
                   ─> o_proj (row-parallel, all-reduce) ─+─ norm ─> gate_up_proj (column-parallel,
@@ -15,6 +16,9 @@ What may be loaded is checked against the model config first (`check_weights`): 
 have exactly the logical shape `logical_shapes(config)` gives for its Hugging Face name, an unknown
 name or a missing tensor is refused, and nothing is ever sliced or broadcast to fit. The loaders below
 then slice only the rows and columns of this rank's shard out of a tensor already known to be whole.
+
+It imports torch, the engine's own modules and relayrl.models only; like the whole engine, it must never
+import the trainer, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""How a batch runs: the engine model on one tensor-parallel rank, with its slice of the KV cache.
+"""The model runner runs a batch: the engine model on one tensor-parallel rank, with its slice of the KV
+cache.
 
     sequences ──prepare (on the scheduler's side)──> input ids [N] + PagedBatch
               ──run (on every TP rank)──────────────> logits [B, V] at each sequence's last token
 
 The KV cache is one tensor [layers, 2, num_blocks * block_size, local kv heads, head_dim], sized
 from a byte budget; `free_kv_cache` / `allocate_kv_cache` are what sleep and wake do to it.
+
+It imports torch, the engine's own modules and relayrl.models only; like the whole engine, it must never
+import the trainer, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

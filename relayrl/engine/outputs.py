@@ -1,4 +1,9 @@
-"""What the engine returns: per prompt, its samples with tokens, logprobs, text and why they ended."""
+"""This module defines what the engine returns: per prompt, its samples with their tokens, logprobs and text,
+and why each one ended.
+
+It imports the standard library only; like the whole engine, it must never import the trainer, sync, the
+controller or the CLI.
+"""
 
 from __future__ import annotations
 

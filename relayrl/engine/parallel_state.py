@@ -1,4 +1,5 @@
-"""The engine's tensor-parallel position: which rank of how many, and the group to reduce over.
+"""This module says where a rank stands in the engine's tensor parallelism: which rank of how many, and the
+group to reduce over.
 
 `check_tp` refuses a degree the model cannot be split by (a `TensorParallelError`, a user error);
 the engine calls it before starting any worker process.
@@ -11,6 +12,9 @@ Which heads a rank holds (`head_layout`):
                          (replicated on tp/Hkv ranks)
 
 so each rank's Q heads always find their own KV heads locally (GQA group = Hq/Hkv Q heads per KV head).
+
+It imports torch and relayrl.errors only; like the whole engine, it must never import the trainer, sync,
+the controller or the CLI.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The engine's ranks in this process: the RunnerGroup of an engine that runs its one rank itself.
+"""This module keeps the engine's rank in this process: it is the RunnerGroup of an engine that runs its one
+rank itself.
 
 An LLMEngine talks to its ranks only through a RunnerGroup (relayrl.engine.protocols). With
 tensor_parallel_size 1 and no worker processes asked for, that group is this one: one ModelRunner in
@@ -6,7 +7,8 @@ the calling process, called directly (no pickling, no pipe). The weight sync's i
 colocated trainer in the driver's own process (relayrl.controller.local_policy) reach the runner
 through `run_fn` or `runner`.
 
-This module imports the engine's own modules only.
+This module imports the engine's own modules only; like the whole engine, it must never import the
+trainer, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

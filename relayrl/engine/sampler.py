@@ -1,4 +1,5 @@
-"""Sampling from a batch of logits, one row per sequence, each row with its own settings.
+"""The sampler draws one token from each row of a batch of logits (one row per sequence), every row with
+its own settings.
 
 The logprob returned for a sampled token is
 
@@ -18,6 +19,9 @@ only on its logits and its stream — not on the batch around it.
 
 The settings arrive already checked (`SamplingParams.validate`: finite, in range), and whatever they
 are the most likely token is never filtered out, so every row keeps at least one token to draw.
+
+It imports torch only; like the whole engine, it must never import the trainer, sync, the controller or
+the CLI.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""What a request asks of the sampler, checked when it is built.
+"""This module defines what a request asks of the sampler, checked when it is built.
 
 `SamplingParams` holds one request's sampling settings under vLLM's names. Every field is checked
 in `validate()` (run at construction, and again by the engine when the request is added, so a field
 changed afterwards is caught too): a NaN, an infinity, a value of the wrong type or out of range is
 refused with a `SamplingParamsError` naming the field and the value. That error is a user error
 (the CLI prints one line and exits 2) and a ValueError (for callers that caught ValueError before).
+
+It imports the standard library and relayrl.errors only; like the whole engine, it must never import the
+trainer, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

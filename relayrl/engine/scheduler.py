@@ -1,4 +1,5 @@
-"""What runs next: continuous batching over a paged KV pool, prefill first, preempt by recompute.
+"""The scheduler decides what runs next: continuous batching over a paged KV pool, prefill first,
+preemption by recompute.
 
     add ──> waiting (FIFO) ──prefill──> running (FIFO) ──finish / abort──> FINISHED (blocks freed)
                ^                            │
@@ -39,6 +40,9 @@ how much KV it and a maximum-length sequence need, and which key to raise.
 A preempted sequence loses its blocks and goes back to the FRONT of the waiting queue; its next
 prefill recomputes the KV of all its tokens (prompt + completion so far, the newest included), which
 prefix caching often shortens. Nothing sampled is ever dropped.
+
+It imports the engine's block manager and Sequence, and relayrl.errors, only; like the whole engine, it
+must never import the trainer, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One sequence the paged engine is generating: its tokens, logprobs, status and block table.
+"""A Sequence is one sequence the paged engine is generating: its tokens, logprobs, status and block table.
 
     token_ids:   [ prompt ........................ | completion ............ ]
                    0 .. num_prompt_tokens-1          one logprob per token
@@ -11,6 +11,9 @@ A sequence may start with a partial completion (a request resumed after an abort
 tokens are then ordinary tokens that need KV at the next prefill, exactly like the prompt's.
 The engine owns `params` (a SamplingParams) and `rng`; nothing here reads them except
 `params.max_tokens`, which the scheduler uses to check that the sequence can ever fit in the pool.
+
+It imports the standard library only; like the whole engine, it must never import the trainer, sync, the
+controller or the CLI.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Tensor-parallel ranks in processes of their own: a worker group of ModelRunners.
+"""This module runs the engine's tensor-parallel ranks in processes of their own, as a worker group of
+ModelRunners.
 
     driver process (scheduler, sampler) ── WorkerGroup ──> rank 0: RunnerWorker ┐ gloo / nccl
                                                        ──> rank 1: RunnerWorker ├ all-reduce inside
@@ -14,7 +15,8 @@ group's own store: no free-port race), are watched (deadlines, heartbeats) and s
 role's processes, and die with the process that started them. The starting process joins no process
 group, so a trainer in the same process keeps its own.
 
-This module imports the engine's own modules and relayrl.single_controller only.
+This module imports the engine's own modules, relayrl.models and relayrl.single_controller only; it must
+never import the trainer, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

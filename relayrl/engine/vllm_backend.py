@@ -1,4 +1,4 @@
-"""An optional rollout backend that drives vLLM (GPU machines), behind LLMEngine's interface:
+"""This module is an optional rollout backend that drives vLLM (GPU machines) behind LLMEngine's interface:
 `generate(prompts, params)`, `load_weights(named tensors)`, `sleep(level)`, `wake()`,
 `weights_version`, `tokenizer`, `pad_id`. The driver cannot tell the two apart.
 
@@ -7,6 +7,9 @@ full vocabulary (relayrl.engine.sampler). vLLM's default reports the raw (temper
 distribution; this backend asks for `logprobs_mode="processed_logprobs"` where the installed vLLM
 has it, which matches relayrl's definition when top-k / top-p are off. Import-guarded: nothing
 here is imported unless the backend is chosen.
+
+It imports torch, the engine's outputs and sampling parameters, and vllm (when the backend is built)
+only; like the whole engine, it must never import the trainer, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

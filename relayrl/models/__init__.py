@@ -1,4 +1,5 @@
-"""Plain decoder models (no parallelism inside), Hugging Face load/save, tokenizers, the fusion map.
+"""This package holds the plain decoder models (no parallelism inside), Hugging Face load/save, tokenizers
+and the fusion map.
 
 The package imports torch, safetensors, transformers' tokenizers and relayrl's ground floor only; it
 must never import any other relayrl layer (everything above imports it). Names are imported on first

@@ -1,9 +1,12 @@
-"""ModelConfig: the fields of a Hugging Face config.json that the decoder needs, for the Llama,
+"""ModelConfig holds the fields of a Hugging Face config.json that the decoder needs, for the Llama,
 Mistral, Qwen2 and Qwen3 families.
 
 Read from both config spellings: transformers 4 (`rope_theta`, `rope_scaling` at the top level)
 and transformers 5 (`rope_parameters` holding `rope_theta` and `rope_type`). Fields we do not use
 are kept in `extra` so that a save writes back what was loaded.
+
+It imports pydantic and relayrl.config only, so a run's config loads without torch; it must never import
+another relayrl layer: models hold no parallelism, and every layer above imports them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
-"""Which trainer-side (Hugging Face) projections an inference model fuses, and in what order.
-The engine builds its fused parameters from this map and the sync planner reads it: one source."""
+"""This module says which trainer-side (Hugging Face) projections an inference model fuses, and in what
+order. The engine builds its fused parameters from this map and the sync planner reads it: one source.
+
+It imports nothing; it must never import another relayrl layer: models hold no parallelism, and every
+layer above imports them.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
-"""Read and write Hugging Face model directories (config.json + safetensors, one file or sharded
-with `model.safetensors.index.json`), so the same code path serves tiny and real models."""
+"""This module reads and writes Hugging Face model directories (config.json + safetensors, one file or
+sharded with `model.safetensors.index.json`), so the same code path serves tiny and real models.
+
+It imports torch, safetensors, the models' own modules and relayrl.errors only; it must never import
+another relayrl layer: models hold no parallelism, and every layer above imports them.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Rotary position embedding (the "rotate half" layout used by Llama, Mistral and Qwen).
+"""This module applies the rotary position embedding (the "rotate half" layout used by Llama, Mistral and
+Qwen).
 
     inv_freq[i] = theta ** (-2i / head_dim),  i < head_dim / 2
     angle[p, i] = position p * inv_freq[i]
@@ -6,6 +7,9 @@
 
 Llama-3 scaling stretches the low frequencies (long wavelengths) by `factor`, keeps the high ones,
 and interpolates smoothly between `low_freq_factor` and `high_freq_factor`.
+
+It imports torch only; it must never import another relayrl layer: models hold no parallelism, and every
+layer above imports them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
-"""The tiny model of the built-in tasks: a small decoder with a character tokenizer, written as a
-Hugging Face directory, so tiny and real models share every code path after this point."""
+"""This module builds the tiny model of the built-in tasks: a small decoder with a character tokenizer,
+written as a Hugging Face directory, so tiny and real models share every code path after this point.
+
+It imports the models' own modules only; it must never import another relayrl layer: models hold no
+parallelism, and every layer above imports them.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tiny character-level tokenizers built locally, and loading tokenizers from a model directory.
+"""This module builds tiny character-level tokenizers locally, and loads tokenizers from a model directory.
 
 The char tokenizer is a byte-level BPE with no merges over the given characters:
 
@@ -18,6 +18,9 @@ the vocab is dropped instead of becoming <unk>. Build the vocab from every chara
 
 Encoding adds no BOS/EOS (no post-processor): prompt ids are exactly the characters, and the
 caller decides whether to prepend `bos_token_id`.
+
+It imports tokenizers, transformers and relayrl.errors only; it must never import another relayrl layer:
+models hold no parallelism, and every layer above imports them.
 """
 
 from __future__ import annotations

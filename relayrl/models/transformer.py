@@ -1,4 +1,4 @@
-"""A plain decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
+"""This module defines a plain decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
 
 Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj.weight`), so a
 checkpoint loads by name and the sync layer can speak of logical tensors. No parallelism lives here:
@@ -12,6 +12,9 @@ Attention mask: query at cache slot s attends key slot j iff j <= s, key j is a 
 (`attention_mask[b, j] == 1`), and j > s - sliding_window when the model has a window. Every query
 also attends to itself, so padding rows never become an all-masked softmax (NaN that would leak
 through 0 * NaN into later layers); their outputs are ignored anyway.
+
+It imports torch and the models' own modules only; it must never import another relayrl layer: models
+hold no parallelism, and every layer above imports them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Metrics sinks: one JSON object per line in run_dir/metrics.jsonl, plus TensorBoard scalars.
+"""This module writes a run's metrics: one JSON object per line in run_dir/metrics.jsonl, plus TensorBoard
+scalars.
 
 metrics.jsonl is the record the report, the CLI summary and the golden-curve tests read; TensorBoard
 is for watching a run live. Each line is written and flushed on its own, so a run killed at any
@@ -7,6 +8,9 @@ moment loses at most the line being written — `read_metrics` skips such a trun
 Resuming from a checkpoint at step S replays steps S+1.. that the killed run may already have
 logged; `truncate_metrics(run_dir, S)` drops those lines first (and the logger tells TensorBoard to
 purge them), so a resumed run's file equals the one a never-stopped run would have written.
+
+It imports torch's TensorBoard writer (lazily: it is slow to import) and relayrl.errors only; it must
+never import another relayrl layer: observe is a leaf, which the controller and the CLI import.
 """
 
 from __future__ import annotations

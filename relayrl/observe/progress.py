@@ -1,7 +1,10 @@
-"""A one-line progress bar for training steps: step, a few metrics, rate and ETA.
+"""This module draws a one-line progress bar for training steps: step, a few metrics, rate and ETA.
 
 On a terminal the bar redraws often. When stderr is not a terminal (CI, `nohup ... > log`), every
 redraw becomes a new line in the log, so it is redrawn at most every `NON_TTY_INTERVAL_S` seconds.
+
+It imports tqdm only; it must never import another relayrl layer: observe is a leaf, which the
+controller and the CLI import.
 """
 
 from __future__ import annotations

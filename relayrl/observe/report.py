@@ -1,4 +1,4 @@
-"""Plots and a short summary of a run, read back from run_dir/metrics.jsonl.
+"""This module makes the plots and a short summary of a run, read back from run_dir/metrics.jsonl.
 
     metrics.jsonl ──> reward.png      reward/mean and training accuracy per step, eval accuracy dots
                       mismatch.png    |logp_trainer - logp_engine| mean and max per step, and
@@ -9,6 +9,9 @@
 Any metric a run did not log is simply left out; a plot with nothing to show is not written.
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot), so making a report never opens a
 window, needs no display, and does not change the process-wide pyplot backend.
+
+It imports matplotlib, the metrics reader and relayrl.errors only; it must never import another relayrl
+layer: observe is a leaf, which the controller and the CLI import.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""Wall time per loop stage.
+"""This module measures the wall time of each loop stage.
 
 The driver wraps each stage of a step (`sync`, `rollout`, `score`, ...) in `timer.stage(name)`;
 at the end of the step `pop()` hands the totals to the metrics logger as `time/<name>` and starts
 the next step from zero. A stage entered several times in one step (e.g. rollout per micro-batch)
 accumulates, so the reported number is the stage's total share of the step.
+
+It imports the standard library only; it must never import another relayrl layer: observe is a leaf,
+which the controller and the CLI import.
 """
 
 from __future__ import annotations

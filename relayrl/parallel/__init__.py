@@ -1,4 +1,4 @@
-"""Parallelism applied to plain models from outside (the models hold none).
+"""This package applies parallelism to plain models from outside (the models hold none).
 
     dims            ParallelDims: degrees, validation, the (dp_replicate, dp_shard, tp) DeviceMesh
     parallelize     parallelize_model: TP plan → activation checkpointing → FSDP / HSDP / DDP
@@ -9,5 +9,7 @@
     launch          process-group setup and teardown; run a function on N local processes
 
 Import the submodules directly; this package imports nothing so that `relayrl.parallel.launch`
-stays cheap for code that only starts processes.
+stays cheap for code that only starts processes. Its modules import torch, the standard library and
+relayrl's ground floor only, and they must never import another relayrl layer (models,
+single_controller, the trainer, the engine, ...): those layers import them.
 """

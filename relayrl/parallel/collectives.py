@@ -1,4 +1,5 @@
-"""Differentiable collectives for tensor / sequence parallelism, as autograd Functions.
+"""This module defines the differentiable collectives for tensor / sequence parallelism, as autograd
+Functions.
 
 Which backward a collective needs depends on what follows it (Megatron's f / g operators):
 
@@ -12,6 +13,9 @@ Which backward a collective needs depends on what follows it (Megatron's f / g o
         reduce_scatter_seq   fwd: reduce-scatter      bwd: all-gather on dim
 
 Chunks are equal: the size of `dim` must be divisible by the group size where it is split.
+
+It imports torch only; it must never import another relayrl layer (models, single_controller, the
+trainer, the engine, ...): they import it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""ParallelConfig: the `parallel:` section of a run — how many processes the trainer uses, in what
+"""ParallelConfig is the `parallel:` section of a run: how many processes the trainer uses, in what
 layout, where the other roles run, and how long their calls may take.
 
 This module is configuration only: it imports relayrl.config and pydantic, nothing that starts
-processes or touches torch.distributed, so loading a run's config stays cheap.
+processes or touches torch.distributed, so loading a run's config stays cheap. It must never import
+another relayrl layer (models, single_controller, the trainer, the engine, ...): they import it.
 """
 
 from __future__ import annotations

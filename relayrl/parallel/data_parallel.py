@@ -1,4 +1,5 @@
-"""Data parallelism: FSDP2 (fully_shard, ZeRO-3), HSDP on a 2-D mesh, and DDP (composable replicate).
+"""This module applies data parallelism: FSDP2 (fully_shard, ZeRO-3), HSDP on a 2-D mesh, and DDP
+(composable replicate).
 
 Gradients are SUMMED over data-parallel ranks by default, not averaged: relayrl's losses divide by
 the token / sequence counts of the GLOBAL batch (relayrl.algorithms.aggregation), so each rank's
@@ -12,6 +13,9 @@ FSDP grouping (one all-gather / reduce-scatter per group):
       └─ embed_tokens, norm, lm_head — and a tied lm_head.weight IS embed_tokens.weight, one
          parameter in one group, so the tie survives sharding (its two gradient contributions are
          accumulated before the root group's single reduce-scatter).
+
+It imports torch and relayrl.errors only; it must never import another relayrl layer (models,
+single_controller, the trainer, the engine, ...): they import it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ParallelDims: the one object that owns a role's topology; it is passed explicitly, never global.
+"""ParallelDims is the one object that owns a role's topology; it is passed explicitly, never global.
 
     world = dp_replicate x dp_shard x tp         (rank order: tp fastest, so a TP group is
                                                   contiguous ranks, e.g. one node's GPUs)
@@ -12,6 +12,9 @@ write `mesh["tp"]` without branching, and a size-1 dim costs one trivial process
     dp_replicate > 1, dp_shard = 1  → DDP (or HSDP with nothing to shard)
     dp_shard > 1                    → FSDP; with dp_replicate > 1 → HSDP on (dp_replicate, dp_shard)
     tp > 1                          → tensor parallel inside each data-parallel replica
+
+It imports torch and relayrl.errors only; it must never import another relayrl layer (models,
+single_controller, the trainer, the engine, ...): they import it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""Gradient-norm clipping across any mix of plain tensors and DTensors (TP shards, FSDP shards,
-replicated norms) — torch's foreach clipping refuses such a mix.
+"""This module clips the gradient norm across any mix of plain tensors and DTensors (TP shards, FSDP
+shards, replicated norms), a mix that torch's foreach clipping refuses.
 
     total = sqrt(sum over parameters of ||grad||^2)     each DTensor norm is reduced over its mesh
     grads *= min(1, max_norm / (total + 1e-6))
 
 One small all-reduce per sharded parameter: fine at the sizes relayrl tests on; a fused version
 (one all-reduce per mesh) is the next step for large models.
+
+It imports torch only; it must never import another relayrl layer (models, single_controller, the
+trainer, the engine, ...): they import it.
 """
 
 from __future__ import annotations

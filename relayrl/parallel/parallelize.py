@@ -1,4 +1,4 @@
-"""parallelize_model: the one ordered function that turns a plain CausalLM into a parallel one.
+"""parallelize_model is the one ordered function that turns a plain CausalLM into a parallel one.
 
     plain model (same weights on every rank)
       1. tensor parallel      plan as data → DTensor shards on mesh["tp"]          (tp > 1)
@@ -9,6 +9,10 @@
 The order matters: FSDP shards the DTensors TP produced (2-D parameters), and checkpointing sits
 inside the FSDP unit so recompute happens while the layer's parameters are gathered.
 Everything is in place; module and parameter names stay the Hugging Face ones.
+
+It imports torch, relayrl.errors and the parallel modules only; it never imports relayrl.models (it
+works on any module with the Hugging Face names), and it must never import another relayrl layer
+(models, single_controller, the trainer, the engine, ...): they import it.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Limits: processes of the same machine can still connect to the loopback store po
 with any loopback service; the gate protects the run from the network. Gloo's own data connections
 are set up through the store (peers learn each other's addresses from it) and bind the address the
 host name resolves to.
+
+It imports torch and the standard library only; it must never import another relayrl layer (models,
+single_controller, the trainer, the engine, ...): they import it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tensor parallelism for relayrl.models.CausalLM, from a plan written as data.
+"""This module applies tensor parallelism to relayrl.models.CausalLM from a plan written as data.
 
 The plan maps module-name patterns (fnmatch, on Hugging Face names) to a style name; styles become
 DTensor ParallelStyles, applied with torch.distributed.tensor.parallel.parallelize_module:
@@ -26,6 +26,10 @@ Attention: q_proj / k_proj / v_proj colwise give rank r heads [r*H/tp, (r+1)*H/t
 i // (H/K), and H/tp is a multiple of H/K), so attention runs locally; o_proj rowwise sums the heads'
 contributions. The model reads its head counts from attributes, so apply_tensor_parallel sets the
 per-rank counts on each Attention module; the model code itself stays unaware of parallelism.
+
+It imports torch and relayrl.errors only: the plan names modules by their Hugging Face names, so it
+never imports relayrl.models, and it must never import another relayrl layer (models, single_controller,
+the trainer, the engine, ...): they import it.
 """
 
 from __future__ import annotations

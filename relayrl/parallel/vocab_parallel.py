@@ -1,4 +1,5 @@
-"""Token logprobs (and entropy) from vocab-sharded logits, without gathering the vocabulary.
+"""This module computes token logprobs (and entropy) from vocab-sharded logits, without gathering the
+vocabulary.
 
 Rank r of the TP group holds z[..., r*Vl : (r+1)*Vl] (Vl = V / tp, equal shards, as the TP plan
 requires). With z already divided by the temperature:
@@ -14,6 +15,9 @@ Communication per token: three (four with entropy) scalars instead of V logits. 
 reduce_from_group (all-reduce forward, identity backward): the loss downstream is the same on every
 TP rank, so each rank's gradient for its shard is just the local Jacobian (softmax / one-hot terms)
 times that loss's gradient — the same numbers as the single-process log_softmax backward.
+
+It imports torch and the parallel collectives only; it must never import another relayrl layer (models,
+single_controller, the trainer, the engine, ...): they import it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ bound on every call, and the batch scorer.
 Names are imported on first use (PEP 562), so `from relayrl.rewards import RewardConfig` loads only
 the config (pydantic), not math-verify and sympy; and a reward worker importing
 `relayrl.rewards.worker` pays only for the functions it is asked to run.
+
+The package imports relayrl.data and the ground floor only; it must never import the trainer, the
+engine, sync or the controller.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@
     task         the score of the built-in task that generated the example (meta["task"] and
                  meta["params"], set by every task's generate); examples without a task (loaded
                  from a file) fall back to exact_match. Its value >= 1.0 is what "correct" means.
+
+It imports the reward registry and relayrl.data only; like all of rewards, it must never import the
+trainer, the engine, sync or the controller (rewards may use relayrl.data and the ground floor only).
 """
 
 from __future__ import annotations

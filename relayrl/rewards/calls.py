@@ -11,6 +11,9 @@ What counts as a value:
     complex, str (even "1.0"), None, anything else          a failure
 
 A failure's message is one short line; it is what a RewardError quotes when every sample fails.
+
+It imports the reward registry and relayrl.errors only; like all of rewards, it must never import the
+trainer, the engine, sync or the controller (rewards may use relayrl.data and the ground floor only).
 """
 
 from __future__ import annotations

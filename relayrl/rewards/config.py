@@ -11,7 +11,9 @@ worker processes that run them.
       on_failure: 0.0       the value of a call that fails (raises, times out, crashes, returns a non-real)
 
 This module imports only pydantic and relayrl's config and errors, so a run config can be loaded
-without importing any reward function (math-verify and sympy take a second to import).
+without importing any reward function (math-verify and sympy take a second to import); like all of
+rewards, it must never import the trainer, the engine, sync or the controller (rewards may use
+relayrl.data and the ground floor only).
 """
 
 from __future__ import annotations

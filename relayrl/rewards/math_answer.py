@@ -11,6 +11,10 @@ for each comparison, kept well below reward.timeout_s's default of 10 s so that 
 normally scores 0 by math-verify's own timeout, without the pool killing (and restarting) the worker.
 The pool's timeout stays the hard bound (a computation that ignores the alarm, a larger parse). Called
 in a thread (in-process scoring from a thread), it runs without its timeout rather than crash.
+
+It imports math-verify, the reward registry and relayrl.data only; like all of rewards, it must never
+import the trainer, the engine, sync or the controller (rewards may use relayrl.data and the ground
+floor only).
 """
 
 from __future__ import annotations

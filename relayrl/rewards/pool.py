@@ -18,6 +18,10 @@ effect without multiprocessing re-importing the driver's __main__, which may imp
 are started from one long-lived thread of the pool, because Linux sends PR_SET_PDEATHSIG when the
 thread that forked the child exits, not only the process: a worker started from a short-lived
 caller thread would be killed with it.
+
+It imports the standard library, the reward modules and relayrl.errors only; like all of rewards, it
+must never import the trainer, the engine, sync or the controller (rewards may use relayrl.data and the
+ground floor only).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ come from the config entry (`{name: format, params: {pattern: ...}}`). Names res
     "exact_match", "math", ...    a registered built-in
     "pkg.module:function"         imported with importlib (must be importable: on sys.path)
     "path/to/file.py:function"    loaded from that file
+
+It imports the standard library and relayrl.errors only; like all of rewards, it must never import the
+trainer, the engine, sync or the controller (rewards may use relayrl.data and the ground floor only).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """`ScoreResult`: the rewards of one batch, per function, with its failure and timeout counts, and
-the merge of the results of consecutive shards of one step (reward worker groups score a step in shards)."""
+the merge of the results of consecutive shards of one step (reward worker groups score a step in shards).
+
+It imports relayrl.errors only; like all of rewards, it must never import the trainer, the engine, sync
+or the controller (rewards may use relayrl.data and the ground floor only).
+"""
 
 from __future__ import annotations
 

@@ -15,6 +15,10 @@ functions in it, so a function that cannot be imported, or params that do not fi
 one line. With reward.workers = 0 the functions run in this process instead: no isolation and no
 timeout, for debugging and for measuring what the pool costs. The scorer owns the pool: `close()`
 (or leaving a `with` block) stops its workers.
+
+It imports the reward modules, relayrl.data and relayrl.errors only; like all of rewards, it must never
+import the trainer, the engine, sync or the controller (rewards may use relayrl.data and the ground
+floor only).
 """
 
 from __future__ import annotations

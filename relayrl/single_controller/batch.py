@@ -12,6 +12,9 @@
 Splitting then concatenating is the identity, so a DP_SPLIT call returns rows in the order they
 were sent. Pickling stores each tensor compactly: a chunk made by split() is a view of the whole
 batch's storage, and pickling the view as is would send the whole batch to every worker.
+
+It imports torch only; like all of single_controller, it knows nothing of RL and must never import the
+RL layers (controller, trainer, engine, rewards, sync, ...).
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ The data-parallel convention (each worker reports it through `Worker.dp_info()`)
 
     world 4 = dp 2 x tp 2 (tp fastest):  rank 0 (dp 0, rep) rank 1 (dp 0)  rank 2 (dp 1, rep) rank 3 (dp 1)
     batch of 6 rows → rows 0-2 to ranks 0 and 1, rows 3-5 to ranks 2 and 3; result = rep 0 ++ rep 2
+
+It imports the standard library and DataBatch only; like all of single_controller, it knows nothing of
+RL and must never import the RL layers (controller, trainer, engine, rewards, sync, ...).
 """
 
 from __future__ import annotations

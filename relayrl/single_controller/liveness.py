@@ -15,7 +15,7 @@ Either way the group raises WorkerLostError or CallDeadlineError (one line namin
 pid and call), marks itself broken, and its shutdown kills the processes without raising.
 
 This module imports the standard library, torch.distributed (through the store) and relayrl's
-ground floor only; like all of single_controller it never imports the RL layers.
+ground floor only; like all of single_controller it must never import the RL layers.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Roles on the same pool object share processes (one ColocatedWorker per process h
 roles on different pools get groups of their own. Every group is started before any is waited on,
 so their processes start and build their models at the same time.
 
-Like the rest of single_controller, this module knows nothing of RL: it never imports the RL layers.
+Like the rest of single_controller, this module knows nothing of RL: it imports the rest of
+single_controller only, and it must never import the RL layers.
 """
 
 from __future__ import annotations

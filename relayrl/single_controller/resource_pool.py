@@ -14,6 +14,9 @@ different pools run in separate processes on separate devices (disaggregated):
 
 `relayrl.single_controller.placement.spawn_roles(placement, ...)` turns a placement into groups; the
 driver's calls are the same for every placement.
+
+It imports the standard library and relayrl.parallel only; like all of single_controller, it knows
+nothing of RL and must never import the RL layers (controller, trainer, engine, rewards, sync, ...).
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ A subclass may add @dispatch methods that use several roles in-process, called o
     class ActorRollout(ColocatedWorker):
         @dispatch(Dispatch.ONE_TO_ALL)
         def sync_weights(self): self.rollout.load_weights(self.actor.local_shards())
+
+It imports torch, relayrl.parallel and the rest of single_controller only; like all of
+single_controller, it knows nothing of RL and must never import the RL layers (controller, trainer,
+engine, rewards, sync, ...).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ CallDeadlineError naming role, rank, pid and call; so does a rank whose peers do
 `error_grace_s` after it failed (they are typically stuck in a collective). The group is then
 broken: later calls raise, and shutdown kills its processes without raising.
 
-This package is generic: it imports parallel (process launch, rendezvous) and relayrl's ground
-floor, never the RL layers (controller, trainer, engine, rewards, ...).
+This module is generic: it imports relayrl.parallel (process launch, rendezvous), the rest of
+single_controller and relayrl's ground floor, and it must never import the RL layers (controller,
+trainer, engine, rewards, ...).
 """
 
 from __future__ import annotations

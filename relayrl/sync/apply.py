@@ -1,4 +1,5 @@
-"""Carrying out a SyncPlan in one process — the reference the transfer layer is checked against.
+"""This module carries out a SyncPlan in one process; it is the reference the transfer layer is checked
+against.
 
     execute_plan(plan, source_locals, dst_params)     every piece: dst[param][dst box] <- src[name][src box]
     pack(plan, src, dst, locals) -> flat              one buffer per (src, dst) pair, in plan order ...
@@ -9,6 +10,9 @@ bucket; execute_plan is what its results are checked against.
 
 shard_state_dict builds a trainer rank's local tensors from a full state dict, so the planner is
 tested without any process group (a real trainer hands DTensor.to_local() of its FSDP parameters).
+
+It imports torch, relayrl.models and the sync modules only; like all of sync, it must never import the
+trainer, the engine or the controller: the controller hands it plain tensors.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Box: a rectangle of a logical tensor — the unit the reshard planner reasons in.
+"""A Box is a rectangle of a logical tensor: the unit the reshard planner reasons in.
 
 A 2-D box is a half-open row range x a half-open column range; a 1-D box (biases, norms) has rows
 only (c0 = c1 = None). Boxes are plain integers, so plans are hashable, printable data:
@@ -6,6 +6,9 @@ only (c0 = c1 = None). Boxes are plain integers, so plans are hashable, printabl
     Box(4, 8, 0, 16)  = rows [4, 8) x cols [0, 16)  of e.g. q_proj.weight [32, 16]
     a & b             = the overlap (None when empty)
     b.shift(-4, 0)    = the same rectangle in a tensor whose row 0 is logical row 4
+
+It imports the standard library only; like all of sync, it must never import the trainer, the engine or
+the controller: the controller hands it plain tensors.
 """
 
 from __future__ import annotations

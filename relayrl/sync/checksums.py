@@ -1,9 +1,13 @@
-"""Per-piece checksums: is every weight of the engine where the plan put it, with the trainer's value?
+"""This module computes per-piece checksums, which tell whether every weight of the engine is where the
+plan put it, with the trainer's value.
 
 A piece's checksum is sum(x * w) in float64, with w a fixed function of the LOGICAL coordinates, so
 the trainer (from its local shard, rounded as the engine holds it) and the engine (from its fused
 parameter) compute the same number exactly when the engine holds the right values in the right
 place: a transposed head, a swapped q/k block, a shifted row all change it.
+
+It imports torch and the sync modules only; like all of sync, it must never import the trainer, the
+engine or the controller: the controller hands it plain tensors.
 """
 
 from __future__ import annotations

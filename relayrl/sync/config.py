@@ -1,7 +1,8 @@
-"""SyncConfig: the `sync:` section of a run — how weights move from the trainer to the engine, and how
+"""SyncConfig is the `sync:` section of a run: how weights move from the trainer to the engine, and how
 each sync is checked.
 
-Configuration only: imports relayrl.config and pydantic, never torch.distributed or the transfer code.
+This module is configuration only: it imports relayrl.config and pydantic, and it must never import
+torch.distributed, the transfer code, the trainer, the engine or the controller.
 """
 
 from __future__ import annotations

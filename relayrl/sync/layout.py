@@ -1,4 +1,5 @@
-"""Who holds what: trainer and engine layouts as data, in boxes of the LOGICAL (Hugging Face) tensors.
+"""This module says who holds what: the trainer's and the engine's layouts as data, in boxes of the
+LOGICAL (Hugging Face) tensors.
 
 Trainer rank (mesh (dp_replicate, dp_shard, tp), tp fastest — relayrl.parallel.dims.ParallelDims):
 
@@ -24,6 +25,10 @@ Engine rank r of tp (relayrl.engine.model, mirrored here as data — sync never 
 
     KV heads: tp <= Hkv: rank r holds [r*Hkv/tp, (r+1)*Hkv/tp); tp > Hkv: the one head r*Hkv // tp
     its Q heads use (the same KV head sits on tp/Hkv ranks).
+
+It imports relayrl.models (shapes), relayrl.parallel, relayrl.errors and the sync modules only; like all
+of sync, it must never import the trainer, the engine or the controller: the controller hands it plain
+tensors.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The reshard plan: which box of which trainer rank's local tensor goes where in which engine rank.
+"""This module makes the reshard plan: which box of which trainer rank's local tensor goes where in which
+engine rank.
 
     for each engine rank r, each engine parameter P, each piece (logical tensor T, box B, offset o) of P:
         for each distinct trainer box S of T (its holders: the ranks that hold exactly S):
@@ -21,6 +22,9 @@ Replicated sources (norms, rowwise biases, anything under HSDP replicas): severa
 the same box. One is chosen per destination: the destination's own rank number when it is a holder
 (a colocated process then copies locally), otherwise holders[dst % len(holders)] — round-robin, so
 replicated reads are spread over the holders instead of all hitting trainer rank 0.
+
+It imports torch and the sync modules only; like all of sync, it must never import the trainer, the
+engine or the controller: the controller hands it plain tensors.
 """
 
 from __future__ import annotations

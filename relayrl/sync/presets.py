@@ -1,7 +1,11 @@
-"""Model shapes for planning a sync without a model directory (`relayrl sync-plan --preset NAME`).
+"""This module names model shapes for planning a sync without a model directory
+(`relayrl sync-plan --preset NAME`).
 
-Only what decides tensor names and shapes (ModelShape); the numbers are those of the public
-config.json files of these models.
+A preset holds only what decides tensor names and shapes (ModelShape); the numbers are those of the
+public config.json files of these models.
+
+It imports relayrl.models (ModelShape) and relayrl.errors only; like all of sync, it must never import
+the trainer, the engine or the controller: the controller hands it plain tensors.
 """
 
 from __future__ import annotations

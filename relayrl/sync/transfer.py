@@ -1,4 +1,5 @@
-"""Carrying out a SyncPlan between processes: local copies and bucketed point-to-point messages.
+"""This module carries out a SyncPlan between processes, with local copies and bucketed point-to-point
+messages.
 
 Who is where (a `Members` map: trainer rank / engine rank -> rank in the sync group):
 
@@ -31,6 +32,9 @@ own, so its sender's waits never hold up its receiver (and the reverse).
 
 What a bucket looks like on the wire (the engine's dtype, or float8 with a scale per piece) is
 relayrl.sync.wire; the per-piece checksums that verify a sync are relayrl.sync.checksums.
+
+It imports torch, relayrl.models, relayrl.parallel and the sync modules only; like all of sync, it must
+never import the trainer, the engine or the controller: the controller hands it plain tensors.
 """
 
 from __future__ import annotations

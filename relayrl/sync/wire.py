@@ -1,4 +1,5 @@
-"""A bucket on the wire: the plan's pieces for one (source, destination) pair as flat messages.
+"""This module lays a bucket out on the wire: the plan's pieces for one (source, destination) pair as flat
+messages.
 
     engine dtype   one message: the pieces' values, cast to the engine's dtype, end to end
     float8         two messages: the pieces as float8 e4m3, each scaled by a scale of its own
@@ -6,6 +7,9 @@
                    piece); the engine dequantises into its dtype. Colocated in-place pieces take the
                    same round trip (fp8_round_trip), so every weight is rounded alike wherever it
                    came from. Bytes: 1 per element + 4 per piece.
+
+It imports torch and the sync modules only; like all of sync, it must never import the trainer, the
+engine or the controller: the controller hands it plain tensors.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The actor: recompute logprobs, and the clipped policy update over one rollout batch.
+"""The Actor recomputes logprobs and runs the clipped policy update over one rollout batch.
 
     batch ──ppo_epochs──> shuffle ──mini_batches──> zero_grad
                                                     micro-batches: forward → objective → backward
@@ -8,6 +8,9 @@
 Micro-batches reproduce the mini-batch's full gradient exactly: every micro-batch's loss uses the
 mini-batch's token and sequence counts as denominators (see relayrl.algorithms.aggregation), so
 the accumulated gradient is the gradient of the full mini-batch loss.
+
+It imports torch, relayrl.algorithms, relayrl.models, relayrl.parallel and the trainer's own modules
+only; like all of the trainer, it must never import the engine, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

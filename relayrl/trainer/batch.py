@@ -1,4 +1,4 @@
-"""TrainBatch: what one update consumes — rows of [prompt | response | padding].
+"""TrainBatch is what one update consumes: rows of [prompt | response | padding].
 
     input_ids       [B, T]  prompt then response tokens, right-padded
     attention_mask  [B, T]  1 on prompt and response tokens
@@ -9,6 +9,9 @@
     ref_logp        [B, T]  reference model logprobs (KL), or None
 
 Logprobs are aligned to tokens: logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]).
+
+It imports torch only; like all of the trainer, it must never import the engine, sync, the controller or
+the CLI.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Saving and restoring an Actor: its (sharded) model and optimizer, LR schedule and shuffle stream.
+"""This module saves and restores an Actor: its (sharded) model and optimizer, LR schedule and shuffle
+stream.
 
 One checkpoint format serves every layout (torch.distributed.checkpoint shards, relayrl.checkpoint),
 so a run saved on N ranks resumes on M, or in one process. The actor's own state (scheduler position,
 the mini-batch shuffle generator) rides in the checkpoint's run state next to the caller's `extra`.
 
-The trainer imports relayrl.checkpoint (below it); it never imports the engine, sync or controller.
+The trainer imports relayrl.checkpoint (below it); it must never import the engine, sync or the controller.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Trainer-side logprobs: the definition the engine's sampler reports (see relayrl.engine.sampler).
+"""This module computes the trainer-side logprobs, by the definition the engine's sampler reports (see
+relayrl.engine.sampler).
 
     logp[:, t] = log_softmax(logits[:, t - 1] / temperature)[input_ids[:, t]]     (logp[:, 0] = 0)
 
@@ -8,6 +9,9 @@ Padding-free: sequences are packed into rows (first-fit, each row at most as lon
 sequence) with segment ids (attention stays within a sequence) and positions restarting per
 sequence, so the linear layers spend nothing on padding; the result is unpacked to the padded
 [B, T] layout and equals the padded computation.
+
+It imports torch, relayrl.models and relayrl.parallel only; like all of the trainer, it must never
+import the engine, sync, the controller or the CLI. The two sides share the definition, not code.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""AdamW and the learning-rate schedule.
+"""This module builds AdamW and the learning-rate schedule.
 
     lr(step) = lr * (step + 1) / warmup                                    step < warmup
              = lr                                                          constant
              = lr * (min + (1 - min) * (1 + cos(pi * progress)) / 2)       cosine,
                progress = (step - warmup) / (total - warmup)
+
+It imports torch and the trainer config only; like all of the trainer, it must never import the engine,
+sync, the controller or the CLI.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ fn(trainer_rank, *args) runs on each rank, where the rank's model and (colocated
 That one call is how the weight sync acts on the trainer's shards; the engine offers the same call
 for its ranks.
 
-This module imports torch and the trainer's own batch type only.
+This module imports torch and the trainer's own batch type only; like all of the trainer, it must never
+import the engine, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

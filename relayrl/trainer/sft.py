@@ -1,8 +1,12 @@
-"""Supervised fine-tuning on prompt/answer pairs (loss on the answer only), to warm-start a policy.
+"""This module runs supervised fine-tuning on prompt/answer pairs (loss on the answer only), to warm-start
+a policy.
 
     loss = - sum_{answer tokens} log p(token | prefix) / (number of answer tokens in the batch)
 
 Micro-batches use the batch's token count as denominator, so accumulation equals the full batch.
+
+It imports torch, relayrl.models, relayrl.parallel and the trainer's own modules only; like all of the
+trainer, it must never import the engine, sync, the controller or the CLI.
 """
 
 from __future__ import annotations

@@ -4,4 +4,8 @@ local  torch.multiprocessing spawn + pipes, one machine (the default)
 ray    Ray actors in placement groups, one or many machines
 
 Both run the same WorkerHost (host.py) in each worker process, so a worker behaves the same on both.
+
+The backends import relayrl.parallel, the rest of single_controller and the ground floor only (Ray on
+first use); like all of single_controller, it knows nothing of RL and must never import the RL layers
+(controller, trainer, engine, rewards, sync, ...).
 """

@@ -13,6 +13,10 @@ A backend adds ("lost", what happened) for a process that died without answering
 Why close drops the worker before the barrier: objects that reference the process group (FSDP
 modules, DTensors, meshes) must be gone before destroy_process_group(), or gloo aborts at exit
 about half the time (relayrl.parallel.launch explains the order).
+
+It imports torch, relayrl.parallel and the rest of single_controller only; like all of
+single_controller, it knows nothing of RL and must never import the RL layers (controller, trainer,
+engine, rewards, sync, ...).
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ relayrl.parallel.rendezvous): run the driver on a node of the cluster (`ray job 
 relayrl must be importable on every node. Calls are actor method calls; a payload comes back as
 the call's result, a dead actor as an error payload. Shutdown: "close" on every
 actor (teardown order in host.py), then ray.kill and the placement groups are removed.
+
+It imports ray (on first use) and the rest of single_controller only; like all of single_controller, it
+knows nothing of RL and must never import the RL layers (controller, trainer, engine, rewards, sync,
+...).
 """
 
 from __future__ import annotations
