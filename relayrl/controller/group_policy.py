@@ -51,7 +51,7 @@ class GroupPolicy:
         if with_reference:
             # colocated: one group whose processes host both roles; disaggregated: a pool of its own
             placement["reference"] = (pool if par.placement == "colocated"
-                                      else ResourcePool([par.world_size], name="ref"))
+                                      else ResourcePool([par.world_size], name="reference"))
             roles["reference"] = RoleSpec(ReferenceWorker, (str(model_dir), par),
                                           dict(temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
                                                seed=seed))

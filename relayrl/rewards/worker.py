@@ -73,8 +73,10 @@ def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_NAME, b"rl-reward-pool", 0, 0, 0)  # what ps / top show for this process
     # The driver may have died between starting us and the prctl: then we have a new parent already.
     if os.getppid() != parent_pid:
         os._exit(0)
@@ -98,7 +100,7 @@ def _init(sock: socket.socket, init: dict):
         kind = "config" if isinstance(e, ConfigError) else "reward"
         sock.sendall(_record(0, INIT_ERROR, json.dumps({"kind": kind, "message": str(e)}).encode()))
         return None
-    except BaseException as e:  # noqa: BLE001 - a user module may call sys.exit() while it is imported
+    except BaseException as e:  # a user module may call sys.exit() while it is imported
         msg = f"cannot load the reward functions: {type(e).__name__}: {e}".splitlines()[0]
         sock.sendall(_record(0, INIT_ERROR, json.dumps({"kind": "reward", "message": msg}).encode()))
         return None
@@ -174,6 +176,6 @@ def main(argv: list[str]) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed or broken stream: nothing left to save
+        except Exception:  # a closed or broken stream: nothing left to save
             pass
     os._exit(0)

@@ -34,7 +34,6 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from dist_harness import run_distributed
 from relayrl.checkpoint import (
     CheckpointError,
     CheckpointSpaceError,
@@ -50,6 +49,8 @@ from relayrl.checkpoint import (
 from relayrl.models import CausalLM, ModelConfig, load_pretrained, save_pretrained
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
+
+from dist_harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,7 +110,7 @@ def _space_fault(rank: int, run_dir: str, model, opt, limit_rank: int | None, fr
     try:
         save_distributed(run_dir, 3, model, opt, {"step": 3})
         return "no error"
-    except Exception as e:  # noqa: BLE001 - the test checks what each rank saw
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)

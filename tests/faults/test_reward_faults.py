@@ -80,11 +80,13 @@ def test_each_fault_fails_only_its_sample_and_the_scorer_goes_on(chaos_module):
         n_fail = sum(m is not None for _, m in CASES.values())
         assert r.failures == n_fail and r.failures_per_function == {"chaos_rewards:chaos": n_fail, "exact_match": 0}
         assert r.timeouts == 0  # the spin is stopped by its CPU limit, long before the timeout
-        assert r.rewards == [v + (1.0 if c == "1" else 0.0) for c, (v, _) in zip(comps, [*CASES.values(), (1.0, None)])]
+        expected = [v + (1.0 if c == "1" else 0.0)
+                    for c, (v, _) in zip(comps, [*CASES.values(), (1.0, None)], strict=True)]
+        assert r.rewards == expected
         assert s.runner.restarts == 3  # _exit, oom and spin cost their workers; the others do not
         # each failure's own message (the pool's outcomes, in order)
-        outs = s.runner.run([(0, c, ex) for c, ex in zip(comps, exs)])
-        for c, o in zip(comps, outs):
+        outs = s.runner.run([(0, c, ex) for c, ex in zip(comps, exs, strict=True)])
+        for c, o in zip(comps, outs, strict=True):
             want = CASES[c][1]
             assert (o.error is None) if want is None else o.error.startswith(want), (c, o)
         assert s.score(["1"], [Example("q", "1")]).rewards == [2.0]

@@ -41,13 +41,13 @@ def _serve(conn) -> int:
             return 1  # the driver is gone: leave without the barrier (peers may be gone too)
         try:
             op, args = pickle.loads(data)
-        except BaseException:  # noqa: BLE001 - e.g. a class this process cannot import
+        except BaseException:  # e.g. a class this process cannot import
             op, payload = "?", error_payload("unpickling the driver's message:")
         else:
             payload = getattr(host, op)(*args)
         try:
             out = pickle.dumps(payload)
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # report it, whatever it is
             out = pickle.dumps(error_payload(f"pickling the result of {op} (return CPU tensors and plain data):"))
         del payload
         conn.send_bytes(out)
@@ -76,7 +76,7 @@ class LocalBackend:
         for rank in range(pool.world_size):
             parent, child = ctx.Pipe(duplex=True)
             # not daemons: a worker may start processes of its own (an engine's tensor-parallel ranks)
-            proc = spawn_process(_process_main, (child,), name=f"relayrl-{pool.name or 'worker'}-{rank}")
+            proc = spawn_process(_process_main, (child,), name=f"rl-{pool.name or 'worker'}-{rank}")
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -119,9 +119,7 @@ class LocalBackend:
             except (EOFError, OSError):
                 pass
             self.procs[rank].join(1)
-            out[rank] = ("lost", f"died ({_exit_reason(self.procs[rank].exitcode)}) without answering; see its "
-                                 "stderr (a driver script that starts worker groups needs an "
-                                 "`if __name__ == '__main__':` guard: workers are spawned)")
+            out[rank] = ("lost", f"died ({_exit_reason(self.procs[rank].exitcode)}) without answering")
         return out
 
     def stop(self, graceful: bool, timeout: float) -> None:

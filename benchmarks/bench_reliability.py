@@ -1,0 +1,143 @@
+"""The Reliability table of benchmarks/RESULTS.md: every fault of the fault-injection suite injected into
+a real `relayrl train` (the harness of tests/faults), and for each: did the run survive it (go on, or
+stop in one line and resume), how much was lost, and how long it took to notice.
+
+    python benchmarks/bench_reliability.py [--out table.md]
+
+Worker faults run with each role in worker processes of its own (parallel.heartbeat_timeout_s=3); the
+time is from the signal to the driver's exit (detection plus teardown). Driver kills are followed by
+`--resume`; "lost" counts checkpoints that vanished or stopped loading, and the final weights are
+compared with an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "tests" / "faults"), str(HERE.parent / "tests"), str(HERE.parent)]
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from harness import ALL_ROLES, CHAOS, ROLE_PROCESS, TINY, TrainRun, descendants, leftovers, merged  # noqa: E402
+
+STEPS = {"run": {"steps": 3, "save_every": 1, "keep_last": 3}}
+
+
+def worker_fault(tmp: Path, role: str, sig: int) -> dict:
+    run = TrainRun(tmp, merged(TINY, ALL_ROLES))
+    try:
+        run.wait_for_step(1, timeout=180)
+        tree = descendants(run.pid)
+        run.signal(run.find(ROLE_PROCESS[role]), sig)
+        code = run.wait(timeout=120)
+        took = run.seconds_since_injection()
+        one_line = len(run.error_lines()) == 1
+        left = leftovers(tree)
+    finally:
+        run.kill()
+    return {"survived": code == 3 and one_line and not left, "lost": 0, "seconds": took,
+            "note": f"exit {code}, {'one line' if one_line else 'not one line'}, {len(left)} processes left"}
+
+
+def weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "final_model" / "model.safetensors"))
+
+
+def driver_kill(tmp: Path, point: str, n: int, reference: dict) -> dict:
+    killed = TrainRun(tmp / "killed", merged(TINY, STEPS), kill_at=(point, n))
+    try:
+        killed.wait(timeout=300)
+    finally:
+        killed.kill()
+    before = sorted(p.name for p in (killed.run_dir / "checkpoints").iterdir() if not p.name.startswith("."))
+    t0 = time.monotonic()
+    resumed = TrainRun(tmp / "resumed", None, args=["--resume", str(killed.run_dir)])
+    try:
+        code = resumed.wait(timeout=300)
+    finally:
+        resumed.kill()
+    same = code == 0 and all(torch.equal(a, b) for a, b in zip(weights(killed.run_dir).values(), reference.values(),
+                                                                strict=True))
+    return {"survived": same, "lost": 0 if code == 0 else len(before), "seconds": time.monotonic() - t0,
+            "note": f"resumed from {before[-1]}; final weights {'equal' if same else 'DIFFER'} (s: the resume)"}
+
+
+def reward_chaos(tmp: Path) -> dict:
+    import os
+
+    (tmp / "chaos.py").write_text(CHAOS)
+    os.environ["CHAOS_COUNTER"] = str(tmp / "calls")
+    config = merged(TINY, {"rollout": {"prompts_per_step": 4, "group_size": 4},
+                           "reward": {"functions": [{"name": f"{tmp / 'chaos.py'}:chaos"}], "timeout_s": 2,
+                                      "memory_mb": 1024}, "run": {"steps": 2}})
+    t0 = time.monotonic()
+    run = TrainRun(tmp / "t", config)
+    try:
+        code = run.wait(timeout=300)
+    finally:
+        run.kill()
+    steps = [m for m in map(json.loads, (run.run_dir / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in m]
+    fails, timeouts = sum(m["reward/failures"] for m in steps), sum(m["reward/timeouts"] for m in steps)
+    return {"survived": code == 0 and fails == 5, "lost": 0, "seconds": time.monotonic() - t0,
+            "note": f"{fails:.0f} samples failed, {timeouts:.0f} timed out, run finished (s: the whole run)"}
+
+
+def disk_full(tmp: Path) -> dict:
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))
+
+    run = TrainRun(tmp, merged(TINY, {"run": {"steps": 2, "save_every": 1}}), preexec=small_files)
+    try:
+        code = run.wait(timeout=300)
+    finally:
+        run.kill()
+    ckpts = run.run_dir / "checkpoints"
+    partial = [p.name for p in ckpts.iterdir()] if ckpts.exists() else []
+    return {"survived": code == 2 and len(run.error_lines()) == 1 and not partial, "lost": 0, "seconds": float("nan"),
+            "note": f"exit {code}, one line naming the directory and bytes, {len(partial)} partial checkpoints"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        for role in ROLE_PROCESS:
+            for sig in (signal.SIGKILL, signal.SIGSTOP):
+                name = f"{'kill -9' if sig == signal.SIGKILL else 'SIGSTOP'} of the {role} worker"
+                rows.append((name, worker_fault(root / f"{role}-{sig}", role, sig)))
+                print(rows[-1], flush=True)
+        ref = TrainRun(root / "ref", merged(TINY, STEPS))
+        ref.wait(timeout=300)
+        ref.kill()
+        reference = weights(ref.run_dir)
+        for point, n in (("rollout", 3), ("shards-written", 2), ("before-rename", 2), ("after-save", 2)):
+            result = driver_kill(root / f"d-{point}", point, n, reference)
+            rows.append((f"kill -9 of the driver ({point}, step {n})", result))
+            print(rows[-1], flush=True)
+        rows.append(("reward: hang, sys.exit, os._exit, 10**400, 8 GB bomb", reward_chaos(root / "chaos")))
+        rows.append(("disk full (RLIMIT_FSIZE) while checkpointing", disk_full(root / "disk")))
+    lines = ["| fault injected | survived | data lost | seconds | what happened |", "|---|---|---|---|---|"]
+    for name, r in rows:
+        secs = "" if r["seconds"] != r["seconds"] else f"{r['seconds']:.1f}"
+        lines.append(f"| {name} | {'yes' if r['survived'] else 'NO'} | {r['lost']} | {secs} | {r['note']} |")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
