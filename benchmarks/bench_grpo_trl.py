@@ -28,6 +28,7 @@ model is saved with save_pretrained and loaded back into relayrl's engine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -138,12 +139,12 @@ def main() -> None:
     import trl
     from transformers import PrinterCallback, TrainerCallback
 
-    with tempfile.TemporaryDirectory() as tmp_s:
+    with tempfile.TemporaryDirectory() as tmp_s, contextlib.ExitStack() as stack:
         tmp = Path(tmp_s)
         model_dir = args.skip_sft_dir or sft_model(tmp, args.threads)
         data_cfg = DataConfig.from_dict(DATA)
         train_set, eval_set = build_datasets(data_cfg)
-        scorer = build_scorer(RewardConfig())
+        scorer = stack.enter_context(build_scorer(RewardConfig()))  # its reward pool stops with the run
         tok = load_tokenizer(model_dir)
         # the prompts relayrl's driver will draw (same sampler, same seed), in order
         sampler = PromptSampler(train_set, args.seed)

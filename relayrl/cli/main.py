@@ -40,7 +40,8 @@ def _cmd_train(a) -> int:
         data = apply_overrides(load_yaml(a.config), a.overrides)
     res = train(RunConfig.from_dict(data), resume=bool(a.resume))
     last = res["eval_last"] or {}
-    print(f"run: {res['run_dir']}  steps: {res['steps']}  held-out accuracy: {last.get('eval/accuracy', float('nan')):.3f}")
+    accuracy = last.get("eval/accuracy", float("nan"))
+    print(f"run: {res['run_dir']}  steps: {res['steps']}  held-out accuracy: {accuracy:.3f}")
     return 0
 
 
@@ -66,7 +67,8 @@ def _cmd_eval(a) -> int:
     data = DataConfig.from_dict({"task": a.task, "n_eval": a.n, "seed": a.seed, **({"path": a.path} if a.path else {})})
     _, eval_set = build_datasets(data)
     engine = LLMEngine.from_pretrained(a.model)
-    res = evaluate(engine, eval_set, data, build_scorer(RewardConfig()), a.max_tokens, a.temperature, a.seed)
+    with build_scorer(RewardConfig()) as scorer:
+        res = evaluate(engine, eval_set, data, scorer, a.max_tokens, a.temperature, a.seed)
     print("  ".join(f"{k}={v:.4g}" for k, v in res.items()))
     return 0
 
@@ -83,7 +85,7 @@ def _cmd_generate(a) -> int:
     engine = LLMEngine.from_pretrained(a.model)
     bos = [engine.tokenizer.bos_token_id] if engine.tokenizer.bos_token_id is not None else []
     prompts = [bos + engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in a.prompts]
-    for p, out in zip(a.prompts, engine.generate(prompts, params)):
+    for p, out in zip(a.prompts, engine.generate(prompts, params), strict=True):
         for s in out.samples:
             print(f"{p}{s.text}\t[{s.finish_reason}, {len(s.token_ids)} tokens, logprob {sum(s.logprobs):.3f}]")
     return 0

@@ -32,17 +32,16 @@ from relayrl.controller.remote import RemoteEngine, RemoteScorer
 from relayrl.controller.weight_sync import FullWeightSync, PlannedWeightSync
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
-from relayrl.engine.protocols import RolloutEngine
 from relayrl.engine.parallel_state import check_tp
+from relayrl.engine.protocols import RolloutEngine
 from relayrl.errors import ConfigError, UserError
 from relayrl.models import load_config, load_pretrained, save_pretrained
-from relayrl.models.config import ModelConfig
+from relayrl.models.config import ModelConfig, ModelShape
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
-from relayrl.models.config import ModelShape
 from relayrl.sync.layout import TrainerLayout
 from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.actor import Actor
@@ -90,7 +89,8 @@ def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: Rollout
     par = cfg.parallel
     layout = TrainerLayout() if par.backend == "none" else TrainerLayout(par.tp, par.dp_shard, par.dp_replicate)
     return PlannedWeightSync(policy, engine, shape=ModelShape.of(load_config(src)), trainer_layout=layout,
-                             engine_tp=cfg.rollout.tp, colocated=par.placement == "colocated" and not par.rollout_worker,
+                             engine_tp=cfg.rollout.tp,
+                             colocated=par.placement == "colocated" and not par.rollout_worker,
                              engine_dtype=DTYPES[cfg.rollout.engine_dtype],
                              trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 else torch.float32,
                              temperature=cfg.rollout.temperature, cfg=cfg.sync)
@@ -112,7 +112,7 @@ def close_all(*roles) -> None:
             continue
         try:
             role.close()
-        except Exception as e:  # noqa: BLE001 - close the rest first
+        except Exception as e:
             first = first or e
     if first is not None:
         raise first
@@ -148,7 +148,7 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     except BaseException:
         try:  # no process outlives a failed start
             close_all(sync, scorer, engine, policy)
-        except Exception:  # noqa: BLE001 - the start's own error is the one to report
+        except Exception:
             pass
         raise
     return driver, eval_set, src
@@ -161,7 +161,8 @@ def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
         actor = Actor(load_pretrained(src), cfg.trainer, cfg.algo, total_steps=cfg.run.steps,
                       temperature=cfg.rollout.temperature, seed=cfg.run.seed)
         ref = load_pretrained(src).eval().requires_grad_(False) if with_ref else None
-        return LocalPolicy(actor, ref, temperature=cfg.rollout.temperature, micro_batch_size=cfg.trainer.micro_batch_size)
+        return LocalPolicy(actor, ref, temperature=cfg.rollout.temperature,
+                           micro_batch_size=cfg.trainer.micro_batch_size)
     return GroupPolicy(src, par=cfg.parallel, trainer_cfg=cfg.trainer, algo_cfg=cfg.algo, total_steps=cfg.run.steps,
                        temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=with_ref)
 
@@ -194,7 +195,8 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     """Run (or resume) the job of `cfg`; returns {"eval_first", "eval_last", "run_dir", ...}."""
     run_dir = Path(cfg.run.out_dir)
     if not resume and (run_dir / "metrics.jsonl").exists():
-        raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a new directory")
+        raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a "
+                        "new directory")
     ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -207,7 +209,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     finally:
         try:
             close_all(driver.weight_sync, driver.scorer, driver.engine, driver.policy)
-        except Exception:  # noqa: BLE001 - never hide the run's own error behind a close's
+        except Exception:
             if not failed:
                 raise
 

@@ -66,31 +66,35 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     model = load_pretrained(src)
     trainer = SFTTrainer(model, cfg.trainer, cfg.sft.steps)
     sampler = PromptSampler(train_set, cfg.sft.seed)
-    scorer = build_scorer(cfg.reward)
-    logger = MetricsLogger(run_dir, use_tensorboard=cfg.sft.tensorboard)
-
-    def run_eval(step: int) -> dict:
-        engine = LLMEngine.from_model(model, tok, max_num_seqs=len(eval_set))
-        res = evaluate(engine, eval_set, cfg.data, scorer, cfg.eval.max_tokens, cfg.eval.temperature, cfg.sft.seed)
-        logger.log(step, res)
-        with open(run_dir / "eval.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **res}) + "\n")
-        return res
-
-    first = run_eval(0)
-    progress = Progress(cfg.sft.steps, desc="sft", disable=not show_progress)
+    scorer = build_scorer(cfg.reward)  # its reward pool stops with the job, however it ends
     try:
-        for step in range(1, cfg.sft.steps + 1):
-            exs = sampler.next_batch(cfg.sft.batch_size)
-            prompts = [encode_prompt(tok, ex, cfg.data) for ex in exs]
-            answers = [encode_answer(tok, ex.answer) for ex in exs]
-            ids, attn, resp = build_rows(prompts, answers, pad_id=tok.pad_token_id or 0)
-            m = trainer.step(TrainBatch(ids, attn, resp))
-            logger.log(step, m)
-            progress.update(step, {"loss": m["sft/loss"]})
+        logger = MetricsLogger(run_dir, use_tensorboard=cfg.sft.tensorboard)
+
+        def run_eval(step: int) -> dict:
+            engine = LLMEngine.from_model(model, tok, max_num_seqs=len(eval_set))
+            res = evaluate(engine, eval_set, cfg.data, scorer, cfg.eval.max_tokens, cfg.eval.temperature,
+                           cfg.sft.seed)
+            logger.log(step, res)
+            with open(run_dir / "eval.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **res}) + "\n")
+            return res
+
+        first = run_eval(0)
+        progress = Progress(cfg.sft.steps, desc="sft", disable=not show_progress)
+        try:
+            for step in range(1, cfg.sft.steps + 1):
+                exs = sampler.next_batch(cfg.sft.batch_size)
+                prompts = [encode_prompt(tok, ex, cfg.data) for ex in exs]
+                answers = [encode_answer(tok, ex.answer) for ex in exs]
+                ids, attn, resp = build_rows(prompts, answers, pad_id=tok.pad_token_id or 0)
+                m = trainer.step(TrainBatch(ids, attn, resp))
+                logger.log(step, m)
+                progress.update(step, {"loss": m["sft/loss"]})
+        finally:
+            progress.close()
+        last = run_eval(cfg.sft.steps)
+        logger.close()
+        save_pretrained(model, run_dir / "model", tokenizer_dir=src)
     finally:
-        progress.close()
-    last = run_eval(cfg.sft.steps)
-    logger.close()
-    save_pretrained(model, run_dir / "model", tokenizer_dir=src)
+        scorer.close()
     return {"run_dir": str(run_dir), "model_dir": str(run_dir / "model"), "eval_first": first, "eval_last": last}
