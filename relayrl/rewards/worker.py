@@ -18,7 +18,8 @@ socket), ignores SIGINT (Ctrl-C is the driver's to handle), writes no core files
 RLIMIT_AS = reward.memory_mb and, for each call, RLIMIT_CPU = the CPU it has used so far + cpu_s.
 A worker that goes past its CPU limit dies of SIGXCPU; the pool charges that sample and replaces it.
 Before the functions themselves it imports only the standard library, relayrl.errors, the reward
-registry and relayrl.data (for `Example`; it brings pydantic): no torch.
+registry and relayrl.data (for `Example`; it brings pydantic): no torch. Like all of rewards, it must
+never import the trainer, the engine, sync or the controller.
 """
 
 from __future__ import annotations

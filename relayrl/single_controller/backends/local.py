@@ -12,6 +12,10 @@ destroyed, and skipping interpreter finalisation removes the last chance for a C
 abort a finished run (as relayrl.parallel.launch does). The processes are started and stopped by
 relayrl.parallel.launch (spawn_process / stop_processes), so they die with the driver, SIGKILL
 included. The group's store is hosted on 127.0.0.1 only.
+
+It imports torch, relayrl.parallel and the rest of single_controller only; like all of
+single_controller, it knows nothing of RL and must never import the RL layers (controller, trainer,
+engine, rewards, sync, ...).
 """
 
 from __future__ import annotations
