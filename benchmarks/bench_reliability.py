@@ -24,10 +24,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "tests" / "faults"), str(HERE.parent / "tests"), str(HERE.parent)]
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import torch  # noqa: E402 - after the sys.path lines above, which the harness import needs
+from safetensors.torch import load_file  # noqa: E402 - after the sys.path lines above
 
-from harness import ALL_ROLES, CHAOS, ROLE_PROCESS, TINY, TrainRun, descendants, leftovers, merged  # noqa: E402
+from harness import (  # noqa: E402 - found through the sys.path lines above
+    ALL_ROLES,
+    CHAOS,
+    ROLE_PROCESS,
+    TINY,
+    TrainRun,
+    descendants,
+    leftovers,
+    merged,
+)
 
 STEPS = {"run": {"steps": 3, "save_every": 1, "keep_last": 3}}
 
@@ -74,6 +83,7 @@ def driver_kill(tmp: Path, point: str, n: int, reference: dict) -> dict:
 def reward_chaos(tmp: Path) -> dict:
     import os
 
+    tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "chaos.py").write_text(CHAOS)
     os.environ["CHAOS_COUNTER"] = str(tmp / "calls")
     config = merged(TINY, {"rollout": {"prompts_per_step": 4, "group_size": 4},
@@ -107,6 +117,19 @@ def disk_full(tmp: Path) -> dict:
             "note": f"exit {code}, one line naming the directory and bytes, {len(partial)} partial checkpoints"}
 
 
+def pytest_cases(path: str, keyword: str = "") -> dict:
+    """Faults injected by a test module of tests/faults (files, sockets): how many cases held."""
+    import subprocess
+
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path] + (["-k", keyword] if keyword else [])
+    out = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    passed = int(out.split(" passed")[0].split()[-1]) if " passed" in out else 0
+    failed = " failed" in out
+    return {"survived": passed > 0 and not failed, "lost": 0, "seconds": time.monotonic() - t0,
+            "note": f"{out} (s: all cases)"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -129,6 +152,10 @@ def main() -> None:
             print(rows[-1], flush=True)
         rows.append(("reward: hang, sys.exit, os._exit, 10**400, 8 GB bomb", reward_chaos(root / "chaos")))
         rows.append(("disk full (RLIMIT_FSIZE) while checkpointing", disk_full(root / "disk")))
+        rows.append(("crafted pickle in each checkpoint file (load and export), corrupt and truncated files",
+                     pytest_cases("tests/faults/test_checkpoint_faults.py")))
+        rows.append(("a peer without the run's token at the rendezvous",
+                     pytest_cases("tests/faults/test_network_faults.py")))
     lines = ["| fault injected | survived | data lost | seconds | what happened |", "|---|---|---|---|---|"]
     for name, r in rows:
         secs = "" if r["seconds"] != r["seconds"] else f"{r['seconds']:.1f}"

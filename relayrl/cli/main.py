@@ -2,7 +2,8 @@
 
 A user error (bad config, bad model directory, empty dataset, ...) prints one line and exits 2; a
 fault that stops a run (a worker died, hung or missed its deadline) prints one line and exits 3;
-`--debug` shows the traceback instead.
+`--debug` shows the traceback instead. The CLI sits on top of every layer and may import any of
+them; no module of relayrl imports it.
 """
 
 from __future__ import annotations

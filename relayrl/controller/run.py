@@ -1,5 +1,6 @@
 """`relayrl train`: build the roles, run the driver for `run.steps` steps, log, evaluate,
-checkpoint, and resume from the last complete checkpoint.
+checkpoint, and resume from the newest checkpoint that passes its manifest. It may import every layer
+below the CLI, and must never import relayrl.cli.
 
     run_dir/
       config.yaml          the resolved config (resume reads it back)
@@ -7,7 +8,8 @@ checkpoint, and resume from the last complete checkpoint.
       metrics.jsonl, tb/   one line / TensorBoard scalars per step (eval lines share the step)
       eval.jsonl           held-out evaluations
       sync_checksums.jsonl with sync.debug_checksums: per engine parameter, trainer vs engine checksum
-      checkpoints/step_N/  model, optimizer, scheduler, sampler, RNG (atomic: temp name + rename)
+      checkpoints/step_N/  model, optimizer, scheduler, sampler, RNG as data, a checksummed manifest
+                           (atomic: temp name + rename)
       final_model/         the trained policy as a Hugging Face directory
 """
 
