@@ -7,7 +7,11 @@ Test modules import from here, never from each other.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from relayrl.controller.config import RunConfig
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.models.config import ModelShape
 from relayrl.observe import read_metrics
+from relayrl.rewards import RewardConfig, RewardScorer, build_scorer
 from relayrl.sync.layout import engine_param_name
 
 # ---------------------------------------------------------------------------- run configs
@@ -120,3 +125,21 @@ def naive_plan(full_sd: dict[str, torch.Tensor], cfg: ModelShape,
             for r, block in enumerate(fused.chunk(engine_tp)):
                 out[r][engine_param_name(names[0])] = block.clone()
     return out
+
+
+# ---------------------------------------------------------------------------- reward functions
+@contextlib.contextmanager
+def importable(directory: Path, module: str, source: str) -> Iterator[Path]:
+    """`source` written as directory/module.py and importable by name (reward workers find it too:
+    they are started with this process's sys.path) until the block ends."""
+    (directory / f"{module}.py").write_text(source)
+    sys.path.insert(0, str(directory))
+    try:
+        yield directory
+    finally:
+        sys.path.remove(str(directory))
+
+
+def scorer(functions: list[dict], **reward) -> RewardScorer:
+    """A scorer (with its reward pool) for the `reward.functions` entries and other `reward.*` keys."""
+    return build_scorer(RewardConfig.from_dict({"functions": functions, **reward}))

@@ -12,7 +12,9 @@ import time
 import pytest
 
 from relayrl.data import Example, get_task
-from relayrl.rewards import RewardConfig, RewardPool, build_scorer
+from relayrl.rewards import RewardPool
+
+from helpers import importable, scorer
 
 USER_MODULE = '''
 import time
@@ -47,15 +49,8 @@ def slow(completion, example):
 
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pool_rewards")
-    (d / "pool_rewards.py").write_text(USER_MODULE)
-    sys.path.insert(0, str(d))
-    yield d
-    sys.path.remove(str(d))
-
-
-def scorer(functions, **kw):
-    return build_scorer(RewardConfig.from_dict({"functions": functions, **kw}))
+    with importable(tmp_path_factory.mktemp("pool_rewards"), "pool_rewards", USER_MODULE) as d:
+        yield d
 
 
 def alive(pid: int) -> bool:

@@ -3,7 +3,6 @@ does), a memory bomb, a CPU spin, and values that are not finite reals each fail
 (scored reward.on_failure and counted) while the scorer goes on; a function failing everywhere, or one
 that cannot load, stops the run in one line; math-verify on a pathological input returns in time."""
 
-import sys
 import time
 from fractions import Fraction
 
@@ -11,7 +10,8 @@ import pytest
 
 from relayrl.data import Example
 from relayrl.errors import ConfigError, RewardError
-from relayrl.rewards import RewardConfig, build_scorer
+
+from helpers import importable, scorer
 
 CHAOS = '''
 import math, os, signal, sys, time
@@ -59,15 +59,8 @@ CASES = {  # completion: (value, the start of its failure message or None)
 
 @pytest.fixture(scope="module")
 def chaos_module(tmp_path_factory):
-    d = tmp_path_factory.mktemp("chaos")
-    (d / "chaos_rewards.py").write_text(CHAOS)
-    sys.path.insert(0, str(d))
-    yield d
-    sys.path.remove(str(d))
-
-
-def scorer(functions, **kw):
-    return build_scorer(RewardConfig.from_dict({"functions": functions, **kw}))
+    with importable(tmp_path_factory.mktemp("chaos"), "chaos_rewards", CHAOS) as d:
+        yield d
 
 
 def test_each_fault_fails_only_its_sample_and_the_scorer_goes_on(chaos_module):
