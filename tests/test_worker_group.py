@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,19 @@ class ToyWorker(Worker):
 
     def plain(self, x: int) -> int:
         return self.rank * x
+
+
+class SpinWorker(Worker):
+    """Alive and beating, but one of its calls never returns (an endless loop holding its main thread)."""
+
+    @dispatch(Dispatch.ONE_TO_ALL)
+    def spin(self) -> None:
+        while True:
+            pass
+
+    @dispatch(Dispatch.ONE_TO_ALL, deadline="control")
+    def pid(self) -> int:
+        return os.getpid()
 
 
 class BrokenWorker(Worker):
@@ -223,6 +237,25 @@ class TestSPMD:
 def test_construction_error(backend):
     with pytest.raises(WorkerError, match="cannot build this worker"):
         WorkerGroup(ResourcePool([1]), BrokenWorker, options=opts(backend))
+
+
+def test_a_call_past_its_deadline_stops_the_group_in_one_line():
+    """The heartbeat cannot see an endless loop (the beating thread still runs): the call's deadline does."""
+    from relayrl.single_controller.liveness import CallDeadlineError
+
+    options = GroupOptions(deadlines=Deadlines(compute=2.0), heartbeat_timeout_s=2.0)
+    group = WorkerGroup(ResourcePool([1], name="spinner"), SpinWorker, options=options)
+    (pid,) = group.call(SpinWorker.pid)
+    t0 = time.monotonic()
+    with pytest.raises(CallDeadlineError) as info:
+        group.call(SpinWorker.spin)
+    assert 2.0 <= time.monotonic() - t0 < 10
+    assert str(info.value) == ("'spin' on spinner ran past its compute deadline of 2s (parallel.call_timeout_s.compute):"
+                               f" spinner worker rank 0 (pid {pid}) did not answer; the group is stopped")
+    with pytest.raises(RuntimeError, match="broken"):
+        group.call(SpinWorker.pid)
+    group.shutdown()  # a broken group's shutdown kills without raising
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
 
 
 # ---------------------------------------------------------------- placement
