@@ -250,8 +250,9 @@ def test_a_call_past_its_deadline_stops_the_group_in_one_line():
     with pytest.raises(CallDeadlineError) as info:
         group.call(SpinWorker.spin)
     assert 2.0 <= time.monotonic() - t0 < 10
-    assert str(info.value) == ("'spin' on spinner ran past its compute deadline of 2s (parallel.call_timeout_s.compute):"
-                               f" spinner worker rank 0 (pid {pid}) did not answer; the group is stopped")
+    assert str(info.value) == (
+        "'spin' on spinner ran past its compute deadline of 2s (parallel.call_timeout_s.compute): "
+        f"spinner worker rank 0 (pid {pid}) did not answer; the group is stopped")
     with pytest.raises(RuntimeError, match="broken"):
         group.call(SpinWorker.pid)
     group.shutdown()  # a broken group's shutdown kills without raising
