@@ -9,7 +9,7 @@ ranks are, with the same one call on both roles:
 
 so LocalPolicy, ActorWorker and the engine's ranks, wherever they live, run the same code. A rank's
 state between syncs (its sync group, a send in flight) is kept on the rank itself: in
-`trainer_rank.sync_state` and in `runner.sync_comm`. The functions are module-level so that they
+`trainer_rank.sync_state` and in `runner.sync_state`. The functions are module-level so that they
 pickle by name to worker processes.
 
     colocated        trainer_colocated   every trainer rank plays both roles for its engine rank r:
@@ -42,7 +42,7 @@ from relayrl.sync.transfer import (
 )
 from relayrl.trainer.policy import TrainerRank
 
-_COMM, _SEND = "comm", "send"  # keys of trainer_rank.sync_state
+_COMM, _SEND = "comm", "send"  # keys of trainer_rank.sync_state and runner.sync_state
 
 
 # ---------------------------------------------------------------------------- trainer ranks
@@ -85,20 +85,19 @@ def trainer_checksums(rank: TrainerRank, spec: SyncSpec) -> dict[int, float]:
 
 # ---------------------------------------------------------------------------- engine ranks
 def engine_connect(runner, store: StoreAddress, members: Members, timeout_s: float) -> None:
-    runner.sync_comm = SyncComm(store, members.of_engine(runner.tp.rank), members.world_size, timeout_s)
+    runner.sync_state[_COMM] = SyncComm(store, members.of_engine(runner.tp.rank), members.world_size, timeout_s)
 
 
 def engine_close(runner) -> None:
-    comm = getattr(runner, "sync_comm", None)
+    comm = runner.sync_state.pop(_COMM, None)
     if comm is not None:
         comm.close()
-        runner.sync_comm = None
 
 
 def engine_receive(runner, spec: SyncSpec) -> SyncStats:
     t0 = time.perf_counter()
     params = runner.params()
-    stats = finish_receives(post_receives(spec, runner.tp.rank, params, runner.sync_comm), params)
+    stats = finish_receives(post_receives(spec, runner.tp.rank, params, runner.sync_state[_COMM]), params)
     stats.seconds = time.perf_counter() - t0
     return stats
 

@@ -52,6 +52,9 @@ class ModelRunner:
         if cfg.tie_word_embeddings:  # to_empty materialises each parameter anew: tie them again
             self.model.lm_head.weight = self.model.embed_tokens.weight
         self.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(self.device)
+        # what a layer above keeps on this rank between calls (the weight sync's group); the engine
+        # never reads it
+        self.sync_state: dict = {}
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._weights_freed = False
 

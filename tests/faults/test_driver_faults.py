@@ -6,6 +6,7 @@ resumes from the one before and says so in one line."""
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -83,6 +84,21 @@ def test_a_corrupt_newest_checkpoint_falls_back_in_one_line(tmp_path, uninterrup
         first.wait(timeout=300)
     finally:
         first.kill()
+    # a copy of the run whose every checkpoint is damaged: --resume stops in one line, starts nothing
+    hopeless = tmp_path / "hopeless"
+    shutil.copytree(first.run_dir, hopeless)
+    for ckpt in (hopeless / "checkpoints").glob("step_*"):
+        (ckpt / "extra.json").write_text("{")
+    nothing = TrainRun(tmp_path / "nothing", None, command="train", args=["--resume", str(hopeless)])
+    try:
+        assert nothing.wait(timeout=120) == 2
+    finally:
+        nothing.kill()
+    lines = nothing.error_lines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"relayrl: error: no valid checkpoint in {hopeless}/checkpoints"), lines
+    assert "step_00000002" in nothing.stderr() and "step_00000001" in nothing.stderr()  # each skipped, with why
+
     shard = next((first.run_dir / "checkpoints" / "step_00000002").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, different checksum
