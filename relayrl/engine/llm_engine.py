@@ -24,19 +24,27 @@ the CLI.
 from __future__ import annotations
 
 import itertools
-import operator
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
 from relayrl.engine.block_manager import BlockManager
 from relayrl.engine.model import EngineModel, check_weights
-from relayrl.engine.model_runner import ModelRunner, available_memory, kv_bytes_per_block, prepare
+from relayrl.engine.model_runner import (
+    ModelRunner,
+    available_memory,
+    check_kv_blocks,
+    kv_blocks,
+    kv_bytes_per_block,
+    prepare,
+)
 from relayrl.engine.outputs import CompletionSample, RequestOutput
 from relayrl.engine.parallel_state import TPInfo, check_tp, head_layout
 from relayrl.engine.protocols import RunnerGroup
+from relayrl.engine.requests import prompt_ids
 from relayrl.engine.runner_groups import InProcessRunner
 from relayrl.engine.sampler import sample
 from relayrl.engine.sampling_params import SamplingParams
@@ -44,7 +52,9 @@ from relayrl.engine.scheduler import Scheduler
 from relayrl.engine.sequence import Sequence, SequenceStatus
 from relayrl.errors import KVCacheError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
 from relayrl.models.config import ModelConfig
-from relayrl.single_controller.liveness import GroupOptions
+
+if TYPE_CHECKING:  # only the TP worker group (relayrl.engine.tp_workers) needs the single-controller layer
+    from relayrl.single_controller.liveness import GroupOptions
 
 
 class LLMEngine:
@@ -72,22 +82,14 @@ class LLMEngine:
         check_tp(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size, config.intermediate_size)
         _, kv_heads = head_layout(config.num_attention_heads, config.num_key_value_heads,
                                   TPInfo(0, tensor_parallel_size))
-        per_block = kv_bytes_per_block(config, dtype, block_size, len(kv_heads))
+        self.kv_bytes_per_block = kv_bytes_per_block(config, dtype, block_size, len(kv_heads))
         if num_blocks is None:
             # ranks hosted elsewhere (colocated in the trainer's processes) report their own device's memory
             free = runner_group.free_memory() if runner_group is not None else available_memory(device)
-            budget = kv_cache_bytes if kv_cache_bytes is not None else int(free * kv_cache_fraction)
-            num_blocks = budget // per_block
-            if kv_cache_bytes is None:  # a fraction of memory: never more than max_num_seqs full-length sequences use
-                per_seq = -(-config.max_position_embeddings // block_size)
-                num_blocks = min(num_blocks, max_num_seqs * per_seq)
-        self.kv_bytes_per_block = per_block
-        if num_blocks < 1:
-            longest = per_block * -(-(config.max_position_embeddings - 1) // block_size)
-            raise KVCacheError(
-                f"the KV cache holds no block ({per_block} bytes each, num_blocks={num_blocks}); one sequence of the "
-                f"model's maximum length ({config.max_position_embeddings} tokens) needs {longest} bytes: set "
-                f"kv_cache_bytes (rollout.kv_cache_bytes in a run config) to at least that")
+            num_blocks = kv_blocks(config, self.kv_bytes_per_block, block_size, free_bytes=free,
+                                   kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
+                                   max_num_seqs=max_num_seqs)
+        check_kv_blocks(config, self.kv_bytes_per_block, block_size, num_blocks)
         if runner_group is not None:
             self.ranks: RunnerGroup = runner_group
         elif tensor_parallel_size > 1 or own_processes:
@@ -228,48 +230,6 @@ class LLMEngine:
             self.asleep = 0
 
     # ---- requests ----
-    def _encode(self, prompt, where: str) -> list[int]:
-        """Token ids of a prompt: a string through the tokenizer (no special tokens added), or token
-        ids, each checked to be in the vocabulary (a bad id would fail deep inside the forward)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise PromptError(f"{where} is a string, but the engine has no tokenizer: give token ids")
-            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        try:
-            ids = [operator.index(t) for t in prompt]
-        except TypeError:
-            raise PromptError(f"{where} must be a string or a list of token ids (integers), "
-                              f"got {prompt!r:.80}") from None
-        vocab = self.config.vocab_size
-        if ids and (min(ids) < 0 or max(ids) >= vocab):
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise PromptError(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab})")
-        return ids
-
-    def _prepare(self, prompt, params: SamplingParams, where: str) -> list[int]:
-        """The token ids a request runs on, after every check of its input (see add_request)."""
-        if not isinstance(params, SamplingParams):
-            raise SamplingParamsError(f"{where}: the sampling settings must be a SamplingParams, got {params!r:.80}")
-        params.validate()  # again: a field may have been set since construction
-        if params.logprobs > self.config.vocab_size:
-            raise SamplingParamsError(f"SamplingParams.logprobs must be at most the vocabulary size "
-                                      f"({self.config.vocab_size}), got {params.logprobs}")
-        ids = self._encode(prompt, where)
-        if not ids:
-            raise PromptError(f"{where} is empty: give at least one token (the engine adds no BOS token of its own)")
-        k = params.truncate_prompt_tokens
-        if k is not None:
-            ids = ids[-k:]  # the last k tokens: the end of a prompt is what the completion continues
-        limit = self.config.max_position_embeddings
-        if len(ids) >= limit:
-            kept = f" (after truncate_prompt_tokens={k})" if k is not None else ""
-            raise PromptError(
-                f"{where} has {len(ids)} tokens{kept}, but the model's maximum length (max_position_embeddings) is "
-                f"{limit} tokens, prompt and completion together: at most {limit - 1} prompt tokens leave room for "
-                f"a completion (max_tokens {params.max_tokens}). Shorten the prompt, or set "
-                f"SamplingParams.truncate_prompt_tokens to at most {limit - 1} to keep its last tokens")
-        return ids
-
     def add_request(self, prompt, params: SamplingParams, request_id: int | None = None,
                     prior: Seq[tuple[list[int], list[float]]] | None = None) -> int:
         """Queue `params.n` samples of `prompt` (a string or token ids). `prior` resumes them from
@@ -281,7 +241,8 @@ class LLMEngine:
         within the model's maximum length (PromptError; params.truncate_prompt_tokens = k keeps the
         last k tokens instead); a sequence the KV cache could never hold (KVCacheError). A max_tokens
         past the model's maximum length ends the sample there, with finish_reason "length"."""
-        return self._add(self._prepare(prompt, params, "the prompt"), params, request_id, prior, "the prompt")
+        ids = prompt_ids(prompt, params, self.config, self.tokenizer, "the prompt")
+        return self._add(ids, params, request_id, prior, "the prompt")
 
     def _add(self, ids: list[int], params: SamplingParams, request_id, prior, where: str) -> int:
         if not self.has_weights:
@@ -422,7 +383,8 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise SamplingParamsError(f"give one SamplingParams, or one per prompt: got {len(params)} for "
                                       f"{len(prompts)} prompts")
-        ids = [self._prepare(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        ids = [prompt_ids(p, sp, self.config, self.tokenizer, f"prompt {i}")
+               for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         rids: list[int] = []
         try:
             for i, (toks, sp) in enumerate(zip(ids, params, strict=True)):

@@ -20,6 +20,7 @@ import torch
 from relayrl.engine.attention import PagedBatch, build_batch
 from relayrl.engine.model import EngineModel
 from relayrl.engine.parallel_state import TPInfo
+from relayrl.errors import KVCacheError
 from relayrl.models.config import ModelConfig
 from relayrl.models.rope import rope_inv_freq
 
@@ -33,6 +34,26 @@ def available_memory(device: str) -> int:
 
 def kv_bytes_per_block(cfg: ModelConfig, dtype: torch.dtype, block_size: int, kv_heads_local: int) -> int:
     return cfg.num_hidden_layers * 2 * block_size * kv_heads_local * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+def kv_blocks(cfg: ModelConfig, per_block: int, block_size: int, *, free_bytes: int, kv_cache_bytes: int | None,
+              kv_cache_fraction: float, max_num_seqs: int) -> int:
+    """How many KV blocks a budget buys: kv_cache_bytes when given, else a fraction of the free memory
+    (never more than max_num_seqs sequences of the model's maximum length use)."""
+    if kv_cache_bytes is not None:
+        return kv_cache_bytes // per_block
+    per_seq = -(-cfg.max_position_embeddings // block_size)
+    return min(int(free_bytes * kv_cache_fraction) // per_block, max_num_seqs * per_seq)
+
+
+def check_kv_blocks(cfg: ModelConfig, per_block: int, block_size: int, num_blocks: int) -> None:
+    """A pool without a single block is a user error: say what one sequence needs, and the key to set."""
+    if num_blocks < 1:
+        longest = per_block * -(-(cfg.max_position_embeddings - 1) // block_size)
+        raise KVCacheError(
+            f"the KV cache holds no block ({per_block} bytes each, num_blocks={num_blocks}); one sequence of the "
+            f"model's maximum length ({cfg.max_position_embeddings} tokens) needs {longest} bytes: set "
+            f"kv_cache_bytes (rollout.kv_cache_bytes in a run config) to at least that")
 
 
 def prepare(seqs, is_prefill: bool, block_size: int, sliding_window: int | None):
