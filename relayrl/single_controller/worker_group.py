@@ -209,11 +209,6 @@ class WorkerGroup(GroupHandle):
         except KeyError:
             raise KeyError(f"{self!r} hosts no role {name!r}; roles: {sorted(self._roles)}") from None
 
-    @property
-    def pids(self) -> list[int | None]:
-        """The worker processes' ids, by rank."""
-        return [self._pids.get(r) for r in range(self.world_size)]
-
     def _fail_construction(self) -> None:
         self._broken = "construction failed"
         self.shutdown(raise_errors=False)
