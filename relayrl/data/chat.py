@@ -34,3 +34,12 @@ def format_prompt(tokenizer: Any, prompt: str, use_chat_template: bool, system: 
         {"role": "user", "content": prompt}
     ]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def prompt_messages(prompt: str | list[dict[str, Any]], system: str | None = None) -> list[dict[str, Any]]:
+    """A prompt as chat messages: a string becomes one user message; a list of messages (TRL's
+    conversational format) is taken as is. A system prompt goes first unless the messages have one."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system is not None and not (messages and messages[0].get("role") == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages

@@ -31,7 +31,7 @@ from relayrl.errors import ConfigError
 class Example:
     """One prompt with its reference answer. `meta` holds whatever the scorer may need."""
 
-    prompt: str
+    prompt: str | list[dict[str, Any]]  # text, or chat messages (TRL conversational format)
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
 
