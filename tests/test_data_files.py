@@ -20,7 +20,8 @@ def test_jsonl_loads_rows_and_keeps_other_fields(tmp_path):
     p = _jsonl(tmp_path / "d.jsonl", [{"q": "1+1=", "a": 2, "id": 7}, {"q": "2+2=", "a": "4", "id": 8}])
     rows = load_dataset_file(p, prompt_field="q", answer_field="a")
     assert [(r.prompt, r.answer) for r in rows] == [("1+1=", "2"), ("2+2=", "4")]
-    assert rows[0].meta == {"row": 0, "fields": {"id": 7}}
+    # every column but the prompt, as read (the answer's raw value too: TRL-style reward functions get the columns)
+    assert rows[0].meta == {"row": 0, "fields": {"a": 2, "id": 7}}
     assert "task" not in rows[0].meta
 
 

@@ -8,14 +8,16 @@ relayrl.cli.
 from __future__ import annotations
 
 from relayrl.data import DataConfig, Example, format_prompt
+from relayrl.data.chat import uses_chat_template
 
 
 def encode_prompt(tokenizer, example: Example, data: DataConfig) -> list[int]:
-    """The prompt's ids: BOS (when the tokenizer has one) + the (chat-formatted) prompt."""
+    """The prompt's ids: BOS (when the tokenizer has one) + a string prompt, or the chat-formatted prompt
+    (string prompts with data.use_chat_template, message prompts always), whose template decides the BOS."""
     text = format_prompt(tokenizer, example.prompt, data.use_chat_template, data.system_prompt)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id
-    if bos is not None and not data.use_chat_template:
+    if bos is not None and not uses_chat_template(example.prompt, data.use_chat_template):
         ids = [bos] + ids
     return ids
 

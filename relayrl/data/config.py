@@ -3,14 +3,17 @@ and eval examples.
 
 Built-in task (`task: arith`, `sort`, ...): both splits are generated, see `split.py`.
 
-File (`task: file`, `path: train.jsonl`):
+File (`task: file`, `path: train.jsonl`; `format: auto | plain | trl | verl`, see `files.py`):
     with `eval_path`: train = every row of `path`, eval = the first `n_eval` rows of `eval_path`;
     without:          rows are shuffled with `seed` and the last `n_eval` become eval, the rest train.
-    In both cases train rows whose prompt appears in eval are dropped, so eval is truly held out.
+    In both cases train rows whose prompt appears in eval are dropped, so eval is truly held out
+    (message prompts compare as canonical JSON).
     `n_train` applies to built-in tasks only: a file's train split is all of its remaining rows
     (the sampler cycles through them for as many steps as the run takes).
 
-Prompts are returned raw; the driver applies `format_prompt` with the policy's tokenizer.
+Prompts are returned raw (a string or chat messages); the driver applies `format_prompt` with the policy's
+tokenizer. Message prompts are always rendered through the chat template (`use_chat_template` decides for
+string prompts only; see `chat.py`).
 
 It imports pydantic, relayrl's ground floor and the data modules only; it must never import another
 relayrl layer: data is a leaf, which rewards and the controller import.
@@ -19,11 +22,12 @@ relayrl layer: data is a leaf, which rewards and the controller import.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from relayrl.config import Config
+from relayrl.data.chat import prompt_key
 from relayrl.data.files import load_dataset_file
 from relayrl.data.split import split_train_eval
 from relayrl.data.tasks import Example, get_task, task_names
@@ -39,6 +43,7 @@ class DataConfig(Config):
     eval_path: str | None = None
     prompt_field: str = "prompt"
     answer_field: str | None = "answer"
+    format: Literal["auto", "plain", "trl", "verl"] = "auto"
     n_train: int = Field(default=2000, gt=0)
     n_eval: int = Field(default=200, gt=0)
     seed: int = 0
@@ -61,6 +66,8 @@ class DataConfig(Config):
             raise ValueError(
                 f"path/eval_path are only used with task 'file' (task is '{self.task}'); set data.task=file"
             )
+        if self.task != FILE_TASK and self.format != "auto":
+            raise ValueError(f"format is only used with task 'file' (task is '{self.task}'); set data.task=file")
         if self.system_prompt is not None and not self.use_chat_template:
             raise ValueError("system_prompt needs use_chat_template: true (without a template it would be dropped)")
         if self.task != FILE_TASK:
@@ -79,10 +86,10 @@ def build_task(cfg: DataConfig):
 def build_datasets(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
     if cfg.task != FILE_TASK:
         return split_train_eval(build_task(cfg), cfg.n_train, cfg.n_eval, cfg.seed)
-    rows = load_dataset_file(cfg.path, cfg.prompt_field, cfg.answer_field)
+    rows = load_dataset_file(cfg.path, cfg.prompt_field, cfg.answer_field, cfg.format)
     if cfg.eval_path:
         train = rows
-        eval_set = load_dataset_file(cfg.eval_path, cfg.prompt_field, cfg.answer_field)[: cfg.n_eval]
+        eval_set = load_dataset_file(cfg.eval_path, cfg.prompt_field, cfg.answer_field, cfg.format)[: cfg.n_eval]
     else:
         if len(rows) <= cfg.n_eval:
             raise DataError(
@@ -93,8 +100,8 @@ def build_datasets(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
         random.Random(f"{cfg.seed}/file-split").shuffle(order)
         eval_set = [rows[i] for i in order[-cfg.n_eval :]]
         train = [rows[i] for i in order[: -cfg.n_eval]]
-    held_out = {ex.prompt for ex in eval_set}
-    train = [ex for ex in train if ex.prompt not in held_out]
+    held_out = {prompt_key(ex.prompt) for ex in eval_set}
+    train = [ex for ex in train if prompt_key(ex.prompt) not in held_out]
     if not train:
         raise DataError(
             f"every training prompt in {cfg.path} also appears in the eval split; use a different data.eval_path"

@@ -1,10 +1,23 @@
 """This module loads a user's dataset from .jsonl or .parquet into Examples.
 
-Each row needs a string prompt field; the answer field is required unless `answer_field` is None
-(then the answer is ""). Non-string answers (numbers) are converted with str(). Every other
-column goes to `meta["fields"]` for user reward functions, and `meta["row"]` is the 0-based row
-index. File examples have no `meta["task"]`, which is how the `task` reward knows to fall back to
-exact match.
+A row's prompt is a string or a list of chat messages (each an object with a string `role` among
+system/user/assistant/tool and a string `content`; TRL's conversational format). Three layouts
+(`data.format`):
+
+    plain   the prompt field and the answer field (required unless `answer_field` is None, then the
+            answer is ""); a non-string answer (a number) is converted with str()
+    trl     TRL's prompt-only datasets: the prompt field, any other columns (`solution`,
+            `ground_truth`, ...) for the reward functions; the answer field is used when a row has it,
+            else the answer is ""
+    verl    verl's RL parquet: `data_source`, `prompt` (chat messages), `ability`, `reward_model`
+            ({style, ground_truth}) and `extra_info`; the answer is `reward_model.ground_truth`
+            (a string as is, a number by str(), a list or object as JSON; null is "")
+    auto    verl when the first row has a `reward_model` object and a message-list prompt, else plain
+
+Every column but the prompt goes to `meta["fields"]` as read (for user reward functions: TRL-style
+batch functions get each as a keyword list, verl-style ones `data_source`, `ground_truth`,
+`extra_info`), and `meta["row"]` is the 0-based row index. File examples have no `meta["task"]`,
+which is how the `task` reward knows to fall back to exact match.
 
 Every problem is a DataError on one line that says where (file, line or row) and what to do.
 
@@ -22,11 +35,15 @@ from relayrl.data.tasks import Example
 from relayrl.errors import DataError
 
 SUFFIXES = (".jsonl", ".parquet")
+FORMATS = ("auto", "plain", "trl", "verl")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def load_dataset_file(
-    path: str | Path, prompt_field: str = "prompt", answer_field: str | None = "answer"
+    path: str | Path, prompt_field: str = "prompt", answer_field: str | None = "answer", format: str = "auto"
 ) -> list[Example]:
+    if format not in FORMATS:
+        raise DataError(f"unknown dataset format '{format}': use one of {', '.join(FORMATS)}")
     p = Path(path)
     if not p.is_file():
         raise DataError(f"dataset file not found: {p} (check data.path)")
@@ -40,7 +57,14 @@ def load_dataset_file(
         raise DataError(f"unsupported dataset file type '{p.suffix}' for {p}: use one of {', '.join(SUFFIXES)}")
     if not rows:
         raise DataError(f"dataset {p} is empty: it needs at least one row with a '{prompt_field}' field")
-    return [_to_example(p, where, loc, row, i, prompt_field, answer_field) for i, (loc, row) in enumerate(rows)]
+    if format == "auto":
+        format = detect_format(rows[0][1], prompt_field)
+    return [_to_example(p, where, loc, row, i, prompt_field, answer_field, format) for i, (loc, row) in enumerate(rows)]
+
+
+def detect_format(row: dict[str, Any], prompt_field: str = "prompt") -> str:
+    """'verl' for a row shaped like verl's (a `reward_model` object and a message-list prompt), else 'plain'."""
+    return "verl" if isinstance(row.get("reward_model"), dict) and isinstance(row.get(prompt_field), list) else "plain"
 
 
 def _read_jsonl(p: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -80,28 +104,66 @@ def _read_parquet(p: Path) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _to_example(
-    p: Path, where: str, loc: int, row: dict[str, Any], index: int, prompt_field: str, answer_field: str | None
+    p: Path, where: str, loc: int, row: dict[str, Any], index: int, prompt_field: str, answer_field: str | None,
+    format: str,
 ) -> Example:
+    at = f"{p} {where} {loc}"
     fields = ", ".join(repr(k) for k in row) or "none"
     if prompt_field not in row:
         raise DataError(
-            f"{p} {where} {loc} has no prompt field '{prompt_field}' (fields: {fields}); "
-            f"set data.prompt_field to the right one"
+            f"{at} has no prompt field '{prompt_field}' (fields: {fields}); set data.prompt_field to the right one"
         )
-    prompt = row[prompt_field]
-    if not isinstance(prompt, str):
-        raise DataError(
-            f"{p} {where} {loc}: prompt field '{prompt_field}' must be a string, got {type(prompt).__name__}"
-        )
-    if answer_field is None:
+    prompt = _check_prompt(at, prompt_field, row[prompt_field])
+    if format == "verl":
+        answer = _verl_answer(at, row)
+    elif answer_field is None or (format == "trl" and answer_field not in row):
         answer = ""
     elif answer_field not in row:
         raise DataError(
-            f"{p} {where} {loc} has no answer field '{answer_field}' (fields: {fields}); "
-            f"set data.answer_field to the right one, or to null if there is no answer"
+            f"{at} has no answer field '{answer_field}' (fields: {fields}); set data.answer_field to the right "
+            f"one, or to null if there is no answer (data.format=trl: the reward functions read their own columns)"
         )
     else:
         answer = row[answer_field]
         answer = answer if isinstance(answer, str) else str(answer)
-    rest = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+    rest = {k: v for k, v in row.items() if k != prompt_field}
     return Example(prompt=prompt, answer=answer, meta={"row": index, "fields": rest})
+
+
+def _check_prompt(at: str, prompt_field: str, prompt: Any) -> str | list[dict[str, Any]]:
+    """The prompt as given: a string, or a non-empty list of {role, content} messages (the keys a
+    parquet struct column gives every message but holds null for are dropped)."""
+    if isinstance(prompt, str):
+        return prompt
+    what = f"{at}: prompt field '{prompt_field}'"
+    if not isinstance(prompt, list):
+        raise DataError(f"{what} must be a string or a list of chat messages, got {type(prompt).__name__}")
+    if not prompt:
+        raise DataError(f"{what} is an empty list of messages; it needs at least one {{role, content}} message")
+    messages = []
+    for j, m in enumerate(prompt):
+        if not isinstance(m, dict):
+            raise DataError(f"{what}: message {j} is a {type(m).__name__}, not an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or role not in ROLES:
+            raise DataError(f"{what}: message {j} has role {role!r}; use one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise DataError(f"{what}: message {j} ({role}) needs a string 'content', got {type(content).__name__}")
+        messages.append({k: v for k, v in m.items() if v is not None})
+    return messages
+
+
+def _verl_answer(at: str, row: dict[str, Any]) -> str:
+    rm = row.get("reward_model")
+    if not isinstance(rm, dict) or "ground_truth" not in rm:
+        got = "no 'reward_model'" if rm is None else f"'reward_model' = {str(rm)[:60]}"
+        raise DataError(f"{at}: a verl row needs a 'reward_model' object with a 'ground_truth' (got {got}); "
+                        f"set data.format=plain or trl for another layout")
+    truth = rm["ground_truth"]
+    if truth is None:
+        return ""
+    if isinstance(truth, str):
+        return truth
+    if isinstance(truth, (list, dict)):
+        return json.dumps(truth, ensure_ascii=False, default=str)
+    return str(truth)

@@ -10,7 +10,8 @@ have few distinct prompts); it never contains an eval prompt.
 Streams are generated in chunks, each from its own string seed: `random.Random(str)` hashes the
 string with SHA-512, so the data do not depend on PYTHONHASHSEED or on the chunk count asked for.
 
-It imports the standard library, the task registry and relayrl.errors only; it must never import another relayrl layer:
+It imports the standard library, the task registry, the prompt key of chat.py and relayrl.errors only; it must
+never import another relayrl layer:
 data is a leaf, which rewards and the controller import.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+from relayrl.data.chat import prompt_key
 from relayrl.data.tasks import Example, Task
 from relayrl.errors import DataError
 
@@ -30,10 +32,10 @@ DRAWS_PER_WANTED = 50
 
 def split_train_eval(task: Task, n_train: int, n_eval: int, seed: int) -> tuple[list[Example], list[Example]]:
     eval_set: list[Example] = []
-    seen: set[str] = set()
+    seen: set = set()  # prompt keys: a task may generate chat-message prompts, which are not hashable
     for ex in _bounded(_stream(task, f"{seed}/eval"), n_eval, task, "n_eval", "distinct eval prompts"):
-        if ex.prompt not in seen:
-            seen.add(ex.prompt)
+        if prompt_key(ex.prompt) not in seen:
+            seen.add(prompt_key(ex.prompt))
             eval_set.append(ex)
             if len(eval_set) == n_eval:
                 break
@@ -41,7 +43,7 @@ def split_train_eval(task: Task, n_train: int, n_eval: int, seed: int) -> tuple[
     train: list[Example] = []
     if n_train > 0:
         for ex in _bounded(_stream(task, f"{seed}/train"), n_train, task, "n_train", "training prompts outside eval"):
-            if ex.prompt not in seen:
+            if prompt_key(ex.prompt) not in seen:
                 train.append(ex)
                 if len(train) == n_train:
                     break
