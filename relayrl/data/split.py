@@ -11,8 +11,7 @@ Streams are generated in chunks, each from its own string seed: `random.Random(s
 string with SHA-512, so the data do not depend on PYTHONHASHSEED or on the chunk count asked for.
 
 It imports the standard library, the task registry, the prompt key of chat.py and relayrl.errors only; it must
-never import another relayrl layer:
-data is a leaf, which rewards and the controller import.
+never import another relayrl layer: data is a leaf, which rewards and the controller import.
 """
 
 from __future__ import annotations
