@@ -54,3 +54,7 @@ class RunFault(Exception):
     """The run cannot go on because of a fault outside its code and input: a worker process died,
     stopped answering heartbeats, or ran past its deadline. The CLI prints the message on one line
     and exits with status 3 (complete checkpoints are kept: resume with --resume)."""
+
+
+class EnvError(UserError):
+    """An environment cannot be built (unknown name, bad params), or failed on every episode of a step."""

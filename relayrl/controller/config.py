@@ -4,6 +4,7 @@
     data:     relayrl.data.DataConfig        reward:  relayrl.rewards.RewardConfig
     algo:     relayrl.algorithms.AlgoConfig  trainer: relayrl.trainer.TrainerConfig
     rollout:  sampling and batch shape       eval:    held-out evaluation
+    env:      relayrl.envs.EnvConfig (optional): multi-turn episodes in an environment
     run:      steps, seed, output, checkpoints
 
 It loads from YAML with dotted overrides (`trainer.lr=1e-4`); every error names the key. This module
@@ -22,6 +23,7 @@ from pydantic import Field, model_validator
 from relayrl.algorithms.config import AlgoConfig
 from relayrl.config import Config, apply_overrides, load_yaml
 from relayrl.data.config import DataConfig
+from relayrl.envs.config import EnvConfig
 from relayrl.models.config import TinyModelConfig
 from relayrl.parallel.config import ParallelConfig
 from relayrl.rewards.config import RewardConfig
@@ -81,6 +83,18 @@ class RunConfig(Config):
     run: RunSection = Field(default_factory=RunSection)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    env: EnvConfig | None = None
+
+    @model_validator(mode="after")
+    def _env_fits(self) -> RunConfig:
+        if self.env is None:
+            return self
+        if self.rollout.backend != "relayrl":
+            raise ValueError("env: multi-turn episodes drive relayrl's engine step by step; "
+                             "set rollout.backend=relayrl")
+        if not self.data.use_chat_template:
+            raise ValueError("env: episodes are conversations; set data.use_chat_template=true")
+        return self
 
     @model_validator(mode="after")
     def _parallel_fits(self) -> RunConfig:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from relayrl.algorithms import get_advantage, group_has_signal, mismatch_stats
+from relayrl.controller.agent_loop import EpisodeRunner, episode_metrics
 from relayrl.controller.config import RunConfig
 from relayrl.controller.prompts import encode_prompt
 from relayrl.data import Example, PromptSampler
@@ -47,8 +48,10 @@ class Rollout:
     rewards: torch.Tensor
     correct: list[bool]
     reward_metrics: dict[str, float]
+    response_mask: list[list[int]]  # 1 on the model's tokens; 0 on a multi-turn episode's observations
 
-    LISTS = ("examples", "prompt_ids", "response_ids", "rollout_logp", "texts", "correct")  # one item per sample
+    LISTS = ("examples", "prompt_ids", "response_ids", "rollout_logp", "texts", "correct",
+             "response_mask")  # one item per sample
 
     def select_groups(self, groups: list[int], G: int) -> Rollout:
         idx = [g * G + j for g in groups for j in range(G)]
@@ -67,15 +70,17 @@ class Driver:
         policy       relayrl.trainer.policy.Policy        where the trainer runs (LocalPolicy in this
                                                            process, GroupPolicy over worker groups)
         engine       relayrl.engine.protocols.RolloutEngine
-        scorer       relayrl.rewards.protocol.Scorer
+        scorer       relayrl.rewards.protocol.Scorer      single-turn rewards
+        agent        relayrl.controller.agent_loop.EpisodeRunner   with an `env:` section: multi-turn
+                                                           episodes, rewarded by their environment
         weight_sync  relayrl.sync.protocol.WeightSync     planned + verified (relayrl.controller.weight_sync)
 
     The driver code is the same for every placement and backend."""
 
-    def __init__(self, cfg: RunConfig, *, policy: Policy, engine: RolloutEngine, scorer: Scorer,
-                 sampler: PromptSampler, weight_sync: WeightSync):
+    def __init__(self, cfg: RunConfig, *, policy: Policy, engine: RolloutEngine, scorer: Scorer | None,
+                 sampler: PromptSampler, weight_sync: WeightSync, agent: EpisodeRunner | None = None):
         self.cfg, self.policy, self.engine, self.scorer, self.sampler = cfg, policy, engine, scorer, sampler
-        self.weight_sync = weight_sync
+        self.weight_sync, self.agent = weight_sync, agent
         self.step = 0
         self.timer = StageTimer()
 
@@ -91,6 +96,8 @@ class Driver:
                               max_tokens=r.max_tokens, stop=list(r.stop), seed=seed)
 
     def rollout(self, examples: list[Example], round_: int = 0) -> Rollout:
+        if self.agent is not None:
+            return self._episodes(examples, round_)
         G = self.cfg.rollout.group_size
         tok = self.engine.tokenizer
         with self.timer.stage("rollout"):
@@ -106,7 +113,19 @@ class Driver:
                        response_ids=[s.token_ids for _, _, s in samples],
                        rollout_logp=[s.logprobs for _, _, s in samples], texts=texts,
                        rewards=torch.tensor(res.rewards, dtype=torch.float32), correct=res.correct,
-                       reward_metrics=res.metrics())
+                       reward_metrics=res.metrics(), response_mask=[[1] * len(s.token_ids) for _, _, s in samples])
+
+    def _episodes(self, examples: list[Example], round_: int) -> Rollout:
+        """G episodes per prompt in the environment; each episode's reward is its environment's."""
+        G = self.cfg.rollout.group_size
+        with self.timer.stage("rollout"):
+            trajs = self.agent.run(examples, [self._params(self.step, round_, i) for i in range(len(examples))])
+        return Rollout(examples=[ex for ex in examples for _ in range(G)],
+                       prompt_ids=[t.prompt_ids for t in trajs], response_ids=[t.response_ids for t in trajs],
+                       rollout_logp=[t.logprobs for t in trajs], texts=[t.last_text for t in trajs],
+                       rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+                       correct=[t.success for t in trajs], reward_metrics=episode_metrics(trajs),
+                       response_mask=[t.mask for t in trajs])
 
     def collect(self) -> tuple[Rollout, float]:
         """Roll out prompts_per_step prompts; with DAPO dynamic sampling, keep drawing prompts until
@@ -141,7 +160,7 @@ class Driver:
         if cfg.rollout.sleep_level:  # the KV cache (level 2: the weights too) is free while the trainer works
             self.engine.sleep(cfg.rollout.sleep_level)
         adv = get_advantage(cfg.algo.advantage)(ro.rewards, G, norm_std=cfg.algo.norm_std)
-        ids, attn, resp = build_rows(ro.prompt_ids, ro.response_ids, pad_id=self.engine.pad_id)
+        ids, attn, resp = build_rows(ro.prompt_ids, ro.response_ids, pad_id=self.engine.pad_id, masks=ro.response_mask)
         rollout_logp = scatter_per_token(ro.rollout_logp, ro.prompt_ids, ids.shape[1])
         batch = TrainBatch(ids, attn, resp, advantages=adv, rollout_logp=rollout_logp)
         with self.timer.stage("old_logp"):
@@ -154,7 +173,7 @@ class Driver:
             stats = self.policy.update(batch)
         times = {f"time/{s}": 0.0 for s in STAGES} | self.timer.pop()
         times["time/step"] = time.perf_counter() - t0
-        lengths = [len(x) for x in ro.response_ids]
+        lengths = [sum(m) for m in ro.response_mask]  # the model's tokens (not a multi-turn episode's observations)
         self.step += 1
         return {
             **ro.reward_metrics,  # reward/mean, reward/accuracy, reward/failures, reward/<fn>/mean

@@ -7,6 +7,7 @@ relayrl.cli.
 
 from __future__ import annotations
 
+from relayrl.controller.agent_loop import EpisodeRunner
 from relayrl.controller.prompts import encode_prompt
 from relayrl.data import DataConfig, Example
 from relayrl.engine import LLMEngine, SamplingParams
@@ -29,5 +30,23 @@ def evaluate(
         "eval/accuracy": sum(res.correct) / n,
         "eval/reward": sum(res.rewards) / n,
         "eval/response_length": sum(lengths) / n,
+        "eval/n": float(len(examples)),
+    }
+
+
+def evaluate_episodes(agent: EpisodeRunner, examples: list[Example], max_tokens: int, temperature: float = 0.0,
+                      seed: int = 0, stop: list[str] = ()) -> dict[str, float]:
+    """One episode per eval example in its environment (greedy by default): success rate, reward, the
+    model's tokens per episode, turns and tool calls per episode."""
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, stop=list(stop))
+              for i in range(len(examples))]
+    trajs = agent.run(examples, params)
+    n = max(len(trajs), 1)
+    return {
+        "eval/accuracy": sum(t.success for t in trajs) / n,
+        "eval/reward": sum(t.reward for t in trajs) / n,
+        "eval/response_length": sum(t.model_tokens for t in trajs) / n,
+        "eval/turns": sum(t.turns for t in trajs) / n,
+        "eval/tool_calls": sum(t.counters.get("tool_calls", 0.0) for t in trajs) / n,
         "eval/n": float(len(examples)),
     }

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from relayrl.controller.agent_loop import AgentLoop
 from relayrl.data.tasks import Example
 from relayrl.engine import LLMEngine
 from relayrl.engine.sampling_params import SamplingParams
+from relayrl.envs.config import EnvConfig
+from relayrl.envs.episode import Trajectory
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.rewards import ScoreResult, build_scorer
 from relayrl.single_controller.batch import DataBatch
@@ -36,10 +39,18 @@ from relayrl.single_controller.worker_group import WorkerGroup
 class RolloutWorker(Worker):
     def __init__(self, model_dir: str, engine_kwargs: dict):
         self.engine = LLMEngine.from_pretrained(model_dir, **engine_kwargs)
+        self.agent: AgentLoop | None = None
 
     @dispatch(Dispatch.RANK_ZERO)
     def generate(self, prompts, params):
         return self.engine.generate(prompts, params)
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def run_episodes(self, examples, params, env_cfg: EnvConfig) -> list[Trajectory]:
+        """Multi-turn episodes run beside the engine, in this worker: only finished trajectories travel."""
+        if self.agent is None:
+            self.agent = AgentLoop(self.engine, env_cfg)
+        return self.agent.run(examples, params)
 
     @dispatch(Dispatch.RANK_ZERO)
     def load_weights(self, weights: list) -> int:
@@ -58,6 +69,8 @@ class RolloutWorker(Worker):
         return out
 
     def teardown(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         self.engine.close()
 
 
@@ -123,6 +136,19 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.group.shutdown(raise_errors=False)
+
+
+class RemoteAgentLoop:
+    """Episodes run by the rollout worker's own agent loop (an EpisodeRunner)."""
+
+    def __init__(self, engine: RemoteEngine, env_cfg: EnvConfig):
+        self.engine, self.env_cfg = engine, env_cfg
+
+    def run(self, examples: list[Example], params: list[SamplingParams]) -> list[Trajectory]:
+        return self.engine.group.call(RolloutWorker.run_episodes, examples, params, self.env_cfg)
+
+    def close(self) -> None:
+        pass  # the worker's loop stops with the worker
 
 
 class RemoteScorer:

@@ -24,18 +24,20 @@ import torch
 import yaml
 
 from relayrl.checkpoint import capture_rng_state, latest_valid_checkpoint, restore_rng_state
+from relayrl.controller.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
-from relayrl.controller.evaluate import evaluate
+from relayrl.controller.evaluate import evaluate, evaluate_episodes
 from relayrl.controller.group_policy import GroupPolicy, group_options
 from relayrl.controller.local_policy import LocalPolicy
-from relayrl.controller.remote import RemoteEngine, RemoteScorer
+from relayrl.controller.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
 from relayrl.controller.weight_sync import FullWeightSync, PlannedWeightSync
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.engine.parallel_state import check_tp
 from relayrl.engine.protocols import RolloutEngine
+from relayrl.envs.base import make_env
 from relayrl.errors import ConfigError, UserError
 from relayrl.models import load_config, load_pretrained, save_pretrained
 from relayrl.models.config import ModelConfig, ModelShape
@@ -98,10 +100,23 @@ def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: Rollout
                              temperature=cfg.rollout.temperature, cfg=cfg.sync)
 
 
-def build_scorer_for(cfg: RunConfig) -> Scorer:
+def build_scorer_for(cfg: RunConfig) -> Scorer | None:
+    """The reward scorer; none for environments, which reward their own episodes."""
+    if cfg.env is not None:
+        return None
     if cfg.parallel.reward_workers:
         return RemoteScorer(cfg.reward, cfg.parallel.reward_workers, group_options(cfg.parallel))
     return build_scorer(cfg.reward)
+
+
+def build_agent(cfg: RunConfig, engine: RolloutEngine) -> EpisodeRunner | None:
+    """With an `env:` section, the agent loop: beside the engine in this process, or in the rollout worker."""
+    if cfg.env is None:
+        return None
+    if isinstance(engine, RemoteEngine):
+        return RemoteAgentLoop(engine, cfg.env)
+    assert isinstance(engine, LLMEngine)  # RunConfig refuses env with the vllm backend
+    return AgentLoop(engine, cfg.env)
 
 
 def close_all(*roles) -> None:
@@ -140,16 +155,19 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     check_fits_model(cfg, load_config(src))
     torch.manual_seed(cfg.run.seed)
     train_set, eval_set = build_datasets(cfg.data)
-    policy, engine, sync, scorer = build_policy(cfg, src), None, None, None
+    if cfg.env is not None:
+        make_env(cfg.env)  # an unknown environment, bad params or a missing sandbox: one line, before any process
+    policy, engine, sync, scorer, agent = build_policy(cfg, src), None, None, None, None
     try:
         engine = build_engine(cfg, src, policy)
         sync = build_weight_sync(cfg, src, policy, engine)
         scorer = build_scorer_for(cfg)
+        agent = build_agent(cfg, engine)
         driver = Driver(cfg, policy=policy, engine=engine, scorer=scorer,
-                        sampler=PromptSampler(train_set, cfg.run.seed), weight_sync=sync)
+                        sampler=PromptSampler(train_set, cfg.run.seed), weight_sync=sync, agent=agent)
     except BaseException:
         try:  # no process outlives a failed start
-            close_all(sync, scorer, engine, policy)
+            close_all(agent, sync, scorer, engine, policy)
         except Exception:
             pass
         raise
@@ -185,8 +203,12 @@ def _restore(driver: Driver, ckpt: Path) -> int:
 
 def _eval(driver: Driver, eval_set, cfg: RunConfig, run_dir: Path, logger: MetricsLogger) -> dict[str, float]:
     driver.sync_weights()
-    res = evaluate(driver.engine, eval_set, cfg.data, driver.scorer, cfg.eval.max_tokens,
-                   cfg.eval.temperature, seed=cfg.run.seed, stop=cfg.rollout.stop)
+    if driver.agent is not None:
+        res = evaluate_episodes(driver.agent, eval_set, cfg.eval.max_tokens, cfg.eval.temperature,
+                                seed=cfg.run.seed, stop=cfg.rollout.stop)
+    else:
+        res = evaluate(driver.engine, eval_set, cfg.data, driver.scorer, cfg.eval.max_tokens,
+                       cfg.eval.temperature, seed=cfg.run.seed, stop=cfg.rollout.stop)
     logger.log(driver.step, res)
     with open(run_dir / "eval.jsonl", "a") as f:
         f.write(json.dumps({"step": driver.step, **res}) + "\n")
@@ -210,7 +232,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
         return out
     finally:
         try:
-            close_all(driver.weight_sync, driver.scorer, driver.engine, driver.policy)
+            close_all(driver.agent, driver.weight_sync, driver.scorer, driver.engine, driver.policy)
         except Exception:
             if not failed:
                 raise

@@ -104,4 +104,4 @@ def first_line(completion: str) -> str:
 
 def _load_builtins() -> None:
     # Imported lazily: the task modules import this one to register themselves.
-    from relayrl.data import arith, sort  # noqa: F401 - imported for their registrations
+    from relayrl.data import agent_tasks, arith, sort  # noqa: F401 - imported for their registrations

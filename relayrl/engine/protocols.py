@@ -3,6 +3,8 @@
     RolloutEngine   what the driver, the evaluator and the weight sync use: generate, score, sleep /
                     wake, the weight-update bracket, run_on_ranks, stats, close. LLMEngine is one;
                     so are the rollout worker's proxy (relayrl.controller.remote) and vLLM's adapter.
+    StepEngine      what the agent loop uses to drive episodes turn by turn: add a request, run one
+                    engine step, collect the requests it completed (LLMEngine is one)
     RunnerGroup     where the engine's tensor-parallel ranks (ModelRunners) live, as the engine
                     sees them: in this process (InProcessRunner), in worker processes of their own
                     (a worker group, relayrl.engine.tp_workers), or hosted by the trainer's
@@ -82,3 +84,21 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Stop every process the engine owns."""
+
+
+class StepEngine(Protocol):
+    """An engine driven one step at a time (continuous batching): requests join while others run."""
+
+    tokenizer: Any
+
+    def add_request(self, prompt, params: SamplingParams, request_id: int | None = None) -> int:
+        """Queue `params.n` samples of `prompt` (token ids); returns the request id."""
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; the requests it completed."""
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is queued or running."""
+
+    def abort(self, request_ids: Iterable[int]) -> list[RequestOutput]:
+        """Drop requests; what they produced so far."""

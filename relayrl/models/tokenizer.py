@@ -2,7 +2,8 @@
 
 The char tokenizer is a byte-level BPE with no merges over the given characters:
 
-    ids:  0 <pad>  1 <bos>  2 <eos>  3 <unk>  4.. one per character (one per UTF-8 byte for non-ASCII)
+    ids:  0 <pad>  1 <bos>  2 <eos>  3 <unk>  4.. one per character (one per UTF-8 byte for non-ASCII),
+          then the four tool-call tags (TOOL_TOKENS), each one token
 
 Why byte-level and not a plain WordLevel over characters: with transformers 5, `AutoTokenizer` on
 a directory whose config.json says `qwen2` (other families in other versions) ignores
@@ -36,17 +37,32 @@ from relayrl.errors import ModelDirError
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 # Renders messages as plain lines: "system: ...\nuser: ...\nassistant: " (the last with
-# add_generation_prompt). Plain text keeps it learnable by a tiny char model.
+# add_generation_prompt). Plain text keeps it learnable by a tiny char model. Multi-turn pieces:
+#   tools=[...]        one line first, "tools: calculator(expression)\n" (names and arguments only:
+#                      a tiny model needs no prose, a real model's own template renders the full schema)
+#   assistant turns    end with EOS, the token the model generates to end its turn, then the newline
+#   tool results       "tool: <tool_response>...</tool_response>\n", as Hermes/Qwen templates wrap them
+# (transformers renders with trim_blocks: a newline right after a block tag is dropped, hence {{ '\\n' }}.)
 CHAT_TEMPLATE = (
+    "{% if tools %}tools: {% for t in tools %}{% set f = t.function if t.function is defined else t %}"
+    "{{ f.name }}({{ f.parameters.properties | join(', ') }}){% if not loop.last %}, {% endif %}{% endfor %}{{ '\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% if message['role'] == 'assistant' %}assistant: {{ message['content'] }}{{ eos_token }}\n"
+    "{% elif message['role'] == 'tool' %}tool: <tool_response>{{ message['content'] }}</tool_response>\n"
+    "{% else %}{{ message['role'] }}: {{ message['content'] }}\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-# The fixed text of CHAT_TEMPLATE (role names, ": ", newline) is always in the vocab, so a chat
-# formatted prompt never produces <unk> for the template's own characters.
-CHAT_TEMPLATE_CHARS = "".join(dict.fromkeys("system: user: assistant: \n"))
+# The fixed text of CHAT_TEMPLATE (role names, ": ", newline, the tools line's punctuation) is always
+# in the vocab, so a chat-formatted prompt never produces <unk> for the template's own characters.
+CHAT_TEMPLATE_CHARS = "".join(dict.fromkeys("system: user: assistant: tool: tools: (, )\n"))
+
+# The Hermes/Qwen tool-call tags, one token each as in Qwen2.5's vocabulary (added after the characters,
+# so every other id is unchanged): a closed tool call is a stop token, and a tiny model learns a tag as
+# one step instead of a dozen characters.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 def _byte_level() -> pre_tokenizers.ByteLevel:
     # No regex split and no prefix space: the text maps byte by byte, nothing is added.
@@ -87,6 +103,7 @@ def build_char_tokenizer(out_dir: str | Path, chars: str, model_type: str = "lla
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )
+    tok.add_tokens(list(TOOL_TOKENS))  # not special: decoding keeps them, as the tool-call parser needs
     tok.chat_template = CHAT_TEMPLATE
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
     input_ids       [B, T]  prompt then response tokens, right-padded
     attention_mask  [B, T]  1 on prompt and response tokens
-    response_mask   [B, T]  1.0 on response tokens (the only tokens that get loss)
+    response_mask   [B, T]  1.0 on the model's response tokens (the only tokens that get loss);
+                            0 on prompt, padding and a multi-turn episode's observations
     advantages      [B]
     old_logp        [B, T]  trainer logprobs before the update (recomputed, not the engine's)
     rollout_logp    [B, T]  what the engine reported when sampling (for the IS correction)
@@ -49,8 +50,13 @@ class TrainBatch:
         return dataclasses.replace(self, **kw)
 
 
-def build_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0):
-    """Right-padded rows [prompt | response]; returns (input_ids, attention_mask, response_mask)."""
+def build_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0,
+               masks: list[list[int]] | None = None):
+    """Right-padded rows [prompt | response]; returns (input_ids, attention_mask, response_mask).
+
+    `masks` (one 0/1 per response token) marks the tokens that get loss: a multi-turn episode's
+    response holds the model's tokens (1) and the environment's observations between them (0).
+    Without it every response token gets loss."""
     T = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     B = len(prompts)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -60,7 +66,12 @@ def build_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: int
         n = len(p) + len(r)
         ids[i, :n] = torch.tensor(p + r)
         attn[i, :n] = 1
-        resp[i, len(p):n] = 1.0
+        if masks is None:
+            resp[i, len(p):n] = 1.0
+        else:
+            if len(masks[i]) != len(r):
+                raise ValueError(f"row {i}: {len(masks[i])} mask values for {len(r)} response tokens")
+            resp[i, len(p):n] = torch.tensor(masks[i], dtype=torch.float32)
     return ids, attn, resp
 
 

@@ -1,0 +1,174 @@
+"""An episode's tokens, built so that the trained ids are exactly the sampled ones (token-in, token-out).
+
+    prompt_ids   the chat template's rendering of the first messages (+ tools), with the generation prompt
+    then per turn:
+      generated  the ids the engine sampled, as they came (mask 1, with the engine's logprobs)
+      observed   the ids of the template's continuation after that turn (mask 0): the rest of the
+                 assistant turn's closing text, then the new messages, then the next generation prompt
+
+Generated text is decoded only to be read (by the environment, the tool-call parser); it is never
+encoded again, so a tokenizer for which decode-then-encode changes ids cannot change what is trained.
+
+The continuation is the template's delta, computed on a fixed probe conversation so it depends on the
+template alone:
+
+    base  = render([user "U", assistant "A"])                   "...user: U\nassistant: A<eos>\n"
+    delta = render(base messages + new, generation prompt)[len(base):]   "tool: ...\nassistant: "
+    close = what base puts after "A"                             "<eos>\n"    (Qwen: "<|im_end|>\n")
+
+A turn that ended with the end-of-turn token already holds the start of `close` ("<eos>"): only the rest
+("\n") is observed. A turn that ended otherwise (at a closed tool call, or out of tokens) observes all
+of it, so the sequence reads as the template would render it.
+
+It imports the standard library only (the tokenizer is duck-typed); like all of envs, it must never
+import the engine, the trainer, sync or the controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PROBE = "\u2063A\u2063"  # invisible separators: no real message contains it, so its position is unambiguous
+
+
+class ChatFormat:
+    """How one tokenizer's chat template starts a conversation and continues it after a turn."""
+
+    def __init__(self, tokenizer, tools: list[dict] | None = None):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("multi-turn environments need a tokenizer with a chat template")
+        self.tokenizer, self.tools = tokenizer, tools or None
+        self._base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": PROBE}]
+        base_text = self.render(self._base)
+        self._base_text = base_text
+        self.close_text = base_text[base_text.index(PROBE) + len(PROBE):]
+        self.eos_id = tokenizer.eos_token_id
+        self.turn_end_ids = self._turn_end_ids()
+
+    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _turn_end_ids(self) -> list[int]:
+        """The token(s) that end an assistant turn: the first token of the closing text (Qwen's
+        <|im_end|>, the tiny template's <eos>), and EOS."""
+        ids = [] if self.eos_id is None else [self.eos_id]
+        first = self.encode(self.close_text)[:1]
+        if first and self.tokenizer.decode(first) and self.close_text.startswith(self.tokenizer.decode(first)):
+            ids += [t for t in first if t not in ids]
+        return ids
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render(messages, generation_prompt=True))
+
+    def observation_ids(self, messages: list[dict], last_generated: int | None) -> list[int]:
+        """The ids that follow a turn whose last sampled id is `last_generated`: the rest of its closing
+        text, then `messages` and the next generation prompt (all from the template)."""
+        full = self.render(self._base + list(messages), generation_prompt=True)
+        if not full.startswith(self._base_text):
+            raise ValueError("the chat template renders earlier messages differently once more follow; "
+                             "its continuation cannot be computed as a delta")
+        return self.encode(self._rest_of_close(last_generated) + full[len(self._base_text):])
+
+    def _rest_of_close(self, last_generated: int | None) -> str:
+        if last_generated is not None and last_generated in self.turn_end_ids:
+            said = self.tokenizer.decode([last_generated])
+            if self.close_text.startswith(said):
+                return self.close_text[len(said):]
+        return self.close_text
+
+
+@dataclass
+class Trajectory:
+    """One finished episode, as plain data (it crosses process boundaries)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]  # every id after the prompt: generated and observed, in order
+    mask: list[int]  # 1 where the model sampled the id (the only ids trained on)
+    logprobs: list[float]  # the engine's logprob where mask is 1, 0.0 elsewhere
+    reward: float
+    success: bool
+    turns: int
+    finish: str  # done | max_turns | max_total_tokens | env_error | env_timeout
+    last_text: str  # the last assistant message (what an evaluator reads)
+    counters: dict[str, float] = field(default_factory=dict)  # tool_calls, tool_errors, tool_timeouts, env_s
+    error: str | None = None
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(self.mask)
+
+
+@dataclass
+class Episode:
+    """An episode in progress: its environment, messages and ids so far."""
+
+    index: int
+    env: Any
+    fmt: ChatFormat
+    messages: list[dict] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    success: bool | None = None
+    turns: int = 0
+    finish: str | None = None
+    last_text: str = ""
+    counters: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def start(self, messages: list[dict]) -> None:
+        self.messages = list(messages)
+        self.prompt_ids = self.fmt.prompt_ids(self.messages)
+
+    def add_generated(self, ids: list[int], logprobs: list[float], text: str) -> dict:
+        """Record a sampled turn; returns the assistant message the environment reads."""
+        self.response_ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += [float(x) for x in logprobs]
+        self.turns += 1
+        self.last_text = text
+        message = {"role": "assistant", "content": text}
+        self.messages.append(message)
+        return message
+
+    def observe(self, messages: list[dict], max_total_tokens: int) -> bool:
+        """Append the observation's ids, unless the episode would then have no room for a generated
+        token within `max_total_tokens` (then nothing is appended and it returns False)."""
+        ids = self.fmt.observation_ids(messages, self.response_ids[-1] if self.response_ids else None)
+        if len(self.prompt_ids) + len(self.response_ids) + len(ids) >= max_total_tokens:
+            return False
+        self.messages += messages
+        self.response_ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        return True
+
+    def count(self, info: dict) -> None:
+        for key in ("tool_calls", "tool_errors", "tool_timeouts"):
+            if key in info:
+                self.counters[key] = self.counters.get(key, 0.0) + float(info[key])
+
+    def end(self, finish: str, error: str | None = None) -> None:
+        self.finish, self.error = finish, error
+
+    def trajectory(self) -> Trajectory:
+        success = self.success if self.success is not None else self.reward >= 1.0
+        return Trajectory(prompt_ids=self.prompt_ids, response_ids=self.response_ids, mask=self.mask,
+                          logprobs=self.logprobs, reward=self.reward, success=bool(success), turns=self.turns,
+                          finish=self.finish or "done", last_text=self.last_text, counters=dict(self.counters),
+                          error=self.error)
