@@ -144,7 +144,7 @@ class ToolRunner:
             with self._lock:
                 self._abandoned.add(future)
             future.add_done_callback(self._forget)
-            return t.name, f"error: {t.name} timed out after {self.timeout_s:g}s", True, True
+            return t.name, f"error: {t.name} timed out after {self.timeout_s}s", True, True
         except (Exception, SystemExit) as e:  # the tool's own failure is the model's to read (Ctrl-C is not)
             message = _first_line(e)
             raised = f"{type(e).__name__}: {message}" if message else type(e).__name__

@@ -133,7 +133,7 @@ def load_tool(spec: str) -> Tool:
     if obj is None:
         raise ConfigError(f"cannot load tool '{spec}': module '{module_part}' has no attribute '{attr}'")
     if not callable(obj):
-        raise ConfigError(f"cannot load tool '{spec}': '{attr}' is a {type(obj).__name__}, not a function")
+        raise ConfigError(f"cannot load tool '{spec}': '{attr}' is not a function (its type is {type(obj).__name__})")
     return obj if isinstance(obj, Tool) else tool(obj)
 
 
