@@ -432,6 +432,33 @@ def test_timeout_comes_back_within_its_bound_and_abandoned_calls_are_bounded():
     r.close()
 
 
+def test_a_call_queued_behind_others_is_not_timed_out_for_waiting():
+    def nap(seconds: float) -> str:
+        """Sleep a while.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return "rested"
+
+    # One thread, three episodes calling at once: each call runs 0.3 s, the last waits 0.6 s in the queue
+    # first; with the timeout counted from submission it would time out at 0.5 s.
+    r = ToolRunner([tool(nap)], timeout_s=0.5, max_workers=1)
+    results: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(r.run(_call("nap", seconds=0.3)).messages[0]["content"]))
+        for _ in range(3)
+    ]
+    start = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert results == ["rested"] * 3 and time.perf_counter() - start >= 0.9  # they did run one after another
+    r.close()
+
+
 def test_a_hung_tool_does_not_keep_the_process_from_exiting():
     script = textwrap.dedent(
         '''

@@ -15,8 +15,9 @@ then it occupies one of the pool's `max_workers` threads. The pool is bounded, s
 costs at most `max_workers` threads; when every thread is held by such calls, further calls are refused
 with an error instead of queueing behind them. The threads are daemons, so a hung tool never keeps the
 process from exiting (concurrent.futures' pool would join it at exit). Calls of one `run` go one after
-another; a runner shared by several threads should have `max_workers` at least their number, since a
-call's timeout counts from its submission.
+another; a runner may be shared by many threads (episodes), whose calls then queue for the `max_workers`
+threads: a call's timeout counts from when it starts running, so queueing costs time but is never reported
+as the tool's timeout.
 
 It imports the standard library, relayrl.errors and its sibling tool modules only.
 """
@@ -126,20 +127,21 @@ class ToolRunner:
         reason = argument_error(t.name, t.fn, t.parameters, call.arguments)
         if reason:
             return t.name, f"error: {reason}", True, False
-        with self._lock:
-            if len(self._abandoned) >= self._pool.size:
-                return (
-                    t.name,
-                    (
-                        f"error: {t.name} was not run: all {self._pool.size} tool threads are still busy with calls "
-                        f"that timed out"
-                    ),
-                    True,
-                    False,
-                )
-            future = self._pool.submit(t.fn, call.arguments)
+        busy = (
+            f"error: {t.name} was not run: all {self._pool.size} tool threads are still busy with calls that timed out"
+        )
+        if self._all_threads_hung():
+            return t.name, busy, True, False
+        job = self._pool.submit(t.fn, call.arguments)
+        # The timeout counts from the moment the call starts running, not from its submission: a call queued
+        # behind other episodes' calls is not the tool's fault. While it waits, it gives up only if every
+        # thread is held by an abandoned call (then nothing would ever run it).
+        while not job.started.wait(0.02):
+            if self._all_threads_hung() and job.future.cancel():
+                return t.name, busy, True, False
+        future = job.future
         try:
-            result = future.result(timeout=self.timeout_s)
+            result = future.result(timeout=max(0.0, job.started_at + self.timeout_s - time.monotonic()))
         except FutureTimeout:
             with self._lock:
                 self._abandoned.add(future)
@@ -153,6 +155,10 @@ class ToolRunner:
             return t.name, _render(result), False, False
         except Exception as e:  # a result whose __str__ itself fails
             return t.name, f"error: {t.name} returned a {type(result).__name__} that cannot be shown ({e})", True, False
+
+    def _all_threads_hung(self) -> bool:
+        with self._lock:
+            return len(self._abandoned) >= self._pool.size
 
     def _forget(self, future: Future) -> None:
         with self._lock:
@@ -182,8 +188,15 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
+@dataclass
+class _Job:
+    future: Future
+    started: threading.Event  # set by the thread that runs the call, right after `started_at`
+    started_at: float = 0.0  # time.monotonic()
+
+
 class _DaemonPool:
-    """A fixed number of daemon threads running submitted calls, each answering through a Future."""
+    """A fixed number of daemon threads running submitted calls, each answering through its job's Future."""
 
     def __init__(self, size: int):
         self.size = size
@@ -192,8 +205,8 @@ class _DaemonPool:
         self._closed = False
         self._lock = threading.Lock()
 
-    def submit(self, fn: Any, kwargs: dict) -> Future:
-        future: Future = Future()
+    def submit(self, fn: Any, kwargs: dict) -> _Job:
+        job = _Job(Future(), threading.Event())
         with self._lock:
             if self._closed:
                 raise RuntimeError("ToolRunner.run called after close()")
@@ -202,8 +215,8 @@ class _DaemonPool:
                     thread = threading.Thread(target=self._work, name=f"relayrl-tool-{i}", daemon=True)
                     thread.start()
                     self._threads.append(thread)
-            self._queue.put((future, fn, kwargs))
-        return future
+            self._queue.put((job, fn, kwargs))
+        return job
 
     def close(self) -> None:
         with self._lock:
@@ -218,9 +231,12 @@ class _DaemonPool:
             item = self._queue.get()
             if item is None:
                 return
-            future, fn, kwargs = item
-            if not future.set_running_or_notify_cancel():
+            job, fn, kwargs = item
+            future = job.future
+            if not future.set_running_or_notify_cancel():  # cancelled while queued
                 continue
+            job.started_at = time.monotonic()
+            job.started.set()
             try:
                 result = fn(**kwargs)
             except BaseException as e:  # SystemExit from a tool must not end the thread silently
