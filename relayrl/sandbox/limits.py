@@ -1,0 +1,63 @@
+"""This module defines the limits one sandboxed run is held to.
+
+`Limits` is a frozen dataclass of plain numbers, so it can be a default argument, a dict key and a
+config value. Each limit says where it is enforced:
+
+    wall_s        the host: the whole sandbox (every process in its pid namespace) is killed past it
+    cpu_s         RLIMIT_CPU of every process: SIGXCPU at cpu_s seconds, SIGKILL one second later
+    memory_mb     RLIMIT_AS of every process (address space; Python raises MemoryError)
+    processes     RLIMIT_NPROC, counted inside the run's own user namespace, so concurrent runs never
+                  share (or exhaust) one budget
+    file_size_mb  RLIMIT_FSIZE: no file written grows past it
+    open_files    RLIMIT_NOFILE
+    output_bytes  the host: at most this many bytes of stdout and of stderr are kept; past it the run
+                  is killed and marked output_truncated
+    disk_mb       the size of each writable tmpfs (/sandbox, /tmp, /dev/shm); everything else is
+                  read-only
+
+It imports the standard library and relayrl.errors only, and must never import another relayrl layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from relayrl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sandboxed run may use (see the module docstring for where each is enforced)."""
+
+    wall_s: float = 5.0
+    cpu_s: int = 5
+    memory_mb: int = 512
+    processes: int = 64
+    file_size_mb: int = 16
+    open_files: int = 64
+    output_bytes: int = 65536
+    disk_mb: int = 64
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # bool is an int subclass: Limits(processes=True) is a mistake, not "1"
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"sandbox limit {f.name} must be a number (got {value!r})")
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"sandbox limit {f.name} must be a positive finite number (got {value!r})")
+            if f.name != "wall_s" and not float(value).is_integer():
+                raise ConfigError(f"sandbox limit {f.name} must be a whole number (got {value!r})")
+
+    def rlimits(self) -> dict[str, int]:
+        """The resource limits the launcher sets inside the sandbox, by RLIMIT_* name, in bytes where
+        the kernel counts bytes."""
+        mib = 1024 * 1024
+        return {
+            "CPU": int(self.cpu_s),
+            "AS": int(self.memory_mb) * mib,
+            "NPROC": int(self.processes),
+            "FSIZE": int(self.file_size_mb) * mib,
+            "NOFILE": int(self.open_files),
+        }
