@@ -1,14 +1,34 @@
 """One reward call, the same in a worker process and in the driver: load the configured functions,
-call one on one sample, and accept only a finite real number as its value.
+call one on one sample (or on one prompt's group of samples), and accept only finite real numbers.
 
-    load_functions([(name, params), ...]) -> [fn, ...]   RewardError / ConfigError naming the entry
-    call_reward(fn, completion, example) -> (value, None) or (None, "what went wrong")
+    load_functions([(name, params, batch), ...]) -> [LoadedFunction, ...]   RewardError / ConfigError naming the entry
+    call_one(f, completion, example) -> (value, None) or (None, "what went wrong")
+    call_batch(f, completions, examples) -> ([(value, error), ...], None) or (None, "what went wrong")
+
+A function has one of three forms, told apart by its signature (`batch: true | false` in the config
+entry overrides the first test):
+
+    batch    a parameter named `completions`: TRL's form, called once per group of samples as
+             fn(completions=[...], prompts=[...], **columns, **params) -> one value per completion.
+             A completion is the text, or [{"role": "assistant", "content": text}] when its prompt
+             is chat messages (TRL's conversational datasets); `prompts` are the raw prompts; each
+             dataset column (`meta["fields"]`; `answer` for built-in tasks) is a keyword list, one
+             item per completion. TRL's `completion_ids`, `trainer_state`, `log_extra` and
+             `log_metric` are not passed. A function without **kwargs gets only the keywords it names.
+    verl     parameters named `solution_str` and `ground_truth`: verl's custom reward function,
+             fn(data_source=..., solution_str=completion, ground_truth=..., extra_info=..., **params),
+             with `reward_model.ground_truth` (else the answer), `data_source` (else the task's name)
+             and `extra_info` of the row; it may return a number or a dict whose "score" is one.
+    sample   anything else: relayrl's fn(completion, example, **params) -> float.
 
 What counts as a value:
     int, float, fractions.Fraction, numpy's real scalars   float(v), if finite
     bool                                                    1.0 / 0.0 (`return pred == gold` is common)
     NaN, +-inf, an int too large for a float (10**400)      a failure
     complex, str (even "1.0"), None, anything else          a failure
+A batch function returns a list (or tuple, or array) with one value per completion: a wrong length or
+something else is a failure of every sample of the call, a bad item a failure of its sample, and None
+an item the function does not apply to (TRL's meaning: it adds 0 to the reward and is no failure).
 
 A failure's message is one short line; it is what a RewardError quotes when every sample fails.
 
@@ -22,34 +42,135 @@ import functools
 import inspect
 import math
 import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from relayrl.errors import ConfigError
 from relayrl.rewards.registry import RewardFn, get_reward_fn
 
 MAX_MESSAGE = 300
+SAMPLE, BATCH, VERL = "sample", "batch", "verl"
+# TRL hands a batch function every column but these (its own names for the model's input and output).
+NOT_COLUMNS = frozenset({"prompt", "completion", "completion_ids", "prompts", "completions"})
 
 
-def load_functions(specs: list[tuple[str, dict[str, Any]]]) -> list[RewardFn]:
-    """The functions of `reward.functions` in order, their params bound; raises on the first bad entry."""
+@dataclass(frozen=True)
+class LoadedFunction:
+    """A configured reward function: `fn` with its params, its form, and the keywords it accepts
+    (None: any, it has **kwargs)."""
+
+    fn: RewardFn
+    form: str
+    params: dict[str, Any]
+    accepts: frozenset[str] | None
+
+
+def load_functions(specs: list[tuple]) -> list[LoadedFunction]:
+    """The functions of `reward.functions` in order, their params bound; raises on the first bad entry.
+
+    Each spec is (name, params) or (name, params, batch), batch being True, False or None (detect)."""
     out = []
-    for i, (name, params) in enumerate(specs):
+    for i, (name, params, *rest) in enumerate(specs):
         fn = get_reward_fn(name)
-        _check_params(fn, name, params, i)
-        out.append(functools.partial(fn, **params) if params else fn)
+        sig = _signature(fn)
+        form = function_form(sig, rest[0] if rest else None)
+        _check_params(sig, form, name, params, i)
+        accepts = None
+        if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            accepts = frozenset(sig.parameters)
+        out.append(LoadedFunction(fn=fn, form=form, params=dict(params), accepts=accepts))
     return out
 
 
-def _check_params(fn: RewardFn, name: str, params: dict[str, Any], i: int) -> None:
-    """Fail at startup, naming the key, if the params do not fit the function's signature."""
+def function_form(sig: inspect.Signature | None, batch: bool | None = None) -> str:
+    names = set(sig.parameters) if sig is not None else set()
+    if batch or (batch is None and "completions" in names):
+        return BATCH
+    if {"solution_str", "ground_truth"} <= names:
+        return VERL
+    return SAMPLE
+
+
+def _signature(fn: RewardFn) -> inspect.Signature | None:
     try:
-        sig = inspect.signature(fn)
+        return inspect.signature(fn)
     except (TypeError, ValueError):  # some callables (builtins, C functions) have no signature
+        return None
+
+
+def _check_params(sig: inspect.Signature | None, form: str, name: str, params: dict[str, Any], i: int) -> None:
+    """Fail at startup, naming the key, if the params do not fit the function's signature."""
+    if sig is None:
         return
     try:
-        sig.bind("", None, **params)
+        if form == SAMPLE:
+            sig.bind("", None, **params)
+        else:  # called with keywords only; the columns are not known before the data are
+            sig.bind_partial(**params)
     except TypeError as e:
         raise ConfigError(f"config error: reward.functions.{i}.params: {e} (function '{name}')") from None
+
+
+def call_one(f: LoadedFunction, completion: str, example: Any) -> tuple[float | None, str | None]:
+    """A per-sample call (forms sample and verl)."""
+    if f.form == VERL:
+        fields = example.meta.get("fields") or {}
+        rm = fields.get("reward_model")
+        kwargs = {"data_source": fields.get("data_source", example.meta.get("task")), "solution_str": completion,
+                  "ground_truth": rm["ground_truth"] if isinstance(rm, dict) and "ground_truth" in rm
+                  else example.answer, "extra_info": fields.get("extra_info"), **f.params}
+        value, error = _guarded(lambda: f.fn(**_accepted(f, kwargs)))
+        if error is None and isinstance(value, dict) and "score" in value:
+            value = value["score"]  # verl's reward functions may return {"score": ..., other diagnostics}
+        return (None, error) if error is not None else to_reward(value)
+    fn = functools.partial(f.fn, **f.params) if f.params else f.fn
+    return call_reward(fn, completion, example)
+
+
+def call_batch(f: LoadedFunction, completions: list[str], examples: list[Any]
+               ) -> tuple[list[tuple[float | None, str | None]] | None, str | None]:
+    """One call of a batch function on a group of samples: a (value, error) per sample, or one error for all."""
+    n = len(completions)
+    columns: dict[str, list] = {}
+    rows = [ex.meta["fields"] if "fields" in ex.meta else {"answer": ex.answer} for ex in examples]
+    for key in dict.fromkeys(k for row in rows for k in row):
+        if key not in NOT_COLUMNS:
+            columns[key] = [row.get(key) for row in rows]
+    kwargs = {**columns, **f.params,
+              "prompts": [ex.prompt for ex in examples],
+              "completions": [c if isinstance(ex.prompt, str) else [{"role": "assistant", "content": c}]
+                              for c, ex in zip(completions, examples, strict=True)]}
+    out, error = _guarded(lambda: f.fn(**_accepted(f, kwargs)))
+    if error is not None:
+        return None, error
+    if hasattr(out, "tolist") and not isinstance(out, (str, bytes)):
+        out = out.tolist()  # a numpy array or a torch tensor
+    if not isinstance(out, Sequence) or isinstance(out, (str, bytes)):
+        return None, f"returned {_safe_repr(out)} ({type(out).__name__}), expected a list of {n} numbers"
+    if len(out) != n:
+        return None, f"returned {len(out)} values for {n} completions, expected one per completion"
+    items = []
+    for j, v in enumerate(out):
+        value, err = (0.0, None) if v is None else to_reward(v)  # None: does not apply to this sample (TRL)
+        items.append((value, None if err is None else f"item {j}: {err}"))
+    return items, None
+
+
+def _accepted(f: LoadedFunction, kwargs: dict[str, Any]) -> dict[str, Any]:
+    return kwargs if f.accepts is None else {k: v for k, v in kwargs.items() if k in f.accepts}
+
+
+def _guarded(thunk) -> tuple[Any, str | None]:
+    """(the call's result, None), or (None, message) when it raises: see call_reward."""
+    try:
+        return thunk(), None
+    except SystemExit as e:
+        return None, f"called sys.exit({_safe_repr(e.code)})"
+    except MemoryError:
+        return None, "MemoryError (over reward.memory_mb?)"
+    except BaseException as e:  # user code may raise anything on odd output
+        return None, f"{type(e).__name__}: {_first_line(e)}"
 
 
 def call_reward(fn: RewardFn, completion: str, example: Any) -> tuple[float | None, str | None]:
@@ -57,15 +178,8 @@ def call_reward(fn: RewardFn, completion: str, example: Any) -> tuple[float | No
 
     BaseException is caught on purpose: a reward calling sys.exit() or raising KeyboardInterrupt
     fails its sample, not the process that scores it."""
-    try:
-        v = fn(completion, example)
-    except SystemExit as e:
-        return None, f"called sys.exit({_safe_repr(e.code)})"
-    except MemoryError:
-        return None, "MemoryError (over reward.memory_mb?)"
-    except BaseException as e:  # user code may raise anything on odd output
-        return None, f"{type(e).__name__}: {_first_line(e)}"
-    return to_reward(v)
+    v, error = _guarded(lambda: fn(completion, example))
+    return (None, error) if error is not None else to_reward(v)
 
 
 def to_reward(v: Any) -> tuple[float | None, str | None]:

@@ -2,9 +2,11 @@
 worker processes that run them.
 
     reward:
-      functions:            a weighted sum; each entry {name, weight, params}
-        - {name: task}
-      timeout_s: 10         one call longer than this is killed and scored on_failure (counted in reward/timeouts)
+      functions:            a weighted sum; each entry {name, weight, params, batch}
+        - {name: task}      batch: null tells the function's form by its signature (a parameter named
+                            `completions`: TRL's batch form); true / false say it (see relayrl.rewards.calls)
+      timeout_s: 10         one call longer than this is killed and scored on_failure (counted in reward/timeouts);
+                            a batch function's call scores one prompt's group of samples
       workers: 2            reward worker processes; 0 runs the functions in the driver (no isolation, no timeout)
       memory_mb: 4096       address space of each worker (RLIMIT_AS); null for no limit
       cpu_s: null           CPU seconds one call may use (RLIMIT_CPU); null means ceil(timeout_s)
@@ -30,6 +32,7 @@ class RewardFunctionConfig(Config):
     name: str
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
+    batch: bool | None = None
 
     @field_validator("weight")
     @classmethod

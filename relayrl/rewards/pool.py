@@ -2,11 +2,15 @@
 
     driver (RewardPool.run)                         worker i (relayrl.rewards.worker)
       pending calls ── chunk of k calls ──────────>   for each call: set RLIMIT_CPU, fn(completion, example)
+                                                      (a batch function: fn(completions=[...], ...) on a group)
       outcomes[id] <── one record per call ────────   (value | message), sent as soon as it is known
       a worker silent for timeout_s on one call:  kill -9 it, that call is a timeout, the rest of its
                                                   chunk goes back to the front of the queue
       a worker that dies (os._exit, a crash, SIGXCPU, the OOM killer): the call it was on is a failure
                                                   with the reason, the rest is requeued, a new worker starts
+
+A call is one sample, or for a batch function (TRL's form, relayrl.rewards.calls) one prompt's group of
+samples, whose values come back in one record: the bound (timeout_s, cpu_s) is then on the whole group.
 
 Chunks amortise the cost of a message over k calls (k shrinks as the queue drains, so the last
 chunks balance the workers), while the per-call record keeps the bound per call: the driver always
@@ -59,11 +63,13 @@ MAX_START_FAILURES = 3
 
 @dataclass
 class Outcome:
-    """The result of one call: a value, or the message of its failure (timed_out for timeouts)."""
+    """The result of one call: a value, or the message of its failure (timed_out for timeouts); a batch
+    call that returned has its samples' outcomes in `items` instead."""
 
     value: float | None
     error: str | None = None
     timed_out: bool = False
+    items: list[Outcome] | None = None
 
 
 @dataclass
@@ -81,7 +87,8 @@ class RewardPool:
     """`RewardPool(specs, workers=2, timeout_s=10, memory_mb=4096, cpu_s=10)`; `run(calls)` returns one
     Outcome per (function index, completion, example) in order; `close()` stops every worker.
 
-    specs are (name, params) pairs as in reward.functions; a call names its function by index. One
+    specs are (name, params) or (name, params, batch) as in reward.functions; a call names its function
+    by index. `forms` is each function's form ("sample", "batch", "verl"), as the workers found it. One
     thread at a time may call run (the scorer is called by the driver's loop, one step at a time)."""
 
     def __init__(self, specs: list[tuple[str, dict[str, Any]]], *, workers: int, timeout_s: float,
@@ -90,7 +97,9 @@ class RewardPool:
             raise ValueError(f"a reward pool needs at least one worker, got {workers}")
         self.timeout_s = timeout_s
         self.restarts = 0
-        self._init = {"functions": [(n, dict(p)) for n, p in specs], "memory_mb": memory_mb, "cpu_s": cpu_s}
+        self._init = {"functions": [(s[0], dict(s[1]), *s[2:]) for s in specs], "memory_mb": memory_mb,
+                      "cpu_s": cpu_s}
+        self.forms: list[str] = []
         self._procs: dict[int, subprocess.Popen] = {}
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="relayrl-reward-spawner")
         self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._spawner)
@@ -237,13 +246,19 @@ class RewardPool:
                 break
             payload = bytes(buf[pos + H.size:pos + H.size + n])
             pos += H.size + n
-            if kind == proto.OK or kind == proto.FAIL:
+            if kind in (proto.OK, proto.FAIL, proto.BATCH):
                 expected = w.outstanding.popleft()
                 assert tid == expected, f"reward worker answered call {tid}, expected {expected}"
-                self._outcomes[tid] = (Outcome(proto.VALUE.unpack(payload)[0]) if kind == proto.OK
-                                       else Outcome(None, payload.decode("utf-8", "replace")))
+                if kind == proto.OK:
+                    self._outcomes[tid] = Outcome(proto.VALUE.unpack(payload)[0])
+                elif kind == proto.FAIL:
+                    self._outcomes[tid] = Outcome(None, payload.decode("utf-8", "replace"))
+                else:  # json numbers and strings: data, never code
+                    self._outcomes[tid] = Outcome(None, items=[Outcome(None if v is None else float(v), e)
+                                                               for v, e in json.loads(payload)])
             elif kind == proto.READY:
                 w.ready, self._start_failures = True, 0
+                self.forms = json.loads(payload).get("forms", [])
             elif kind == proto.INIT_ERROR:
                 info = json.loads(payload)
                 raise (ConfigError if info["kind"] == "config" else RewardError)(info["message"])

@@ -1,7 +1,10 @@
 """Reward functions by name: built-ins registered here, user functions imported by spec.
 
 A reward function is `fn(completion: str, example: Example, **params) -> float`, where params
-come from the config entry (`{name: format, params: {pattern: ...}}`). Names resolve as
+come from the config entry (`{name: format, params: {pattern: ...}}`); a user function may also have
+TRL's batch form `fn(completions, prompts, **columns) -> list[float]` or verl's
+`fn(data_source, solution_str, ground_truth, extra_info)` (relayrl.rewards.calls tells them apart and
+calls each its own way). Names resolve as
 
     "exact_match", "math", ...    a registered built-in
     "pkg.module:function"         imported with importlib (must be importable: on sys.path)

@@ -3,7 +3,10 @@
     reward[i]  = sum_f weight_f * value_f[i]
     value_f[i] = fn_f(completion[i], example[i], **params_f), or reward.on_failure when the call raises,
                  times out, kills its worker or returns something that is not a finite real number
-                 (counted in `failures`; timeouts also in `timeouts`)
+                 (counted in `failures`; timeouts also in `timeouts`; both count samples)
+                 A batch function (TRL's form, see relayrl.rewards.calls) is called once per prompt group,
+                 the consecutive samples of one Example object (the G samples the driver drew for it),
+                 and gives value_f for each; a failure of the whole call fails each sample of the group.
     correct[i] = task score of sample i >= 1.0  (the `task` reward, always computed, for accuracy)
 
 One sample failing is tolerated (a user function may choke on odd model output); every sample of
@@ -28,17 +31,19 @@ from typing import Any, Protocol
 
 from relayrl.data.tasks import Example
 from relayrl.errors import RewardError
-from relayrl.rewards.calls import call_reward, load_functions
+from relayrl.rewards.calls import BATCH, LoadedFunction, call_batch, call_one, load_functions
 from relayrl.rewards.config import RewardConfig
 from relayrl.rewards.pool import Outcome, RewardPool
-from relayrl.rewards.registry import RewardFn
 from relayrl.rewards.result import ScoreResult
 
 
 class Runner(Protocol):
-    """Runs (function index, completion, example) calls, returning one Outcome per call, in order."""
+    """Runs (function index, completion, example) calls (a batch function's: lists of them), returning one
+    Outcome per call, in order; `forms` is each function's form (relayrl.rewards.calls)."""
 
-    def run(self, calls: list[tuple[int, str, Any]]) -> list[Outcome]: ...
+    forms: list[str]
+
+    def run(self, calls: list[tuple[int, Any, Any]]) -> list[Outcome]: ...
 
     def pids(self) -> list[int]: ...
 
@@ -48,11 +53,19 @@ class Runner(Protocol):
 class InProcessRunner:
     """reward.workers = 0: the functions run in the calling thread, unbounded."""
 
-    def __init__(self, fns: list[RewardFn]):
+    def __init__(self, fns: list[LoadedFunction]):
         self.fns = fns
+        self.forms = [f.form for f in fns]
 
-    def run(self, calls: list[tuple[int, str, Any]]) -> list[Outcome]:
-        return [Outcome(*call_reward(self.fns[f], c, ex)) for f, c, ex in calls]
+    def run(self, calls: list[tuple[int, Any, Any]]) -> list[Outcome]:
+        return [self._run(self.fns[f], c, ex) for f, c, ex in calls]
+
+    @staticmethod
+    def _run(f: LoadedFunction, c: Any, ex: Any) -> Outcome:
+        if f.form != BATCH:
+            return Outcome(*call_one(f, c, ex))
+        items, error = call_batch(f, c, ex)
+        return Outcome(None, error) if items is None else Outcome(None, items=[Outcome(*i) for i in items])
 
     def pids(self) -> list[int]:
         return []
@@ -81,7 +94,17 @@ class RewardScorer:
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
         n = len(completions)
         n_fns = max(len(self.functions), self.correct_index + 1)
-        outs = self.runner.run([(f, c, ex) for f in range(n_fns) for c, ex in zip(completions, examples, strict=True)])
+        groups = _groups(examples)
+        calls, spans = [], []  # spans[f]: (first call, number of calls) of function f
+        for f in range(n_fns):
+            spans.append(len(calls))
+            if self.runner.forms[f] == BATCH:
+                calls += [(f, completions[a:b], examples[a:b]) for a, b in groups]
+            else:
+                calls += [(f, c, ex) for c, ex in zip(completions, examples, strict=True)]
+        spans.append(len(calls))
+        raw = self.runner.run(calls)
+        outs = [o for f in range(n_fns) for o in self._per_sample(raw[spans[f]:spans[f + 1]], groups, f)]
         rewards = [0.0] * n
         per_function: dict[str, list[float]] = {}
         failures: dict[str, int] = {}
@@ -105,6 +128,17 @@ class RewardScorer:
                            correct=correct, failures_per_function=failures, timeouts=sum(timeouts.values()),
                            timeouts_per_function=timeouts, first_errors=first_errors)
 
+    def _per_sample(self, outs: list[Outcome], groups: list[tuple[int, int]], f: int) -> list[Outcome]:
+        """One Outcome per sample: a batch call's items, or its failure repeated for each sample of its group."""
+        if self.runner.forms[f] != BATCH:
+            return outs
+        per_sample = []
+        for o, (a, b) in zip(outs, groups, strict=True):
+            if o.items is not None and len(o.items) != b - a:  # calls.call_batch checks it: a worker bug
+                o = Outcome(None, f"the reward worker returned {len(o.items)} values for {b - a} samples")
+            per_sample += o.items if o.items is not None else [Outcome(None, o.error, o.timed_out)] * (b - a)
+        return per_sample
+
     def pids(self) -> list[int]:
         """The worker processes' ids (none in process): for tests and diagnostics."""
         return self.runner.pids()
@@ -119,8 +153,14 @@ class RewardScorer:
         self.close()
 
 
+def _groups(examples: list[Example]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive samples of the same Example object (one prompt's group)."""
+    bounds = [i for i in range(1, len(examples)) if examples[i] is not examples[i - 1]]
+    return list(zip([0, *bounds], [*bounds, len(examples)], strict=True)) if examples else []
+
+
 def build_scorer(cfg: RewardConfig) -> RewardScorer:
-    specs = [(fc.name, dict(fc.params)) for fc in cfg.functions]
+    specs = [(fc.name, dict(fc.params), fc.batch) for fc in cfg.functions]
     bound, seen = [], set()
     for i, fc in enumerate(cfg.functions):
         # Two entries may use the same function with different params; keep their metrics apart.
@@ -128,10 +168,10 @@ def build_scorer(cfg: RewardConfig) -> RewardScorer:
         seen.add(name)
         bound.append(BoundFunction(name=name, weight=fc.weight))
     # Accuracy needs the task score: reuse a plain `task` entry's values, else score it as one more function.
-    correct_index = next((i for i, (n, p) in enumerate(specs) if n == "task" and not p), None)
+    correct_index = next((i for i, (n, p, _) in enumerate(specs) if n == "task" and not p), None)
     if correct_index is None:
         correct_index = len(specs)
-        specs.append(("task", {}))
+        specs.append(("task", {}, None))
     if cfg.workers == 0:
         runner: Runner = InProcessRunner(load_functions(specs))
     else:

@@ -1,15 +1,19 @@
-"""The reward worker process: loads the configured reward functions once, then scores the samples the
-pool sends it, one at a time in its main thread, reporting each result as soon as it has it.
+"""The reward worker process: loads the configured reward functions once, then runs the calls the pool
+sends it (one sample, or one prompt's group for a batch function), one at a time in its main thread,
+reporting each result as soon as it has it.
 
     main([_, FD, PARENT_PID, ...])      (started by relayrl.rewards.pool in a fresh interpreter, never by hand)
 
 Protocol on the socket FD (a socketpair with the driver):
 
-    driver -> worker   8-byte length + pickle of ("init", {...}) once, then ("run", [(id, fn, completion, example)])
+    driver -> worker   8-byte length + pickle of ("init", {...}) once, then ("run", [(id, fn, completion, example)]),
+                       a batch function's call carrying lists of completions and examples instead
     worker -> driver   records: header <IBI (id, kind, payload length) + payload, never pickled:
                          OK          8-byte float64 value
                          FAIL        utf-8 message (the call raised or returned a non-value)
-                         READY       json {"vm_mb": ...} once the functions are loaded
+                         BATCH       json [[value, null] | [null, message], ...]: a batch call's values
+                         READY       json {"vm_mb": ..., "forms": ["sample" | "batch" | "verl", ...]} once the
+                                     functions are loaded
                          INIT_ERROR  json {"kind": "config" | "reward", "message": ...}
 
 The driver never unpickles what a worker sends: the worker runs user code, the driver only reads
@@ -36,7 +40,7 @@ import time
 
 HEADER = struct.Struct("<IBI")
 VALUE = struct.Struct("<d")
-OK, FAIL, READY, INIT_ERROR = 0, 1, 2, 3
+OK, FAIL, READY, INIT_ERROR, BATCH = 0, 1, 2, 3, 4
 LENGTH = struct.Struct("<Q")
 # What a worker needs beyond its own functions: the loaded modules and interpreter, with some room.
 HEADROOM_MB = 64
@@ -144,10 +148,11 @@ def serve(sock: socket.socket) -> None:
     fns = _init(sock, init)
     if fns is None:
         return
-    from relayrl.rewards.calls import call_reward
+    from relayrl.rewards.calls import BATCH as BATCH_FORM
+    from relayrl.rewards.calls import call_batch, call_one
 
     vm = _vm_mb() if os.path.exists("/proc/self/statm") else 0.0
-    sock.sendall(_record(0, READY, json.dumps({"vm_mb": vm}).encode()))
+    sock.sendall(_record(0, READY, json.dumps({"vm_mb": vm, "forms": [f.form for f in fns]}).encode()))
     cpu = _CpuLimit(init["cpu_s"]) if init["cpu_s"] is not None else None
     while True:
         msg = _recv_frame(sock)
@@ -156,11 +161,14 @@ def serve(sock: socket.socket) -> None:
         for tid, fidx, completion, example in msg[1]:
             if cpu is not None:
                 cpu.renew()
-            value, error = call_reward(fns[fidx], completion, example)
-            if error is None:
-                sock.sendall(_record(tid, OK, VALUE.pack(value)))
+            f = fns[fidx]
+            if f.form == BATCH_FORM:  # completion and example are the lists of one prompt's group
+                items, error = call_batch(f, completion, example)
+                record = None if error is not None else _record(tid, BATCH, json.dumps(items).encode())
             else:
-                sock.sendall(_record(tid, FAIL, error.encode("utf-8", "replace")))
+                value, error = call_one(f, completion, example)
+                record = None if error is not None else _record(tid, OK, VALUE.pack(value))
+            sock.sendall(record or _record(tid, FAIL, error.encode("utf-8", "replace")))
 
 
 def main(argv: list[str]) -> None:
