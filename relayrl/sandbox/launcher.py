@@ -21,14 +21,19 @@ def _main(argv):
     exit_, builtins_, modules = sys.exit, __builtins__, sys.modules
     # Descriptors bubblewrap or the host leave open are no business of the program.
     os.closerange(3, 1 << 16)
-    setrlimit = resource.setrlimit
-    setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for arg in limit_args:
         name, _, value = arg.partition("=")
+        which = getattr(resource, "RLIMIT_" + name)
         soft = int(value)
         # CPU: SIGXCPU at the soft limit, and SIGKILL one second later should the program catch it
         hard = soft + 1 if name == "CPU" else soft
-        setrlimit(getattr(resource, "RLIMIT_" + name), (soft, hard))
+        # A caller may already be limited (a reward worker sets RLIMIT_AS and RLIMIT_CPU): never ask
+        # for more than it has, which an unprivileged process may not.
+        inherited = resource.getrlimit(which)[1]
+        if inherited != resource.RLIM_INFINITY:
+            soft, hard = min(soft, inherited), min(hard, inherited)
+        resource.setrlimit(which, (soft, hard))
 
     with open(program, encoding="utf-8") as f:
         source = f.read()
