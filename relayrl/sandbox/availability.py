@@ -20,7 +20,7 @@ from relayrl.sandbox import bwrap
 
 INSTALL_HINT = "apt-get install bubblewrap"
 # --size bounds the tmpfs mounts (bubblewrap 0.7), --disable-userns stops nested user namespaces (0.8)
-_REQUIRED_OPTIONS = ("--size", "--disable-userns", "--ro-bind-data", "--info-fd", "--block-fd")
+_REQUIRED_OPTIONS = ("--size", "--disable-userns", "--as-pid-1", "--ro-bind-data", "--info-fd", "--block-fd")
 
 
 class SandboxUnavailable(UserError):

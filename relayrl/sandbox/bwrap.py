@@ -15,7 +15,8 @@ absent):
     /                      bwrap's own tmpfs root, remounted read-only once the rest is in place
 
 and every namespace is new (user, pid, network, ipc, uts, cgroup): the only network is a loopback of
-its own, and it cannot create further user namespaces. The program runs in a new session
+its own, and it cannot create further user namespaces. Its pid 1 is relayrl's launcher
+(`relayrl.sandbox.launcher`), limited like the program and closed to it. The program runs in a new session
 (--new-session: it cannot push keystrokes into a terminal), bwrap dies with its parent
 (--die-with-parent), and the environment holds PATH, HOME and TMPDIR only.
 
@@ -93,8 +94,9 @@ def command(bwrap: str, interpreter: Interpreter, limits: Limits, *, files: dict
     content copied to /sandbox/name. bwrap writes the child's host pid to `info_fd` and waits for one
     byte on `block_fd` before the program starts, so the host holds a handle on the sandbox first."""
     tmpfs_bytes = str(int(limits.disk_mb) * 1024 * 1024)
+    # --as-pid-1: the launcher, held to the limits, is the namespace's pid 1 (not bwrap's reaper, which is not)
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox", "--clearenv"]
+            "--as-pid-1", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox", "--clearenv"]
     for key, value in _ENV.items():
         argv += ["--setenv", key, value]
     argv += ["--ro-bind", "/usr", "/usr"]
