@@ -115,7 +115,8 @@ def test_loading_a_run_config_imports_config_modules_only():
     # (algorithm functions and built-in tasks: pure functions of torch / the standard library)
     allowed_prefixes = ("relayrl.algorithms", "relayrl.data")
     allowed = {"relayrl", "relayrl.config", "relayrl.errors", "relayrl.lazy", "relayrl.controller",
-               "relayrl.models", "relayrl.parallel", "relayrl.rewards", "relayrl.sync", "relayrl.trainer"}
+               "relayrl.envs", "relayrl.models", "relayrl.parallel", "relayrl.rewards", "relayrl.sync",
+               "relayrl.trainer"}
     stray = [m for m in loaded
              if m not in allowed and not m.endswith(".config") and not m.startswith(allowed_prefixes)]
     assert stray == []

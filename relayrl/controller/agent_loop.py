@@ -35,7 +35,6 @@ from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import ChatFormat, Episode, Trajectory
 from relayrl.errors import EnvError
 
-TOOL_CLOSE = "</tool_call>"
 POLL_S = 0.05  # the longest the loop sleeps on environments while no engine work is left
 
 
@@ -93,16 +92,6 @@ class AgentLoop:
             self._formats[key] = ChatFormat(self.tokenizer, schemas)
         return self._formats[key]
 
-    def _stops(self, fmt: ChatFormat, has_tools: bool) -> tuple[list[str], list[int]]:
-        """A turn ends at the end-of-turn token, or (with tools) right after a closed tool call: as a
-        stop token when the tag is one token (Qwen, the tiny tokenizer), else as a stop string."""
-        if not has_tools:
-            return [], list(fmt.turn_end_ids)
-        close = fmt.encode(TOOL_CLOSE)
-        if len(close) == 1:
-            return [], list(fmt.turn_end_ids) + close
-        return [TOOL_CLOSE], list(fmt.turn_end_ids)
-
     def run(self, examples: list[Example], params: list[SamplingParams]) -> list[Trajectory]:
         """params[i].n episodes of examples[i] (contiguous, in order); each a finished Trajectory."""
         cfg = self.cfg
@@ -115,7 +104,7 @@ class AgentLoop:
                 fmt = self._format(env)
                 ep = Episode(index=len(episodes), env=env, fmt=fmt)
                 episodes.append(ep)
-                plan[ep.index] = (sp, j, *self._stops(fmt, bool(env.tools)))
+                plan[ep.index] = (sp, j, *fmt.turn_stops(bool(env.tools)))
                 pending[self.pool.submit(_timed, env.reset, ex)] = (ep, time.perf_counter())
         inflight: dict[int, Episode] = {}
         try:

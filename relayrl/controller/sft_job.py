@@ -14,16 +14,20 @@ from pathlib import Path
 
 import torch
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from relayrl.config import Config
+from relayrl.controller.agent_loop import AgentLoop
 from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.config import EvalConfig, ModelSection
-from relayrl.controller.evaluate import evaluate
+from relayrl.controller.evaluate import evaluate, evaluate_episodes
 from relayrl.controller.prompts import encode_answer, encode_prompt
 from relayrl.controller.run import write_atomic
 from relayrl.data import DataConfig, PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
+from relayrl.envs.base import demonstration, make_env
+from relayrl.envs.config import EnvConfig
+from relayrl.envs.episode import ChatFormat, Trajectory, encode_conversation
 from relayrl.errors import DataError, UserError
 from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.tokenizer import load_tokenizer
@@ -49,6 +53,30 @@ class SFTJobConfig(Config):
     trainer: TrainerConfig = Field(default_factory=lambda: TrainerConfig(lr=1e-3, micro_batch_size=64))
     eval: EvalConfig = Field(default_factory=EvalConfig)
     sft: SFTSection = Field(default_factory=SFTSection)
+    env: EnvConfig | None = None  # SFT on the environment's demonstrations (multi-turn traces)
+
+    @model_validator(mode="after")
+    def _env_fits(self) -> SFTJobConfig:
+        if self.env is not None and not self.data.use_chat_template:
+            raise ValueError("env: traces are conversations; set data.use_chat_template=true")
+        return self
+
+
+def demonstrations(env_cfg: EnvConfig, tok):
+    """example -> the environment's demonstration, encoded as an episode would hold it (loss on the
+    assistant's turns only); encoded once per example."""
+    env = make_env(env_cfg)
+    fmt = ChatFormat(tok, [t.schema() for t in env.tools])
+    _, stop_ids = fmt.turn_stops(bool(env.tools))
+    cache: dict[int, Trajectory] = {}
+
+    def trace(ex) -> Trajectory:
+        key = id(ex)
+        if key not in cache:
+            cache[key] = encode_conversation(fmt, demonstration(env, ex, env_cfg.name), stop_ids)
+        return cache[key]
+
+    return trace
 
 
 def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
@@ -66,14 +94,22 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     model = load_pretrained(src)
     trainer = SFTTrainer(model, cfg.trainer, cfg.sft.steps)
     sampler = PromptSampler(train_set, cfg.sft.seed)
+    trace = demonstrations(cfg.env, tok) if cfg.env is not None else None
     scorer = build_scorer(cfg.reward)  # its reward pool stops with the job, however it ends
     try:
         logger = MetricsLogger(run_dir, use_tensorboard=cfg.sft.tensorboard)
 
         def run_eval(step: int) -> dict:
             engine = LLMEngine.from_model(model, tok, max_num_seqs=len(eval_set))
-            res = evaluate(engine, eval_set, cfg.data, scorer, cfg.eval.max_tokens, cfg.eval.temperature,
-                           cfg.sft.seed)
+            if cfg.env is not None:
+                agent = AgentLoop(engine, cfg.env)
+                try:
+                    res = evaluate_episodes(agent, eval_set, cfg.eval.max_tokens, cfg.eval.temperature, cfg.sft.seed)
+                finally:
+                    agent.close()
+            else:
+                res = evaluate(engine, eval_set, cfg.data, scorer, cfg.eval.max_tokens, cfg.eval.temperature,
+                               cfg.sft.seed)
             logger.log(step, res)
             with open(run_dir / "eval.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, **res}) + "\n")
@@ -84,9 +120,14 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
         try:
             for step in range(1, cfg.sft.steps + 1):
                 exs = sampler.next_batch(cfg.sft.batch_size)
-                prompts = [encode_prompt(tok, ex, cfg.data) for ex in exs]
-                answers = [encode_answer(tok, ex.answer) for ex in exs]
-                ids, attn, resp = build_rows(prompts, answers, pad_id=tok.pad_token_id or 0)
+                if cfg.env is not None:
+                    traces = [trace(ex) for ex in exs]
+                    ids, attn, resp = build_rows([t.prompt_ids for t in traces], [t.response_ids for t in traces],
+                                                 pad_id=tok.pad_token_id or 0, masks=[t.mask for t in traces])
+                else:
+                    prompts = [encode_prompt(tok, ex, cfg.data) for ex in exs]
+                    answers = [encode_answer(tok, ex.answer) for ex in exs]
+                    ids, attn, resp = build_rows(prompts, answers, pad_id=tok.pad_token_id or 0)
                 m = trainer.step(TrainBatch(ids, attn, resp))
                 logger.log(step, m)
                 progress.update(step, {"loss": m["sft/loss"]})

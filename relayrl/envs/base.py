@@ -116,3 +116,11 @@ def as_step_result(out: Any, name: str) -> StepResult:
     if obs is not None and (not isinstance(obs, list) or not all(isinstance(m, dict) for m in obs)):
         raise EnvError(f"environment '{name}': the observation must be a list of messages or None")
     return StepResult(obs or None, float(reward), bool(done), dict(info or {}))
+
+
+def demonstration(env: Env, example: Example, name: str) -> list[dict[str, Any]]:
+    """The environment's own solved conversation for `example` (for an SFT warm-start on traces)."""
+    show = getattr(env, "demonstration", None)  # optional: an environment may have no way to solve its tasks
+    if show is None:
+        raise EnvError(f"environment '{name}' has no demonstration(example): SFT on its traces needs one")
+    return show(example)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+TOOL_CLOSE = "</tool_call>"
 PROBE = "\u2063A\u2063"  # invisible separators: no real message contains it, so its position is unambiguous
 
 
@@ -54,13 +55,24 @@ class ChatFormat:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _turn_end_ids(self) -> list[int]:
-        """The token(s) that end an assistant turn: the first token of the closing text (Qwen's
-        <|im_end|>, the tiny template's <eos>), and EOS."""
-        ids = [] if self.eos_id is None else [self.eos_id]
+        """The token(s) that end an assistant turn: the first token of the closing text when it is one
+        whole token (Qwen's <|im_end|>, the tiny template's <eos>; it comes first), and EOS."""
         first = self.encode(self.close_text)[:1]
-        if first and self.tokenizer.decode(first) and self.close_text.startswith(self.tokenizer.decode(first)):
-            ids += [t for t in first if t not in ids]
+        said = self.tokenizer.decode(first) if first else ""
+        ids = list(first) if said.strip() and self.close_text.startswith(said) and len(said) > 1 else []
+        if self.eos_id is not None and self.eos_id not in ids:
+            ids.append(self.eos_id)
         return ids
+
+    def turn_stops(self, with_tools: bool) -> tuple[list[str], list[int]]:
+        """(stop strings, stop ids) that end a turn: the end-of-turn token, or (with tools) right after a
+        closed tool call: a stop token when the tag is one token (Qwen, the tiny tokenizer), else a string."""
+        if not with_tools:
+            return [], list(self.turn_end_ids)
+        close = self.encode(TOOL_CLOSE)
+        if len(close) == 1:
+            return [], list(self.turn_end_ids) + close
+        return [TOOL_CLOSE], list(self.turn_end_ids)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.encode(self.render(messages, generation_prompt=True))
@@ -172,3 +184,28 @@ class Episode:
                           logprobs=self.logprobs, reward=self.reward, success=bool(success), turns=self.turns,
                           finish=self.finish or "done", last_text=self.last_text, counters=dict(self.counters),
                           error=self.error)
+
+
+def encode_conversation(fmt: ChatFormat, messages: list[dict], stop_ids: list[int] = ()) -> Trajectory:
+    """A written conversation (e.g. a demonstration for SFT) as the ids an episode would hold: each
+    assistant message is encoded as if generated (mask 1), ending with the end-of-turn token unless its
+    last token already ends a turn (a closed tool call in `stop_ids`); everything else is observed
+    through the template (mask 0). Training on it teaches exactly the turns the agent loop samples."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None or first == 0:
+        raise ValueError("a conversation to train on needs messages before its first assistant message")
+    ep = Episode(index=0, env=None, fmt=fmt)
+    ep.start(messages[:first])
+    pending: list[dict] = []
+    for m in messages[first:]:
+        if m["role"] != "assistant":
+            pending.append(m)
+            continue
+        if pending:
+            ep.observe(pending, max_total_tokens=1 << 30)
+            pending = []
+        ids = fmt.encode(m["content"])
+        if not ids or ids[-1] not in stop_ids:
+            ids = ids + fmt.turn_end_ids[:1]
+        ep.add_generated(ids, [0.0] * len(ids), m["content"])
+    return ep.trajectory()

@@ -1,0 +1,276 @@
+"""The agent loop: token-in token-out across turns, the observation ids, KV reuse between turns, budgets.
+
+The tokenizer here merges digit pairs ("12" is one token), so a model that samples "1" then "2" writes
+text whose re-encoding differs from what it sampled: the case where retokenizing between turns would
+train on ids the engine never produced (verl #3720).
+"""
+
+import json
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from relayrl.controller.agent_loop import AgentLoop
+from relayrl.data import Example, get_task
+from relayrl.data.agent_tasks import PRINTABLE
+from relayrl.engine import LLMEngine, SamplingParams
+from relayrl.envs.base import StepResult, register_env
+from relayrl.envs.config import EnvConfig
+from relayrl.models.tokenizer import build_char_tokenizer, load_tokenizer
+from relayrl.trainer.batch import build_rows
+from relayrl.trainer.logprobs import token_logprobs
+from tests.helpers import perturbed_model, small_config
+
+DIGITS = "0123456789"
+
+
+def merging_tokenizer(tmp_path):
+    """The tiny char tokenizer plus BPE merges of every digit pair (one token each)."""
+    build_char_tokenizer(tmp_path, PRINTABLE)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    # merged tokens take the ids after the characters; the added tool tags move after them (a loader
+    # numbers added tokens from the vocabulary's end)
+    next_id = max(vocab.values()) + 1
+    merges = []
+    for a in DIGITS:
+        for b in DIGITS:
+            vocab[a + b] = next_id
+            next_id += 1
+            merges.append([a, b])
+    for t in spec["added_tokens"]:
+        if t["id"] > 3:
+            t["id"], next_id = next_id, next_id + 1
+    spec["model"]["merges"] = merges
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    return load_tokenizer(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tok = merging_tokenizer(tmp_path_factory.mktemp("tok"))
+    assert tok("12", add_special_tokens=False)["input_ids"] != [tok.convert_tokens_to_ids("1"),
+                                                                tok.convert_tokens_to_ids("2")]
+    cfg = small_config(vocab_size=len(tok), max_position_embeddings=512, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+    model = perturbed_model(cfg, seed=3).eval()
+    return tok, model
+
+
+class Spy:
+    """Records what the engine produced and how much of each request's prefix was cached."""
+
+    def __init__(self, engine):
+        self.engine, self.outputs, self.allocations = engine, [], []
+        bm = engine.block_manager
+        allocate = bm.allocate
+
+        def spy_allocate(seq):
+            allocate(seq)
+            self.allocations.append((list(seq.token_ids), seq.num_cached_tokens))
+
+        bm.allocate = spy_allocate
+        step = engine.step
+
+        def spy_step():
+            outs = step()
+            self.outputs += outs
+            return outs
+
+        engine.step = spy_step
+
+
+def mask_runs(mask):
+    """(start, end, value) of each run of equal mask values."""
+    runs, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((start, i, mask[start]))
+            start = i
+    return runs
+
+
+def run_guess(tok, model, n_prompts=4, G=4, **engine_kw):
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20, block_size=8, **engine_kw)
+    spy = Spy(engine)
+    loop = AgentLoop(engine, EnvConfig(name="guess", max_turns=3, max_total_tokens=200))
+    examples = get_task("guess", high=99).generate(n_prompts, seed=1)
+    params = [SamplingParams(n=G, temperature=1.0, max_tokens=12, seed=10 + i) for i in range(n_prompts)]
+    try:
+        trajs = loop.run(examples, params)
+    finally:
+        loop.close()
+        engine.close()
+    return trajs, spy
+
+
+def test_trained_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(setup):
+    tok, model = setup
+    trajs, spy = run_guess(tok, model)
+    assert len(trajs) == 16 and max(t.turns for t in trajs) >= 2
+    # every generated segment of every episode is one engine output, token for token (and nothing else)
+    generated = Counter()
+    for t in trajs:
+        for a, b, v in mask_runs(t.mask):
+            if v == 1:
+                generated[tuple(t.response_ids[a:b])] += 1
+    sampled = Counter(tuple(o.samples[0].token_ids) for o in spy.outputs)
+    assert generated == sampled
+    # the case is real: some sampled turns do not survive decode-then-encode
+    drifted = [ids for ids in sampled if tok(tok.decode(list(ids)), add_special_tokens=False)["input_ids"] != list(ids)]
+    assert drifted, "no sampled turn changes under decode-then-encode: the test would not catch retokenization"
+    # the trainer's recomputed logprobs equal the engine's on every generated token of every turn
+    ids, attn, resp = build_rows([t.prompt_ids for t in trajs], [t.response_ids for t in trajs],
+                                 pad_id=tok.pad_token_id, masks=[t.mask for t in trajs])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, ids, attn)
+    engine_logp = torch.zeros_like(logp)
+    for i, t in enumerate(trajs):
+        engine_logp[i, len(t.prompt_ids):len(t.prompt_ids) + len(t.logprobs)] = torch.tensor(t.logprobs)
+    assert resp.sum() == sum(t.model_tokens for t in trajs)
+    gap = ((logp - engine_logp) * resp).abs().max()
+    assert gap <= 1e-5
+    # had the text been re-encoded, the trained rows would differ from what was sampled
+    retokenized = [tok(tok.decode(t.prompt_ids + t.response_ids), add_special_tokens=False)["input_ids"]
+                   for t in trajs]
+    assert any(r != t.prompt_ids + t.response_ids for r, t in zip(retokenized, trajs, strict=True))
+
+
+def test_observations_are_the_templates_continuation(setup):
+    tok, model = setup
+    trajs, _ = run_guess(tok, model)
+    eos = tok.eos_token_id
+    seen = 0
+    for t in trajs:
+        for a, b, v in mask_runs(t.mask):
+            if v == 1:
+                continue
+            text = tok.decode(t.response_ids[a:b])
+            # after a turn that ended with EOS only the newline of the turn's close is left; after one
+            # cut by max_tokens the whole close ("<eos>\n") comes first, as the template renders it
+            close = "\n" if t.response_ids[a - 1] == eos else "<eos>\n"
+            assert text in {f"{close}user: {m}\nassistant: " for m in ("Higher.", "Lower.", "Answer with a number.")}
+            seen += 1
+    assert seen > 0
+    # the prompt is the template's rendering of the first message with the generation prompt
+    assert tok.decode(trajs[0].prompt_ids) == "user: Guess my number from 1 to 99. Answer with a number.\nassistant: "
+
+
+def test_a_continuing_episode_reuses_its_kv_blocks(setup):
+    """Each later turn's request is the conversation so far: its full blocks written in the previous
+    turn (prompt and generated tokens but the last) come from the prefix cache."""
+    tok, model = setup
+    _, spy = run_guess(tok, model)
+    bs = 8
+    written: dict[tuple, int] = {}  # a request's ids + its output -> tokens with KV written
+    for o in spy.outputs:
+        full = tuple(o.prompt_token_ids + o.samples[0].token_ids)
+        written[full] = len(full) - 1
+    continuations = 0
+    for ids, cached in spy.allocations:
+        prev = [n for full, n in written.items() if len(full) < len(ids) and tuple(ids[:len(full)]) == full]
+        if not prev:
+            continue
+        continuations += 1
+        expect = min(max(prev) // bs, (len(ids) - 1) // bs) * bs
+        assert cached >= expect, (cached, expect)
+    assert continuations > 0
+    # without prefix caching nothing is reused: the check above would fail
+    _, spy_off = run_guess(tok, model, enable_prefix_caching=False)
+    assert all(cached == 0 for _, cached in spy_off.allocations)
+
+
+def test_budgets_end_episodes(setup):
+    tok, model = setup
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20)
+    examples = get_task("guess", high=99).generate(2, seed=1)
+    try:
+        loop = AgentLoop(engine, EnvConfig(name="guess", max_turns=2, max_total_tokens=500))
+        trajs = loop.run(examples, [SamplingParams(n=4, max_tokens=12, seed=i) for i in range(2)])
+        assert all(t.turns <= 2 for t in trajs)
+        assert all(t.finish == "max_turns" for t in trajs if not t.success)
+        loop.close()
+        loop = AgentLoop(engine, EnvConfig(name="guess", max_turns=10, max_total_tokens=90))
+        trajs = loop.run(examples, [SamplingParams(n=4, max_tokens=12, seed=i) for i in range(2)])
+        assert all(len(t.prompt_ids) + len(t.response_ids) <= 90 for t in trajs)
+        assert any(t.finish == "max_total_tokens" for t in trajs)
+        loop.close()
+    finally:
+        engine.close()
+
+
+class Gate:
+    """The slow episode's environment waits on `fast_done`, which the fast episodes set when they have all
+    finished: had the loop waited for the slow environment, they never could, and the wait times out."""
+
+    fast_done = threading.Event()
+    fast_left = 3
+    lock = threading.Lock()
+    slow_saw_fast_done: bool | None = None
+    slow_sleep_s = 0.0
+
+    @classmethod
+    def reset(cls, slow_sleep_s=0.0):
+        cls.fast_done.clear()
+        cls.fast_left, cls.slow_saw_fast_done, cls.slow_sleep_s = 3, None, slow_sleep_s
+
+
+@register_env("test_slow")
+class SlowEnv:
+    """"slow": one turn whose step blocks (see Gate); "fast": three quick turns."""
+
+    tools: list = []
+
+    def reset(self, example: Example):
+        self.name, self.turn = example.prompt, 0
+        return [{"role": "user", "content": example.prompt}]
+
+    def step(self, message):
+        self.turn += 1
+        if self.name == "slow":
+            if Gate.slow_sleep_s:
+                time.sleep(Gate.slow_sleep_s)
+            else:
+                Gate.slow_saw_fast_done = Gate.fast_done.wait(timeout=30)
+            return StepResult(None, 1.0, True, {})
+        if self.turn < 3:
+            return StepResult([{"role": "user", "content": "again"}], 0.0, False, {})
+        with Gate.lock:
+            Gate.fast_left -= 1
+            if Gate.fast_left == 0:
+                Gate.fast_done.set()
+        return StepResult(None, 1.0, True, {})
+
+
+def slow_run(tok, model, step_timeout_s):
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20)
+    examples = [Example("slow", "")] + [Example(f"fast{i}", "") for i in range(3)]
+    loop = AgentLoop(engine, EnvConfig(name="test_slow", max_turns=3, step_timeout_s=step_timeout_s))
+    try:
+        t0 = time.perf_counter()
+        trajs = loop.run(examples, [SamplingParams(n=1, max_tokens=8, seed=i, ignore_eos=True) for i in range(4)])
+        return trajs, time.perf_counter() - t0
+    finally:
+        loop.close()
+        engine.close()
+
+
+def test_a_slow_environment_does_not_stall_the_others(setup):
+    tok, model = setup
+    Gate.reset()
+    trajs, _ = slow_run(tok, model, step_timeout_s=60)
+    assert [t.turns for t in trajs] == [1, 3, 3, 3]
+    # the fast episodes went through all their turns while the slow environment was still answering
+    assert Gate.slow_saw_fast_done is True
+
+
+def test_an_environment_past_its_deadline_ends_its_episode(setup):
+    tok, model = setup
+    Gate.reset(slow_sleep_s=20.0)
+    trajs, took = slow_run(tok, model, step_timeout_s=0.5)
+    assert trajs[0].finish == "env_timeout" and trajs[0].reward == 0.0
+    assert [t.finish for t in trajs[1:]] == ["done"] * 3
+    assert took < 15  # the loop did not wait for the abandoned step
