@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup setup-dev demo test bench clean
+.PHONY: setup setup-dev sandbox-tools demo test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,22 @@ $(VENV)/.relayrl: $(VENV)/.torch pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[ray]" pytest ruff
 	touch $@
 
-setup: $(VENV)/.relayrl
+setup: $(VENV)/.relayrl sandbox-tools
+
+# bubblewrap runs the code sandbox (relayrl.sandbox). It is installed where apt-get is there and we are
+# root; this never fails the set-up: without it, configuring a sandboxed task is refused in one line.
+sandbox-tools:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing bubblewrap (the code sandbox)"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
+	      echo "note: could not install bubblewrap: the code sandbox is unavailable (apt-get install bubblewrap)"; \
+	  else \
+	    echo "note: bubblewrap (bwrap) is not installed: the code sandbox is unavailable (apt-get install bubblewrap)"; \
+	  fi; \
+	}; true
 
 setup-dev: setup
 	$(BIN)/python -m pip install -q -e ".[dev]"
