@@ -36,7 +36,9 @@ from relayrl.sandbox import Limits, RunResult, run
 
 RESULT_MARK = "@@relayrl-result@@ "
 SOLUTION_MODULE = "solution"
-DEFAULT_TEST_LIMITS = Limits(wall_s=5.0, cpu_s=5, memory_mb=512, processes=16, output_bytes=65536)
+# A test calls one function: 8 processes/threads is plenty, and bounds a run's memory to 8 x 512 MB (the
+# rlimits are per process; Limits() would allow 64 x 512 MB).
+DEFAULT_TEST_LIMITS = Limits(wall_s=5.0, cpu_s=5, memory_mb=512, processes=8, output_bytes=65536)
 _FLOAT_TOLERANCE = 1e-9
 
 _BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)

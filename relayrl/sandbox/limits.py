@@ -6,14 +6,18 @@ config value. Each limit says where it is enforced:
     wall_s        the host: the whole sandbox (every process in its pid namespace) is killed past it
     cpu_s         RLIMIT_CPU of every process: SIGXCPU at cpu_s seconds, SIGKILL one second later
     memory_mb     RLIMIT_AS of every process (address space; Python raises MemoryError)
-    processes     RLIMIT_NPROC, counted inside the run's own user namespace, so concurrent runs never
-                  share (or exhaust) one budget
+    processes     RLIMIT_NPROC (threads count too), counted inside the run's own user namespace, so
+                  concurrent runs never share (or exhaust) one budget
     file_size_mb  RLIMIT_FSIZE: no file written grows past it
     open_files    RLIMIT_NOFILE
     output_bytes  the host: at most this many bytes of stdout and of stderr are kept; past it the run
                   is killed and marked output_truncated
     disk_mb       the size of each writable tmpfs (/sandbox, /tmp, /dev/shm); everything else is
                   read-only
+
+The rlimits bind each process: what a whole run may hold in memory is processes x memory_mb (32 GB
+with the defaults), so a caller that expects no forking should lower `processes` (the code reward
+uses 8). There is no cgroup here to cap the total.
 
 It imports the standard library and relayrl.errors only, and must never import another relayrl layer.
 """
