@@ -95,3 +95,19 @@ def test_time_share_counts_a_stage_once():
 
     keys = {"time/sync", "time/sync_transfer", "time/sync_verify", "time/rollout", "time/step", "reward/mean"}
     assert time_stages(keys) == ["time/rollout", "time/sync"]
+
+
+def test_time_env_is_part_of_the_rollout_not_a_stage():
+    from relayrl.observe.report import time_stages
+
+    # environment seconds are summed over episodes that overlap the rollout: not a share of the step
+    assert time_stages({"time/rollout", "time/env", "time/update", "time/step"}) == ["time/rollout", "time/update"]
+
+
+def test_report_plots_episodes_when_the_run_had_an_environment(tmp_path):
+    records = [{"step": s, "reward/mean": 0.1 * s, "reward/accuracy": 0.1 * s, "turns/mean": 2.0 - 0.1 * s}
+               for s in range(1, 5)] + [{"step": 4, "eval/accuracy": 0.4}]
+    _write_metrics(tmp_path, records)
+    paths = make_report(tmp_path)
+    assert [p.name for p in paths] == ["reward.png", "episodes.png"]
+    _assert_png(paths[-1])

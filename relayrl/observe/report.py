@@ -5,6 +5,8 @@
                                       the weight sync's canary gap
                       time_share.png  each stage's share of the timed step (stacked)
                       lengths.png     response length mean and max per step
+                      episodes.png    (runs in an environment) success per step, held-out success
+                                      dots, and turns per episode
 
 Any metric a run did not log is simply left out; a plot with nothing to show is not written.
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot), so making a report never opens a
@@ -41,6 +43,10 @@ CANARY_GAP = "sync/canary_gap"  # the weight sync's check: mean |Δ logp| on fix
 LENGTH_MEAN = "response_length/mean"
 LENGTH_MAX = "response_length/max"
 STEP_TIME = "time/step"
+# Seconds inside environment steps, summed over episodes: they overlap the rollout (and each other), so
+# they are a part of time/rollout, not a stage of their own.
+ENV_TIME = "time/env"
+TURNS = "turns/mean"
 
 SUMMARY_KEYS = (
     REWARD_MEAN,
@@ -129,7 +135,7 @@ def _plot_mismatch(records: list[dict[str, Any]], out: Path) -> Path | None:
 def time_stages(keys) -> list[str]:
     """The stage timers among `keys`: time/* but time/step, and not a stage's parts (time/sync_verify
     is inside time/sync), so the shares add up."""
-    timers = {k for k in keys if k.startswith("time/") and k != STEP_TIME}
+    timers = {k for k in keys if k.startswith("time/") and k not in (STEP_TIME, ENV_TIME)}
     return sorted(k for k in timers if not any(k.startswith(t + "_") for t in timers))
 
 
@@ -180,12 +186,36 @@ def _plot_lengths(records: list[dict[str, Any]], out: Path) -> Path | None:
     return _save(fig, out / "lengths.png")
 
 
+def _plot_episodes(records: list[dict[str, Any]], out: Path) -> Path | None:
+    turn_steps, turns = _series(records, TURNS)
+    if not turn_steps:
+        return None
+    fig, ax = _new_axes("episodes: success and turns")
+    acc_key = _first_key(records, ACCURACY_KEYS)
+    if acc_key is not None:
+        ax.plot(*_series(records, acc_key), label="success (training episodes)")
+    eval_steps, eval_values = _series(records, EVAL_ACCURACY)
+    if eval_steps:
+        ax.plot(eval_steps, eval_values, "o-", label="success (held-out, greedy)")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("success")
+    ax.grid(alpha=0.3)
+    right = ax.twinx()
+    right.plot(turn_steps, turns, color="gray", alpha=0.6, label=TURNS)
+    right.set_ylabel("turns per episode")
+    lines = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right")
+    return _save(fig, out / "episodes.png")
+
+
 def make_report(run_dir: str | os.PathLike[str]) -> list[Path]:
     """Writes the PNGs the run's metrics allow under run_dir/report/ and returns their paths."""
     records = _load(run_dir)
     out = Path(run_dir) / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    plots = (_plot_reward, _plot_mismatch, _plot_time_share, _plot_lengths)
+    plots = (_plot_reward, _plot_mismatch, _plot_time_share, _plot_lengths, _plot_episodes)
     return [p for plot in plots if (p := plot(records, out)) is not None]
 
 
