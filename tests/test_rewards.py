@@ -43,6 +43,7 @@ def test_exact_match():
     assert exact_match(" 19\nmore", ex("19")) == 1.0
     assert exact_match("19.0", ex("19")) == 0.0
     assert exact_match("", ex("19")) == 0.0
+    assert exact_match("", ex("")) == exact_match(" \n", ex(" ")) == 0.0  # no answer: nothing is correct
 
 
 def test_math_verify_plain_boxed_and_equivalent():

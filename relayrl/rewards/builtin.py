@@ -1,6 +1,8 @@
 """Rule-based built-in rewards: exact_match, format, task.
 
-    exact_match  1.0 if the completion's first stripped line equals the answer, else 0.0
+    exact_match  1.0 if the completion's first stripped line equals the answer, else 0.0; an example with
+                 no answer (a file without an answer column: data.answer_field null, or data.format trl)
+                 is never matched, so an empty completion does not count as correct
     format       1.0 if the stripped completion fully matches `pattern` (default: one non-empty
                  line, i.e. the model answered and stopped), else 0.0
     task         the score of the built-in task that generated the example (meta["task"] and
@@ -23,7 +25,8 @@ DEFAULT_FORMAT_PATTERN = r"[^\n]+"
 
 @register_reward("exact_match")
 def exact_match(completion: str, example: Example) -> float:
-    return 1.0 if first_line(completion) == example.answer.strip() else 0.0
+    gold = example.answer.strip()
+    return 1.0 if gold and first_line(completion) == gold else 0.0
 
 
 @register_reward("format")
