@@ -360,10 +360,29 @@ FORGERIES = {
 }
 
 
+# why each forgery fails: the reason shows the attack ran as meant (and was not stopped by something else)
+FORGERY_FAILS_AS = {
+    "print a result line with a guessed value, then exit 0 before the test runs": "wrong answer",
+    "print a guessed result line and let the real one follow": "2 result lines (one expected)",
+    "exit 0 at import, before the call": "no result",
+    "os._exit(0) inside the call": "no result",
+    "patch json.dumps to print a fake value": "wrong answer",
+    "patch builtins.eval and sys.stdout.write": "wrong answer",
+    "rewrite the test harness and the solution on disk": "wrong answer",
+    "write a result file": "wrong answer",
+    "an int whose __eq__ always says yes": "wrong answer",
+    "NaN, which some comparisons let through": "wrong answer",
+    "a result the judge's JSON parser cannot take (nesting)": "malformed result",
+    "a result the judge's JSON parser cannot take (a 5000-digit integer)": "malformed result",
+    "kill pid-1 and the parent, then answer": "wrong answer",
+}
+
+
 @pytest.mark.parametrize("attack", list(FORGERIES))
 def test_forging_a_pass_fails(attack):
     result = run_tests(FORGERIES[attack], ADD_TESTS, limits=QUICK)
-    assert result.passed == 0, [o.reason for o in result.outcomes]
+    assert result.passed == 0
+    assert [o.reason for o in result.outcomes] == [FORGERY_FAILS_AS[attack]] * len(ADD_TESTS)
 
 
 def test_the_expected_value_is_nowhere_in_the_sandbox_to_be_found():
