@@ -222,6 +222,12 @@ def test_file_names_must_stay_inside_the_working_directory(name):
         run("pass", files={name: "x"})
 
 
+@needs_sandbox
+def test_file_contents_must_be_text_or_bytes():
+    with pytest.raises(TypeError, match="sandbox file 'n.txt' must be str or bytes, not int"):
+        run("pass", files={"n.txt": 5})
+
+
 def test_without_bwrap_run_raises_one_line_naming_the_install(monkeypatch):
     monkeypatch.setattr(bwrap, "find_bwrap", lambda: None)
     availability.sandbox_available.cache_clear()

@@ -45,8 +45,7 @@ def run(code: str, *, files: dict[str, str | bytes] | None = None, limits: Limit
         raise SandboxUnavailable(reason)
     if not isinstance(limits, Limits):
         raise TypeError(f"limits must be a relayrl.sandbox.Limits, not {type(limits).__name__}")
-    files = {bwrap.check_file_name(name): data for name, data in (files or {}).items()}
-    encoded = {name: data.encode() if isinstance(data, str) else bytes(data) for name, data in files.items()}
+    encoded = {bwrap.check_file_name(name): _file_bytes(name, data) for name, data in (files or {}).items()}
     if sum(map(len, encoded.values())) > limits.disk_mb * 1024 * 1024:
         raise ValueError(f"the sandbox files hold more than its {limits.disk_mb} MB working directory")
     interpreter = bwrap.find_interpreter()
@@ -69,6 +68,14 @@ def run(code: str, *, files: dict[str, str | bytes] | None = None, limits: Limit
                                 start_new_session=True, **drop)
         fds.close(info_w, block_r, code_fd, stdin_fd, *file_fds.values())  # the child holds its copies
         return _supervise(proc, info_r, block_w, limits, start, fds)
+
+
+def _file_bytes(name: str, data: str | bytes) -> bytes:
+    if isinstance(data, str):
+        return data.encode()
+    if isinstance(data, bytes | bytearray | memoryview):
+        return bytes(data)
+    raise TypeError(f"sandbox file {name!r} must be str or bytes, not {type(data).__name__}")
 
 
 def _supervise(proc: subprocess.Popen, info_r: int, block_w: int, limits: Limits, start: float,
@@ -98,7 +105,7 @@ def _open_pid1(info_r: int, proc: subprocess.Popen) -> int:
         ready, _, _ = select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))
         chunk = os.read(info_r, 4096) if ready else b""
         text += chunk
-        with suppress(ValueError):
+        with suppress(ValueError, ProcessLookupError):  # not all of it yet; or its setup failed and it is gone
             info = json.loads(text)
             return os.pidfd_open(int(info["child-pid"]))
         if ready and not chunk:
