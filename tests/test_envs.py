@@ -13,6 +13,7 @@ from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import ChatFormat, Episode, encode_conversation
 from relayrl.errors import ConfigError, EnvError
 from relayrl.models.tokenizer import build_char_tokenizer
+from relayrl.sandbox import sandbox_available
 from tests.helpers import importable
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "482*37+905"}}</tool_call>'
@@ -192,3 +193,19 @@ def test_episode_observe_respects_the_token_budget(tok):
     assert not ep.observe(obs, max_total_tokens=n + need) and len(ep.ids) == n  # no room left to generate
     assert ep.observe(obs, max_total_tokens=n + need + 1) and len(ep.ids) == n + need
     assert ep.mask == [1] + [0] * need and json.dumps(ep.trajectory().mask)
+
+
+@pytest.mark.skipif(sandbox_available() is not None, reason=f"sandbox unavailable: {sandbox_available()}")
+def test_python_env_scores_hidden_tests_in_the_sandbox():
+    ex = get_task("python", num_tests=3).generate(1, seed=0)[0]
+    env = make_env(EnvConfig(name="python", params={"attempts": 2, "wall_s": 3.0}))
+    assert env.reset(ex) == [{"role": "user", "content": ex.prompt}]
+    wrong = "```python\ndef f(x):\n    return 12345\n```"
+    obs, reward, done, info = env.step({"role": "assistant", "content": wrong})
+    assert (reward, done, info["success"]) == (0.0, False, False)
+    assert obs[0]["content"] == "3 of 3 tests failed. Try again."
+    # the reference solution passes every hidden test (the tests were never shown to it)
+    assert env.step({"role": "assistant", "content": ex.answer}) == (None, 1.0, True, {"success": True})
+    once = make_env(EnvConfig(name="python"))
+    once.reset(ex)
+    assert once.step({"role": "assistant", "content": wrong})[1:3] == (0.0, True)

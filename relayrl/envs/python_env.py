@@ -13,14 +13,16 @@ It imports relayrl.data, relayrl.rewards (the code reward), relayrl.sandbox and 
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 from relayrl.data.chat import prompt_messages
 from relayrl.data.tasks import Example
 from relayrl.envs.base import StepResult, register_env
 from relayrl.errors import EnvError
-from relayrl.rewards.code import extract_code, run_tests
-from relayrl.sandbox import Limits, SandboxUnavailable, sandbox_available
+from relayrl.rewards.code import DEFAULT_TEST_LIMITS, extract_code, run_tests
+from relayrl.sandbox import SandboxUnavailable, sandbox_available
 
 
 @register_env("python")
@@ -33,7 +35,9 @@ class PythonEnv:
             raise SandboxUnavailable(f"the python environment runs code in the sandbox: {reason}")
         if not isinstance(attempts, int) or attempts < 1:
             raise EnvError(f"environment 'python': attempts must be an integer >= 1 (got {attempts!r})")
-        self.attempts, self.limits = attempts, Limits(wall_s=wall_s, cpu_s=max(1, int(wall_s)), memory_mb=memory_mb)
+        # few processes: the address-space limit is per process, so processes x memory_mb bounds a run
+        self.attempts = attempts
+        self.limits = replace(DEFAULT_TEST_LIMITS, wall_s=wall_s, cpu_s=max(1, math.ceil(wall_s)), memory_mb=memory_mb)
         self.tries = 0
 
     def reset(self, example: Example) -> list[dict[str, Any]]:
