@@ -95,7 +95,7 @@ class RewardScorer:
         n = len(completions)
         n_fns = max(len(self.functions), self.correct_index + 1)
         groups = _groups(examples)
-        calls, spans = [], []  # spans[f]: (first call, number of calls) of function f
+        calls, spans = [], []  # function f's calls are calls[spans[f]:spans[f + 1]]
         for f in range(n_fns):
             spans.append(len(calls))
             if self.runner.forms[f] == BATCH:
