@@ -290,6 +290,9 @@ def test_verl_function_and_keyword_filtering(rw):
             r = s.score(["3", "x"], [task, task])  # no reward_model: the answer is the ground truth
             assert r.per_function["fmt_rewards:compute_score"] == [1.0, 0.0]
             assert r.per_function["fmt_rewards:named_only"] == [1.0, 0.0]  # only `answer` passed: no **kwargs
+            trl = Example("7-2=", "", meta={"row": 0, "fields": {"ground_truth": "5", "extra_info": {"index": 3}}})
+            r = s.score(["5", "4"], [trl, trl], check=False)  # a TRL file's ground_truth column
+            assert r.per_function["fmt_rewards:compute_score"] == [1.03, 0.03]
     with pytest.raises(ConfigError, match=r"reward.functions.0.params: .*'scale'"):
         scorer([{"name": "fmt_rewards:named_only", "params": {"scale": 2}}], workers=0)
     with pytest.raises(ConfigError, match="batch"):
@@ -365,10 +368,11 @@ def test_each_layout_trains_and_logs_the_functions_rewards(rw, tiny_model, tmp_p
         for text, src in zip(completions, sources, strict=True):
             c = text if isinstance(src["prompt"], str) else [{"role": "assistant", "content": text}]
             want_trl += module.overlap([c], [src["prompt"]], column=column, **{column: [src[column]]})
-        rm = [s.get("reward_model") for s in sources]
-        want_verl = [module.compute_score(s.get("data_source"), c, r["ground_truth"] if r else ex.answer,
-                                          s.get("extra_info"))["score"]
-                     for s, c, r, ex in zip(sources, completions, rm, examples, strict=True)]
+        # verl's ground truth: reward_model.ground_truth, else a ground_truth column, else the answer
+        truths = [s["reward_model"]["ground_truth"] if "reward_model" in s else s.get("ground_truth", s.get("answer"))
+                  for s in sources]
+        want_verl = [module.compute_score(s.get("data_source"), c, t, s.get("extra_info"))["score"]
+                     for s, c, t in zip(sources, completions, truths, strict=True)]
         assert res.per_function[f"{rdir}/fmt_rewards.py:overlap"] == want_trl
         assert res.per_function[f"{rdir}/fmt_rewards.py:compute_score"] == want_verl
         assert res.rewards == [t + 0.5 * v for t, v in zip(want_trl, want_verl, strict=True)]

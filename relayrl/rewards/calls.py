@@ -17,7 +17,8 @@ entry overrides the first test):
              `log_metric` are not passed. A function without **kwargs gets only the keywords it names.
     verl     parameters named `solution_str` and `ground_truth`: verl's custom reward function,
              fn(data_source=..., solution_str=completion, ground_truth=..., extra_info=..., **params),
-             with `reward_model.ground_truth` (else the answer), `data_source` (else the task's name)
+             with `reward_model.ground_truth` (else a `ground_truth` column, else the answer), `data_source`
+             (else the task's name)
              and `extra_info` of the row; it may return a number or a dict whose "score" is one.
     sample   anything else: relayrl's fn(completion, example, **params) -> float.
 
@@ -117,9 +118,10 @@ def call_one(f: LoadedFunction, completion: str, example: Any) -> tuple[float | 
     if f.form == VERL:
         fields = example.meta.get("fields") or {}
         rm = fields.get("reward_model")
+        truth = (rm["ground_truth"] if isinstance(rm, dict) and "ground_truth" in rm
+                 else fields.get("ground_truth", example.answer))
         kwargs = {"data_source": fields.get("data_source", example.meta.get("task")), "solution_str": completion,
-                  "ground_truth": rm["ground_truth"] if isinstance(rm, dict) and "ground_truth" in rm
-                  else example.answer, "extra_info": fields.get("extra_info"), **f.params}
+                  "ground_truth": truth, "extra_info": fields.get("extra_info"), **f.params}
         value, error = _guarded(lambda: f.fn(**_accepted(f, kwargs)))
         if error is None and isinstance(value, dict) and "score" in value:
             value = value["score"]  # verl's reward functions may return {"score": ..., other diagnostics}
