@@ -113,6 +113,26 @@ def test_load_weights_bumps_version_and_takes_effect(tiny_model):
     assert out.samples[0].token_ids == ref
 
 
+def test_a_weight_update_drops_kv_the_old_weights_computed(tiny_model):
+    """A prompt whose full blocks are cached from before a weight update must be recomputed after it:
+    reading the old KV gives tokens and logprobs of neither model (a shared system prompt, a tool
+    list or an episode's earlier turns would hit it every step)."""
+    eng = engine(copy.deepcopy(tiny_model))
+    prompt = PROMPTS[1]  # 7 tokens: one full block of 4 is cached after the first request
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=6))
+    other = copy.deepcopy(tiny_model)
+    other.reset_parameters(std=0.3, seed=7)
+    eng.load_weights(other.state_dict().items())
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].samples[0]
+    ref, ref_lps = _greedy_reference(other, prompt, 6)
+    assert out.token_ids == ref
+    assert torch.allclose(torch.tensor(out.logprobs), torch.tensor(ref_lps), atol=1e-5)
+    # the cache still works within a weights version
+    eng.reset_stats()
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=6))
+    assert eng.stats()["engine/prefix_hit_rate"] > 0
+
+
 def test_sampler_frequencies_match_filtered_distribution():
     from relayrl.engine.sampler import sample
 

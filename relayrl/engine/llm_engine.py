@@ -196,9 +196,19 @@ class LLMEngine:
             self._call("restore_weight_storage")
 
     def end_weight_update(self) -> int:
-        """Call after a complete sync: it starts a new weights version and returns its number."""
+        """Call after a complete sync: it starts a new weights version and returns its number.
+
+        The prefix cache is emptied: its blocks hold KV the old weights computed, and a later prompt
+        sharing their prefix (a system prompt, a tool list, an episode's next turn) must not read it."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("weights changed with requests in flight: abort them before a weight update")
         if self.asleep >= 2:
             self.asleep = 1
+        if not self.asleep:  # asleep, the cache is gone already and comes back empty with wake()
+            queries, hits = self.block_manager.prefix_queries, self.block_manager.prefix_hits
+            self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+            self.block_manager.prefix_queries, self.block_manager.prefix_hits = queries, hits
+            self.scheduler.block_manager = self.block_manager
         self.has_weights = True
         self.weights_version += 1
         return self.weights_version
