@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from relayrl.data.tasks import Example
 from relayrl.envs.config import EnvConfig
-from relayrl.errors import EnvError, RewardError
+from relayrl.errors import EnvError
 
 
 class StepResult(NamedTuple):
@@ -78,12 +78,9 @@ def env_class(name: str) -> Callable[..., Env]:
     if ":" not in name:
         raise EnvError(f"unknown environment '{name}': built-ins are {', '.join(env_names())}; "
                        "for your own use 'module:Class' or 'path/to/file.py:Class'")
-    from relayrl.rewards.registry import load_user_function  # the same loader: modules, files, one-line errors
+    from relayrl.rewards.registry import load_user_object  # the same loader: modules, files, one-line errors
 
-    try:
-        return load_user_function(name)
-    except RewardError as e:
-        raise EnvError(str(e).replace("reward function", "environment")) from None
+    return load_user_object(name, "environment", EnvError)
 
 
 def make_env(cfg: EnvConfig) -> Env:

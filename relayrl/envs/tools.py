@@ -23,22 +23,18 @@ from __future__ import annotations
 
 import ast
 import copy
-import hashlib
-import importlib
-import importlib.util
 import math
 import operator
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from relayrl.envs.tool_calls import ParsedCalls, ToolCall, parse_tool_calls
 from relayrl.envs.tool_runner import ToolRunner, ToolTurn
 from relayrl.envs.tool_schema import function_schema
 from relayrl.errors import ConfigError
+from relayrl.rewards.registry import load_user_object
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -123,39 +119,8 @@ def load_tool(spec: str) -> Tool:
             f"unknown tool '{spec}': built-ins are {', '.join(sorted(BUILTIN_TOOLS))}; for your own use "
             f"'pkg.module:function' or 'path/file.py:function'"
         )
-    is_path = module_part.endswith(".py") or "/" in module_part or "\\" in module_part
-    try:
-        module = _import_file(Path(module_part)) if is_path else importlib.import_module(module_part)
-    except Exception as e:  # a user module can fail in any way while importing: say how, in one line
-        text = str(e).strip().splitlines()
-        raise ConfigError(f"cannot load tool '{spec}': {type(e).__name__}: {text[0] if text else ''}") from None
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise ConfigError(f"cannot load tool '{spec}': module '{module_part}' has no attribute '{attr}'")
-    if not callable(obj):
-        raise ConfigError(f"cannot load tool '{spec}': '{attr}' is not a function (its type is {type(obj).__name__})")
+    obj = load_user_object(spec, "tool", ConfigError)
     return obj if isinstance(obj, Tool) else tool(obj)
-
-
-def _import_file(path: Path) -> Any:
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file {path}")
-    # One private module name per absolute path: two users' tools.py files must not collide, nor shadow an
-    # installed module of the same name.
-    name = "relayrl_user_tool_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"cannot import {path} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 # --- the built-in calculator: arithmetic over the AST, never eval() ---------------------------------------

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from relayrl.errors import RewardError
+from relayrl.errors import RewardError, UserError
 
 RewardFn = Callable[..., float]
 
@@ -71,19 +71,26 @@ def get_reward_fn(name: str) -> RewardFn:
 
 
 def load_user_function(spec: str) -> RewardFn:
+    return load_user_object(spec, "reward function", RewardError)
+
+
+def load_user_object(spec: str, what: str, error: type[UserError]):
+    """The callable `spec` names, 'pkg.module:name' (importable) or 'path/file.py:name' (loaded from the
+    file under a private module name); every failure is one `error` line saying which and why. Reward
+    functions, tools and environments are all loaded here."""
     module_part, _, attr = spec.rpartition(":")
     if not module_part or not attr:
-        raise RewardError(f"cannot load reward function '{spec}': expected 'module:function' or 'file.py:function'")
+        raise error(f"cannot load {what} '{spec}': expected 'module:name' or 'file.py:name'")
     try:
         module = _import_file(module_part) if _is_path(module_part) else importlib.import_module(module_part)
     except Exception as e:  # a user module can fail in any way while importing; report it, don't crash
-        raise RewardError(f"cannot load reward function '{spec}': {type(e).__name__}: {_one_line(e)}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise RewardError(f"cannot load reward function '{spec}': module '{module_part}' has no attribute '{attr}'")
-    if not callable(fn):
-        raise RewardError(f"cannot load reward function '{spec}': '{attr}' is a {type(fn).__name__}, not a function")
-    return fn
+        raise error(f"cannot load {what} '{spec}': {type(e).__name__}: {_one_line(e)}") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise error(f"cannot load {what} '{spec}': module '{module_part}' has no attribute '{attr}'")
+    if not callable(obj):
+        raise error(f"cannot load {what} '{spec}': '{attr}' is not a function (its type is {type(obj).__name__})")
+    return obj
 
 
 def _is_path(module_part: str) -> bool:
@@ -96,7 +103,7 @@ def _import_file(path_str: str):
         raise FileNotFoundError(f"no such file {path}")
     # A private module name per absolute path: two user files both called rewards.py must not
     # collide, and we must not shadow an installed module of the same name.
-    name = "relayrl_user_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]
+    name = "relayrl_user_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
