@@ -16,7 +16,8 @@ load with `load_tool`: a built-in name, "pkg.module:function" or "path/file.py:f
 by relayrl.envs.tool_calls and run by relayrl.envs.tool_runner; their public names are re-exported here, so
 callers import everything about tools from this one module.
 
-It imports the standard library, relayrl.errors and its sibling tool modules only.
+It imports the standard library, relayrl.errors, the user-object loader of relayrl.rewards and its sibling
+tool modules only.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from relayrl.models.hf_io import save_pretrained
 from relayrl.models.tokenizer import build_char_tokenizer
 from relayrl.models.transformer import CausalLM
 
+VOCAB_MULTIPLE = 8
+
 
 def build_tiny_model(out_dir: str | Path, alphabet: str, cfg: TinyModelConfig) -> Path:
     """Write a randomly initialised tiny model + char tokenizer over `alphabet` to `out_dir`."""
@@ -24,7 +26,9 @@ def build_tiny_model(out_dir: str | Path, alphabet: str, cfg: TinyModelConfig) -
     heads = cfg.num_attention_heads
     mc = ModelConfig(
         model_type=cfg.model_type,
-        vocab_size=len(tok),
+        # padded to a multiple of 8, as real checkpoints pad their embedding tables: tensor-parallel
+        # degrees up to 8 divide it whatever the alphabet (the rows past the tokenizer decode to nothing)
+        vocab_size=-(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,
