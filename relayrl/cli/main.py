@@ -131,7 +131,7 @@ def _cmd_sync_plan(a) -> int:
 def _cmd_demo(a) -> int:
     from relayrl.controller.demo import run_demo
 
-    run_demo(Path(a.out), steps=a.steps)
+    run_demo(Path(a.out), steps=a.steps, env=a.env)
     return 0
 
 
@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after")
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the demo's)")
+    d.add_argument("--env", default=None, choices=["calculator"],
+                   help="an agent in an environment: SFT on its tool-use traces, then GRPO on episodes")
     d.set_defaults(fn=_cmd_demo)
     return p
 

@@ -1,11 +1,16 @@
 """This module runs `relayrl demo`: the whole story on a laptop CPU, on built-in defaults.
 
+`relayrl demo` (arith, single-turn):
     tiny model (char tokenizer) ──SFT warm-start on arith──> accuracy_before
                                  ──GRPO──────────────────> accuracy_after ──> report PNGs
 
+`relayrl demo --env calculator` (an agent with a tool, multi-turn):
+    tiny model ──SFT on the environment's tool-use traces──> success_before (held-out, greedy, with the tool)
+               ──GRPO on episodes in the environment────> success_after ──> report PNGs (episodes.png)
+
 It writes OUT/sft, OUT/grpo (a full run directory) and OUT/summary.json with accuracy_before,
-accuracy_after and seconds. The settings below are the demo's own; `relayrl train` and
-`relayrl sft` take the same sections from YAML.
+accuracy_after and seconds (for an environment, accuracy is held-out success). The settings below are
+the demo's own; `relayrl train` and `relayrl sft` take the same sections from YAML.
 
 Like the rest of the controller, this module may import any layer below the CLI; it must never import
 relayrl.cli.
@@ -21,6 +26,7 @@ from pathlib import Path
 from relayrl.controller.config import RunConfig
 from relayrl.controller.run import train, write_atomic
 from relayrl.controller.sft_job import SFTJobConfig, run_sft
+from relayrl.errors import UserError
 
 # one-digit operands, three of them ("7-3+8="): a tiny char model learns the format and part of the
 # skill in a short SFT; GRPO then sharpens what it samples into what it answers greedily.
@@ -46,9 +52,44 @@ GRPO = {
 }
 
 
-def run_demo(out: Path, steps: int | None = None, show_progress: bool = True) -> dict:
+# calculator: two-digit operands ("What is 48*37+95?"), beyond a tiny model's head but not its copying.
+# The SFT traces are the environment's demonstrations, but only a few use the tool: three in four answer
+# in the head (direct_share). The warm-started model calls the tool now and then; GRPO has to find out that
+# calling it pays.
+CALC_DATA = {"task": "calculator", "task_params": {"digits": [2, 2, 2]}, "n_train": 3000, "n_eval": 100,
+             "seed": 0, "use_chat_template": True}
+CALC_ENV = {"name": "calculator", "max_turns": 3, "max_total_tokens": 224}
+CALC_MODEL = {"tiny": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2}}
+CALC_SFT = {
+    "data": {**CALC_DATA, "n_train": 512},
+    "model": CALC_MODEL,
+    "env": {**CALC_ENV, "params": {"direct_share": 0.75}},
+    "trainer": {"lr": 3e-3, "warmup_steps": 20, "schedule": "cosine", "min_lr_ratio": 0.1, "micro_batch_size": 32},
+    "eval": {"max_tokens": 96},
+    "sft": {"steps": 800, "batch_size": 32},
+}
+CALC_GRPO = {
+    "data": CALC_DATA,
+    "env": CALC_ENV,
+    "rollout": {"prompts_per_step": 16, "group_size": 8, "temperature": 1.0, "max_tokens": 96},
+    "algo": {"advantage": "grpo", "loss": "ppo", "clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0},
+    "trainer": {"lr": 1e-4, "micro_batch_size": 64, "mini_batches": 2, "warmup_steps": 5,
+                "schedule": "cosine", "min_lr_ratio": 0.1},
+    "eval": {"max_tokens": 96, "every": 10},
+    "run": {"steps": 60},
+}
+RECIPES = {None: (SFT, GRPO, "arith"), "calculator": (CALC_SFT, CALC_GRPO, "the calculator environment")}
+
+
+def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, env: str | None = None) -> dict:
     from relayrl.observe.report import make_report
 
+    if env not in RECIPES:
+        raise UserError(f"relayrl demo has no recipe for env '{env}': use one of "
+                        f"{', '.join(k for k in RECIPES if k)} (or none, for arith)")
+    sft_recipe, grpo_recipe, what = RECIPES[env]
+    measure = "success" if env else "accuracy"
     start = time.perf_counter()
     for sub in ("sft", "grpo"):
         shutil.rmtree(out / sub, ignore_errors=True)  # the demo always starts fresh
@@ -69,9 +110,9 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True) ->
     print("[3/3] report")
     plots = make_report(out / "grpo")
     seconds = time.perf_counter() - start
-    summary = {"accuracy_before": before, "accuracy_after": after, "seconds": round(seconds, 1),
+    summary = {"env": env, "accuracy_before": before, "accuracy_after": after, "seconds": round(seconds, 1),
                "sft_dir": str(out / "sft"), "grpo_dir": str(out / "grpo"), "plots": [str(p) for p in plots]}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
-    print(f"held-out accuracy: before GRPO {before:.3f} -> after GRPO {after:.3f} "
+    print(f"held-out {measure}: before GRPO {before:.3f} -> after GRPO {after:.3f} "
           f"({100 * (after - before):+.1f} points) in {seconds:.0f} s; plots in {out / 'grpo' / 'report'}")
     return summary
