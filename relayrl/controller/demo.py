@@ -95,15 +95,15 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
         shutil.rmtree(out / sub, ignore_errors=True)  # the demo always starts fresh
     out.mkdir(parents=True, exist_ok=True)
 
-    print("[1/3] SFT warm-start of the tiny model on arith")
-    sft_cfg = SFTJobConfig.from_dict({**SFT, "sft": {**SFT["sft"], "out_dir": str(out / "sft")}})
+    print(f"[1/3] SFT warm-start of the tiny model on {what}")
+    sft_cfg = SFTJobConfig.from_dict({**sft_recipe, "sft": {**sft_recipe["sft"], "out_dir": str(out / "sft")}})
     sft = run_sft(sft_cfg, show_progress=show_progress)
     before = sft["eval_last"]["eval/accuracy"]
-    print(f"      held-out accuracy after SFT: {before:.3f}")
+    print(f"      held-out {measure} after SFT: {before:.3f}")
 
     print("[2/3] GRPO")
-    run = {**GRPO["run"], "out_dir": str(out / "grpo"), **({"steps": steps} if steps else {})}
-    grpo_cfg = RunConfig.from_dict({**GRPO, "model": {"path": sft["model_dir"]}, "run": run})
+    run = {**grpo_recipe["run"], "out_dir": str(out / "grpo"), **({"steps": steps} if steps else {})}
+    grpo_cfg = RunConfig.from_dict({**grpo_recipe, "model": {"path": sft["model_dir"]}, "run": run})
     res = train(grpo_cfg, show_progress=show_progress)
     after = res["eval_last"]["eval/accuracy"]
 
