@@ -147,3 +147,12 @@ def test_the_reward_refuses_unknown_parameters_and_missing_tests():
         code_tests_reward("", example, timeout=3)
     with pytest.raises(DataError, match="needs example.meta\\['tests'\\]"):
         code_tests_reward("", Example(prompt="p", answer=""))
+
+
+def test_code_tests_is_found_by_name_in_a_fresh_interpreter():
+    import subprocess
+    import sys
+
+    code = "from relayrl.rewards.registry import get_reward_fn; print(get_reward_fn('code_tests').__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "code_tests_reward"

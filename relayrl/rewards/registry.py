@@ -36,6 +36,7 @@ _BUILTIN_MODULES = {
     "format": "relayrl.rewards.builtin",
     "task": "relayrl.rewards.builtin",
     "math": "relayrl.rewards.math_answer",
+    "code_tests": "relayrl.rewards.code",  # hidden tests run in the sandbox
 }
 
 
