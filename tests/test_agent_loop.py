@@ -29,7 +29,7 @@ DIGITS = "0123456789"
 
 def merging_tokenizer(tmp_path):
     """The tiny char tokenizer plus BPE merges of every digit pair (one token each)."""
-    build_char_tokenizer(tmp_path, PRINTABLE)
+    build_char_tokenizer(tmp_path, PRINTABLE, tool_tokens=True)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     # merged tokens take the ids after the characters; the added tool tags move after them (a loader

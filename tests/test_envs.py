@@ -33,12 +33,12 @@ QWEN_LIKE = (
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    return build_char_tokenizer(tmp_path_factory.mktemp("tok"), PRINTABLE)
+    return build_char_tokenizer(tmp_path_factory.mktemp("tok"), PRINTABLE, tool_tokens=True)
 
 
 @pytest.fixture(scope="module")
 def qwen_tok(tmp_path_factory):
-    t = build_char_tokenizer(tmp_path_factory.mktemp("qtok"), PRINTABLE)
+    t = build_char_tokenizer(tmp_path_factory.mktemp("qtok"), PRINTABLE, tool_tokens=True)
     t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     t.chat_template = QWEN_LIKE
     return t

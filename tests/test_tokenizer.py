@@ -95,3 +95,13 @@ def test_load_tokenizer_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelDirError, match="cannot load the tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_tool_tags_are_single_tokens_only_when_asked(tmp_path):
+    plain = build_char_tokenizer(tmp_path / "plain", CHARS)
+    tools = build_char_tokenizer(tmp_path / "tools", CHARS, tool_tokens=True)
+    # the characters keep their ids; the four tags follow them, one token each
+    assert tools.encode("12 + 7") == plain.encode("12 + 7")
+    ids = tools.encode("<tool_call>1</tool_call>")
+    assert len(ids) == 3 and ids[0] >= len(plain) and tools.decode(ids) == "<tool_call>1</tool_call>"
+    assert len(plain.encode("<tool_call>")) > 1  # without them a tag is just characters

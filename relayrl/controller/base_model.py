@@ -25,5 +25,5 @@ def base_model_dir(model_path: str | None, tiny: TinyModelConfig, data: DataConf
         raise ConfigError("model.path is required for file datasets (the tiny model is only built for built-in tasks)")
     out = run_dir / "base_model"
     if not (out / "config.json").is_file():
-        build_tiny_model(out, task.alphabet, tiny)
+        build_tiny_model(out, task.alphabet, tiny, tool_tokens=task.tool_tokens)
     return out

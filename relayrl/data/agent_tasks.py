@@ -44,6 +44,7 @@ class CalculatorTask:
 
     name = "calculator"
     alphabet = PRINTABLE
+    tool_tokens = True
 
     def __init__(self, digits: list[int] | None = None, ops: str = "*+-"):
         digits = [3, 2, 3] if digits is None else digits
@@ -76,6 +77,7 @@ class GuessTask:
 
     name = "guess"
     alphabet = PRINTABLE
+    tool_tokens = False
 
     def __init__(self, high: int = 32):
         self.high = _check_int("guess", "high", high, 2, 10**6)
@@ -108,6 +110,7 @@ class PythonTask:
 
     name = "python"
     alphabet = PRINTABLE
+    tool_tokens = False
 
     def __init__(self, num_tests: int = 4):
         self.num_tests = _check_int("python", "num_tests", num_tests, 1, 50)

@@ -23,6 +23,7 @@ ALLOWED_OPS = "+-*"
 @register_task("arith")
 class ArithTask:
     name = "arith"
+    tool_tokens = False
 
     def __init__(self, digits: int = 2, ops: str = "+-", num_operands: int = 2):
         if not isinstance(digits, int) or not 1 <= digits <= 9:

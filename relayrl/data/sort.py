@@ -28,6 +28,7 @@ PREFIX = "sort "
 @register_task("sort")
 class SortTask:
     name = "sort"
+    tool_tokens = False
 
     def __init__(self, min_len: int = 3, max_len: int = 5):
         if not isinstance(min_len, int) or not isinstance(max_len, int) or not 1 <= min_len <= max_len <= 32:

@@ -5,6 +5,7 @@ A task is a small object with
     name       registry name ("arith", "sort", ...)
     params     the keyword arguments it was built with (JSON-able), so it can be rebuilt
     alphabet   every character its prompts and answers use (to build a tiny char tokenizer)
+    tool_tokens  whether its tiny tokenizer needs the tool-call tags (an environment with tools)
     generate(n, seed) -> list[Example]     deterministic in (params, n, seed)
     score(completion, example) -> float    in [0, 1]; 1.0 means correct
 
@@ -40,6 +41,7 @@ class Task(Protocol):
     name: str
     params: dict[str, Any]
     alphabet: str
+    tool_tokens: bool
 
     def generate(self, n: int, seed: int) -> list[Example]: ...
 

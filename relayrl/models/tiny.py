@@ -15,20 +15,17 @@ from relayrl.models.hf_io import save_pretrained
 from relayrl.models.tokenizer import build_char_tokenizer
 from relayrl.models.transformer import CausalLM
 
-VOCAB_MULTIPLE = 8
 
-
-def build_tiny_model(out_dir: str | Path, alphabet: str, cfg: TinyModelConfig) -> Path:
-    """Write a randomly initialised tiny model + char tokenizer over `alphabet` to `out_dir`."""
+def build_tiny_model(out_dir: str | Path, alphabet: str, cfg: TinyModelConfig, tool_tokens: bool = False) -> Path:
+    """Write a randomly initialised tiny model + char tokenizer over `alphabet` to `out_dir` (with the
+    tool-call tags as tokens of their own when `tool_tokens`)."""
     out = Path(out_dir)
     tok_dir = out.parent / f".tok_{out.name}"
-    tok = build_char_tokenizer(tok_dir, alphabet, model_type=cfg.model_type)
+    tok = build_char_tokenizer(tok_dir, alphabet, model_type=cfg.model_type, tool_tokens=tool_tokens)
     heads = cfg.num_attention_heads
     mc = ModelConfig(
         model_type=cfg.model_type,
-        # padded to a multiple of 8, as real checkpoints pad their embedding tables: tensor-parallel
-        # degrees up to 8 divide it whatever the alphabet (the rows past the tokenizer decode to nothing)
-        vocab_size=-(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        vocab_size=len(tok),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,

@@ -3,7 +3,7 @@
 The char tokenizer is a byte-level BPE with no merges over the given characters:
 
     ids:  0 <pad>  1 <bos>  2 <eos>  3 <unk>  4.. one per character (one per UTF-8 byte for non-ASCII),
-          then the four tool-call tags (TOOL_TOKENS), each one token
+          then (with tool_tokens) the four tool-call tags (TOOL_TOKENS), each one token
 
 Why byte-level and not a plain WordLevel over characters: with transformers 5, `AutoTokenizer` on
 a directory whose config.json says `qwen2` (other families in other versions) ignores
@@ -55,13 +55,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-# The fixed text of CHAT_TEMPLATE (role names, ": ", newline, the tools line's punctuation) is always
-# in the vocab, so a chat-formatted prompt never produces <unk> for the template's own characters.
-CHAT_TEMPLATE_CHARS = "".join(dict.fromkeys("system: user: assistant: tool: tools: (, )\n"))
+# The fixed text of CHAT_TEMPLATE (role names, ": ", newline) is always in the vocab, so a chat formatted
+# prompt never produces <unk> for the template's own characters; with tool tokens, the tool lines' too.
+CHAT_TEMPLATE_CHARS = "".join(dict.fromkeys("system: user: assistant: \n"))
+TOOL_TEMPLATE_CHARS = "tool: tools: (, )"
 
 # The Hermes/Qwen tool-call tags, one token each as in Qwen2.5's vocabulary (added after the characters,
-# so every other id is unchanged): a closed tool call is a stop token, and a tiny model learns a tag as
-# one step instead of a dozen characters.
+# so every other id is unchanged; only for tasks with tools): a closed tool call is a stop token, and a
+# tiny model learns a tag as one step instead of a dozen characters.
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 def _byte_level() -> pre_tokenizers.ByteLevel:
@@ -69,7 +70,7 @@ def _byte_level() -> pre_tokenizers.ByteLevel:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
 
 
-def _vocab_for(chars: str) -> dict[str, int]:
+def _vocab_for(chars: str, tool_tokens: bool = False) -> dict[str, int]:
     """Specials, then one entry per byte symbol of `chars` (+ the template's), first-seen order.
 
     The ByteLevel pre-tokenizer itself maps each character to its byte symbols (one printable
@@ -77,20 +78,22 @@ def _vocab_for(chars: str) -> dict[str, int]:
     """
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     to_symbols = _byte_level()
-    for ch in dict.fromkeys(chars + CHAT_TEMPLATE_CHARS):
+    for ch in dict.fromkeys(chars + CHAT_TEMPLATE_CHARS + (TOOL_TEMPLATE_CHARS if tool_tokens else "")):
         for symbol in to_symbols.pre_tokenize_str(ch)[0][0]:
             vocab.setdefault(symbol, len(vocab))
     return vocab
 
 
-def build_char_tokenizer(out_dir: str | Path, chars: str, model_type: str = "llama") -> PreTrainedTokenizerFast:
+def build_char_tokenizer(out_dir: str | Path, chars: str, model_type: str = "llama",
+                         tool_tokens: bool = False) -> PreTrainedTokenizerFast:
     """Build a char-level tokenizer over `chars`, save it to `out_dir` in HF format, return it.
+    `tool_tokens` adds the tool-call tags (TOOL_TOKENS) as single tokens after the characters.
 
     `model_type` names the family whose directory this goes into. The saved files are the same for
     every family, because the tokenizer round-trips under each family's loader (module docstring);
     the argument documents intent at call sites and is kept for families that may need more.
     """
-    vocab = _vocab_for(chars)
+    vocab = _vocab_for(chars, tool_tokens)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", fuse_unk=False))
     backend.pre_tokenizer = _byte_level()
     backend.decoder = decoders.ByteLevel()
@@ -103,7 +106,8 @@ def build_char_tokenizer(out_dir: str | Path, chars: str, model_type: str = "lla
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )
-    tok.add_tokens(list(TOOL_TOKENS))  # not special: decoding keeps them, as the tool-call parser needs
+    if tool_tokens:
+        tok.add_tokens(list(TOOL_TOKENS))  # not special: decoding keeps them, as the tool-call parser needs
     tok.chat_template = CHAT_TEMPLATE
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
