@@ -274,3 +274,34 @@ def test_an_environment_past_its_deadline_ends_its_episode(setup):
     assert trajs[0].finish == "env_timeout" and trajs[0].reward == 0.0
     assert [t.finish for t in trajs[1:]] == ["done"] * 3
     assert took < 15  # the loop did not wait for the abandoned step
+
+
+HANG_SCRIPT = """
+import time
+from relayrl.controller.agent_loop import AgentLoop
+from relayrl.data import Example
+from relayrl.engine import LLMEngine, SamplingParams
+from relayrl.envs.config import EnvConfig
+from relayrl.models.tokenizer import build_char_tokenizer
+from tests.helpers import perturbed_model, small_config
+import sys, tempfile
+tok = build_char_tokenizer(tempfile.mkdtemp(), "abc")
+engine = LLMEngine.from_model(perturbed_model(small_config(vocab_size=len(tok))), tok, kv_cache_bytes=8 << 20)
+loop = AgentLoop(engine, EnvConfig(name="tests.fixtures.envs:Hang", step_timeout_s=0.3))
+trajs = loop.run([Example("a", "")], [SamplingParams(max_tokens=4, seed=0)])
+print(trajs[0].finish, flush=True)
+loop.close()
+engine.close()
+"""
+
+
+def test_a_hung_environment_step_does_not_keep_the_process_alive():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", HANG_SCRIPT], cwd=root, capture_output=True, text=True, timeout=120)
+    # the step was abandoned at its deadline, and the interpreter exited with its thread still blocked
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "env_timeout"

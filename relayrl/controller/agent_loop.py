@@ -23,7 +23,7 @@ relayrl.cli.
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from typing import Protocol
 
@@ -33,6 +33,7 @@ from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.base import as_step_result, make_env
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import ChatFormat, Episode, Trajectory
+from relayrl.envs.threads import DaemonPool, Job
 from relayrl.errors import EnvError
 
 POLL_S = 0.05  # the longest the loop sleeps on environments while no engine work is left
@@ -78,12 +79,13 @@ class AgentLoop:
     def __init__(self, engine: StepEngine, cfg: EnvConfig):
         self.engine, self.cfg = engine, cfg
         self.tokenizer = engine.tokenizer
-        self.pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="rl-env")
+        # daemon threads: a step that hangs is abandoned after step_timeout_s and must not block exit
+        self.pool = DaemonPool(cfg.workers, name="rl-env")
         self._formats: dict[tuple, ChatFormat] = {}
         self.env_wait_s = 0.0  # the loop's own time blocked on environments (no engine work left)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
     def _format(self, env) -> ChatFormat:
         schemas = [t.schema() for t in env.tools]
@@ -97,7 +99,7 @@ class AgentLoop:
         cfg = self.cfg
         episodes: list[Episode] = []
         plan: dict[int, tuple[SamplingParams, int, list[str], list[int]]] = {}
-        pending: dict[Future, tuple[Episode, float]] = {}
+        pending: dict[Future, tuple[Episode, Job]] = {}
         for ex, sp in zip(examples, params, strict=True):
             for j in range(sp.n):
                 env = make_env(cfg)
@@ -105,7 +107,7 @@ class AgentLoop:
                 ep = Episode(index=len(episodes), env=env, fmt=fmt)
                 episodes.append(ep)
                 plan[ep.index] = (sp, j, *fmt.turn_stops(bool(env.tools)))
-                pending[self.pool.submit(_timed, env.reset, ex)] = (ep, time.perf_counter())
+                self._submit(pending, ep, env.reset, ex)
         inflight: dict[int, Episode] = {}
         try:
             while pending or inflight:
@@ -118,7 +120,7 @@ class AgentLoop:
                         s = out.samples[0]
                         text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                         message = ep.add_generated(s.token_ids, s.logprobs, text)
-                        pending[self.pool.submit(_timed, ep.env.step, message)] = (ep, time.perf_counter())
+                        self._submit(pending, ep, ep.env.step, message)
         except BaseException:
             self.engine.abort(list(inflight))
             raise
@@ -138,20 +140,27 @@ class AgentLoop:
                        stop=list(sp.stop) + stop, stop_token_ids=list(sp.stop_token_ids) + stop_ids)
         inflight[self.engine.add_request(ep.ids, turn)] = ep
 
-    def _settle(self, pending: dict[Future, tuple[Episode, float]], block: bool) -> list[Episode]:
+    def _submit(self, pending: dict, ep: Episode, fn, arg) -> None:
+        job = self.pool.submit(_timed, {"fn": fn, "arg": arg})
+        pending[job.future] = (ep, job)
+
+    def _settle(self, pending: dict[Future, tuple[Episode, Job]], block: bool) -> list[Episode]:
         """Handle every environment call that finished (waiting for one when the engine is idle);
-        returns the episodes ready for their next turn. Calls past step_timeout_s end their episode."""
+        returns the episodes ready for their next turn. A call running longer than step_timeout_s (from
+        when it started: waiting for a thread does not count) ends its episode."""
         if not pending:
             return []
         if block:
             t0 = time.perf_counter()
             wait(list(pending), timeout=POLL_S, return_when=FIRST_COMPLETED)
             self.env_wait_s += time.perf_counter() - t0
-        ready, now = [], time.perf_counter()
-        for fut in [f for f in pending if f.done() or now - pending[f][1] > self.cfg.step_timeout_s]:
-            ep, _ = pending.pop(fut)
+        ready, now = [], time.monotonic()
+        late = [f for f, (_, job) in pending.items()
+                if not f.done() and job.started.is_set() and now - job.started_at > self.cfg.step_timeout_s]
+        for fut in [f for f in pending if f.done()] + late:
+            ep, job = pending.pop(fut)
             if not fut.done():  # abandoned: a Python thread cannot be killed, its result is ignored
-                ep.counters["env_s"] = ep.counters.get("env_s", 0.0) + (now - _)
+                ep.counters["env_s"] = ep.counters.get("env_s", 0.0) + (now - job.started_at)
                 ep.end("env_timeout", f"environment step took longer than env.step_timeout_s={self.cfg.step_timeout_s}")
                 continue
             try:
@@ -183,7 +192,7 @@ class AgentLoop:
         return not ep.done
 
 
-def _timed(fn, *args):
+def _timed(fn, arg):
     t0 = time.perf_counter()
-    out = fn(*args)
+    out = fn(arg)
     return out, time.perf_counter() - t0

@@ -25,7 +25,6 @@ It imports the standard library, relayrl.errors and its sibling tool modules onl
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -33,6 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from relayrl.envs.threads import DaemonPool
 from relayrl.envs.tool_calls import ToolCall, has_tool_call, parse_in_order
 from relayrl.envs.tool_schema import argument_error
 from relayrl.errors import ConfigError
@@ -79,7 +79,7 @@ class ToolRunner:
         self.timeout_s = float(timeout_s)
         self.max_calls = max_calls
         self.max_result_chars = max_result_chars
-        self._pool = _DaemonPool(max_workers)
+        self._pool = DaemonPool(max_workers, name="relayrl-tool")
         self._abandoned: set[Future] = set()  # timed-out calls whose threads still run
         self._lock = threading.Lock()
 
@@ -186,60 +186,3 @@ def _render(result: Any) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else ""
-
-
-@dataclass
-class _Job:
-    future: Future
-    started: threading.Event  # set by the thread that runs the call, right after `started_at`
-    started_at: float = 0.0  # time.monotonic()
-
-
-class _DaemonPool:
-    """A fixed number of daemon threads running submitted calls, each answering through its job's Future."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._closed = False
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Any, kwargs: dict) -> _Job:
-        job = _Job(Future(), threading.Event())
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("ToolRunner.run called after close()")
-            if not self._threads:  # started on first use: a runner that is never used costs no threads
-                for i in range(self.size):
-                    thread = threading.Thread(target=self._work, name=f"relayrl-tool-{i}", daemon=True)
-                    thread.start()
-                    self._threads.append(thread)
-            self._queue.put((job, fn, kwargs))
-        return job
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for _ in self._threads:
-                self._queue.put(None)
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, fn, kwargs = item
-            future = job.future
-            if not future.set_running_or_notify_cancel():  # cancelled while queued
-                continue
-            job.started_at = time.monotonic()
-            job.started.set()
-            try:
-                result = fn(**kwargs)
-            except BaseException as e:  # SystemExit from a tool must not end the thread silently
-                future.set_exception(e)
-            else:
-                future.set_result(result)
