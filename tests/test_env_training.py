@@ -81,3 +81,10 @@ def test_sft_on_the_environments_traces_teaches_its_tool_calls(tmp_path):
     assert res["eval_first"]["eval/tool_calls"] == 0.0
     # after the SFT every held-out episode opens with a well-formed call the calculator runs
     assert res["eval_last"]["eval/tool_calls"] == 1.0 and res["eval_last"]["eval/turns"] == 2.0
+
+
+def test_an_episode_budget_past_the_models_length_is_one_line(tmp_path):
+    from relayrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="env.max_total_tokens=600 exceeds the model's maximum length"):
+        train(env_cfg(tmp_path, "e", {"name": "calculator", "max_total_tokens": 600}), show_progress=False)

@@ -138,7 +138,8 @@ def close_all(*roles) -> None:
 def check_fits_model(cfg: RunConfig, model: ModelConfig) -> None:
     """Layout against the model, before any process starts (one line naming the key, not an error
     found inside the workers): the trainer's and the engine's tensor-parallel degrees must divide the
-    heads, KV heads, intermediate size (and, for the trainer's vocab-parallel logprobs, the vocabulary)."""
+    heads, KV heads, intermediate size (and, for the trainer's vocab-parallel logprobs, the vocabulary);
+    an episode's token budget must fit the model's maximum length."""
     try:
         check_tp_divisibility(model, cfg.parallel.tp)
     except ConfigError as e:
@@ -148,6 +149,9 @@ def check_fits_model(cfg: RunConfig, model: ModelConfig) -> None:
             check_tp(model.num_attention_heads, model.num_key_value_heads, cfg.rollout.tp, model.intermediate_size)
         except UserError as e:
             raise ConfigError(f"rollout.tp: {e}") from None
+    if cfg.env is not None and cfg.env.max_total_tokens > model.max_position_embeddings:
+        raise ConfigError(f"env.max_total_tokens={cfg.env.max_total_tokens} exceeds the model's maximum length "
+                          f"({model.max_position_embeddings} tokens, max_position_embeddings): lower it")
 
 
 def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
