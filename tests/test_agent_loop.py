@@ -287,9 +287,9 @@ from tests.helpers import perturbed_model, small_config
 import sys, tempfile
 tok = build_char_tokenizer(tempfile.mkdtemp(), "abc")
 engine = LLMEngine.from_model(perturbed_model(small_config(vocab_size=len(tok))), tok, kv_cache_bytes=8 << 20)
-loop = AgentLoop(engine, EnvConfig(name="tests.fixtures.envs:Hang", step_timeout_s=0.3))
-trajs = loop.run([Example("a", "")], [SamplingParams(max_tokens=4, seed=0)])
-print(trajs[0].finish, flush=True)
+loop = AgentLoop(engine, EnvConfig(name="tests.fixtures.envs:Hang", step_timeout_s=0.3, workers=1))
+trajs = loop.run([Example("a", "")], [SamplingParams(n=3, max_tokens=4, seed=0)])
+print(" ".join(t.finish for t in trajs), flush=True)
 loop.close()
 engine.close()
 """
@@ -302,6 +302,8 @@ def test_a_hung_environment_step_does_not_keep_the_process_alive():
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", HANG_SCRIPT], cwd=root, capture_output=True, text=True, timeout=120)
-    # the step was abandoned at its deadline, and the interpreter exited with its thread still blocked
+    # the first step was abandoned at its deadline; with its one thread held, the two steps queued behind it
+    # could never start and ended too (not a loop waiting forever); the interpreter exited with the thread
+    # still blocked
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "env_timeout"
+    assert out.stdout.strip() == "env_timeout env_timeout env_timeout"

@@ -83,6 +83,7 @@ class AgentLoop:
         self.pool = DaemonPool(cfg.workers, name="rl-env")
         self._formats: dict[tuple, ChatFormat] = {}
         self.env_wait_s = 0.0  # the loop's own time blocked on environments (no engine work left)
+        self._abandoned: set[Future] = set()  # timed-out steps whose threads still run
 
     def close(self) -> None:
         self.pool.close()
@@ -113,7 +114,7 @@ class AgentLoop:
             while pending or inflight:
                 busy = self.engine.has_unfinished()
                 for ep in self._settle(pending, block=not busy):
-                    self._generate(ep, plan[ep.index], inflight, pending)
+                    self._generate(ep, plan[ep.index], inflight)
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         ep = inflight.pop(out.request_id)
@@ -129,7 +130,7 @@ class AgentLoop:
             raise EnvError(f"environment '{cfg.name}' failed on every episode of the step, e.g.: {failed[0].error}")
         return [ep.trajectory() for ep in episodes]
 
-    def _generate(self, ep: Episode, plan, inflight: dict, pending: dict) -> None:
+    def _generate(self, ep: Episode, plan, inflight: dict) -> None:
         """Queue the episode's next turn, or end it if no token is left for one."""
         sp, j, stop, stop_ids = plan
         room = self.cfg.max_total_tokens - len(ep.ids)
@@ -155,13 +156,23 @@ class AgentLoop:
             wait(list(pending), timeout=POLL_S, return_when=FIRST_COMPLETED)
             self.env_wait_s += time.perf_counter() - t0
         ready, now = [], time.monotonic()
+        self._abandoned = {f for f in self._abandoned if not f.done()}
         late = [f for f, (_, job) in pending.items()
                 if not f.done() and job.started.is_set() and now - job.started_at > self.cfg.step_timeout_s]
+        stuck = len(self._abandoned) + len(late) >= self.pool.size  # every thread holds a hung step
+        if stuck:  # so calls still queued would never start: they end too
+            late += [f for f, (_, job) in pending.items() if not job.started.is_set() and f not in late]
         for fut in [f for f in pending if f.done()] + late:
             ep, job = pending.pop(fut)
             if not fut.done():  # abandoned: a Python thread cannot be killed, its result is ignored
-                ep.counters["env_s"] = ep.counters.get("env_s", 0.0) + (now - job.started_at)
-                ep.end("env_timeout", f"environment step took longer than env.step_timeout_s={self.cfg.step_timeout_s}")
+                if job.started.is_set():
+                    self._abandoned.add(fut)
+                    ep.counters["env_s"] = ep.counters.get("env_s", 0.0) + (now - job.started_at)
+                    why = f"environment step took longer than env.step_timeout_s={self.cfg.step_timeout_s}"
+                else:
+                    fut.cancel()
+                    why = f"every environment thread ({self.pool.size}) is held by a step that timed out"
+                ep.end("env_timeout", why)
                 continue
             try:
                 out, seconds = fut.result()
