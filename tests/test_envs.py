@@ -209,3 +209,11 @@ def test_python_env_scores_hidden_tests_in_the_sandbox():
     once = make_env(EnvConfig(name="python"))
     once.reset(ex)
     assert once.step({"role": "assistant", "content": wrong})[1:3] == (0.0, True)
+
+
+def test_two_assistant_turns_in_a_row_get_the_generation_prompt_between(tok):
+    fmt = ChatFormat(tok, None)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                {"role": "assistant", "content": "b"}]
+    traj = encode_conversation(fmt, messages)
+    assert tok.decode(traj.prompt_ids + traj.response_ids) + "\n" == fmt.render(messages)

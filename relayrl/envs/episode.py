@@ -201,7 +201,7 @@ def encode_conversation(fmt: ChatFormat, messages: list[dict], stop_ids: list[in
         if m["role"] != "assistant":
             pending.append(m)
             continue
-        if pending:
+        if ep.turns:  # what follows a turn, even with no message between (the next generation prompt)
             ep.observe(pending, max_total_tokens=1 << 30)
             pending = []
         ids = fmt.encode(m["content"])
