@@ -125,7 +125,7 @@ def test_calculator_env_returns_tool_errors_as_observations():
 
 def test_guess_env_and_its_demonstration():
     env = make_env(EnvConfig(name="guess"))
-    env.reset(Example("Guess", "21", meta={"params": {"high": 32}}))
+    env.reset(Example("Guess", "21", meta={"low": 1, "high": 32}))
     assert env.step({"role": "assistant", "content": "16"})[0] == [{"role": "user", "content": "Higher."}]
     assert env.step({"role": "assistant", "content": "30"})[0] == [{"role": "user", "content": "Lower."}]
     assert env.step({"role": "assistant", "content": "no idea"})[0][0]["content"] == "Answer with a number."
@@ -133,7 +133,8 @@ def test_guess_env_and_its_demonstration():
     for ex in get_task("guess", high=32).generate(20, seed=0):
         trace = make_env(EnvConfig(name="guess")).demonstration(ex)
         guesses = [m["content"] for m in trace if m["role"] == "assistant"]
-        assert guesses[-1] == ex.answer and len(guesses) <= 6  # binary search over 32
+        assert guesses[-1] == ex.answer and len(guesses) <= 6  # binary search over 32 numbers
+        assert ex.meta["low"] <= int(ex.answer) <= ex.meta["high"] == ex.meta["low"] + 31
 
 
 # ---------------------------------------------------------------------------- registry and config errors

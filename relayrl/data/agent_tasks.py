@@ -1,7 +1,7 @@
 """This module defines the tasks of the built-in environments: their prompts, answers and hidden data.
 
     calculator  "What is 482*37+905?"          answer "18739"; too long for a tiny model to do in its head
-    guess       "Guess my number from 1 to 32." answer the secret; the environment says higher / lower
+    guess       "Guess my number from 17 to 48." answer the secret; the environment says higher / lower
     python      "Write a Python function f(x) that returns x*3+1."   meta["tests"]: hidden calls and
                 expected values, run in the sandbox by the python environment; answer a reference solution
 
@@ -73,7 +73,7 @@ class CalculatorTask:
 
 @register_task("guess")
 class GuessTask:
-    """A secret integer in 1..high."""
+    """A secret integer in a range of `high` numbers starting anywhere in 1..1000 (so prompts differ)."""
 
     name = "guess"
     alphabet = PRINTABLE
@@ -85,9 +85,14 @@ class GuessTask:
 
     def generate(self, n: int, seed: int) -> list[Example]:
         rng = random.Random(f"guess/{seed}")
-        return [Example(prompt=f"Guess my number from 1 to {self.high}. Answer with a number.",
-                        answer=str(rng.randint(1, self.high)), meta={"task": self.name, "params": dict(self.params)})
-                for _ in range(n)]
+        out = []
+        for _ in range(n):
+            low = rng.randint(1, 1000)
+            top = low + self.high - 1
+            out.append(Example(prompt=f"Guess my number from {low} to {top}. Answer with a number.",
+                               answer=str(rng.randint(low, top)),
+                               meta={"task": self.name, "params": dict(self.params), "low": low, "high": top}))
+        return out
 
     def score(self, completion: str, example: Example) -> float:
         return 1.0 if last_int(completion) == example.answer else 0.0
@@ -121,7 +126,7 @@ class PythonTask:
         out = []
         for _ in range(n):
             statement, solution, value = rng.choice(_PROBLEMS)
-            k = rng.randint(2, 9)
+            k = rng.randint(2, 99)
             xs = rng.sample(range(-20, 40), self.num_tests)
             tests = [{"call": f"f({x})", "expected": value(x, k)} for x in xs]
             out.append(Example(prompt=f"Write a Python function f(x) that {statement.format(k=k)}.",

@@ -142,6 +142,7 @@ class BlockManager:
             self.prefix_hits += seq.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
+        self._register_last_full_block(seq)
         # last block first: the tail of a sequence is the least likely to be shared, so it should be
         # the first evicted
         for block_id in reversed(seq.block_table):
@@ -151,6 +152,22 @@ class BlockManager:
                 self._free[block_id] = None
         seq.block_table.clear()
         seq.num_cached_tokens = 0
+
+    def _register_last_full_block(self, seq: Sequence) -> None:
+        """A sequence that ends (or is preempted) right after filling a block leaves that block full, its
+        KV written, but not yet hashed: may_append hashes a block only when the next one opens. Register
+        it now, so the next turn of an episode (or the preempted sequence's recompute) hits it too.
+        Between steps the KV of every token but the newest is written, hence the `<= num_tokens - 1`."""
+        if not self.enable_prefix_caching or not seq.block_table:
+            return
+        last = len(seq.block_table) - 1
+        block = self.blocks[seq.block_table[last]]
+        if block.hash is None and len(seq.block_table) * self.block_size <= seq.num_tokens - 1:
+            prev = self.blocks[seq.block_table[last - 1]].hash if last > 0 else -1
+            if prev is None:  # a chain with a gap is no prefix (cannot happen: earlier blocks are hashed)
+                return
+            tokens = seq.block_tokens(last)
+            self._register(block, block_hash(prev, tokens), tokens)
 
     # -- decode --------------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:

@@ -34,7 +34,7 @@ class GuessEnv:
 
     def demonstration(self, example: Example) -> list[dict[str, Any]]:
         messages = self.reset(example)
-        low, high = 1, int(example.meta.get("params", {}).get("high", max(self.secret, 2)))
+        low, high = int(example.meta.get("low", 1)), int(example.meta.get("high", max(self.secret, 2)))
         while True:
             mid = (low + high) // 2
             messages.append({"role": "assistant", "content": str(mid)})
