@@ -5,6 +5,9 @@
     weights   G samples   rewards,   normalised    on its own weights;       IS-corrected
     → engine  per prompt  accuracy   (GRPO/RLOO)   gap to engine = mismatch  with engine logprobs
 
+With an `env:` section a sample is an episode (relayrl.controller.agent_loop): rollout and reward are one
+stage, the environment's, and the loss mask keeps the observations between turns out of the update.
+
 Every stage is timed (`time/<stage>`). Sampling seeds derive from (run seed, step, round, prompt),
 so a run resumed from a checkpoint draws exactly the samples the uninterrupted run drew.
 
