@@ -54,10 +54,18 @@ def test_calculator_run_counts_tool_use_and_matches_the_engine(tmp_path):
     assert len(evals) == 2 and {"eval/turns", "eval/tool_calls"} <= set(evals[0])
 
 
-def test_rollout_worker_runs_the_agent_loop(tmp_path):
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_rollout_worker_runs_the_agent_loop(tmp_path, backend):
     cfg = env_cfg(tmp_path, "c", {"name": "tests.fixtures.envs:TwoTurns", "max_total_tokens": 200},
-                  parallel={"backend": "local", "rollout_worker": True, "placement": "disaggregated"})
-    res = train(cfg, show_progress=False)
+                  parallel={"backend": backend, "rollout_worker": True, "placement": "disaggregated"})
+    if backend == "ray":
+        ray = pytest.importorskip("ray")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        res = train(cfg, show_progress=False)
+    finally:
+        if backend == "ray":
+            ray.shutdown()
     for m in steps(res["run_dir"]):
         assert m["turns/mean"] == 2.0 and m["reward/mean"] == 0.5
         assert m["mismatch/logp_abs_max"] < 1e-4
