@@ -218,3 +218,17 @@ def test_two_assistant_turns_in_a_row_get_the_generation_prompt_between(tok):
                 {"role": "assistant", "content": "b"}]
     traj = encode_conversation(fmt, messages)
     assert tok.decode(traj.prompt_ids + traj.response_ids) + "\n" == fmt.render(messages)
+
+
+def test_without_the_sandbox_sandboxed_tasks_are_refused_in_one_line(monkeypatch):
+    from relayrl.envs import python_env
+    from relayrl.rewards import RewardConfig, build_scorer
+    from relayrl.sandbox import SandboxUnavailable, availability
+
+    reason = "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
+    monkeypatch.setattr(python_env, "sandbox_available", lambda: reason)
+    monkeypatch.setattr(availability, "sandbox_available", lambda: reason)
+    with pytest.raises(SandboxUnavailable, match="python environment runs code in the sandbox: bubblewrap"):
+        make_env(EnvConfig(name="python"))
+    with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
+        build_scorer(RewardConfig.from_dict({"functions": [{"name": "code_tests"}], "workers": 0}))

@@ -160,6 +160,10 @@ def _groups(examples: list[Example]) -> list[tuple[int, int]]:
 
 
 def build_scorer(cfg: RewardConfig) -> RewardScorer:
+    if any(fc.name == "code_tests" for fc in cfg.functions):
+        from relayrl.sandbox import require_sandbox
+
+        require_sandbox()  # without bubblewrap every sample would fail: say so once, before any work
     specs = [(fc.name, dict(fc.params), fc.batch) for fc in cfg.functions]
     bound, seen = [], set()
     for i, fc in enumerate(cfg.functions):
