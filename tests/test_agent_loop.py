@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
+from relayrl.algorithms.config import AlgoConfig
 from relayrl.controller.agent_loop import AgentLoop
 from relayrl.data import Example, get_task
 from relayrl.data.agent_tasks import PRINTABLE
@@ -20,8 +21,9 @@ from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.base import StepResult, register_env
 from relayrl.envs.config import EnvConfig
 from relayrl.models.tokenizer import build_char_tokenizer, load_tokenizer
-from relayrl.trainer.batch import build_rows
-from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.actor import Actor
+from relayrl.trainer.batch import TrainBatch, build_rows
+from relayrl.trainer.config import TrainerConfig
 from tests.helpers import perturbed_model, small_config
 
 DIGITS = "0123456789"
@@ -107,7 +109,8 @@ def run_guess(tok, model, n_prompts=4, G=4, **engine_kw):
     return trajs, spy
 
 
-def test_trained_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(setup):
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_trained_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(setup, padding_free):
     tok, model = setup
     trajs, spy = run_guess(tok, model)
     assert len(trajs) == 16 and max(t.turns for t in trajs) >= 2
@@ -122,11 +125,12 @@ def test_trained_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(setup):
     # the case is real: some sampled turns do not survive decode-then-encode
     drifted = [ids for ids in sampled if tok(tok.decode(list(ids)), add_special_tokens=False)["input_ids"] != list(ids)]
     assert drifted, "no sampled turn changes under decode-then-encode: the test would not catch retokenization"
-    # the trainer's recomputed logprobs equal the engine's on every generated token of every turn
+    # the trainer's recomputed logprobs (its own path: micro-batches, and packed rows) equal the engine's
+    # on every generated token of every turn
     ids, attn, resp = build_rows([t.prompt_ids for t in trajs], [t.response_ids for t in trajs],
                                  pad_id=tok.pad_token_id, masks=[t.mask for t in trajs])
-    with torch.no_grad():
-        logp, _ = token_logprobs(model, ids, attn)
+    actor = Actor(model, TrainerConfig(micro_batch_size=5, padding_free=padding_free), AlgoConfig(), total_steps=1)
+    logp = actor.compute_logprobs(TrainBatch(ids, attn, resp))
     engine_logp = torch.zeros_like(logp)
     for i, t in enumerate(trajs):
         engine_logp[i, len(t.prompt_ids):len(t.prompt_ids) + len(t.logprobs)] = torch.tensor(t.logprobs)
