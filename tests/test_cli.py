@@ -103,6 +103,27 @@ def test_shipped_configs_validate():
     root = Path(__file__).resolve().parents[1] / "configs"
     assert load_run_config(root / "grpo_arith.yaml").rollout.group_size == 8
     assert SFTJobConfig.from_dict(load_yaml(root / "sft_arith.yaml")).sft.steps == 300
+    agent = load_run_config(root / "agent_calculator.yaml")
+    assert agent.env.name == "calculator" and agent.data.use_chat_template
+    sft = SFTJobConfig.from_dict(load_yaml(root / "sft_agent_calculator.yaml"))
+    assert sft.env.params == {"direct_share": 0.75} and sft.data.task == "calculator"
+
+
+def test_eval_in_an_environment(tmp_path, capsys):
+    from relayrl.data import get_task
+    from relayrl.models.config import TinyModelConfig
+    from relayrl.models.tiny import build_tiny_model
+
+    shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    model = build_tiny_model(tmp_path / "m", get_task("calculator").alphabet, shape, tool_tokens=True)
+    argv = ["eval", "--model", str(model), "--task", "calculator", "--task-params", '{"digits": [2, 2]}',
+            "--env", "calculator", "--n", "4", "--max-tokens", "8"]
+    assert main(argv) == 0
+    out = dict(kv.split("=") for kv in capsys.readouterr().out.split())
+    assert out["eval/n"] == "4" and float(out["eval/turns"]) >= 1.0 and "eval/tool_calls" in out
+    code, err = run_cli(capsys, *argv[:6], '{"digits": [2, 2]', *argv[7:])
+    assert code == 2 and err == ("relayrl: error: --task-params is not JSON: Expecting ',' delimiter "
+                                 "(e.g. '{\"digits\": [2, 2, 2]}')")
 
 
 def test_sync_plan_command(capsys):

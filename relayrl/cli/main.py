@@ -9,10 +9,11 @@ them; no module of relayrl imports it.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from relayrl.errors import RunFault, UserError
+from relayrl.errors import ConfigError, RunFault, UserError
 
 
 def _split_config(a) -> None:
@@ -65,11 +66,32 @@ def _cmd_eval(a) -> int:
     from relayrl.rewards import RewardConfig, build_scorer
 
     SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)  # bad flags: one line, at once
-    data = DataConfig.from_dict({"task": a.task, "n_eval": a.n, "seed": a.seed, **({"path": a.path} if a.path else {})})
+    try:
+        task_params = json.loads(a.task_params)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--task-params is not JSON: {e.msg} (e.g. '{{\"digits\": [2, 2, 2]}}')") from None
+    data = DataConfig.from_dict({"task": a.task, "task_params": task_params, "n_eval": a.n, "seed": a.seed,
+                                 "use_chat_template": a.env is not None, **({"path": a.path} if a.path else {})})
     _, eval_set = build_datasets(data)
-    engine = LLMEngine.from_pretrained(a.model)
-    with build_scorer(RewardConfig()) as scorer:
-        res = evaluate(engine, eval_set, data, scorer, a.max_tokens, a.temperature, a.seed)
+    if a.env is not None:  # episodes in the environment, with its tools
+        from relayrl.controller.agent_loop import AgentLoop
+        from relayrl.controller.evaluate import evaluate_episodes
+        from relayrl.envs.base import make_env
+        from relayrl.envs.config import EnvConfig
+
+        env_cfg = EnvConfig(name=a.env)
+        make_env(env_cfg)  # an unknown environment or a missing sandbox: one line, before the model loads
+        engine = LLMEngine.from_pretrained(a.model)
+        agent = AgentLoop(engine, env_cfg)
+        try:
+            res = evaluate_episodes(agent, eval_set, a.max_tokens, a.temperature, a.seed)
+        finally:
+            agent.close()
+            engine.close()
+    else:
+        engine = LLMEngine.from_pretrained(a.model)
+        with build_scorer(RewardConfig()) as scorer:
+            res = evaluate(engine, eval_set, data, scorer, a.max_tokens, a.temperature, a.seed)
     print("  ".join(f"{k}={v:.4g}" for k, v in res.items()))
     return 0
 
@@ -111,7 +133,6 @@ def _cmd_export(a) -> int:
 def _cmd_sync_plan(a) -> int:
     import torch
 
-    from relayrl.errors import ConfigError
     from relayrl.models import load_config
     from relayrl.sync.layout import EngineLayout, TrainerLayout
     from relayrl.sync.plan import plan_sync
@@ -159,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, default=16)
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--task-params", default="{}", help="the task's parameters as JSON")
+    e.add_argument("--env", default=None, help="evaluate episodes in this environment (e.g. calculator), "
+                   "max-tokens per turn")
     e.set_defaults(fn=_cmd_eval)
 
     g = sub.add_parser("generate", help="sample completions: relayrl generate --model DIR PROMPT ...")
