@@ -44,6 +44,8 @@ class AlgoConfig(Config):
     # clip_low < 1 so the lower bound stays a positive ratio.
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
+    # dual-clip: for A < 0 a token's loss is also capped at -dual_clip_c * A (c > 1; None: off)
+    dual_clip_c: float | None = Field(None, gt=1)
     # KL(pi || ref) penalty, added to the loss when kl_coef > 0 and a reference model is run
     kl_coef: float = Field(0.0, ge=0)
     kl_kind: str = "k3"

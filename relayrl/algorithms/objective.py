@@ -16,7 +16,7 @@ of other micro-batches to get exact gradient accumulation.
 
 Stats (all detached 0-d tensors; token means over this batch's original mask, so the trainer
 averages them over micro-batches for logging):
-    loss/policy, loss/kl (0 when the KL term is off), clip_frac, ratio_mean, ratio_max,
+    loss/policy, loss/kl (0 when the KL term is off), clip_frac (clip_frac_dual with dual-clip), ratio_mean, ratio_max,
     is/masked_seq_frac (share of the B sequences MIS dropped), is/weight_mean (1 without TIS),
     kl (only when ref_logp is given), entropy (only when entropy is given).
 
@@ -67,7 +67,8 @@ def policy_objective(
 
     policy_loss, pstats = get_loss(cfg.loss)(
         logp, old_logp, advantages, mask_eff,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.agg, is_weights=is_weights, **denoms,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.agg, is_weights=is_weights,
+        dual_clip_c=cfg.dual_clip_c, **denoms,
     )
     total = policy_loss
     kl_loss = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -91,6 +92,7 @@ def policy_objective(
             "loss/policy": policy_loss.detach(),
             "loss/kl": kl_loss.detach(),
             "clip_frac": pstats["clip_frac"],
+            **({"clip_frac_dual": pstats["clip_frac_dual"]} if "clip_frac_dual" in pstats else {}),
             "ratio_mean": pstats["ratio_mean"],
             "ratio_max": pstats["ratio_max"],
             "is/masked_seq_frac": (1.0 - keep).mean().detach(),
