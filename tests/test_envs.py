@@ -232,3 +232,13 @@ def test_without_the_sandbox_sandboxed_tasks_are_refused_in_one_line(monkeypatch
         make_env(EnvConfig(name="python"))
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
         build_scorer(RewardConfig.from_dict({"functions": [{"name": "code_tests"}], "workers": 0}))
+
+
+def test_a_tokenizer_without_a_chat_template_is_one_line(tmp_path):
+    plain = build_char_tokenizer(tmp_path, "abc")
+    plain.chat_template = None
+    with pytest.raises(EnvError, match="need a tokenizer with a chat template"):
+        ChatFormat(plain, None)
+    with pytest.raises(EnvError, match="needs messages before its first assistant message"):
+        encode_conversation(ChatFormat(build_char_tokenizer(tmp_path / "t", "abc"), None),
+                            [{"role": "assistant", "content": "a"}])

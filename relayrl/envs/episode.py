@@ -20,14 +20,16 @@ A turn that ended with the end-of-turn token already holds the start of `close` 
 ("\n") is observed. A turn that ended otherwise (at a closed tool call, or out of tokens) observes all
 of it, so the sequence reads as the template would render it.
 
-It imports the standard library only (the tokenizer is duck-typed); like all of envs, it must never
-import the engine, the trainer, sync or the controller.
+It imports the standard library and relayrl.errors only (the tokenizer is duck-typed); like all of envs, it
+must never import the engine, the trainer, sync or the controller.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from relayrl.errors import EnvError
 
 TOOL_CLOSE = "</tool_call>"
 PROBE = "\u2063A\u2063"  # invisible separators: no real message contains it, so its position is unambiguous
@@ -38,7 +40,8 @@ class ChatFormat:
 
     def __init__(self, tokenizer, tools: list[dict] | None = None):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("multi-turn environments need a tokenizer with a chat template")
+            raise EnvError("multi-turn environments need a tokenizer with a chat template; this model's has none "
+                           "(add a chat_template to its tokenizer_config.json)")
         self.tokenizer, self.tools = tokenizer, tools or None
         self._base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": PROBE}]
         base_text = self.render(self._base)
@@ -82,8 +85,8 @@ class ChatFormat:
         text, then `messages` and the next generation prompt (all from the template)."""
         full = self.render(self._base + list(messages), generation_prompt=True)
         if not full.startswith(self._base_text):
-            raise ValueError("the chat template renders earlier messages differently once more follow; "
-                             "its continuation cannot be computed as a delta")
+            raise EnvError("the chat template renders earlier messages differently once more follow, so a turn's "
+                           "continuation cannot be computed as a delta; use a template that only appends")
         return self.encode(self._rest_of_close(last_generated) + full[len(self._base_text):])
 
     def _rest_of_close(self, last_generated: int | None) -> str:
@@ -193,7 +196,7 @@ def encode_conversation(fmt: ChatFormat, messages: list[dict], stop_ids: list[in
     through the template (mask 0). Training on it teaches exactly the turns the agent loop samples."""
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None or first == 0:
-        raise ValueError("a conversation to train on needs messages before its first assistant message")
+        raise EnvError("a conversation to train on (a demonstration) needs messages before its first assistant message")
     ep = Episode(index=0, env=None, fmt=fmt)
     ep.start(messages[:first])
     pending: list[dict] = []
