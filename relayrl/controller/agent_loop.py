@@ -82,7 +82,6 @@ class AgentLoop:
         # daemon threads: a step that hangs is abandoned after step_timeout_s and must not block exit
         self.pool = DaemonPool(cfg.workers, name="rl-env")
         self._formats: dict[tuple, ChatFormat] = {}
-        self.env_wait_s = 0.0  # the loop's own time blocked on environments (no engine work left)
         self._abandoned: set[Future] = set()  # timed-out steps whose threads still run
 
     def close(self) -> None:
@@ -152,9 +151,7 @@ class AgentLoop:
         if not pending:
             return []
         if block:
-            t0 = time.perf_counter()
             wait(list(pending), timeout=POLL_S, return_when=FIRST_COMPLETED)
-            self.env_wait_s += time.perf_counter() - t0
         ready, now = [], time.monotonic()
         self._abandoned = {f for f in self._abandoned if not f.done()}
         late = [f for f, (_, job) in pending.items()

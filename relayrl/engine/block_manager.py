@@ -141,6 +141,15 @@ class BlockManager:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += seq.num_cached_tokens
 
+    def forget_cached(self) -> None:
+        """Drop every cached prefix (the KV they hold was computed by weights that changed). Only with no
+        sequence holding blocks: every block is free, and keeps its place in the LRU order."""
+        if len(self._free) != self.num_blocks:
+            raise RuntimeError("forget_cached() while sequences hold blocks")
+        for block in self.blocks:
+            block.hash, block.token_ids = None, []
+        self._cached.clear()
+
     def deallocate(self, seq: Sequence) -> None:
         self._register_last_full_block(seq)
         # last block first: the tail of a sequence is the least likely to be shared, so it should be

@@ -205,10 +205,7 @@ class LLMEngine:
         if self.asleep >= 2:
             self.asleep = 1
         if not self.asleep:  # asleep, the cache is gone already and comes back empty with wake()
-            queries, hits = self.block_manager.prefix_queries, self.block_manager.prefix_hits
-            self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
-            self.block_manager.prefix_queries, self.block_manager.prefix_hits = queries, hits
-            self.scheduler.block_manager = self.block_manager
+            self.block_manager.forget_cached()
         self.has_weights = True
         self.weights_version += 1
         return self.weights_version
