@@ -112,6 +112,10 @@ class Trajectory:
     last_text: str  # the last assistant message (what an evaluator reads)
     counters: dict[str, float] = field(default_factory=dict)  # tool_calls, tool_errors, tool_timeouts, env_s
     error: str | None = None
+    # per response id, the weights version that sampled it; -1 where no policy did (observed ids, and
+    # the assistant turns of a written demonstration). Asynchronous training reads its staleness here:
+    # with generation interrupted for new weights, one turn's tokens may come from several versions.
+    versions: list[int] = field(default_factory=list)
 
     @property
     def model_tokens(self) -> int:
@@ -130,6 +134,7 @@ class Episode:
     response_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     reward: float = 0.0
     success: bool | None = None
     turns: int = 0
@@ -150,11 +155,16 @@ class Episode:
         self.messages = list(messages)
         self.prompt_ids = self.fmt.prompt_ids(self.messages)
 
-    def add_generated(self, ids: list[int], logprobs: list[float], text: str) -> dict:
-        """Record a sampled turn; returns the assistant message the environment reads."""
+    def add_generated(self, ids: list[int], logprobs: list[float], text: str,
+                      versions: list[int] | None = None) -> dict:
+        """Record a sampled turn (`versions`: the weights version that sampled each id; None: no policy
+        did, as in a written demonstration); returns the assistant message the environment reads."""
+        if versions is not None and len(versions) != len(ids):
+            raise ValueError(f"a turn of {len(ids)} ids came with {len(versions)} weights versions")
         self.response_ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
+        self.versions += [int(v) for v in versions] if versions is not None else [-1] * len(ids)
         self.turns += 1
         self.last_text = text
         message = {"role": "assistant", "content": text}
@@ -171,6 +181,7 @@ class Episode:
         self.response_ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
         return True
 
     def count(self, info: dict) -> None:
@@ -186,7 +197,7 @@ class Episode:
         return Trajectory(prompt_ids=self.prompt_ids, response_ids=self.response_ids, mask=self.mask,
                           logprobs=self.logprobs, reward=self.reward, success=bool(success), turns=self.turns,
                           finish=self.finish or "done", last_text=self.last_text, counters=dict(self.counters),
-                          error=self.error)
+                          error=self.error, versions=self.versions)
 
 
 def encode_conversation(fmt: ChatFormat, messages: list[dict], stop_ids: list[int] = ()) -> Trajectory:
