@@ -19,6 +19,20 @@ prefixes collide). At allocate, the leading full blocks whose hash is cached are
     seq A  [ a b c d ][ e f g h ][ i ]          block table [ 7 ][ 3 ][ 9 ]
     seq B  [ a b c d ][ e f g h ][ x y ]        block table [ 7 ][ 3 ][ 5 ]   7, 3: ref_count 2
 
+Weights versions. KV is only valid for the weights that computed it, so the chain starts from a salt
+of the version the sequence's KV is computed under instead of -1:
+
+    h_0 = H(salt(v), tokens of block 0)      salt(0) = -1 (a never-updated engine hashes as before),
+                                             salt(v) = H(-2, [v]) for v > 0
+
+`version` is the engine's current weights version (start_version() at each weight update); allocate
+records it as `seq.kv_version`, and every block that sequence registers later (may_append, deallocate)
+chains from salt(seq.kv_version). A sequence that keeps its KV across an update (the engine's
+partial="keep_kv") thus keeps registering under the OLD version's salt: its blocks hold KV of the old
+weights, or new tokens' KV that attended to it, and a request admitted under the new version, which
+looks up salt(new) chains only, never hits them. A sequence that recomputes its KV (a preemption, or
+partial="reprefill") is allocated again under the new version and shares its blocks from then on.
+
 The block holding a sequence's LAST token is never a hit, even when it is full and cached: the engine
 must run at least that token to get the logits of the next one (num_cached_tokens <= num_tokens - 1).
 
@@ -63,6 +77,11 @@ def block_hash(prev_hash: int, token_ids: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
+def version_salt(version: int) -> int:
+    """Where the hash chain of KV computed under weights `version` starts (-1 for version 0)."""
+    return -1 if version == 0 else block_hash(-2, [version])
+
+
 class _Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids", "num_tokens")
 
@@ -88,6 +107,7 @@ class BlockManager:
         self._cached: dict[int, int] = {}     # hash -> block id
         self.prefix_queries = 0               # tokens looked up at allocate
         self.prefix_hits = 0                  # of those, tokens served from the cache
+        self.version = 0                      # weights version new allocations compute their KV under
 
     # -- stats ---------------------------------------------------------------------------------------
     @property
@@ -137,6 +157,7 @@ class BlockManager:
                 self._register(block, hashes[i], seq.block_tokens(i))
             seq.block_table.append(block.block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
+        seq.kv_version = self.version
         if self.enable_prefix_caching:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += seq.num_cached_tokens
@@ -149,6 +170,20 @@ class BlockManager:
         for block in self.blocks:
             block.hash, block.token_ids = None, []
         self._cached.clear()
+
+    def start_version(self, version: int) -> None:
+        """New weights: later allocations compute (and look up) KV under `version`. Cached prefixes in free
+        blocks are dropped, since nothing can hit them any more; blocks that sequences hold keep their
+        hashes, because those sequences (keeping their KV) go on chaining from them under their old version."""
+        if version <= self.version:
+            raise ValueError(f"weights versions only grow: at {self.version}, asked to start {version}")
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self._cached.get(block.hash) == block_id:
+                    del self._cached[block.hash]
+                block.hash, block.token_ids = None, []
+        self.version = version
 
     def deallocate(self, seq: Sequence) -> None:
         self._register_last_full_block(seq)
@@ -172,7 +207,7 @@ class BlockManager:
         last = len(seq.block_table) - 1
         block = self.blocks[seq.block_table[last]]
         if block.hash is None and len(seq.block_table) * self.block_size <= seq.num_tokens - 1:
-            prev = self.blocks[seq.block_table[last - 1]].hash if last > 0 else -1
+            prev = self.blocks[seq.block_table[last - 1]].hash if last > 0 else version_salt(seq.kv_version)
             if prev is None:  # a chain with a gap is no prefix (cannot happen: earlier blocks are hashed)
                 return
             tokens = seq.block_tokens(last)
@@ -200,7 +235,7 @@ class BlockManager:
             last = len(seq.block_table) - 1
             if self.enable_prefix_caching and last >= 0 and self.blocks[seq.block_table[last]].hash is None:
                 # every earlier full block was hashed at allocate or when its successor opened
-                prev = self.blocks[seq.block_table[last - 1]].hash if last > 0 else -1
+                prev = self.blocks[seq.block_table[last - 1]].hash if last > 0 else version_salt(seq.kv_version)
                 tokens = seq.block_tokens(last)
                 self._register(self.blocks[seq.block_table[last]], block_hash(prev, tokens), tokens)
             block = self._take_free_block()
@@ -213,7 +248,7 @@ class BlockManager:
         """Chained hashes of seq's full blocks (empty when prefix caching is off)."""
         if not self.enable_prefix_caching:
             return []
-        hashes, prev = [], -1
+        hashes, prev = [], version_salt(self.version)  # the KV an allocation now computes is of this version
         for i in range(seq.num_tokens // self.block_size):
             prev = block_hash(prev, seq.block_tokens(i))
             hashes.append(prev)

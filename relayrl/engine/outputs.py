@@ -18,6 +18,8 @@ class CompletionSample:
     _: KW_ONLY
     finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort"
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when SamplingParams.logprobs > 0
+    # per token, the engine's weights version that sampled it (-1: unknown; empty from backends that do not say)
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -41,6 +41,10 @@ A preempted sequence loses its blocks and goes back to the FRONT of the waiting 
 prefill recomputes the KV of all its tokens (prompt + completion so far, the newest included), which
 prefix caching often shortens. Nothing sampled is ever dropped.
 
+`reprefill()` does the same to every running sequence at once, for a weight update that must not let
+in-flight sequences continue on KV the old weights computed (the engine's partial="reprefill"); it is
+counted in `num_reprefills`, not as preemptions, since no shortage of blocks caused it.
+
 It imports the engine's block manager and Sequence, and relayrl.errors, only; like the whole engine, it
 must never import the trainer, sync, the controller or the CLI.
 """
@@ -73,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_reprefills = 0
 
     def final_length(self, seq: Sequence) -> int:
         """The most tokens seq can reach: prompt + max_tokens, capped at the model's maximum length."""
@@ -135,6 +140,16 @@ class Scheduler:
         self.waiting.extendleft(reversed(self.running))
         self.running.clear()
         self.block_manager = block_manager
+
+    def reprefill(self) -> None:
+        """Every running sequence gives back its blocks and goes to the front of waiting, in order, keeping
+        its tokens and logprobs: its next prefill recomputes the KV of all its tokens (after a weight update)."""
+        for seq in self.running:
+            self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.WAITING
+        self.waiting.extendleft(reversed(self.running))
+        self.num_reprefills += len(self.running)
+        self.running.clear()
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

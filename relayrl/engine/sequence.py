@@ -9,6 +9,12 @@
 
 A sequence may start with a partial completion (a request resumed after an abort): its completion
 tokens are then ordinary tokens that need KV at the next prefill, exactly like the prompt's.
+
+Policy versions. `versions` holds, per completion token, the engine's weights version that sampled it
+(-1: unknown, a resumed token whose version was not given). `kv_version` is the weights version the KV
+in `block_table` was computed under, set by the BlockManager at allocate: a sequence that keeps its KV
+across a weight update (the engine's partial="keep_kv") keeps the old kv_version, so the prefix cache
+never offers its (stale, mixed) blocks to a sequence of the new version.
 The engine owns `params` (a SamplingParams) and `rng`; nothing here reads them except
 `params.max_tokens`, which the scheduler uses to check that the sequence can ever fit in the pool.
 
@@ -40,6 +46,7 @@ class Sequence:
         rng=None,
         completion_token_ids: list[int] = (),
         completion_logprobs: list[float] = (),
+        completion_versions: list[int] | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError(f"sequence {seq_id}: the prompt is empty; give at least one token")
@@ -50,6 +57,11 @@ class Sequence:
                 f"sequence {seq_id}: {len(completion_token_ids)} completion tokens but "
                 f"{len(completion_logprobs)} logprobs; a resumed completion needs one logprob per token"
             )
+        if completion_versions is not None and len(completion_versions) != len(completion_token_ids):
+            raise ValueError(
+                f"sequence {seq_id}: {len(completion_token_ids)} completion tokens but "
+                f"{len(completion_versions)} versions; a resumed completion needs one version per token"
+            )
         self.seq_id = seq_id
         self.request_id = request_id
         self.sample_index = sample_index
@@ -59,6 +71,9 @@ class Sequence:
         self.token_ids: list[int] = [int(t) for t in prompt_token_ids] + [int(t) for t in completion_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.logprobs: list[float] = [float(x) for x in completion_logprobs]
+        self.versions: list[int] = ([int(v) for v in completion_versions] if completion_versions is not None
+                                    else [-1] * len(completion_token_ids))
+        self.kv_version = 0  # the weights version the KV in block_table was computed under (set at allocate)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
@@ -100,10 +115,12 @@ class Sequence:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     # -- growth --------------------------------------------------------------------------------------
-    def append_token(self, token_id: int, logprob: float) -> None:
-        """Record a sampled token. Its KV is not written yet: the next decode step writes it."""
+    def append_token(self, token_id: int, logprob: float, version: int = -1) -> None:
+        """Record a sampled token and the weights version that sampled it (-1: unknown). Its KV is not
+        written yet: the next decode step writes it."""
         self.token_ids.append(int(token_id))
         self.logprobs.append(float(logprob))
+        self.versions.append(int(version))
 
     @property
     def is_finished(self) -> bool:
