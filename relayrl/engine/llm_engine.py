@@ -6,7 +6,22 @@
              ──> postprocess (append token, check stops, free finished sequences' blocks)
 
 New sequences join as others finish, so a long tail of lengths keeps the batch full. Every output
-carries `weights_version`, bumped by each `load_weights`, so the driver knows which policy sampled.
+carries `weights_version`, bumped by each `load_weights`, and every sample the version that sampled each
+of its tokens (`CompletionSample.versions`), so the driver knows which policy sampled.
+
+Asynchronous RL updates the weights between two steps with requests in flight; `partial` says what
+happens to them at `end_weight_update`:
+
+    None        refused (RuntimeError): abort them first (the synchronous loop's contract)
+    "keep_kv"   they keep their KV (computed by the old weights) and go on; their next tokens are
+                sampled by the new weights and recorded with the new version
+    "reprefill" every running one gives back its blocks and goes to the front of the waiting queue,
+                in order, keeping its tokens: its next prefill recomputes its KV under the new weights
+                (counted in stats() as engine/reprefills)
+
+Prefix-cache entries carry the version their KV was computed under (see block_manager), so a request
+admitted under new weights never reads KV of old ones.
+
 For RL: `sleep()` frees the KV cache (level 2 also the weights), `wake()` restores it;
 `abort()` returns what requests produced so far and `add_request(..., prior=...)` resumes them.
 
@@ -50,8 +65,10 @@ from relayrl.engine.sampler import sample
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.engine.scheduler import Scheduler
 from relayrl.engine.sequence import Sequence, SequenceStatus
-from relayrl.errors import KVCacheError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
+from relayrl.errors import ConfigError, KVCacheError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
 from relayrl.models.config import ModelConfig
+
+_PARTIAL = (None, "keep_kv", "reprefill")  # what a weight update does to requests in flight
 
 if TYPE_CHECKING:  # only the TP worker group (relayrl.engine.tp_workers) needs the single-controller layer
     from relayrl.single_controller.liveness import GroupOptions
@@ -64,7 +81,7 @@ class LLMEngine:
         num_blocks: int | None = None, kv_cache_bytes: int | None = None, kv_cache_fraction: float = 0.05,
         enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
         seed: int = 0, own_processes: bool = False, runner_group: RunnerGroup | None = None,
-        group_options: GroupOptions | None = None,
+        group_options: GroupOptions | None = None, partial: str | None = None,
     ):
         """Where the ranks run (a RunnerGroup, relayrl.engine.protocols):
         runner_group given      ranks hosted elsewhere (e.g. in the trainer's processes, colocated);
@@ -72,7 +89,8 @@ class LLMEngine:
         or own_processes        with own_processes (the ranks then live apart from this process: a
                                 disaggregated weight sync); group_options sets its deadlines
         otherwise               one ModelRunner in this process (InProcessRunner).
-        The KV budget is checked before any process starts."""
+        The KV budget is checked before any process starts. `partial`: what a weight update does to
+        requests in flight (None, "keep_kv", "reprefill"; see the module docstring)."""
         self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
         self.block_size, self.tp_size = block_size, tensor_parallel_size
         self.eos_ids = set(config.eos_ids)
@@ -100,18 +118,21 @@ class LLMEngine:
             self.ranks = InProcessRunner(ModelRunner(config, dtype, TPInfo(), device))
         self.num_blocks, self.max_num_seqs = num_blocks, max_num_seqs
         self.max_num_batched_tokens, self.enable_prefix_caching = max_num_batched_tokens, enable_prefix_caching
+        self.partial = partial
+        self.weights_version = 0
         self._new_scheduler()
         self._call("allocate_kv_cache", num_blocks, block_size)
         with torch.device("meta"):  # names only: the same on every rank
             self._expected_loads = EngineModel(config).expected_loads()
         self.asleep = 0
-        self.weights_version = 0
         self.has_weights = False  # built empty: the first load_weights / sync fills it
         self._rng = random.Random(seed)
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self._requests: dict[int, list[Sequence]] = {}
         self._ready: list[int] = []  # requests complete on arrival (resumed after they had ended)
+        # outputs of requests generate() did not add that ended inside it: the next step() returns them
+        self._held: list[RequestOutput] = []
         self.peak_used_fraction = self.utilisation_at_peak = 0.0
 
     # ---- construction ----
@@ -131,7 +152,7 @@ class LLMEngine:
         except BaseException:
             engine.close()
             raise
-        engine.weights_version = 0  # version 0: the weights it was built with
+        engine._as_version_zero()
         return engine
 
     @classmethod
@@ -143,11 +164,31 @@ class LLMEngine:
         except BaseException:
             engine.close()
             raise
-        engine.weights_version = 0
+        engine._as_version_zero()
         return engine
 
+    def _as_version_zero(self) -> None:
+        """The weights it was built with are version 0 (nothing is in flight and nothing cached yet)."""
+        self.weights_version = self.block_manager.version = 0
+
+    @property
+    def partial(self) -> str | None:
+        return self._partial
+
+    @partial.setter
+    def partial(self, value: str | None) -> None:
+        if value not in _PARTIAL:
+            raise ConfigError(f"partial (rollout.partial) must be one of {', '.join(map(str, _PARTIAL))}, "
+                              f"got {value!r}")
+        self._partial = value
+
+    def _new_block_manager(self) -> BlockManager:
+        bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        bm.version = self.weights_version  # a fresh pool: its KV is computed by the weights held now
+        return bm
+
     def _new_scheduler(self) -> None:
-        self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    max_model_len=self.config.max_position_embeddings,
                                    kv_bytes_per_block=self.kv_bytes_per_block)
@@ -199,15 +240,25 @@ class LLMEngine:
         """Call after a complete sync: it starts a new weights version and returns its number.
 
         The prefix cache is emptied: its blocks hold KV the old weights computed, and a later prompt
-        sharing their prefix (a system prompt, a tool list, an episode's next turn) must not read it."""
-        if self.scheduler.has_unfinished():
-            raise RuntimeError("weights changed with requests in flight: abort them before a weight update")
+        sharing their prefix (a system prompt, a tool list, an episode's next turn) must not read it.
+        Requests in flight are refused, kept on their KV or re-prefilled, as `partial` says."""
+        in_flight = self.scheduler.has_unfinished()
+        if in_flight and self.partial is None:
+            raise RuntimeError("weights changed with requests in flight: abort them before a weight update "
+                               "(or set the engine's partial to 'keep_kv' or 'reprefill')")
         if self.asleep >= 2:
             self.asleep = 1
-        if not self.asleep:  # asleep, the cache is gone already and comes back empty with wake()
-            self.block_manager.forget_cached()
         self.has_weights = True
         self.weights_version += 1
+        if self.asleep:  # asleep, nothing is in flight and the cache comes back empty with wake()
+            return self.weights_version
+        if in_flight and self.partial == "reprefill":
+            self.scheduler.reprefill()
+        if self.scheduler.running:  # keep_kv: they hold their blocks; the cache forgets the rest
+            self.block_manager.start_version(self.weights_version)
+        else:
+            self.block_manager.forget_cached()
+            self.block_manager.version = self.weights_version
         return self.weights_version
 
     def score(self, rows: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
@@ -238,10 +289,11 @@ class LLMEngine:
 
     # ---- requests ----
     def add_request(self, prompt, params: SamplingParams, request_id: int | None = None,
-                    prior: Seq[tuple[list[int], list[float]]] | None = None) -> int:
+                    prior: Seq[tuple] | None = None) -> int:
         """Queue `params.n` samples of `prompt` (a string or token ids). `prior` resumes them from
-        partial completions (one (token_ids, logprobs) per sample, e.g. from `abort`): their seeded
-        streams continue where they stopped, so the result equals an uninterrupted run under the same weights.
+        partial completions (one (token_ids, logprobs) or (token_ids, logprobs, versions) per sample, e.g.
+        from `abort`; without versions, those tokens' version is -1, unknown): their seeded streams
+        continue where they stopped, so the result equals an uninterrupted run under the same weights.
 
         Refused with nothing queued: invalid sampling settings (SamplingParamsError); an empty prompt,
         a token id outside the vocabulary, or a prompt that leaves no room for one completion token
@@ -261,13 +313,17 @@ class LLMEngine:
             raise ValueError(f"request id {rid} is already in flight")
         seqs = []
         for j in range(params.n):
-            done_tokens, done_lps = prior[j] if prior else ([], [])
+            done_tokens, done_lps, *done_versions = prior[j] if prior else ([], [])
+            if len(done_versions) > 1:
+                raise ValueError(f"{where}: a prior item is (token_ids, logprobs) or (token_ids, logprobs, "
+                                 f"versions), got {len(done_versions) + 2} fields")
             stream = random.Random(f"{params.seed}:{j}" if params.seed is not None else self._rng.getrandbits(64))
             for _ in done_tokens:
                 stream.random()
             seqs.append(Sequence(next(self._seq_ids), ids, params, self.block_size, request_id=rid, sample_index=j,
                                  rng=stream, completion_token_ids=list(done_tokens),
-                                 completion_logprobs=list(done_lps)))
+                                 completion_logprobs=list(done_lps),
+                                 completion_versions=list(done_versions[0]) if done_versions else None))
         self._requests[rid] = seqs
         try:
             for s in seqs:
@@ -288,13 +344,14 @@ class LLMEngine:
         return rid
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._ready)
+        return self.scheduler.has_unfinished() or bool(self._ready) or bool(self._held)
 
     def _output(self, rid: int) -> RequestOutput:
         seqs = self._requests.pop(rid)
         samples = [CompletionSample(list(s.completion_token_ids), list(s.logprobs),
                                     s.text if s.text is not None else self._decode(s.completion_token_ids),
-                                    finish_reason=s.finish_reason, top_logprobs=list(s.top_logprobs)) for s in seqs]
+                                    finish_reason=s.finish_reason, top_logprobs=list(s.top_logprobs),
+                                    versions=list(s.versions)) for s in seqs]
         return RequestOutput(rid, seqs[0].token_ids[: seqs[0].num_prompt_tokens], samples, self.weights_version)
 
     def abort(self, request_ids: Iterable[int]) -> list[RequestOutput]:
@@ -302,10 +359,19 @@ class LLMEngine:
         seq_ids = {s.seq_id for rid in ids if rid in self._requests for s in self._requests[rid]}
         self.scheduler.abort(seq_ids)
         self._ready = [rid for rid in self._ready if rid not in ids]  # an ended request is returned here, once
-        return [self._output(rid) for rid in sorted(ids) if rid in self._requests]
+        held = [o for o in self._held if o.request_id in ids]
+        self._held = [o for o in self._held if o.request_id not in ids]
+        return sorted(held + [self._output(rid) for rid in ids if rid in self._requests], key=lambda o: o.request_id)
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; the requests completed since the last step() (those that ended inside
+        a generate() that did not add them come first)."""
+        out = self._step()
+        held, self._held = self._held, []
+        return held + out
+
+    def _step(self) -> list[RequestOutput]:
         if self.asleep:
             raise RuntimeError("the engine is asleep: call wake() before generating")
         seqs, is_prefill = self.scheduler.schedule()
@@ -315,7 +381,7 @@ class LLMEngine:
             # what this batch wrote into the KV cache is unknown, and a prefill registered its blocks
             # in the prefix cache already: every unfinished sequence keeps its tokens and recomputes
             # its KV on an empty pool, so no later request reads a block that was never written
-            self.block_manager = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+            self.block_manager = self._new_block_manager()
             self.scheduler.restart(self.block_manager)
             raise
         ready, self._ready = [self._output(rid) for rid in self._ready], []
@@ -338,7 +404,7 @@ class LLMEngine:
         self._record_top_logprobs(seqs, logits)
         done_requests = set()
         for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist(), strict=True):
-            s.append_token(t, lp)
+            s.append_token(t, lp, self.weights_version)
             reason = self._finish_reason(s)
             if reason is not None:
                 self.scheduler.finish(s, reason)
@@ -378,6 +444,9 @@ class LLMEngine:
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
         """Run prompts to completion; one output per prompt (in order), `params.n` samples each.
 
+        Requests added before (add_request) run alongside; those that end meanwhile are returned by the
+        next step(), and this call returns as soon as its own requests are done, whatever else still runs.
+
         Every prompt is checked (see add_request; errors name the prompt's index) before any is
         queued, and if adding one or a step fails, this call's requests are aborted before the error
         propagates: a failed generate leaves nothing queued, and the engine serves the next call."""
@@ -397,9 +466,15 @@ class LLMEngine:
             for i, (toks, sp) in enumerate(zip(ids, params, strict=True)):
                 rids.append(self._add(toks, sp, None, None, f"prompt {i}"))
             done: dict[int, RequestOutput] = {}
-            while self.has_unfinished():
-                for out in self.step():
-                    done[out.request_id] = out
+            own = set(rids)
+            while not own <= done.keys():
+                if not self.scheduler.has_unfinished() and not self._ready:
+                    raise RuntimeError(f"generate: requests {sorted(own - done.keys())} left the engine unreturned")
+                for out in self._step():
+                    if out.request_id in own:
+                        done[out.request_id] = out
+                    else:  # another caller's: kept for its next step() (appended now, so a failure loses none)
+                        self._held.append(out)
         except BaseException:
             self.abort(rids)
             raise
@@ -407,13 +482,15 @@ class LLMEngine:
 
     def reset_stats(self) -> None:
         self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
-        self.scheduler.num_preemptions = 0
+        self.scheduler.num_preemptions = self.scheduler.num_reprefills = 0
         self.peak_used_fraction = self.utilisation_at_peak = 0.0
 
     def stats(self) -> dict[str, float]:
         """Since construction or the last wake(): prefix-cache hit rate (tokens), the peak share of
-        blocks in use and how full those blocks were then (live KV slots / slots), preemptions."""
+        blocks in use and how full those blocks were then (live KV slots / slots), preemptions, and
+        sequences re-prefilled by a weight update (partial="reprefill")."""
         return {"engine/prefix_hit_rate": self.block_manager.hit_rate,
                 "engine/peak_blocks_used": self.peak_used_fraction,
                 "engine/block_utilisation_at_peak": self.utilisation_at_peak,
-                "engine/preemptions": float(self.scheduler.num_preemptions)}
+                "engine/preemptions": float(self.scheduler.num_preemptions),
+                "engine/reprefills": float(self.scheduler.num_reprefills)}
