@@ -12,7 +12,7 @@ controller import.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -56,6 +56,10 @@ class AlgoConfig(Config):
     tis_cap: PositiveFloat | None = 2.0
     mis_low: NonNegFloat | None = None
     mis_high: PositiveFloat | None = None
+    # the policy the clipped ratio is taken against. recompute: the trainer's weights before the update
+    # (pi_prox of decoupled PPO), with TIS / MIS weighting pi_prox / pi_behaviour; behaviour: the engine's
+    # sampling logprobs themselves (plain PPO: no recompute, no correction for stale or mismatched samples)
+    proximal: Literal["recompute", "behaviour"] = "recompute"
     # DAPO dynamic sampling: drop groups without reward spread, resample up to N rounds
     filter_groups: bool = False
     max_resample_rounds: int = Field(3, ge=0)

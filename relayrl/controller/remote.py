@@ -157,9 +157,9 @@ class RemoteScorer:
     def __init__(self, reward_cfg, workers: int, options: GroupOptions):
         self.group = WorkerGroup(ResourcePool([workers], name="reward"), RewardWorker, reward_cfg, options=options)
 
-    def score(self, completions: Sequence[str], examples: Sequence[Example]) -> ScoreResult:
+    def score(self, completions: Sequence[str], examples: Sequence[Example], check: bool = True) -> ScoreResult:
         batch = DataBatch({}, non_tensors={"texts": list(completions), "examples": list(examples)})
-        return ScoreResult.merge(self.group.call(RewardWorker.score, batch))
+        return ScoreResult.merge(self.group.call(RewardWorker.score, batch), check=check)
 
     def close(self) -> None:
         self.group.shutdown(raise_errors=False)

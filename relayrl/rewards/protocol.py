@@ -21,8 +21,10 @@ from relayrl.rewards.result import ScoreResult
 class Scorer(Protocol):
     """Scores completions; a sample that cannot be scored counts as a failure, not an error."""
 
-    def score(self, completions: Sequence[str], examples: Sequence[Example]) -> ScoreResult:
-        """Rewards, per-function values, accuracy and failure counts for the batch, in order."""
+    def score(self, completions: Sequence[str], examples: Sequence[Example], check: bool = True) -> ScoreResult:
+        """Rewards, per-function values, accuracy and failure counts for the batch, in order. With check,
+        a function that failed on every sample raises RewardError; without, the caller checks (a part of
+        a step: an asynchronous run scores each group as it finishes, and merges a step's results)."""
 
     def close(self) -> None:
         """Stop the processes that run the reward functions."""
