@@ -55,6 +55,21 @@ class RolloutConfig(Config):
     tp: int = Field(1, ge=1)  # the engine's tensor-parallel degree (its ranks: see parallel.placement)
     # free the KV cache (1) or also the weights (2) while the trainer updates; woken (and verified) at the next sync
     sleep_level: int = Field(0, ge=0, le=2)
+    # sync: roll out, then train, in turn. async: the engine generates continuously while the trainer
+    # updates; a batch is trained at most max_staleness policy versions after the weights that began
+    # it (relayrl.controller.async_driver). one_step_off: async with max_staleness 1, one batch in
+    # flight, and weights that change only between batches (no partial rollouts)
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)  # eta, in policy versions (async)
+    max_inflight: int | None = Field(None, ge=1)  # groups generating at once (None: what staleness allows)
+    # new weights arrive mid-generation (async): in-flight samples keep the KV the old weights computed,
+    # or recompute it (prompt and tokens so far) under the new ones
+    partial: Literal["keep_kv", "reprefill"] = "keep_kv"
+
+    @property
+    def staleness(self) -> int:
+        """The bound on the policy versions between a sample's first token and its update."""
+        return {"sync": 0, "one_step_off": 1, "async": self.max_staleness}[self.mode]
 
 
 class EvalConfig(Config):
@@ -116,6 +131,27 @@ class RunConfig(Config):
                 raise ValueError(f"colocated, the engine's {self.rollout.tp} tensor-parallel ranks run in the "
                                  f"trainer's {trainer_procs} process(es): lower rollout.tp, raise the trainer's "
                                  "degrees (parallel.backend=local), or set parallel.placement=disaggregated")
+        return self
+
+    @model_validator(mode="after")
+    def _async_fits(self) -> RunConfig:
+        r, p = self.rollout, self.parallel
+        if r.mode == "sync":
+            return self
+        why = f"rollout.mode={r.mode} steps relayrl's engine from the driver while the trainer updates"
+        if r.backend != "relayrl":
+            raise ValueError(f"{why}; set rollout.backend=relayrl")
+        if p.rollout_worker:
+            raise ValueError(f"{why}; drop parallel.rollout_worker and set parallel.placement=disaggregated "
+                             "(the engine's ranks then run in a worker group of their own)")
+        if p.backend != "none" and p.placement == "colocated":
+            raise ValueError(f"{why}; colocated, its ranks share the trainer's processes and nothing overlaps: "
+                             "set parallel.placement=disaggregated")
+        if r.sleep_level:
+            raise ValueError(f"{why}, so it never sleeps; set rollout.sleep_level=0")
+        if self.algo.filter_groups:
+            raise ValueError(f"rollout.mode={r.mode} does not resample groups yet; set algo.filter_groups=false "
+                             "or rollout.mode=sync")
         return self
 
     @model_validator(mode="after")

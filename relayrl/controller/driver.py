@@ -18,6 +18,7 @@ relayrl.cli.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -28,10 +29,13 @@ from relayrl.controller.agent_loop import EpisodeRunner, episode_metrics
 from relayrl.controller.config import RunConfig
 from relayrl.controller.prompts import encode_prompt
 from relayrl.data import Example, PromptSampler
+from relayrl.engine.outputs import CompletionSample, RequestOutput
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.engine.sampling_params import SamplingParams
+from relayrl.envs.episode import Trajectory
 from relayrl.observe import StageTimer
 from relayrl.rewards.protocol import Scorer
+from relayrl.rewards.result import ScoreResult
 from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.batch import TrainBatch, build_rows, scatter_per_token
 from relayrl.trainer.policy import Policy
@@ -52,9 +56,10 @@ class Rollout:
     correct: list[bool]
     reward_metrics: dict[str, float]
     response_mask: list[list[int]]  # 1 on the model's tokens; 0 on a multi-turn episode's observations
+    versions: list[list[int]]  # per response token, the engine's weights version that sampled it (-1: observed)
 
     LISTS = ("examples", "prompt_ids", "response_ids", "rollout_logp", "texts", "correct",
-             "response_mask")  # one item per sample
+             "response_mask", "versions")  # one item per sample
 
     def select_groups(self, groups: list[int], G: int) -> Rollout:
         idx = [g * G + j for g in groups for j in range(G)]
@@ -65,6 +70,37 @@ class Rollout:
     def concat(parts: list[Rollout]) -> Rollout:
         joined = {name: [x for p in parts for x in getattr(p, name)] for name in Rollout.LISTS}
         return Rollout(**joined, rewards=torch.cat([p.rewards for p in parts]), reward_metrics=parts[0].reward_metrics)
+
+
+def sample_versions(out: RequestOutput, sample: CompletionSample) -> list[int]:
+    """The weights version of each of a sample's tokens (the output's version when the engine keeps none)."""
+    return list(getattr(sample, "versions", None) or [out.weights_version] * len(sample.token_ids))
+
+
+def trajectory_versions(t: Trajectory) -> list[int]:
+    return list(getattr(t, "versions", None) or [-1] * len(t.response_ids))
+
+
+def rollout_from_outputs(examples: list[Example], outs: list[RequestOutput], res: ScoreResult) -> Rollout:
+    """One engine output per example (its G samples, contiguous) and their scores: a Rollout."""
+    samples = [(ex, o, s) for ex, o in zip(examples, outs, strict=True) for s in o.samples]
+    return Rollout(examples=[ex for ex, _, _ in samples], prompt_ids=[o.prompt_token_ids for _, o, _ in samples],
+                   response_ids=[s.token_ids for _, _, s in samples],
+                   rollout_logp=[s.logprobs for _, _, s in samples], texts=[s.text for _, _, s in samples],
+                   rewards=torch.tensor(res.rewards, dtype=torch.float32), correct=res.correct,
+                   reward_metrics=res.metrics(), response_mask=[[1] * len(s.token_ids) for _, _, s in samples],
+                   versions=[sample_versions(o, s) for _, o, s in samples])
+
+
+def rollout_from_trajectories(examples: list[Example], trajs: list[Trajectory]) -> Rollout:
+    """G finished episodes per example (contiguous), each rewarded by its environment: a Rollout."""
+    G = len(trajs) // max(len(examples), 1)
+    return Rollout(examples=[ex for ex in examples for _ in range(G)],
+                   prompt_ids=[t.prompt_ids for t in trajs], response_ids=[t.response_ids for t in trajs],
+                   rollout_logp=[t.logprobs for t in trajs], texts=[t.last_text for t in trajs],
+                   rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+                   correct=[t.success for t in trajs], reward_metrics=episode_metrics(trajs),
+                   response_mask=[t.mask for t in trajs], versions=[trajectory_versions(t) for t in trajs])
 
 
 class Driver:
@@ -86,11 +122,16 @@ class Driver:
         self.weight_sync, self.agent = weight_sync, agent
         self.step = 0
         self.timer = StageTimer()
+        self.policy_versions: dict[int, int] = {}  # engine weights version -> policy version (updates applied)
+        self.last_prompts: list[Example] = []  # the prompts of the last trained step, one per group
 
     def sync_weights(self) -> dict[str, float]:
         """Move the trainer's weights into the engine by the plan (an engine put to sleep after the last
-        rollout wakes up), then let the canary check what the engine now computes."""
-        return self.weight_sync.sync(f"before step {self.step + 1}")
+        rollout wakes up), then let the canary check what the engine now computes. The engine's new
+        weights version is recorded as policy version `step` (the updates applied so far)."""
+        out = self.weight_sync.sync(f"before step {self.step + 1}")
+        self.policy_versions[self.engine.weights_version] = self.step
+        return out
 
     def _params(self, step: int, round_: int, i: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -106,29 +147,17 @@ class Driver:
         with self.timer.stage("rollout"):
             prompts = [encode_prompt(tok, ex, self.cfg.data) for ex in examples]
             outs = self.engine.generate(prompts, [self._params(self.step, round_, i) for i in range(len(examples))])
-        samples = [(ex, o.prompt_token_ids, s) for ex, o in zip(examples, outs, strict=True) for s in o.samples]
-        assert len(samples) == G * len(examples)
+        assert sum(len(o.samples) for o in outs) == G * len(examples)
         with self.timer.stage("reward"):
-            texts = [s.text for _, _, s in samples]
-            exs = [ex for ex, _, _ in samples]
-            res = self.scorer.score(texts, exs)
-        return Rollout(examples=exs, prompt_ids=[p for _, p, _ in samples],
-                       response_ids=[s.token_ids for _, _, s in samples],
-                       rollout_logp=[s.logprobs for _, _, s in samples], texts=texts,
-                       rewards=torch.tensor(res.rewards, dtype=torch.float32), correct=res.correct,
-                       reward_metrics=res.metrics(), response_mask=[[1] * len(s.token_ids) for _, _, s in samples])
+            texts = [smp.text for o in outs for smp in o.samples]
+            res = self.scorer.score(texts, [ex for ex in examples for _ in range(G)])
+        return rollout_from_outputs(examples, outs, res)
 
     def _episodes(self, examples: list[Example], round_: int) -> Rollout:
         """G episodes per prompt in the environment; each episode's reward is its environment's."""
-        G = self.cfg.rollout.group_size
         with self.timer.stage("rollout"):
             trajs = self.agent.run(examples, [self._params(self.step, round_, i) for i in range(len(examples))])
-        return Rollout(examples=[ex for ex in examples for _ in range(G)],
-                       prompt_ids=[t.prompt_ids for t in trajs], response_ids=[t.response_ids for t in trajs],
-                       rollout_logp=[t.logprobs for t in trajs], texts=[t.last_text for t in trajs],
-                       rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
-                       correct=[t.success for t in trajs], reward_metrics=episode_metrics(trajs),
-                       response_mask=[t.mask for t in trajs])
+        return rollout_from_trajectories(examples, trajs)
 
     def collect(self) -> tuple[Rollout, float]:
         """Roll out prompts_per_step prompts; with DAPO dynamic sampling, keep drawing prompts until
@@ -155,28 +184,38 @@ class Driver:
         return merged.select_groups(list(range(min(have, r.prompts_per_step))), r.group_size), no_signal
 
     def train_step(self) -> dict[str, float]:
-        cfg, G = self.cfg, self.cfg.rollout.group_size
         t0 = time.perf_counter()
         with self.timer.stage("sync"):
             sync_metrics = self.sync_weights()
         ro, no_signal = self.collect()
-        if cfg.rollout.sleep_level:  # the KV cache (level 2: the weights too) is free while the trainer works
-            self.engine.sleep(cfg.rollout.sleep_level)
+        if self.cfg.rollout.sleep_level:  # the KV cache (level 2: the weights too) is free while the trainer works
+            self.engine.sleep(self.cfg.rollout.sleep_level)
+        return self.learn(ro, no_signal, t0=t0, extra=sync_metrics)
+
+    def learn(self, ro: Rollout, no_signal: float, *, t0: float, extra: dict[str, float]) -> dict[str, float]:
+        """Advantages, old (proximal) and reference logprobs, the clipped update, and the step's metrics.
+        The same for every rollout mode: what differs is only how `ro` was produced."""
+        cfg, G = self.cfg, self.cfg.rollout.group_size
         adv = get_advantage(cfg.algo.advantage)(ro.rewards, G, norm_std=cfg.algo.norm_std)
         ids, attn, resp = build_rows(ro.prompt_ids, ro.response_ids, pad_id=self.engine.pad_id, masks=ro.response_mask)
         rollout_logp = scatter_per_token(ro.rollout_logp, ro.prompt_ids, ids.shape[1])
         batch = TrainBatch(ids, attn, resp, advantages=adv, rollout_logp=rollout_logp)
-        with self.timer.stage("old_logp"):
-            batch.old_logp = self.policy.compute_logprobs(batch)
+        if cfg.algo.proximal == "behaviour":  # plain PPO: the ratio against the sampling policy itself
+            batch.old_logp = rollout_logp
+        else:  # decoupled PPO: the trainer's weights before the update are the proximal policy
+            with self.timer.stage("old_logp"):
+                batch.old_logp = self.policy.compute_logprobs(batch)
         if cfg.algo.kl_coef > 0:
             with self.timer.stage("ref_logp"):
                 batch.ref_logp = self.policy.compute_ref_logprobs(batch)
         mismatch = mismatch_stats(batch.old_logp, rollout_logp, resp)
+        staleness = self.staleness_metrics(ro)
         with self.timer.stage("update"):
             stats = self.policy.update(batch)
         times = {f"time/{s}": 0.0 for s in STAGES} | self.timer.pop()
         times["time/step"] = time.perf_counter() - t0
         lengths = [sum(m) for m in ro.response_mask]  # the model's tokens (not a multi-turn episode's observations)
+        self.last_prompts = [ro.examples[i] for i in range(0, len(ro.examples), G)]
         self.step += 1
         return {
             **ro.reward_metrics,  # reward/mean, reward/accuracy, reward/failures, reward/<fn>/mean
@@ -185,12 +224,41 @@ class Driver:
             "response_length/max": float(max(lengths)),
             "groups/no_signal_frac": no_signal,
             **{k: float(v) for k, v in mismatch.items()},
+            **staleness,
             **stats,
             **times,
-            **sync_metrics,
+            **extra,
             "throughput/gen_tokens_per_s": sum(lengths) / max(times["time/rollout"], 1e-9),
             **self._engine_stats(),
         }
+
+    def staleness_metrics(self, ro: Rollout) -> dict[str, float]:
+        """How many policy versions behind the one being updated each of the model's tokens was sampled:
+        staleness/mean and /max over tokens, staleness/tokens_at_<d> per distance d."""
+        ages: dict[int, int] = {}
+        for vs, mask in zip(ro.versions, ro.response_mask, strict=True):
+            for v, m in zip(vs, mask, strict=True):
+                if m:
+                    age = self.step - self.policy_versions.get(v, self.step)
+                    ages[age] = ages.get(age, 0) + 1
+        n = max(sum(ages.values()), 1)
+        return {"staleness/mean": sum(a * c for a, c in ages.items()) / n,
+                "staleness/max": float(max(ages, default=0)),
+                **{f"staleness/tokens_at_{a}": float(c) for a, c in sorted(ages.items())}}
+
+    def sampler_state(self) -> dict:
+        """The sampler's position at the next untrained prompt (what a checkpoint saves)."""
+        return self.sampler.state_dict()
+
+    def restored(self) -> None:
+        """After a checkpoint's state was loaded (step, sampler): nothing more to set up here."""
+
+    def evaluation(self):
+        """The context an evaluation runs in (nothing else uses the engine meanwhile)."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Stop what the driver itself runs (the synchronous driver runs nothing of its own)."""
 
     def _engine_stats(self) -> dict[str, float]:
         """The engine's prefix-cache and block figures for this step (the vLLM backend has none: {})."""

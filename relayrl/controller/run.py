@@ -7,6 +7,8 @@ below the CLI, and must never import relayrl.cli.
       base_model/          the tiny model, when model.path is unset
       metrics.jsonl, tb/   one line / TensorBoard scalars per step (eval lines share the step)
       eval.jsonl           held-out evaluations
+      trained_prompts.jsonl per step, a digest of each prompt trained on (a resumed run continues it: every
+                           prompt the sampler drew is trained exactly once, whatever the rollout mode)
       sync_checksums.jsonl with sync.debug_checksums: per engine parameter, trainer vs engine checksum
       checkpoints/step_N/  model, optimizer, scheduler, sampler, RNG as data, a checksummed manifest
                            (atomic: temp name + rename)
@@ -15,6 +17,7 @@ below the CLI, and must never import relayrl.cli.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -25,6 +28,7 @@ import yaml
 
 from relayrl.checkpoint import capture_rng_state, latest_valid_checkpoint, restore_rng_state
 from relayrl.controller.agent_loop import AgentLoop, EpisodeRunner
+from relayrl.controller.async_driver import AsyncDriver
 from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
@@ -167,8 +171,9 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
         sync = build_weight_sync(cfg, src, policy, engine)
         scorer = build_scorer_for(cfg)
         agent = build_agent(cfg, engine)
-        driver = Driver(cfg, policy=policy, engine=engine, scorer=scorer,
-                        sampler=PromptSampler(train_set, cfg.run.seed), weight_sync=sync, agent=agent)
+        kind = Driver if cfg.rollout.mode == "sync" else AsyncDriver
+        driver = kind(cfg, policy=policy, engine=engine, scorer=scorer,
+                      sampler=PromptSampler(train_set, cfg.run.seed), weight_sync=sync, agent=agent)
     except BaseException:
         try:  # no process outlives a failed start
             close_all(agent, sync, scorer, engine, policy)
@@ -192,7 +197,9 @@ def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
 
 
 def _save(driver: Driver, run_dir: Path, cfg: RunConfig, src: Path) -> None:
-    extra = {"step": driver.step, "sampler": driver.sampler.state_dict(), "rng": capture_rng_state()}
+    # the sampler at the next untrained prompt: an asynchronous run's admitted batches are regenerated
+    extra = {"step": driver.step, "sampler": driver.sampler_state(), "rng": capture_rng_state(),
+             "rollout_mode": cfg.rollout.mode}
     driver.policy.save(run_dir, driver.step, extra=extra, meta={"model_dir": str(src)}, keep_last=cfg.run.keep_last)
 
 
@@ -202,17 +209,19 @@ def _restore(driver: Driver, ckpt: Path) -> int:
     driver.sampler.load_state_dict(extra["sampler"])
     restore_rng_state(extra["rng"])
     driver.step = int(extra["step"])
+    driver.restored()
     return driver.step
 
 
 def _eval(driver: Driver, eval_set, cfg: RunConfig, run_dir: Path, logger: MetricsLogger) -> dict[str, float]:
     driver.sync_weights()
-    if driver.agent is not None:
-        res = evaluate_episodes(driver.agent, eval_set, cfg.eval.max_tokens, cfg.eval.temperature,
-                                seed=cfg.run.seed, stop=cfg.rollout.stop)
-    else:
-        res = evaluate(driver.engine, eval_set, cfg.data, driver.scorer, cfg.eval.max_tokens,
-                       cfg.eval.temperature, seed=cfg.run.seed, stop=cfg.rollout.stop)
+    with driver.evaluation():
+        if driver.agent is not None:
+            res = evaluate_episodes(driver.agent, eval_set, cfg.eval.max_tokens, cfg.eval.temperature,
+                                    seed=cfg.run.seed, stop=cfg.rollout.stop)
+        else:
+            res = evaluate(driver.engine, eval_set, cfg.data, driver.scorer, cfg.eval.max_tokens,
+                           cfg.eval.temperature, seed=cfg.run.seed, stop=cfg.rollout.stop)
     logger.log(driver.step, res)
     with open(run_dir / "eval.jsonl", "a") as f:
         f.write(json.dumps({"step": driver.step, **res}) + "\n")
@@ -236,7 +245,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
         return out
     finally:
         try:
-            close_all(driver.agent, driver.weight_sync, driver.scorer, driver.engine, driver.policy)
+            close_all(driver, driver.agent, driver.weight_sync, driver.scorer, driver.engine, driver.policy)
         except Exception:
             if not failed:
                 raise
@@ -259,6 +268,7 @@ def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckp
     logger = MetricsLogger(run_dir, use_tensorboard=cfg.run.tensorboard, resume_step=start if ckpt else None)
     if ckpt is not None:
         _truncate_jsonl(run_dir / "eval.jsonl", start)
+        _truncate_jsonl(run_dir / "trained_prompts.jsonl", start)
     progress = Progress(cfg.run.steps, desc="grpo", initial=start, disable=not show_progress)
     try:
         first = _eval(driver, eval_set, cfg, run_dir, logger) if start == 0 else None
@@ -266,6 +276,9 @@ def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckp
         while driver.step < cfg.run.steps:
             m = driver.train_step()
             logger.log(driver.step, m)
+            with open(run_dir / "trained_prompts.jsonl", "a") as f:
+                f.write(json.dumps({"step": driver.step, "prompts": [prompt_digest(ex) for ex in driver.last_prompts]})
+                        + "\n")
             if cfg.sync.debug_checksums:  # per-tensor checksums, trainer vs engine, of this step's sync
                 with open(run_dir / "sync_checksums.jsonl", "a") as f:
                     f.write(json.dumps({"step": driver.step, "checksums": driver.weight_sync.last_table}) + "\n")
@@ -282,6 +295,11 @@ def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckp
         progress.close()
         logger.close()
     return {"run_dir": str(run_dir), "eval_first": first, "eval_last": last, "steps": driver.step}
+
+
+def prompt_digest(ex) -> str:
+    """A short, stable name for a prompt (text or chat messages) and its answer."""
+    return hashlib.sha1(json.dumps([ex.prompt, ex.answer], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:

@@ -1,0 +1,120 @@
+"""Asynchronous RL end to end: staleness 0 equals the synchronous loop bit for bit, one_step_off is staleness 1
+with one batch in flight, the bound holds, resume loses and repeats no prompt, multi-turn episodes stream too."""
+
+import json
+
+import pytest
+
+from relayrl.controller import async_driver as async_mod
+from relayrl.controller.config import RunConfig
+from relayrl.controller.run import train
+from relayrl.errors import ConfigError
+from relayrl.observe import read_metrics
+
+from helpers import cfg_for
+
+ASYNC_ONLY = ("rollout/queue_len",)
+
+
+def _lines(run_dir, drop=("time/", "throughput/")):
+    return [{k: v for k, v in m.items() if not k.startswith(drop)} for m in read_metrics(run_dir)]
+
+
+def _prompts(run_dir) -> list[tuple[int, list[str]]]:
+    lines = (run_dir / "trained_prompts.jsonl").read_text().splitlines()
+    return [(d["step"], d["prompts"]) for d in map(json.loads, lines)]
+
+
+def test_async_staleness_zero_equals_sync_bit_for_bit(tmp_path):
+    run = {"steps": 5, "save_every": 0}
+    reward = {"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]}
+    sync = train(cfg_for(tmp_path, "sync", run=run, reward=reward), show_progress=False)
+    asy = train(cfg_for(tmp_path, "async", run=run, reward=reward,
+                        rollout={"mode": "async", "max_staleness": 0}), show_progress=False)
+    a, b = _lines(sync["run_dir"]), _lines(asy["run_dir"])
+    assert len(a) == len(b) == 5 + 2  # five steps and two evaluations
+    for x, y in zip(a, b, strict=True):
+        extra = set(y) - set(x)
+        assert extra <= set(ASYNC_ONLY), extra
+        assert x == {k: v for k, v in y.items() if k not in ASYNC_ONLY}
+    steps = [m for m in b if "reward/mean" in m]
+    assert all(m["staleness/max"] == 0 and m["rollout/queue_len"] == 0 for m in steps)
+    assert _prompts(tmp_path / "sync") == _prompts(tmp_path / "async")
+
+
+def _step_lines(run_dir):
+    return [m for m in read_metrics(run_dir) if "reward/mean" in m]
+
+
+def test_one_step_off_is_staleness_one_with_one_batch_in_flight_and_deterministic(tmp_path):
+    cfg = {"run": {"steps": 4, "save_every": 0}, "rollout": {"mode": "one_step_off"}}
+    a = train(cfg_for(tmp_path, "a", **cfg), show_progress=False)
+    b = train(cfg_for(tmp_path, "b", **cfg), show_progress=False)
+    # weights change only between batches: the run does not depend on timing
+    assert _lines(a["run_dir"]) == _lines(b["run_dir"])
+    steps = _step_lines(a["run_dir"])
+    # batch 0 is sampled by the initial weights and trained first; every later batch k by version k - 1
+    assert [m["staleness/max"] for m in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert [m["staleness/mean"] for m in steps] == [0.0, 1.0, 1.0, 1.0]
+    # one batch in flight: when the trainer takes batch k, batch k + 1 has not been admitted
+    assert all(m["rollout/queue_len"] == 0 for m in steps)
+    assert _prompts(tmp_path / "a") == _prompts(tmp_path / "b")
+
+
+def _sync_prompts(tmp_path, steps):
+    train(cfg_for(tmp_path, "ref", run={"steps": steps, "save_every": 0}), show_progress=False)
+    return _prompts(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("partial", ["keep_kv", "reprefill"])
+def test_async_bound_holds_and_every_prompt_is_trained_once_in_order(tmp_path, partial):
+    eta = 2
+    res = train(cfg_for(tmp_path, "a", run={"steps": 5, "save_every": 0},
+                        rollout={"mode": "async", "max_staleness": eta, "partial": partial, "max_tokens": 12}),
+                show_progress=False)
+    steps = _step_lines(res["run_dir"])
+    assert all(m["staleness/max"] <= eta for m in steps)
+    assert max(m["staleness/max"] for m in steps) >= 1  # it did overlap
+    for m in steps:  # the per-version counts add up to the model's tokens
+        counted = sum(v for k, v in m.items() if k.startswith("staleness/tokens_at_"))
+        assert counted == pytest.approx(m["response_length/mean"] * 16)
+    assert _prompts(tmp_path / "a") == _sync_prompts(tmp_path, 5)
+
+
+def test_killed_async_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, monkeypatch):
+    cfg = {"run": {"steps": 6, "save_every": 2}, "rollout": {"mode": "async", "max_staleness": 2}}
+    real = async_mod.AsyncDriver.train_step
+    calls = {"n": 0}
+
+    def dies_on_fourth(self):
+        calls["n"] += 1
+        if calls["n"] == 4:  # batches 3 and 4 are admitted (maybe generated) and never trained
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(async_mod.AsyncDriver, "train_step", dies_on_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg_for(tmp_path, "r", **cfg), show_progress=False)
+    assert [s for s, _ in _prompts(tmp_path / "r")] == [1, 2, 3]
+    monkeypatch.setattr(async_mod.AsyncDriver, "train_step", real)
+    train(cfg_for(tmp_path, "r", **cfg), resume=True, show_progress=False)
+    trained = _prompts(tmp_path / "r")
+    assert [s for s, _ in trained] == [1, 2, 3, 4, 5, 6]  # step 3 (after the step-2 checkpoint) is redone
+    assert trained == _sync_prompts(tmp_path, 6)  # the sampler's sequence, each prompt once
+    resumed = _step_lines(tmp_path / "r")[-4:]
+    assert resumed[0]["staleness/max"] == 0  # regenerated by the resumed weights
+    assert all(m["staleness/max"] <= 2 for m in resumed)
+
+
+@pytest.mark.parametrize("section, value, says", [
+    ("parallel", {"backend": "local", "rollout_worker": True, "placement": "disaggregated"}, "rollout_worker"),
+    ("parallel", {"backend": "local"}, "placement=disaggregated"),
+    ("rollout", {"sleep_level": 1}, "sleep_level"),
+    ("algo", {"filter_groups": True}, "filter_groups"),
+])
+def test_async_refuses_layouts_it_cannot_overlap_in_one_line(tmp_path, section, value, says):
+    d = cfg_for(tmp_path, "x").to_dict()
+    d["rollout"]["mode"] = "async"
+    d[section] = {**d.get(section, {}), **value}
+    with pytest.raises(ConfigError, match=says):
+        RunConfig.from_dict(d)
