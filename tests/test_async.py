@@ -118,3 +118,39 @@ def test_async_refuses_layouts_it_cannot_overlap_in_one_line(tmp_path, section, 
     d[section] = {**d.get(section, {}), **value}
     with pytest.raises(ConfigError, match=says):
         RunConfig.from_dict(d)
+
+
+def _env_run(tmp_path, name, **rollout) -> RunConfig:
+    from test_env_training import env_cfg
+
+    d = env_cfg(tmp_path, name, {"name": "calculator", "max_total_tokens": 160}).to_dict()
+    d["rollout"].update(rollout)
+    d["run"]["steps"] = 4
+    return RunConfig.from_dict(d)
+
+
+def test_async_carries_multi_turn_episodes(tmp_path):
+    res = train(_env_run(tmp_path, "mt", mode="async", max_staleness=1, partial="reprefill"), show_progress=False)
+    steps = _step_lines(res["run_dir"])
+    assert len(steps) == 4
+    for m in steps:
+        assert m["staleness/max"] <= 1
+        assert 1.0 <= m["turns/mean"] <= 4.0 and m["env/errors"] == 0.0
+        counted = sum(v for k, v in m.items() if k.startswith("staleness/tokens_at_"))
+        assert counted == pytest.approx(m["response_length/mean"] * 8)  # every model token has its version
+    train(_env_run(tmp_path, "mt_sync"), show_progress=False)
+    assert _prompts(tmp_path / "mt") == _prompts(tmp_path / "mt_sync")
+
+
+def test_async_in_worker_groups_staleness_zero_equals_sync(tmp_path):
+    par = {"backend": "local", "placement": "disaggregated"}
+    run = {"steps": 3, "save_every": 0}
+    sync = train(cfg_for(tmp_path, "s", parallel=par, run=run), show_progress=False)
+    asy = train(cfg_for(tmp_path, "a", parallel=par, run=run, rollout={"mode": "async", "max_staleness": 0}),
+                show_progress=False)
+    a, b = _lines(sync["run_dir"]), _lines(asy["run_dir"])
+    assert [x for x in a] == [{k: v for k, v in y.items() if k not in ASYNC_ONLY} for y in b]
+    eta = train(cfg_for(tmp_path, "e", parallel=par, run=run,
+                        rollout={"mode": "async", "max_staleness": 1, "partial": "reprefill"}), show_progress=False)
+    assert all(m["staleness/max"] <= 1 for m in _step_lines(eta["run_dir"]))
+    assert _prompts(tmp_path / "e") == _prompts(tmp_path / "s")

@@ -49,7 +49,7 @@ class AsyncDriver(Driver):
         self.stream = RolloutStream(
             self.engine, sampler=self.sampler, prompts_per_step=r.prompts_per_step, total_batches=cfg.run.steps,
             staleness=r.staleness, max_inflight=r.prompts_per_step if r.mode == "one_step_off" else r.max_inflight,
-            make_params=lambda batch, i: self._params(batch, 0, i),
+            make_params=lambda batch, i, ex: self._params(batch, 0, i, ex),
             encode=lambda ex: encode_prompt(self.engine.tokenizer, ex, cfg.data),
             scorer=self.scorer if episodes is None else None, agent=episodes)
 

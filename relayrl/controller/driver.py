@@ -33,6 +33,7 @@ from relayrl.engine.outputs import CompletionSample, RequestOutput
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.episode import Trajectory
+from relayrl.errors import DataError
 from relayrl.observe import StageTimer
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
@@ -133,11 +134,18 @@ class Driver:
         self.policy_versions[self.engine.weights_version] = self.step
         return out
 
-    def _params(self, step: int, round_: int, i: int) -> SamplingParams:
+    def _params(self, step: int, round_: int, i: int, ex: Example | None = None) -> SamplingParams:
+        """Sampling settings of prompt i of a step's round. A prompt whose row sets `max_tokens` (in its
+        meta) gets that budget, never more than rollout.max_tokens (hard problems may be given longer)."""
         r = self.cfg.rollout
         seed = ((self.cfg.run.seed * 1_000_003 + step) * 101 + round_) * 100_003 + i
+        own = ex.meta.get("max_tokens") if ex is not None and isinstance(ex.meta, dict) else None
+        if own is not None and (isinstance(own, bool) or not isinstance(own, int) or own < 1):
+            raise DataError(f"a prompt's max_tokens must be a whole number >= 1, got {own!r} "
+                            f"(prompt: {ex.prompt!r:.60})")
+        max_tokens = min(own, r.max_tokens) if own is not None else r.max_tokens
         return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_tokens=r.max_tokens, stop=list(r.stop), seed=seed)
+                              max_tokens=max_tokens, stop=list(r.stop), seed=seed)
 
     def rollout(self, examples: list[Example], round_: int = 0) -> Rollout:
         if self.agent is not None:
@@ -146,7 +154,8 @@ class Driver:
         tok = self.engine.tokenizer
         with self.timer.stage("rollout"):
             prompts = [encode_prompt(tok, ex, self.cfg.data) for ex in examples]
-            outs = self.engine.generate(prompts, [self._params(self.step, round_, i) for i in range(len(examples))])
+            params = [self._params(self.step, round_, i, ex) for i, ex in enumerate(examples)]
+            outs = self.engine.generate(prompts, params)
         assert sum(len(o.samples) for o in outs) == G * len(examples)
         with self.timer.stage("reward"):
             texts = [smp.text for o in outs for smp in o.samples]
@@ -156,7 +165,7 @@ class Driver:
     def _episodes(self, examples: list[Example], round_: int) -> Rollout:
         """G episodes per prompt in the environment; each episode's reward is its environment's."""
         with self.timer.stage("rollout"):
-            trajs = self.agent.run(examples, [self._params(self.step, round_, i) for i in range(len(examples))])
+            trajs = self.agent.run(examples, [self._params(self.step, round_, i, ex) for i, ex in enumerate(examples)])
         return rollout_from_trajectories(examples, trajs)
 
     def collect(self) -> tuple[Rollout, float]:

@@ -70,7 +70,7 @@ class RolloutStream:
     """Feeds complete, scored groups to the trainer; see the module docstring."""
 
     def __init__(self, engine, *, sampler: PromptSampler, prompts_per_step: int, total_batches: int,
-                 staleness: int, max_inflight: int | None, make_params: Callable[[int, int], SamplingParams],
+                 staleness: int, max_inflight: int | None, make_params: Callable[[int, int, Example], SamplingParams],
                  encode: Callable[[Example], Any], scorer: Scorer | None = None, agent: AgentLoop | None = None):
         if (scorer is None) == (agent is None):
             raise ValueError("a rollout stream scores single-turn samples (scorer) or runs episodes (agent)")
@@ -257,7 +257,7 @@ class RolloutStream:
                 j = self.next_batch
                 self.draw_states[j] = self.sampler.state_dict()
                 for i, ex in enumerate(self.sampler.next_batch(self.P)):
-                    self.waiting.append(Group(j, i, ex, self.make_params(j, i)))
+                    self.waiting.append(Group(j, i, ex, self.make_params(j, i, ex)))
                 self.next_batch += 1
             out = []
             while self.waiting and (self.max_inflight is None or self.inflight < self.max_inflight):
