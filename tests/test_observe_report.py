@@ -104,6 +104,14 @@ def test_time_env_is_part_of_the_rollout_not_a_stage():
     assert time_stages({"time/rollout", "time/env", "time/update", "time/step"}) == ["time/rollout", "time/update"]
 
 
+def test_async_waits_are_not_stages():
+    from relayrl.observe.report import time_stages
+
+    # the trainer's wait is its time/rollout again; the engine's wait runs beside the step
+    keys = {"time/rollout", "time/wait_rollout", "time/wait_train", "time/update", "time/step"}
+    assert time_stages(keys) == ["time/rollout", "time/update"]
+
+
 def test_report_plots_episodes_when_the_run_had_an_environment(tmp_path):
     records = [{"step": s, "reward/mean": 0.1 * s, "reward/accuracy": 0.1 * s, "turns/mean": 2.0 - 0.1 * s}
                for s in range(1, 5)] + [{"step": 4, "eval/accuracy": 0.4}]

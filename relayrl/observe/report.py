@@ -46,6 +46,9 @@ STEP_TIME = "time/step"
 # Seconds inside environment steps, summed over episodes: they overlap the rollout (and each other), so
 # they are a part of time/rollout, not a stage of their own.
 ENV_TIME = "time/env"
+# An asynchronous run's waits: the trainer's for its batch (the same seconds as its time/rollout) and the
+# engine's for the trainer (spent beside the step, in another thread): neither is a stage of the step.
+ASYNC_WAITS = ("time/wait_rollout", "time/wait_train")
 TURNS = "turns/mean"
 
 SUMMARY_KEYS = (
@@ -135,7 +138,7 @@ def _plot_mismatch(records: list[dict[str, Any]], out: Path) -> Path | None:
 def time_stages(keys) -> list[str]:
     """The stage timers among `keys`: time/* but time/step, and not a stage's parts (time/sync_verify
     is inside time/sync), so the shares add up."""
-    timers = {k for k in keys if k.startswith("time/") and k not in (STEP_TIME, ENV_TIME)}
+    timers = {k for k in keys if k.startswith("time/") and k not in (STEP_TIME, ENV_TIME, *ASYNC_WAITS)}
     return sorted(k for k in timers if not any(k.startswith(t + "_") for t in timers))
 
 
