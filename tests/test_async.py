@@ -154,3 +154,20 @@ def test_async_in_worker_groups_staleness_zero_equals_sync(tmp_path):
                         rollout={"mode": "async", "max_staleness": 1, "partial": "reprefill"}), show_progress=False)
     assert all(m["staleness/max"] <= 1 for m in _step_lines(eta["run_dir"]))
     assert _prompts(tmp_path / "e") == _prompts(tmp_path / "s")
+
+
+def test_async_failures_stop_the_run_in_one_line_like_sync(tmp_path, monkeypatch):
+    from relayrl.controller import run as run_mod
+    from relayrl.errors import EnvError, RewardError
+
+    from test_env_training import env_cfg
+
+    monkeypatch.setattr(run_mod, "_eval", lambda *a, **k: {})  # the failure must come from the rollout stream
+
+    with pytest.raises(RewardError, match="every sample failed"):
+        train(cfg_for(tmp_path, "r", rollout={"mode": "async", "max_staleness": 1},
+                      reward={"functions": [{"name": "tests.fixtures.rewards:always_raises"}]}), show_progress=False)
+    d = env_cfg(tmp_path, "e", {"name": "tests.fixtures.envs:Broken"}).to_dict()
+    d["rollout"].update(mode="async", max_staleness=1)
+    with pytest.raises(EnvError, match="failed on every episode"):
+        train(RunConfig.from_dict(d), show_progress=False)

@@ -177,12 +177,16 @@ class RolloutStream:
             self.running.clear()
             self.ready.clear()
             self.inflight = 0
-        with self.engine_lock:
-            if self.agent is not None:
-                self.agent.abort_all()
-                self.agent.close()
-            elif running:
-                self.engine.abort(running)
+        if self.engine_lock.acquire(timeout=30):  # a thread stuck in a step keeps it: leave the engine be
+            try:
+                if self.agent is not None:
+                    self.agent.abort_all()
+                elif running:
+                    self.engine.abort(running)
+            finally:
+                self.engine_lock.release()
+        if self.agent is not None:
+            self.agent.close()
         if discarded:
             print(f"relayrl: rollout stream: {discarded} admitted group(s) discarded at shutdown "
                   "(a resume regenerates them)", file=sys.stderr)
