@@ -87,6 +87,9 @@ class AsyncDriver(Driver):
     def sampler_state(self) -> dict:
         return self.stream.sampler_state(self.step)
 
+    def stream_record(self) -> dict:
+        return self.stream.describe(self.step)
+
     def restored(self) -> None:
         self.stream.start_at(self.step)
 

@@ -259,6 +259,10 @@ class Driver:
         """The sampler's position at the next untrained prompt (what a checkpoint saves)."""
         return self.sampler.state_dict()
 
+    def stream_record(self) -> dict:
+        """What a checkpoint records of the rollouts under way (none: a synchronous step completes them)."""
+        return {}
+
     def restored(self) -> None:
         """After a checkpoint's state was loaded (step, sampler): nothing more to set up here."""
 

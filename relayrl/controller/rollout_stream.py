@@ -154,6 +154,13 @@ class RolloutStream:
                 return self.sampler.state_dict()
             raise RuntimeError(f"no sampler state for batch {batch}: drawn up to {self.next_batch - 1}")
 
+    def describe(self, batch: int) -> dict:
+        """The queue as a checkpoint after `batch` - 1 records it: what was admitted past it (regenerated on
+        resume, so this is a record, not a state to load) and the policy version the engine held."""
+        with self.cv:
+            return {"next_batch": batch, "admitted_through": self.next_batch - 1, "engine_version": self.version,
+                    "ready_groups": sorted(list(k) for k in self.ready), "generating_groups": self.inflight}
+
     def pop_idle(self) -> float:
         with self.cv:
             out, self.idle_s = self.idle_s, 0.0

@@ -199,7 +199,7 @@ def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
 def _save(driver: Driver, run_dir: Path, cfg: RunConfig, src: Path) -> None:
     # the sampler at the next untrained prompt: an asynchronous run's admitted batches are regenerated
     extra = {"step": driver.step, "sampler": driver.sampler_state(), "rng": capture_rng_state(),
-             "rollout_mode": cfg.rollout.mode}
+             "rollout_mode": cfg.rollout.mode, "rollout_stream": driver.stream_record()}
     driver.policy.save(run_dir, driver.step, extra=extra, meta={"model_dir": str(src)}, keep_last=cfg.run.keep_last)
 
 
