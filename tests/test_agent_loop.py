@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from relayrl.algorithms.config import AlgoConfig
-from relayrl.controller.agent_loop import AgentLoop
+from relayrl.controller.agent_loop import POLL_S, AgentLoop
 from relayrl.data import Example, get_task
 from relayrl.data.agent_tasks import PRINTABLE
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.base import StepResult, register_env
 from relayrl.envs.config import EnvConfig
+from relayrl.errors import EnvError
 from relayrl.models.tokenizer import build_char_tokenizer, load_tokenizer
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
@@ -284,10 +285,11 @@ def test_an_environment_past_its_deadline_ends_its_episode(setup):
 
 HANG_SCRIPT = """
 import time
-from relayrl.controller.agent_loop import AgentLoop
+from relayrl.controller.agent_loop import POLL_S, AgentLoop
 from relayrl.data import Example
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.config import EnvConfig
+from relayrl.errors import EnvError
 from relayrl.models.tokenizer import build_char_tokenizer
 from tests.helpers import perturbed_model, small_config
 import sys, tempfile
@@ -313,3 +315,268 @@ def test_a_hung_environment_step_does_not_keep_the_process_alive():
     # still blocked
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "env_timeout env_timeout env_timeout"
+
+
+# ---------------------------------------------------------------------------- incremental: submit / advance
+
+
+def drain(loop, done=None, limit_s=120.0):
+    """advance() until nothing is in flight; each returned tag once -> its trajectories."""
+    done = {} if done is None else done
+    t0 = time.perf_counter()
+    while loop.busy:
+        for tag, trajs in loop.advance():
+            assert tag not in done, f"tag {tag!r} returned twice"
+            done[tag] = trajs
+        assert time.perf_counter() - t0 < limit_s
+    return done
+
+
+def same_trajectories(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert (x.prompt_ids, x.response_ids, x.mask, x.reward, x.turns, x.finish, x.versions) == \
+               (y.prompt_ids, y.response_ids, y.mask, y.reward, y.turns, y.finish, y.versions)
+        # the same tokens through batches of another make-up: equal up to float reassociation
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+def test_submissions_come_back_once_each_as_run_makes_them(setup):
+    tok, model = setup
+    examples = get_task("guess", high=99).generate(4, seed=1)
+    params = [SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=10 + i) for i in range(4)]
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20, block_size=8)
+    loop = AgentLoop(engine, EnvConfig(name="guess", max_turns=3, max_total_tokens=200))
+    try:
+        ran = loop.run(examples, params)
+        assert not loop.busy
+        for i in range(4):  # one group (one example, its G episodes) per tag, as the driver submits
+            loop.submit([examples[i]], [params[i]], tag=("group", i))
+        assert loop.busy
+        done = drain(loop)
+    finally:
+        loop.close()
+        engine.close()
+    assert sorted(done) == [("group", i) for i in range(4)]
+    assert max(t.turns for t in ran) >= 2  # multi-turn: the comparison covers observations and later turns
+    for i in range(4):
+        same_trajectories(done[("group", i)], ran[3 * i:3 * i + 3])
+
+
+HELD = threading.Event()
+
+
+@register_env("test_held")
+class HeldEnv:
+    """Episodes of "held" block in their first step until the test sets HELD (or 30 s pass); the others
+    take two quick turns."""
+
+    tools: list = []
+    released: list = []
+
+    def reset(self, example: Example):
+        self.name, self.turn = example.prompt, 0
+        return [{"role": "user", "content": example.prompt}]
+
+    def step(self, message):
+        self.turn += 1
+        if self.name == "held":
+            HeldEnv.released.append(HELD.wait(timeout=30))
+            return StepResult(None, 1.0, True, {})
+        if self.turn < 2:
+            return StepResult([{"role": "user", "content": "again"}], 0.0, False, {})
+        return StepResult(None, 0.5, True, {})
+
+
+def test_a_group_completes_while_another_waits_on_its_environment(setup):
+    tok, model = setup
+    HELD.clear()
+    HeldEnv.released = []
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20)
+    loop = AgentLoop(engine, EnvConfig(name="test_held", max_turns=3, step_timeout_s=60))
+    sp = SamplingParams(n=2, max_tokens=6, seed=0, ignore_eos=True)
+    try:
+        loop.submit([Example("held", "")], [sp], tag="held")
+        loop.submit([Example("a", "")], [sp], tag="a")
+        loop.submit([Example("b", "")], [sp], tag="b")
+        done, t0 = {}, time.perf_counter()
+        while set(done) != {"a", "b"}:
+            for tag, trajs in loop.advance():
+                done[tag] = trajs
+            assert time.perf_counter() - t0 < 20, "the fast groups never came back"
+        # the fast groups came back while the held one's environment was still blocked
+        assert loop.busy and HeldEnv.released == []
+        assert [t.turns for t in done["a"] + done["b"]] == [2] * 4
+        assert [t.reward for t in done["a"] + done["b"]] == [0.5] * 4
+        # with none of its requests in the engine, a call waits on the environments at most POLL_S:
+        # it returns with nothing rather than running until the held group ends
+        for _ in range(3):
+            t1 = time.perf_counter()
+            assert loop.advance() == []
+            assert time.perf_counter() - t1 < POLL_S + 0.5
+        HELD.set()
+        drain(loop, done)
+    finally:
+        HELD.set()
+        loop.close()
+        engine.close()
+    assert HeldEnv.released == [True, True]
+    assert [(t.turns, t.reward, t.finish) for t in done["held"]] == [(1, 1.0, "done")] * 2
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_tokens_carry_the_weights_version_that_sampled_them(setup, per_token):
+    """The weights are reloaded (version + 1) after every engine step: each generated segment's last token
+    has the version its output came out under, earlier tokens no later one; observed ids have -1. A backend
+    whose samples give no versions (per_token=False) has each turn's tokens take its output's version."""
+    tok, model = setup
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20, block_size=8)
+    engine.partial = "keep_kv"  # requests in flight carry on through a weight update (asynchronous RL's mode)
+    if not per_token:
+        step = engine.step
+
+        def silent_step():
+            outs = step()
+            for o in outs:
+                for s in o.samples:
+                    s.versions = []
+            return outs
+
+        engine.step = silent_step
+    spy = Spy(engine)
+    weights = model.state_dict()
+    loop = AgentLoop(engine, EnvConfig(name="guess", max_turns=3, max_total_tokens=200))
+    examples = get_task("guess", high=99).generate(2, seed=1)
+    try:
+        engine.load_weights(weights.items())
+        start = engine.weights_version
+        assert start >= 1
+        loop.submit(examples, [SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5 + i) for i in range(2)],
+                    tag="all")
+        done = {}
+        while loop.busy:
+            done.update(loop.advance())
+            engine.load_weights(weights.items())
+    finally:
+        loop.close()
+        engine.close()
+    came_out: dict[tuple, set] = {}  # a turn's ids -> the versions its outputs came out under
+    for o in spy.outputs:
+        came_out.setdefault(tuple(o.prompt_token_ids + o.samples[0].token_ids), set()).add(o.weights_version)
+    seen, spans = set(), 0
+    for t in done["all"]:
+        assert len(t.versions) == len(t.response_ids)
+        for a, b, v in mask_runs(t.mask):
+            seg = t.versions[a:b]
+            if v == 0:
+                assert seg == [-1] * (b - a)
+                continue
+            # (two episodes may sample the same turn, e.g. a lone EOS, at different versions)
+            last = seg[-1]
+            assert last in came_out[tuple(t.prompt_ids + t.response_ids[:b])]
+            assert all(start <= x <= last for x in seg) and seg == sorted(seg)
+            if not per_token:
+                assert seg == [last] * (b - a)
+            seen.update(seg)
+            spans += len(set(seg)) > 1
+    assert len(seen) > 2  # turns were sampled under several versions
+    assert (spans > 0) == per_token  # the engine's own record: a turn spans the updates made during it
+
+
+def test_outputs_of_requests_the_loop_did_not_add_are_left_alone(setup):
+    tok, model = setup
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20, block_size=8)
+    examples = get_task("guess", high=99).generate(2, seed=1)
+    params = [SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=20 + i) for i in range(2)]
+    loop = AgentLoop(engine, EnvConfig(name="guess", max_turns=3, max_total_tokens=200))
+    try:
+        alone = loop.run(examples, params)
+        spy = Spy(engine)
+        loop.submit(examples, params, tag="g")
+        loop.advance()
+        foreign = engine.add_request(tok("user: hi\nassistant: ", add_special_tokens=False)["input_ids"],
+                                     SamplingParams(n=2, max_tokens=5, seed=1, ignore_eos=True))
+        done = drain(loop)
+        # the foreign request ran in the loop's steps, and its output came out of one of them
+        assert [len(s.token_ids) for o in spy.outputs if o.request_id == foreign for s in o.samples] == [5, 5]
+    finally:
+        loop.close()
+        engine.close()
+    same_trajectories(done["g"], alone)
+
+
+@register_env("test_picky")
+class PickyEnv:
+    """Fails its step on the example "bad"; any other ends after one turn with reward 1."""
+
+    tools: list = []
+
+    def reset(self, example: Example):
+        self.name = example.prompt
+        return [{"role": "user", "content": example.prompt}]
+
+    def step(self, message):
+        if self.name == "bad":
+            raise KeyError("score")
+        return StepResult(None, 1.0, True, {})
+
+
+def test_an_environment_that_always_fails_stops_at_its_first_group_but_one_bad_group_does_not(setup):
+    tok, model = setup
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20)
+    sp = SamplingParams(n=2, max_tokens=4, seed=0, ignore_eos=True)
+    try:
+        loop = AgentLoop(engine, EnvConfig(name="test_picky"))
+        loop.submit([Example("bad", "")], [sp], tag=0)
+        loop.submit([Example("bad", "")], [sp], tag=1)
+        with pytest.raises(EnvError, match=r"^environment 'test_picky' failed on every episode of the step, "
+                                           r"e.g.: KeyError: 'score'$"):
+            drain(loop)
+        loop.abort_all()
+        assert not loop.busy and not engine.has_unfinished()
+        loop.close()
+        # once an episode got through, a group whose every episode failed comes back like any other
+        loop = AgentLoop(engine, EnvConfig(name="test_picky"))
+        loop.submit([Example("good", "")], [sp], tag="good")
+        done = drain(loop)
+        loop.submit([Example("bad", "")], [sp], tag="bad")
+        drain(loop, done)
+        assert [t.finish for t in done["good"]] == ["done", "done"]
+        assert [(t.finish, t.error) for t in done["bad"]] == [("env_error", "KeyError: 'score'")] * 2
+        # run() still raises when every episode of its batch failed, whatever came before
+        with pytest.raises(EnvError, match="failed on every episode"):
+            loop.run([Example("bad", "")], [sp])
+        assert len(loop.run([Example("bad", ""), Example("good", "")], [sp, sp])) == 4
+        loop.close()
+    finally:
+        engine.close()
+
+
+def test_abort_all_drops_the_loops_requests_and_the_loop_serves_again(setup):
+    tok, model = setup
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20, block_size=8)
+    loop = AgentLoop(engine, EnvConfig(name="guess", max_turns=3, max_total_tokens=200))
+    examples = get_task("guess", high=99).generate(2, seed=1)
+    params = [SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=30 + i) for i in range(2)]
+    try:
+        loop.submit(examples, params, tag="x")
+        while not engine.has_unfinished():
+            loop.advance()
+        foreign = engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, seed=0))
+        loop.abort_all()
+        assert not loop.busy and loop.advance() == []
+        # only the foreign request is left in the engine
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert [o.request_id for o in outs] == [foreign]
+        # the same loop runs a fresh batch exactly as a new loop would
+        again = loop.run(examples, params)
+    finally:
+        loop.close()
+    fresh = AgentLoop(engine, EnvConfig(name="guess", max_turns=3, max_total_tokens=200))
+    try:
+        same_trajectories(again, fresh.run(examples, params))
+    finally:
+        fresh.close()
+        engine.close()
