@@ -219,20 +219,20 @@ class AgentLoop:
                 if ep is None:  # a request this loop did not add (an evaluation's, say): its caller's
                     continue
                 s = out.samples[0]
-                # the engine reports the version of each token once generation can be interrupted for
-                # new weights; before that, every token of an output comes from the version it ended under
+                # LLMEngine records each token's version (new weights may land mid-turn); a backend that
+                # does not say gives the whole turn the version its output came out under
                 versions = getattr(s, "versions", None) or [out.weights_version] * len(s.token_ids)
                 text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                 message = ep.add_generated(s.token_ids, s.logprobs, text, list(versions))
                 self._call(ep, ep.env.step, message)
         done, self._completed = self._completed, []
-        out = []
+        finished = []
         for tag in done:
             sub = self._subs.pop(tag)
             for ep in sub.episodes:
                 del self._tags[ep.index], self._plans[ep.index]
-            out.append((tag, sub.episodes))
-        return out
+            finished.append((tag, sub.episodes))
+        return finished
 
     def _ended(self, ep: Episode) -> None:
         """Count an episode that just ended towards its submission's completion."""
