@@ -60,6 +60,14 @@ class AlgoConfig(Config):
     # (pi_prox of decoupled PPO), with TIS / MIS weighting pi_prox / pi_behaviour; behaviour: the engine's
     # sampling logprobs themselves (plain PPO: no recompute, no correction for stale or mismatched samples)
     proximal: Literal["recompute", "behaviour"] = "recompute"
+    # PPO with a critic (advantage: gae): GAE's discount and lambda (verl's algorithm.gamma / algorithm.lam),
+    # the critic's value clip (None: none), whitening of the advantages over the batch's model tokens, and
+    # the KL put in the reward (kl_coef then penalises each token's reward instead of adding a loss term)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    value_clip: PositiveFloat | None = 0.2
+    whiten_advantages: bool = True
+    kl_in_reward: bool = False
     # DAPO dynamic sampling: drop groups without reward spread, resample up to N rounds
     filter_groups: bool = False
     max_resample_rounds: int = Field(3, ge=0)
