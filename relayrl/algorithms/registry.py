@@ -58,12 +58,38 @@ AGGREGATIONS = Registry("aggregation")
 KL_ESTIMATORS = Registry("kl estimator")
 
 
-def register_advantage(name: str):
-    return ADVANTAGES.register(name)
+def register_advantage(name: str, *, token_level: bool = False, needs_greedy_baseline: bool = False):
+    """Register an advantage estimator. The two flags tell the driver how to call it, and are set as
+    attributes on the function:
+
+    token_level=False (grpo, dr_grpo, rloo, remax):  fn(rewards [N], group_size, norm_std=True) -> [N]
+    token_level=True  (reinforce_pp, reinforce_pp_baseline):
+        fn(outcome [B], mask [B, T], *, group_size, kl=None, kl_coef=0.0, gamma=1.0, norm_std=True) -> [B, T]
+    needs_greedy_baseline=True (remax): the driver also generates one greedy sample per prompt, scores it,
+        and passes its rewards as `baseline=` [N/G].
+    """
+    reg = ADVANTAGES.register(name)
+
+    def deco(fn: F) -> F:
+        fn.token_level = token_level  # type: ignore[attr-defined]
+        fn.needs_greedy_baseline = needs_greedy_baseline  # type: ignore[attr-defined]
+        return reg(fn)
+
+    return deco
 
 
 def get_advantage(name: str) -> Callable:
     return ADVANTAGES.get(name)
+
+
+def advantage_is_token_level(name: str) -> bool:
+    """True when `name` takes token-level inputs (outcome, mask, KL) and returns [B, T] advantages."""
+    return bool(getattr(ADVANTAGES.get(name), "token_level", False))
+
+
+def advantage_needs_greedy_baseline(name: str) -> bool:
+    """True when `name` needs the rewards of one greedy (temperature 0) sample per prompt as `baseline=`."""
+    return bool(getattr(ADVANTAGES.get(name), "needs_greedy_baseline", False))
 
 
 def register_loss(name: str):
