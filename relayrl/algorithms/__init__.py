@@ -7,7 +7,7 @@ another relayrl layer: the algorithms are a leaf, which the trainer and the cont
 Importing this package registers every built-in estimator / loss / aggregation / KL kind.
 """
 
-from relayrl.algorithms.advantages import dr_grpo, grpo, rloo
+from relayrl.algorithms.advantages import dr_grpo, grpo, remax, rloo
 from relayrl.algorithms.aggregation import aggregate, masked_max, masked_mean
 from relayrl.algorithms.config import AlgoConfig
 from relayrl.algorithms.correction import (
@@ -27,6 +27,8 @@ from relayrl.algorithms.registry import (
     KL_ESTIMATORS,
     LOSSES,
     Registry,
+    advantage_is_token_level,
+    advantage_needs_greedy_baseline,
     get_advantage,
     get_aggregation,
     get_kl,
@@ -36,12 +38,15 @@ from relayrl.algorithms.registry import (
     register_kl,
     register_loss,
 )
+from relayrl.algorithms.token_advantages import discounted_returns, global_whiten, reinforce_pp, reinforce_pp_baseline
 
 __all__ = [
     "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "LOSSES", "Registry",
     "register_advantage", "get_advantage", "register_loss", "get_loss",
     "register_aggregation", "get_aggregation", "register_kl", "get_kl",
-    "grpo", "dr_grpo", "rloo",
+    "grpo", "dr_grpo", "rloo", "remax",
+    "advantage_is_token_level", "advantage_needs_greedy_baseline",
+    "reinforce_pp", "reinforce_pp_baseline", "discounted_returns", "global_whiten",
     "aggregate", "masked_mean", "masked_max",
     "ppo", "gspo",
     "kl_penalty", "entropy_from_logits",

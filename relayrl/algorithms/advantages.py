@@ -6,7 +6,9 @@ Layout: the G samples of one prompt are contiguous, so `rewards[g*G:(g+1)*G]` is
 
     fn(rewards: [N], group_size: int, norm_std: bool = True) -> advantages: [N]
 
-so the driver can swap them by name (`estimators that ignore norm_std accept it anyway`).
+so the driver can swap them by name (`estimators that ignore norm_std accept it anyway`). ReMax also takes
+`baseline=` [N/G], the rewards of one greedy sample per prompt (`advantage_needs_greedy_baseline`). The
+token-level estimators (REINFORCE++) live in token_advantages.py.
 Rewards carry no gradient; the result is a plain tensor in the rewards' float dtype.
 
 It imports torch and the algorithm registry only; it must never import another relayrl layer: the
@@ -70,3 +72,24 @@ def rloo(rewards: Tensor, group_size: int, norm_std: bool = True) -> Tensor:
     g = _groups(rewards, group_size, min_size=2)
     others_mean = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
     return (g - others_mean).reshape(-1)
+
+
+@register_advantage("remax", needs_greedy_baseline=True)
+def remax(rewards: Tensor, group_size: int, norm_std: bool = True, *, baseline: Tensor) -> Tensor:
+    """ReMax (Li et al., 2023):  A_i = r_i - r_greedy(prompt of i).
+
+    baseline [N/G]: the reward of one greedy (temperature 0) response per prompt, in group order; the driver
+    generates and scores it (`advantage_needs_greedy_baseline("remax")` is True). The greedy response is a
+    per-prompt baseline that does not depend on the sampled ones, so the estimator stays unbiased with any G,
+    including G = 1 (the paper's setting). norm_std is accepted and ignored.
+
+    verl: `algorithm.adv_estimator: remax` (its `reward_baselines`). verl broadcasts the return-to-go of the
+    token rewards; without KL in the reward that is r_i on every token, the same as this [N] advantage.
+    OpenRLHF has no ReMax estimator.
+    """
+    g = _groups(rewards, group_size)
+    baseline = baseline.detach()
+    if baseline.shape != (g.shape[0],):
+        raise ValueError(f"baseline must be [N/G] = [{g.shape[0]}] (one greedy reward per prompt), "
+                         f"got shape {tuple(baseline.shape)}")
+    return (g - baseline.to(g.dtype).unsqueeze(1)).reshape(-1)

@@ -21,6 +21,7 @@ from relayrl.algorithms import advantages as _advantages  # noqa: F401 - registe
 from relayrl.algorithms import aggregation as _aggregation  # noqa: F401 - registers the loss aggregations
 from relayrl.algorithms import kl as _kl  # noqa: F401 - registers the KL estimators
 from relayrl.algorithms import policy_loss as _policy_loss  # noqa: F401 - registers the policy losses
+from relayrl.algorithms import token_advantages as _token_advantages  # noqa: F401 - registers REINFORCE++
 from relayrl.algorithms.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LOSSES, Registry
 from relayrl.config import Config
 
@@ -34,7 +35,9 @@ def _check_name(registry: Registry, name: str) -> str:
 
 
 class AlgoConfig(Config):
-    # advantage estimator: grpo | dr_grpo | rloo; norm_std divides by the group std (grpo only)
+    # advantage estimator: grpo | dr_grpo | rloo | remax (sequence-level; remax adds a greedy baseline rollout)
+    # | reinforce_pp | reinforce_pp_baseline (token-level). norm_std divides by the group std (grpo), or by the
+    # batch's token std (reinforce_pp*; False is OpenRLHF's --no_advantage_std_norm)
     advantage: str = "grpo"
     norm_std: bool = True
     # policy loss: ppo (token ratios) | gspo (sequence ratio); agg: how tokens reduce to a scalar
@@ -62,7 +65,9 @@ class AlgoConfig(Config):
     proximal: Literal["recompute", "behaviour"] = "recompute"
     # PPO with a critic (advantage: gae): GAE's discount and lambda (verl's algorithm.gamma / algorithm.lam),
     # the critic's value clip (None: none), whitening of the advantages over the batch's model tokens, and
-    # the KL put in the reward (kl_coef then penalises each token's reward instead of adding a loss term)
+    # the KL put in the reward (kl_coef then penalises each token's reward instead of adding a loss term).
+    # gamma and kl_in_reward also apply to reinforce_pp / reinforce_pp_baseline (OpenRLHF --gamma, and
+    # --init_kl_coef without --use_kl_loss); lam, value_clip and whiten_advantages are gae's only
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
     value_clip: PositiveFloat | None = 0.2
