@@ -5,6 +5,9 @@ worker processes that run them.
       functions:            a weighted sum; each entry {name, weight, params, batch}
         - {name: task}      batch: null tells the function's form by its signature (a parameter named
                             `completions`: TRL's batch form); true / false say it (see relayrl.rewards.calls)
+        - {name: model, path: DIR, weight: 1.0, params: {batch_size: 16, dtype: float32}}
+                            a reward model: DIR is a sequence-classification directory (one label; its logit is
+                            the reward) scored by the controller (relayrl.controller.reward_model), not the pool
       timeout_s: 10         one call longer than this is killed and scored on_failure (counted in reward/timeouts);
                             a batch function's call scores one prompt's group of samples
       workers: 2            reward worker processes; 0 runs the functions in the driver (no isolation, no timeout)
@@ -23,9 +26,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from relayrl.config import Config
+
+# The name of a reward-model entry: scored by a model in the controller, never looked up as a rule function.
+MODEL = "model"
+MODEL_PARAMS = {"batch_size": "an integer >= 1 (samples per forward)", "dtype": "float32 or bfloat16"}
 
 
 class RewardFunctionConfig(Config):
@@ -33,6 +40,7 @@ class RewardFunctionConfig(Config):
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
     batch: bool | None = None
+    path: str | None = None  # name: model only: the reward model's directory
 
     @field_validator("weight")
     @classmethod
@@ -40,6 +48,28 @@ class RewardFunctionConfig(Config):
         if not math.isfinite(v):
             raise ValueError("weight must be a finite number")
         return v
+
+    @model_validator(mode="after")
+    def _model_entry(self) -> RewardFunctionConfig:
+        if self.name != MODEL:
+            if self.path is not None:
+                raise ValueError(f"path is only for reward models (name: {MODEL}); "
+                                 f"function '{self.name}' takes its settings in params")
+            return self
+        if not self.path:
+            raise ValueError(f"name: {MODEL} needs path: the directory of a sequence-classification model")
+        if self.batch is not None:
+            raise ValueError(f"batch is for rule functions; a reward model (name: {MODEL}) batches by "
+                             "params.batch_size")
+        for k in self.params:
+            if k not in MODEL_PARAMS:
+                raise ValueError(f"params.{k}: unknown for a reward model; it takes {', '.join(MODEL_PARAMS)}")
+        bs = self.params.get("batch_size", 16)
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"params.batch_size must be {MODEL_PARAMS['batch_size']}, got {bs!r}")
+        if self.params.get("dtype", "float32") not in ("float32", "bfloat16"):
+            raise ValueError(f"params.dtype must be {MODEL_PARAMS['dtype']}, got {self.params['dtype']!r}")
+        return self
 
 
 class RewardConfig(Config):
@@ -60,6 +90,16 @@ class RewardConfig(Config):
         if not math.isfinite(v):
             raise ValueError("must be a finite number")
         return v
+
+    def rule_config(self) -> RewardConfig:
+        """This section without its reward-model entries: what the reward pool runs. It may hold no function
+        at all (only models configured); the pool then computes only the task score, for accuracy."""
+        # model_copy skips validation on purpose: an empty list is a valid pool (see rewards.scorer.build_scorer)
+        return self.model_copy(update={"functions": [f for f in self.functions if f.name != MODEL]})
+
+    def model_entries(self) -> list[tuple[int, RewardFunctionConfig]]:
+        """(index in reward.functions, entry) of each reward-model entry, in order."""
+        return [(i, f) for i, f in enumerate(self.functions) if f.name == MODEL]
 
     def cpu_limit_s(self) -> int:
         """CPU seconds one call may use: cpu_s, or the wall-clock timeout rounded up."""
