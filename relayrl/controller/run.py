@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from relayrl.checkpoint import capture_rng_state, latest_valid_checkpoint, restore_rng_state
+from relayrl.controller.actor_workers import critic_model
 from relayrl.controller.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.controller.async_driver import AsyncDriver
 from relayrl.controller.base_model import base_model_dir
@@ -36,6 +37,7 @@ from relayrl.controller.evaluate import evaluate, evaluate_episodes
 from relayrl.controller.group_policy import GroupPolicy, group_options
 from relayrl.controller.local_policy import LocalPolicy
 from relayrl.controller.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
+from relayrl.controller.reward_model import CombinedScorer, ModelScorer, RemoteModelScorer, model_entries
 from relayrl.controller.weight_sync import FullWeightSync, PlannedWeightSync
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
@@ -53,6 +55,7 @@ from relayrl.rewards.protocol import Scorer
 from relayrl.sync.layout import TrainerLayout
 from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.actor import Actor
+from relayrl.trainer.critic import Critic
 from relayrl.trainer.policy import Policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -105,12 +108,28 @@ def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: Rollout
 
 
 def build_scorer_for(cfg: RunConfig) -> Scorer | None:
-    """The reward scorer; none for environments, which reward their own episodes."""
+    """The reward scorer; none for environments, which reward their own episodes. Rule functions run in
+    the reward pool (or N reward workers); reward models (`name: model` entries) in the driver's process
+    with parallel.backend none, else in a reward-model worker group of their own (controller.reward_model)."""
     if cfg.env is not None:
         return None
+    entries = model_entries(cfg.reward)  # a missing model directory fails here, before any process starts
+    rule_cfg = cfg.reward.rule_config()
     if cfg.parallel.reward_workers:
-        return RemoteScorer(cfg.reward, cfg.parallel.reward_workers, group_options(cfg.parallel))
-    return build_scorer(cfg.reward)
+        rules: Scorer = RemoteScorer(rule_cfg, cfg.parallel.reward_workers, group_options(cfg.parallel))
+    else:
+        rules = build_scorer(rule_cfg)
+    if not entries:
+        return rules
+    try:
+        if cfg.parallel.backend == "none":
+            models: ModelScorer | RemoteModelScorer = ModelScorer(entries)
+        else:
+            models = RemoteModelScorer(entries, group_options(cfg.parallel))
+    except BaseException:
+        rules.close()
+        raise
+    return CombinedScorer(rules, models, entries, on_failure=cfg.reward.on_failure)
 
 
 def build_agent(cfg: RunConfig, engine: RolloutEngine) -> EpisodeRunner | None:
@@ -184,16 +203,22 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
 
 
 def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
-    """The trainer in this process (parallel.backend none), or as worker groups (local / ray)."""
+    """The trainer in this process (parallel.backend none), or as worker groups (local / ray); with PPO's
+    critic (algo.advantage gae) beside the actor, laid out like it."""
     with_ref = cfg.algo.kl_coef > 0
     if cfg.parallel.backend == "none":
         actor = Actor(load_pretrained(src), cfg.trainer, cfg.algo, total_steps=cfg.run.steps,
                       temperature=cfg.rollout.temperature, seed=cfg.run.seed)
         ref = load_pretrained(src).eval().requires_grad_(False) if with_ref else None
+        critic = None
+        if cfg.critic is not None:
+            critic = Critic(critic_model(str(src), cfg.critic, cfg.run.seed), cfg.critic, cfg.algo,
+                            total_steps=cfg.run.steps, seed=cfg.run.seed)
         return LocalPolicy(actor, ref, temperature=cfg.rollout.temperature,
-                           micro_batch_size=cfg.trainer.micro_batch_size)
+                           micro_batch_size=cfg.trainer.micro_batch_size, critic=critic)
     return GroupPolicy(src, par=cfg.parallel, trainer_cfg=cfg.trainer, algo_cfg=cfg.algo, total_steps=cfg.run.steps,
-                       temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=with_ref)
+                       temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=with_ref,
+                       critic_cfg=cfg.critic)
 
 
 def _save(driver: Driver, run_dir: Path, cfg: RunConfig, src: Path) -> None:
