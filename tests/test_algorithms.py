@@ -45,7 +45,7 @@ def close(a, b, tol=1e-9):
 def test_unknown_names_list_known_ones():
     with pytest.raises(ValueError, match=r"unknown loss 'nope'; known: .*gspo, .*ppo"):
         get_loss("nope")
-    with pytest.raises(ValueError, match=r"dr_grpo, grpo, rloo"):
+    with pytest.raises(ValueError, match=r"dr_grpo, gae, grpo, .*rloo"):
         get_advantage("ppo")
     with pytest.raises(ValueError, match=r"seq-mean-token-mean"):
         get_aggregation("mean")
@@ -309,7 +309,7 @@ def test_algo_config_defaults_and_errors():
         ({"clip_low": 0.0}, "clip_low"),
         ({"clip_low": -0.1}, "clip_low"),
         ({"loss": "ppo2"}, "loss: .*unknown loss 'ppo2'; known: .*gspo, .*ppo"),
-        ({"advantage": "gae"}, "advantage: .*known: dr_grpo, grpo, rloo"),
+        ({"advantage": "gae2"}, "advantage: .*known: dr_grpo, gae, grpo, .*rloo"),
         ({"agg": "mean"}, "agg"),
         ({"kl_kind": "k9"}, "kl_kind"),
         ({"kl_coef": -1.0}, "kl_coef"),

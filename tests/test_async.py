@@ -157,10 +157,10 @@ def test_async_in_worker_groups_staleness_zero_equals_sync(tmp_path):
 
 
 def test_async_failures_stop_the_run_in_one_line_like_sync(tmp_path, monkeypatch):
+    from test_env_training import env_cfg
+
     from relayrl.controller import run as run_mod
     from relayrl.errors import EnvError, RewardError
-
-    from test_env_training import env_cfg
 
     monkeypatch.setattr(run_mod, "_eval", lambda *a, **k: {})  # the failure must come from the rollout stream
 

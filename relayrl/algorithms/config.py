@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 # Imported for their side effect: each module fills its registry as it loads, and the validators below look names up.
 from relayrl.algorithms import advantages as _advantages  # noqa: F401 - registers the advantage estimators
 from relayrl.algorithms import aggregation as _aggregation  # noqa: F401 - registers the loss aggregations
+from relayrl.algorithms import gae as _gae  # noqa: F401 - registers gae
 from relayrl.algorithms import kl as _kl  # noqa: F401 - registers the KL estimators
 from relayrl.algorithms import policy_loss as _policy_loss  # noqa: F401 - registers the policy losses
 from relayrl.algorithms import token_advantages as _token_advantages  # noqa: F401 - registers REINFORCE++

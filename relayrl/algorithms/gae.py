@@ -15,7 +15,7 @@ For a verl user: `gamma` and `lam` are verl's `algorithm.gamma` / `algorithm.lam
 verl's whitening of the advantages (shift the mean, divide by the unbiased std over the masked tokens).
 With right-padded single-turn rows the recursion is verl's `compute_gae_advantage_return` exactly.
 
-The critic role that produces V_t is issue 16's next step; this module is its advantage computation.
+`algo.advantage: gae` registers `gae_advantages`; the critic that produces V_t is relayrl.trainer.critic.
 
 It imports torch only; it must never import another relayrl layer: the algorithms are a leaf, which the
 trainer and the controller import.
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from relayrl.algorithms.registry import register_advantage
 
 WHITEN_EPS = 1e-8
 
@@ -62,6 +64,15 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
         next_adv = torch.where(act, adv, next_adv)
     returns = (advantages + values) * (mask > 0)
     return advantages, returns
+
+
+@register_advantage("gae", token_level=True, needs_critic=True)
+def gae_advantages(outcome: Tensor, mask: Tensor, *, values: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0,
+                   gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> tuple[Tensor, Tensor]:
+    """(advantages, returns) [B, T] of PPO with a critic: token rewards (outcome on the last model token, minus
+    kl_coef * KL per token), GAE over the critic's values, the advantages whitened over the batch's model tokens."""
+    adv, returns = gae(token_rewards(outcome, mask, kl, kl_coef), values, mask, gamma, lam)
+    return (masked_whiten(adv, mask) if whiten else adv), returns
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:

@@ -77,7 +77,7 @@ def policy_objective(
     if ref_logp is not None:
         kl_tok = kl_penalty(logp, ref_logp, cfg.kl_kind)
         stats["kl"] = masked_mean(kl_tok.detach(), mask)
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and not cfg.kl_in_reward:  # in the reward instead (PPO with a critic): no loss term
             kl_loss = aggregate(kl_tok, mask_eff, cfg.agg, **denoms)
             total = total + cfg.kl_coef * kl_loss
 

@@ -58,7 +58,8 @@ AGGREGATIONS = Registry("aggregation")
 KL_ESTIMATORS = Registry("kl estimator")
 
 
-def register_advantage(name: str, *, token_level: bool = False, needs_greedy_baseline: bool = False):
+def register_advantage(name: str, *, token_level: bool = False, needs_greedy_baseline: bool = False,
+                       needs_critic: bool = False):
     """Register an advantage estimator. The two flags tell the driver how to call it, and are set as
     attributes on the function:
 
@@ -67,12 +68,14 @@ def register_advantage(name: str, *, token_level: bool = False, needs_greedy_bas
         fn(outcome [B], mask [B, T], *, group_size, kl=None, kl_coef=0.0, gamma=1.0, norm_std=True) -> [B, T]
     needs_greedy_baseline=True (remax): the driver also generates one greedy sample per prompt, scores it,
         and passes its rewards as `baseline=` [N/G].
+    needs_critic=True (gae): token-level, from the critic's values; the run trains a critic beside the actor.
     """
     reg = ADVANTAGES.register(name)
 
     def deco(fn: F) -> F:
         fn.token_level = token_level  # type: ignore[attr-defined]
         fn.needs_greedy_baseline = needs_greedy_baseline  # type: ignore[attr-defined]
+        fn.needs_critic = needs_critic  # type: ignore[attr-defined]
         return reg(fn)
 
     return deco
@@ -90,6 +93,11 @@ def advantage_is_token_level(name: str) -> bool:
 def advantage_needs_greedy_baseline(name: str) -> bool:
     """True when `name` needs the rewards of one greedy (temperature 0) sample per prompt as `baseline=`."""
     return bool(getattr(ADVANTAGES.get(name), "needs_greedy_baseline", False))
+
+
+def advantage_needs_critic(name: str) -> bool:
+    """True when `name` needs a critic's values (gae): the run then trains one."""
+    return bool(getattr(ADVANTAGES.get(name), "needs_critic", False))
 
 
 def register_loss(name: str):

@@ -1,7 +1,7 @@
 """This module computes the critic's loss: the clipped value regression of PPO.
 
-    loss_t = 0.5 * max( (V_t - R_t)^2, (clip(V_t, V_old_t - c, V_old_t + c) - R_t)^2 )      (clip c: algo.value_clip)
-    loss   = token mean of loss_t over the model's tokens                                   (0.5 (V_t - R_t)^2 without clip)
+    loss_t = 0.5 * max( (V_t - R_t)^2, (clip(V_t, V_old_t - c, V_old_t + c) - R_t)^2 )    (c: algo.value_clip)
+    loss   = token mean of loss_t over the model's tokens              (without a clip: 0.5 (V_t - R_t)^2)
 
 R_t are the GAE returns (relayrl.algorithms.gae), V_old_t the critic's values when the batch was
 collected. Clipping keeps one update from moving a value further than c from where it started, as the

@@ -145,7 +145,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
     tp = tp_mesh.size()
     cfg = model.config
     check_tp_divisibility(cfg, tp)
-    tied = cfg.tie_word_embeddings
+    # a model without a language-model head (a critic's or reward model's score head) has nothing to tie
+    tied = cfg.tie_word_embeddings and hasattr(model, "lm_head")
     for name, module in model.named_modules():
         styles = [s for pattern, s in plan.items() if fnmatch(name, pattern)]
         if len(styles) > 1:

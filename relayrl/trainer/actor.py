@@ -135,20 +135,24 @@ class Actor:
         for i, mb in enumerate(micro):
             if set_sync is not None:  # reduce gradients once, after the last micro-batch
                 set_sync(i == len(micro) - 1)
-            with self._autocast():
-                # entropy is reported every step; it carries gradient only when entropy_coef != 0
-                logp, ent = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                           with_entropy=True, padding_free=self.cfg.padding_free,
-                                           tp_group=self.tp_group)
-            if self.algo.entropy_coef == 0:
-                ent = ent.detach()
-            loss, st = policy_objective(
-                logp, mb.old_logp, mb.advantages, mb.response_mask, self.algo,
-                rollout_logp=mb.rollout_logp, ref_logp=mb.ref_logp, entropy=ent,
-                num_tokens=num_tokens, num_seqs=num_seqs,
-            )
+            loss, st = self.loss(mb, num_tokens, num_seqs)
             loss.backward()
             tally.add(float(loss.detach()), st, float(mb.response_mask.sum()))
+
+    def loss(self, mb: TrainBatch, num_tokens: torch.Tensor, num_seqs: float) -> tuple[torch.Tensor, dict]:
+        """One micro-batch's share of the mini-batch loss (global denominators) and its stats."""
+        with self._autocast():
+            # entropy is reported every step; it carries gradient only when entropy_coef != 0
+            logp, ent = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
+                                       with_entropy=True, padding_free=self.cfg.padding_free,
+                                       tp_group=self.tp_group)
+        if self.algo.entropy_coef == 0:
+            ent = ent.detach()
+        return policy_objective(
+            logp, mb.old_logp, mb.advantages, mb.response_mask, self.algo,
+            rollout_logp=mb.rollout_logp, ref_logp=mb.ref_logp, entropy=ent,
+            num_tokens=num_tokens, num_seqs=num_seqs,
+        )
 
 
 class _Tally:

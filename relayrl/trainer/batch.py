@@ -8,6 +8,8 @@
     old_logp        [B, T]  trainer logprobs before the update (recomputed, not the engine's)
     rollout_logp    [B, T]  what the engine reported when sampling (for the IS correction)
     ref_logp        [B, T]  reference model logprobs (KL), or None
+    values          [B, T]  the critic's values when the batch was collected (PPO with a critic), or None
+    returns         [B, T]  the critic's regression targets (GAE returns), or None
 
 Logprobs are aligned to tokens: logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]).
 
@@ -33,6 +35,8 @@ class TrainBatch:
     old_logp: torch.Tensor | None = None
     rollout_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

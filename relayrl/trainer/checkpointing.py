@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.checkpoint import load_distributed, save_distributed
+from relayrl.checkpoint.errors import CheckpointError
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.optim import foreach_ok
 
@@ -34,3 +35,25 @@ def load_actor(actor: Actor, path: str | Path) -> dict[str, Any]:
     actor.scheduler.load_state_dict(extra["scheduler"])  # after the optimizer: its lr wins
     actor.shuffle_gen.set_state(extra["shuffle"])
     return extra
+
+
+def critic_checkpoint(actor_checkpoint: str | Path) -> Path:
+    """run_dir/critic/checkpoints/step_N for the actor's run_dir/checkpoints/step_N."""
+    p = Path(actor_checkpoint)
+    return p.parent.parent / "critic" / "checkpoints" / p.name
+
+
+def save_critic(critic: Actor, run_dir: str | Path, step: int, *, meta: Mapping[str, Any],
+                keep_last: int | None) -> Path:
+    """The critic's checkpoint, in a tree of its own (run_dir/critic), written before the actor's: a step
+    whose actor checkpoint is complete has its critic's too."""
+    return save_actor(critic, Path(run_dir) / "critic", step, extra={}, meta=meta, keep_last=keep_last)
+
+
+def load_critic(critic: Actor, actor_checkpoint: str | Path) -> None:
+    """Collective: the critic's checkpoint of the same step as `actor_checkpoint`, into the current layout."""
+    path = critic_checkpoint(actor_checkpoint)
+    if not path.is_dir():
+        raise CheckpointError(f"{actor_checkpoint} has no critic checkpoint beside it ({path} is missing): "
+                              "resume a PPO-with-critic run from a checkpoint it wrote")
+    load_actor(critic, path)

@@ -32,3 +32,13 @@ class TrainerConfig(Config):
     shuffle: bool = True  # shuffle sequences between mini-batches (seeded)
     bf16: bool = False  # autocast the forward to bf16; master weights and optimiser stay fp32
     padding_free: bool = False  # pack sequences into one row instead of padding
+
+
+class CriticConfig(TrainerConfig):
+    """The `critic:` section (PPO with a critic, `algo.advantage: gae`): the value model's own optimiser,
+    schedule and batching (every `trainer.*` key, with their defaults), where it starts, and how many RL
+    steps it trains alone before the actor moves (its values start from nothing; early advantages are noise)."""
+
+    path: str | None = None  # a sequence-classification directory (one label); None: the policy with a fresh head
+    head_std: float = Field(0.0, ge=0)  # the fresh head's init std (0: every value starts at 0)
+    warmup_updates: int = Field(0, ge=0)

@@ -50,9 +50,15 @@ class Policy(Protocol):
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update over the batch (PPO epochs, mini-batches); its statistics."""
 
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """The critic's values [B, T] of the batch's tokens (PPO with a critic; no grad)."""
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        """One update of the critic on the batch's values and returns; its statistics."""
+
     def save(self, run_dir: str | Path, step: int, *, extra: Mapping[str, Any], meta: Mapping[str, Any],
              keep_last: int | None) -> Path:
-        """A checkpoint of the model, optimizer and run state (`extra`); its directory."""
+        """A checkpoint of the model, optimizer and run state (`extra`), and the critic's beside it; its directory."""
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore a checkpoint into the current layout; the run state saved with it."""
