@@ -6,6 +6,8 @@ engine's ranks) and the reference model.
                       run_on_rank(fn) for the weight sync; colocated, rank r < engine tp also hosts
                       engine rank r (init_engine, engine_call, engine_run: relayrl.controller.engine_host)
     ReferenceWorker   one rank of the frozen reference model: compute_ref_logprobs
+    CriticWorker      one rank of PPO's value model (laid out like the actor): compute_values, update,
+                      checkpoints beside the actor's
 
 Both build their model the same way (load, then parallelize_model by `parallel.*`). TrainBatch and
 DataBatch convert field by field (`to_data` / `to_train`): DataBatch is what crosses processes.
@@ -22,7 +24,9 @@ import torch
 
 from relayrl.engine.model_runner import ModelRunner, available_memory
 from relayrl.engine.parallel_state import TPInfo
+from relayrl.errors import ModelDirError
 from relayrl.models import load_pretrained
+from relayrl.models.score import ScoreModel, from_causal_lm, load_score_model
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
@@ -31,10 +35,13 @@ from relayrl.single_controller.dispatch import Dispatch, DPInfo, dispatch
 from relayrl.single_controller.worker import Worker, dp_info_from_dims
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch
-from relayrl.trainer.checkpointing import load_actor, save_actor
+from relayrl.trainer.checkpointing import load_actor, load_critic, save_actor, save_critic
+from relayrl.trainer.config import CriticConfig
+from relayrl.trainer.critic import Critic
 from relayrl.trainer.logprobs import token_logprobs
 
-FIELDS = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logp", "rollout_logp", "ref_logp")
+FIELDS = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logp", "rollout_logp", "ref_logp",
+          "values", "returns")
 
 
 def to_data(batch: TrainBatch) -> DataBatch:
@@ -52,14 +59,24 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
 
 
+def critic_model(model_dir: str, cfg: CriticConfig, seed: int) -> ScoreModel:
+    """The value model: critic.path's classifier, or the policy at model_dir with a fresh one-label head."""
+    if cfg.path is not None:
+        model = load_score_model(cfg.path)
+        if model.num_labels != 1:
+            raise ModelDirError(f"critic.path={cfg.path}: a value model has one label, this one has {model.num_labels}")
+        return model
+    return from_causal_lm(model_dir, head_std=cfg.head_std, seed=seed)
+
+
 class _ParallelModelWorker(Worker):
-    def _build_model(self, model_dir: str, par: ParallelConfig, seed: int, trains: bool = True):
+    def _build_model(self, model_dir: str, par: ParallelConfig, seed: int, trains: bool = True, loader=None):
         self.init_distributed()
         torch.manual_seed(seed)
         self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
                                  world_size=self.world_size)
         mesh = self.dims.build_mesh(self.device.split(":")[0])
-        model = load_pretrained(model_dir)
+        model = loader() if loader is not None else load_pretrained(model_dir)
         if not trains and par.dp_mode == "ddp":
             return model  # DDP only syncs gradients: a frozen model is simply replicated
         return parallelize_model(model, self.dims, mesh, dp_mode=par.dp_mode,
@@ -139,6 +156,34 @@ class ActorWorker(_ParallelModelWorker):
         del self.actor
         self.engine_runner = None
         self.sync_state.clear()
+
+
+class CriticWorker(_ParallelModelWorker):
+    """One rank of the critic (PPO's value model), laid out like the actor."""
+
+    def __init__(self, model_dir: str, par: ParallelConfig, critic_cfg: CriticConfig, algo_cfg, *, total_steps: int,
+                 seed: int):
+        model = self._build_model(model_dir, par, seed, loader=lambda: critic_model(model_dir, critic_cfg, seed))
+        self.critic = Critic(model, critic_cfg, algo_cfg, total_steps=total_steps, seed=seed, dims=self.dims)
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def compute_values(self, batch: DataBatch) -> DataBatch:
+        return DataBatch({"values": self.critic.compute_values(to_train(batch))})
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def update(self, batch: DataBatch) -> dict:
+        return self.critic.update(to_train(batch))
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def save(self, run_dir: str, step: int, meta: dict, keep_last: int | None) -> str:
+        return str(save_critic(self.critic, run_dir, step, meta=meta, keep_last=keep_last))
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def load(self, actor_checkpoint: str) -> None:
+        load_critic(self.critic, actor_checkpoint)
+
+    def teardown(self) -> None:
+        del self.critic
 
 
 class ReferenceWorker(_ParallelModelWorker):

@@ -28,7 +28,7 @@ from relayrl.models.config import TinyModelConfig
 from relayrl.parallel.config import ParallelConfig
 from relayrl.rewards.config import RewardConfig
 from relayrl.sync.config import SyncConfig
-from relayrl.trainer.config import TrainerConfig
+from relayrl.trainer.config import CriticConfig, TrainerConfig
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -99,6 +99,16 @@ class RunConfig(Config):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     env: EnvConfig | None = None
+    critic: CriticConfig | None = None  # PPO's value model (algo.advantage: gae)
+
+    @model_validator(mode="after")
+    def _critic_fits(self) -> RunConfig:
+        if self.algo.advantage == "gae" and self.critic is None:
+            self.critic = CriticConfig()  # the defaults: from the policy, a zero head, trainer.* defaults
+        if self.critic is not None and self.algo.advantage != "gae":
+            raise ValueError(f"critic: a value model is trained only for algo.advantage=gae (got "
+                             f"'{self.algo.advantage}'); remove the critic section or set algo.advantage=gae")
+        return self
 
     @model_validator(mode="after")
     def _env_fits(self) -> RunConfig:

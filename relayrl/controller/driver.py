@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from relayrl.algorithms import get_advantage, group_has_signal, mismatch_stats
+from relayrl.algorithms import group_has_signal, mismatch_stats
+from relayrl.controller.advantage_step import compute_advantages
 from relayrl.controller.agent_loop import EpisodeRunner, episode_metrics
 from relayrl.controller.config import RunConfig
 from relayrl.controller.prompts import encode_prompt
@@ -42,6 +43,7 @@ from relayrl.trainer.batch import TrainBatch, build_rows, scatter_per_token
 from relayrl.trainer.policy import Policy
 
 STAGES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "update")
+CRITIC_STAGES = ("values", "critic_update")  # PPO with a critic
 
 
 @dataclass(kw_only=True)
@@ -205,10 +207,9 @@ class Driver:
         """Advantages, old (proximal) and reference logprobs, the clipped update, and the step's metrics.
         The same for every rollout mode: what differs is only how `ro` was produced."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
-        adv = get_advantage(cfg.algo.advantage)(ro.rewards, G, norm_std=cfg.algo.norm_std)
         ids, attn, resp = build_rows(ro.prompt_ids, ro.response_ids, pad_id=self.engine.pad_id, masks=ro.response_mask)
         rollout_logp = scatter_per_token(ro.rollout_logp, ro.prompt_ids, ids.shape[1])
-        batch = TrainBatch(ids, attn, resp, advantages=adv, rollout_logp=rollout_logp)
+        batch = TrainBatch(ids, attn, resp, rollout_logp=rollout_logp)
         if cfg.algo.proximal == "behaviour":  # plain PPO: the ratio against the sampling policy itself
             batch.old_logp = rollout_logp
         else:  # decoupled PPO: the trainer's weights before the update are the proximal policy
@@ -217,11 +218,18 @@ class Driver:
         if cfg.algo.kl_coef > 0:
             with self.timer.stage("ref_logp"):
                 batch.ref_logp = self.policy.compute_ref_logprobs(batch)
+        batch.advantages, adv_stats = compute_advantages(cfg.algo, self.policy, batch, ro.rewards, G, self.timer)
         mismatch = mismatch_stats(batch.old_logp, rollout_logp, resp)
         staleness = self.staleness_metrics(ro)
-        with self.timer.stage("update"):
-            stats = self.policy.update(batch)
-        times = {f"time/{s}": 0.0 for s in STAGES} | self.timer.pop()
+        stats: dict[str, float] = {}
+        if batch.values is not None:  # PPO's critic learns from this batch's returns
+            with self.timer.stage("critic_update"):
+                stats.update({f"critic/{k}": v for k, v in self.policy.update_critic(batch).items()})
+        if cfg.critic is None or self.step >= cfg.critic.warmup_updates:  # the critic's warm-up: actor holds
+            with self.timer.stage("update"):
+                stats.update(self.policy.update(batch))
+        stages = STAGES + (CRITIC_STAGES if cfg.critic is not None else ())
+        times = {f"time/{s}": 0.0 for s in stages} | self.timer.pop()
         times["time/step"] = time.perf_counter() - t0
         lengths = [sum(m) for m in ro.response_mask]  # the model's tokens (not a multi-turn episode's observations)
         self.last_prompts = [ro.examples[i] for i in range(0, len(ro.examples), G)]
@@ -234,6 +242,7 @@ class Driver:
             "groups/no_signal_frac": no_signal,
             **{k: float(v) for k, v in mismatch.items()},
             **staleness,
+            **adv_stats,
             **stats,
             **times,
             **extra,

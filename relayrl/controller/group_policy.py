@@ -4,6 +4,7 @@ processes or Ray, SPMD inside, behind the Policy protocol (relayrl.trainer.polic
     driver ── GroupPolicy ──> actor group: ActorWorker x (dp_replicate x dp_shard x tp)
                           └─> reference: ReferenceWorker, in the actor's processes (placement
                               colocated: one ColocatedWorker per process) or a pool of its own
+                          └─> critic: CriticWorker (PPO's value model), placed like the reference
 
 Every call is declared at the worker (relayrl.controller.actor_workers) and called here by the
 method itself, so a reader goes from the driver's call to its definition. `group_options` turns the
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from relayrl.controller.actor_workers import ActorWorker, ReferenceWorker, to_data
+from relayrl.controller.actor_workers import ActorWorker, CriticWorker, ReferenceWorker, to_data
 from relayrl.controller.engine_host import ActorHostedRanks
 from relayrl.models.config import ModelConfig
 from relayrl.parallel.config import ParallelConfig
@@ -30,6 +31,7 @@ from relayrl.single_controller.placement import spawn_roles
 from relayrl.single_controller.resource_pool import ResourcePool
 from relayrl.single_controller.worker import RoleSpec
 from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.config import CriticConfig
 
 
 def group_options(par: ParallelConfig) -> GroupOptions:
@@ -43,7 +45,7 @@ class GroupPolicy:
     """The actor (and reference) as worker groups; the same protocol as LocalPolicy."""
 
     def __init__(self, model_dir: str | Path, *, par: ParallelConfig, trainer_cfg, algo_cfg, total_steps: int,
-                 temperature: float, seed: int, with_reference: bool):
+                 temperature: float, seed: int, with_reference: bool, critic_cfg: CriticConfig | None = None):
         pool = ResourcePool([par.world_size], name="actor")
         placement = {"actor": pool}
         roles = {"actor": RoleSpec(ActorWorker, (str(model_dir), par, trainer_cfg, algo_cfg),
@@ -55,9 +57,15 @@ class GroupPolicy:
             roles["reference"] = RoleSpec(ReferenceWorker, (str(model_dir), par),
                                           dict(temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
                                                seed=seed))
+        if critic_cfg is not None:  # laid out like the actor: in its processes, or a pool of its own
+            placement["critic"] = pool if par.placement == "colocated" else ResourcePool([par.world_size],
+                                                                                         name="critic")
+            roles["critic"] = RoleSpec(CriticWorker, (str(model_dir), par, critic_cfg, algo_cfg),
+                                       dict(total_steps=total_steps, seed=seed))
         self.roles = spawn_roles(placement, roles, options=group_options(par))
         self.actor = self.roles["actor"]
         self.ref = self.roles["reference"] if with_reference else None
+        self.critic = self.roles["critic"] if critic_cfg is not None else None
         self.address = self.actor.master_addr  # where the workers reach the driver (the sync's rendezvous)
 
     def host_engine(self, model_config: ModelConfig, dtype: torch.dtype, tp: int) -> ActorHostedRanks:
@@ -82,12 +90,23 @@ class GroupPolicy:
     def update(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.call(ActorWorker.update, to_data(batch))[0]  # one (identical) dict per dp rank
 
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        return self.critic.call(CriticWorker.compute_values, to_data(batch))["values"]
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        return self.critic.call(CriticWorker.update, to_data(batch))[0]
+
     def save(self, run_dir: str | Path, step: int, *, extra: Mapping[str, Any], meta: Mapping[str, Any],
              keep_last: int | None) -> Path:
+        if self.critic is not None:  # first: a complete actor checkpoint implies its critic's
+            self.critic.call(CriticWorker.save, str(run_dir), step, dict(meta), keep_last)
         return Path(self.actor.call(ActorWorker.save, str(run_dir), step, dict(extra), dict(meta), keep_last))
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        return self.actor.call(ActorWorker.load, str(path))
+        extra = self.actor.call(ActorWorker.load, str(path))
+        if self.critic is not None:
+            self.critic.call(CriticWorker.load, str(path))
+        return extra
 
     def close(self) -> None:
         self.roles.shutdown(raise_errors=False)

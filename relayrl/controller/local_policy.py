@@ -1,4 +1,4 @@
-"""LocalPolicy runs the trainer (actor, and reference model) in the driver's own process
+"""LocalPolicy runs the trainer (actor, reference model, and PPO's critic) in the driver's own process
 (`parallel.backend: none`), behind the same Policy protocol as the worker groups (relayrl.trainer.policy).
 
 The driver's process is trainer rank 0 of 1. Colocated, the engine's one rank lives here too:
@@ -24,7 +24,8 @@ from relayrl.models.config import ModelConfig
 from relayrl.parallel.rendezvous import LOCALHOST
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch
-from relayrl.trainer.checkpointing import load_actor, save_actor
+from relayrl.trainer.checkpointing import load_actor, load_critic, save_actor, save_critic
+from relayrl.trainer.critic import Critic
 from relayrl.trainer.logprobs import token_logprobs
 
 
@@ -41,8 +42,8 @@ class LocalPolicy:
     """The actor (and reference model) in the driver's process."""
 
     def __init__(self, actor: Actor, ref_model: nn.Module | None = None, *, temperature: float = 1.0,
-                 micro_batch_size: int = 32):
-        self.actor, self.ref_model = actor, ref_model
+                 micro_batch_size: int = 32, critic: Critic | None = None):
+        self.actor, self.ref_model, self.critic = actor, ref_model, critic
         self.temperature, self.micro = temperature, micro_batch_size
         self.local = LocalRank(actor.model)
         self.address = LOCALHOST
@@ -74,12 +75,23 @@ class LocalPolicy:
     def update(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update(batch)
 
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        return self.critic.compute_values(batch)
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        return self.critic.update(batch)
+
     def save(self, run_dir: str | Path, step: int, *, extra: Mapping[str, Any], meta: Mapping[str, Any],
              keep_last: int | None) -> Path:
+        if self.critic is not None:  # first: a complete actor checkpoint implies its critic's
+            save_critic(self.critic, run_dir, step, meta=meta, keep_last=keep_last)
         return save_actor(self.actor, run_dir, step, extra=extra, meta=meta, keep_last=keep_last)
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        return load_actor(self.actor, path)
+        extra = load_actor(self.actor, path)
+        if self.critic is not None:
+            load_critic(self.critic, path)
+        return extra
 
     def close(self) -> None:
         self.local.engine_runner = None
