@@ -162,6 +162,9 @@ class RunConfig(Config):
         if self.algo.filter_groups:
             raise ValueError(f"rollout.mode={r.mode} does not resample groups yet; set algo.filter_groups=false "
                              "or rollout.mode=sync")
+        if self.algo.advantage == "remax":
+            raise ValueError(f"rollout.mode={r.mode} does not run ReMax's greedy baseline rollouts yet; "
+                             "set rollout.mode=sync or another algo.advantage")
         return self
 
     @model_validator(mode="after")

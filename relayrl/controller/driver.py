@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from relayrl.algorithms import group_has_signal, mismatch_stats
+from relayrl.algorithms.registry import advantage_needs_greedy_baseline
 from relayrl.controller.advantage_step import compute_advantages
 from relayrl.controller.agent_loop import EpisodeRunner, episode_metrics
 from relayrl.controller.config import RunConfig
@@ -60,6 +61,7 @@ class Rollout:
     reward_metrics: dict[str, float]
     response_mask: list[list[int]]  # 1 on the model's tokens; 0 on a multi-turn episode's observations
     versions: list[list[int]]  # per response token, the engine's weights version that sampled it (-1: observed)
+    baseline: torch.Tensor | None = None  # ReMax: the reward of each prompt's greedy sample, [prompts]
 
     LISTS = ("examples", "prompt_ids", "response_ids", "rollout_logp", "texts", "correct",
              "response_mask", "versions")  # one item per sample
@@ -67,12 +69,15 @@ class Rollout:
     def select_groups(self, groups: list[int], G: int) -> Rollout:
         idx = [g * G + j for g in groups for j in range(G)]
         picked = {name: [getattr(self, name)[i] for i in idx] for name in self.LISTS}
-        return Rollout(**picked, rewards=self.rewards[idx], reward_metrics=self.reward_metrics)
+        baseline = self.baseline[groups] if self.baseline is not None else None
+        return Rollout(**picked, rewards=self.rewards[idx], reward_metrics=self.reward_metrics, baseline=baseline)
 
     @staticmethod
     def concat(parts: list[Rollout]) -> Rollout:
         joined = {name: [x for p in parts for x in getattr(p, name)] for name in Rollout.LISTS}
-        return Rollout(**joined, rewards=torch.cat([p.rewards for p in parts]), reward_metrics=parts[0].reward_metrics)
+        baseline = torch.cat([p.baseline for p in parts]) if parts[0].baseline is not None else None
+        return Rollout(**joined, rewards=torch.cat([p.rewards for p in parts]), reward_metrics=parts[0].reward_metrics,
+                       baseline=baseline)
 
 
 def sample_versions(out: RequestOutput, sample: CompletionSample) -> list[int]:
@@ -150,8 +155,24 @@ class Driver:
                               max_tokens=max_tokens, stop=list(r.stop), seed=seed)
 
     def rollout(self, examples: list[Example], round_: int = 0) -> Rollout:
+        ro = self._episodes(examples, round_) if self.agent is not None else self._samples(examples, round_)
+        if advantage_needs_greedy_baseline(self.cfg.algo.advantage):
+            with self.timer.stage("baseline"):
+                ro.baseline = self.greedy_rewards(examples, round_)
+        return ro
+
+    def greedy_rewards(self, examples: list[Example], round_: int) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy (temperature 0) sample of each prompt, scored like the rest."""
+        params = [replace(self._params(self.step, round_, i, ex), n=1, temperature=0.0)
+                  for i, ex in enumerate(examples)]
         if self.agent is not None:
-            return self._episodes(examples, round_)
+            return torch.tensor([t.reward for t in self.agent.run(examples, params)], dtype=torch.float32)
+        prompts = [encode_prompt(self.engine.tokenizer, ex, self.cfg.data) for ex in examples]
+        outs = self.engine.generate(prompts, params)
+        res = self.scorer.score([o.samples[0].text for o in outs], examples)
+        return torch.tensor(res.rewards, dtype=torch.float32)
+
+    def _samples(self, examples: list[Example], round_: int) -> Rollout:
         G = self.cfg.rollout.group_size
         tok = self.engine.tokenizer
         with self.timer.stage("rollout"):
@@ -218,7 +239,8 @@ class Driver:
         if cfg.algo.kl_coef > 0:
             with self.timer.stage("ref_logp"):
                 batch.ref_logp = self.policy.compute_ref_logprobs(batch)
-        batch.advantages, adv_stats = compute_advantages(cfg.algo, self.policy, batch, ro.rewards, G, self.timer)
+        batch.advantages, adv_stats = compute_advantages(cfg.algo, self.policy, batch, ro.rewards, G, self.timer,
+                                                         baseline=ro.baseline)
         mismatch = mismatch_stats(batch.old_logp, rollout_logp, resp)
         staleness = self.staleness_metrics(ro)
         stats: dict[str, float] = {}

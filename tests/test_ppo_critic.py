@@ -1,0 +1,86 @@
+"""PPO with a critic end to end: the critic's metrics, its warm-up, a killed run resumed equal to the
+uninterrupted one (the critic's checkpoint included), the same run in worker groups as in one process; and
+ReMax and REINFORCE++ through the driver."""
+
+import pytest
+
+from relayrl.controller import driver as driver_mod
+from relayrl.controller.run import train
+from relayrl.observe import read_metrics
+
+from helpers import assert_same_metrics, cfg_for, group_cfg, step_metrics
+
+PPO = {"advantage": "gae", "gamma": 1.0, "lam": 0.95, "value_clip": 0.2}
+SEVENS = {"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]}
+CRITIC_KEYS = ("critic/value_loss", "critic/clip_frac", "critic/grad_norm", "critic/explained_variance",
+               "critic/values_mean", "critic/returns_mean", "time/values", "time/critic_update")
+
+
+def _lines(run_dir):
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))} for m in read_metrics(run_dir)]
+
+
+def test_ppo_with_a_critic_logs_its_figures_and_warms_up_first(tmp_path):
+    res = train(cfg_for(tmp_path, "ppo", algo=PPO, reward=SEVENS, critic={"lr": 1e-3, "warmup_updates": 1},
+                        run={"steps": 3, "save_every": 0}), show_progress=False)
+    steps = step_metrics(res["run_dir"])
+    assert len(steps) == 3
+    for m in steps:
+        assert all(k in m for k in CRITIC_KEYS), [k for k in CRITIC_KEYS if k not in m]
+        assert m["critic/value_loss"] > 0
+    # step 1 is the critic's alone: the actor takes no update (no policy loss figures), later steps both
+    assert "clip_frac" not in steps[0] and "clip_frac" in steps[1] and "clip_frac" in steps[2]
+    # the critic learns: its zero-initialised values move towards the returns
+    assert steps[0]["critic/values_mean"] == 0.0 and steps[2]["critic/values_mean"] != 0.0
+
+
+def test_killed_ppo_run_resumes_equal_to_the_uninterrupted_one(tmp_path, monkeypatch):
+    cfg = dict(algo=PPO, reward=SEVENS, critic={"lr": 1e-3}, run={"steps": 4, "save_every": 2})
+    straight = train(cfg_for(tmp_path, "straight", **cfg), show_progress=False)
+    calls = {"n": 0}
+    real = driver_mod.Driver.train_step
+
+    def dies_on_third(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(driver_mod.Driver, "train_step", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg_for(tmp_path, "resumed", **cfg), show_progress=False)
+    assert (tmp_path / "resumed" / "critic" / "checkpoints").is_dir()
+    monkeypatch.setattr(driver_mod.Driver, "train_step", real)
+    train(cfg_for(tmp_path, "resumed", **cfg), resume=True, show_progress=False)
+    assert _lines(straight["run_dir"]) == _lines(tmp_path / "resumed")
+
+
+def test_ppo_in_worker_groups_matches_one_process(tmp_path):
+    def cfg(name, **parallel):
+        c = group_cfg(tmp_path, name, **parallel).to_dict()
+        c["algo"].update(PPO)
+        c["critic"] = {"lr": 1e-3}
+        from relayrl.controller.config import RunConfig
+
+        return RunConfig.from_dict(c)
+
+    ref = train(cfg("single"), show_progress=False)
+    fsdp = train(cfg("fsdp2", backend="local", dp_shard=2), show_progress=False)  # critic in the actor's processes
+    tp = train(cfg("tp2", backend="local", tp=2, placement="disaggregated"), show_progress=False)  # its own pool
+    want = step_metrics(ref["run_dir"])
+    for got in (step_metrics(fsdp["run_dir"]), step_metrics(tp["run_dir"])):
+        assert_same_metrics(got, want)
+        for g, w in zip(got, want, strict=True):
+            for k in ("critic/value_loss", "critic/explained_variance", "critic/grad_norm"):
+                assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.parametrize("advantage", ["remax", "reinforce_pp", "reinforce_pp_baseline"])
+def test_remax_and_reinforce_pp_train_through_the_driver(tmp_path, advantage):
+    res = train(cfg_for(tmp_path, advantage, algo={"advantage": advantage, "kl_coef": 0.05, "kl_in_reward": True},
+                        reward=SEVENS, run={"steps": 2, "save_every": 0}), show_progress=False)
+    steps = step_metrics(res["run_dir"])
+    assert len(steps) == 2 and all(m["grad_norm"] > 0 for m in steps)
+    assert all(m["loss/kl"] == 0.0 for m in steps)  # the KL is in the reward, not a loss term
+    if advantage == "remax":  # the greedy sample's share of sevens, in [0, 1]
+        assert all(0.0 <= m["remax/baseline_mean"] <= 1.0 and "time/baseline" in m for m in steps)
