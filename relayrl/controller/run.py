@@ -184,6 +184,7 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     train_set, eval_set = build_datasets(cfg.data)
     if cfg.env is not None:
         make_env(cfg.env)  # an unknown environment, bad params or a missing sandbox: one line, before any process
+    model_entries(cfg.reward)  # a missing reward-model directory: one line, before any process
     policy, engine, sync, scorer, agent = build_policy(cfg, src), None, None, None, None
     try:
         engine = build_engine(cfg, src, policy)

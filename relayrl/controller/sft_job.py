@@ -95,7 +95,9 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     trainer = SFTTrainer(model, cfg.trainer, cfg.sft.steps)
     sampler = PromptSampler(train_set, cfg.sft.seed)
     trace = demonstrations(cfg.env, tok) if cfg.env is not None else None
-    scorer = build_scorer(cfg.reward)  # its reward pool stops with the job, however it ends
+    # the held-out accuracy needs the rule functions only (a reward model's score is not accuracy); the pool
+    # stops with the job, however it ends
+    scorer = build_scorer(cfg.reward.rule_config())
     try:
         logger = MetricsLogger(run_dir, use_tensorboard=cfg.sft.tensorboard)
 
