@@ -119,3 +119,15 @@ def test_report_plots_episodes_when_the_run_had_an_environment(tmp_path):
     paths = make_report(tmp_path)
     assert [p.name for p in paths] == ["reward.png", "episodes.png"]
     _assert_png(paths[-1])
+
+
+def test_report_plots_the_critic_when_the_run_had_one(tmp_path):
+    from relayrl.observe.report import make_report
+
+    records = [{"step": s, "reward/mean": 0.1 * s, "critic/value_loss": 1.0 / s, "critic/explained_variance": 0.2 * s}
+               for s in range(1, 5)]
+    _write_metrics(tmp_path, records)
+    names = {p.name for p in make_report(tmp_path)}
+    assert "critic.png" in names
+    _write_metrics(tmp_path / "grpo", [{"step": 1, "reward/mean": 0.1}])
+    assert "critic.png" not in {p.name for p in make_report(tmp_path / "grpo")}

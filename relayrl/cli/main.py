@@ -152,7 +152,7 @@ def _cmd_sync_plan(a) -> int:
 def _cmd_demo(a) -> int:
     from relayrl.controller.demo import run_demo
 
-    run_demo(Path(a.out), steps=a.steps, env=a.env)
+    run_demo(Path(a.out), steps=a.steps, env=a.env, algo=a.algo)
     return 0
 
 
@@ -222,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the demo's)")
     d.add_argument("--env", default=None, choices=["calculator"],
                    help="an agent in an environment: SFT on its tool-use traces, then GRPO on episodes")
+    d.add_argument("--algo", default="grpo", choices=["grpo", "ppo"],
+                   help="ppo: PPO with a learned critic (GAE) instead of GRPO's group baseline")
     d.set_defaults(fn=_cmd_demo)
     return p
 

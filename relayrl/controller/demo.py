@@ -4,6 +4,8 @@
     tiny model (char tokenizer) ──SFT warm-start on arith──> accuracy_before
                                  ──GRPO──────────────────> accuracy_after ──> report PNGs
 
+`relayrl demo --algo ppo`: the same job with PPO and a learned critic instead of GRPO's group baseline.
+
 `relayrl demo --env calculator` (an agent with a tool, multi-turn):
     tiny model ──SFT on the environment's tool-use traces──> success_before (held-out, greedy, with the tool)
                ──GRPO on episodes in the environment────> success_after ──> report PNGs (episodes.png)
@@ -81,14 +83,33 @@ CALC_GRPO = {
 }
 RECIPES = {None: (SFT, GRPO, "arith"), "calculator": (CALC_SFT, CALC_GRPO, "the calculator environment")}
 
+# `--algo ppo`: the same job with PPO's learned value function instead of the group baseline. The critic
+# starts from the SFT model with a zero head and trains alone for its first steps (its early values are
+# noise); GAE with lam = 1 on the outcome reward makes each token's advantage the return minus its value.
+PPO = {"algo": {"advantage": "gae", "gamma": 1.0, "lam": 1.0, "value_clip": 0.2, "whiten_advantages": True},
+       "critic": {"lr": 1e-4, "micro_batch_size": 256, "mini_batches": 2, "warmup_steps": 10,
+                  "schedule": "cosine", "min_lr_ratio": 0.1, "warmup_updates": 10}}
+ALGOS = ("grpo", "ppo")
 
-def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, env: str | None = None) -> dict:
+
+def recipe(env: str | None, algo: str) -> tuple[dict, dict, str]:
+    """(SFT recipe, RL recipe, what it trains on) for the demo of `env` with `algo`."""
+    sft, rl, what = RECIPES[env]
+    if algo == "ppo":
+        rl = {**rl, "algo": {**rl["algo"], **PPO["algo"]}, "critic": PPO["critic"]}
+    return sft, rl, what
+
+
+def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, env: str | None = None,
+             algo: str = "grpo") -> dict:
     from relayrl.observe.report import make_report
 
     if env not in RECIPES:
         raise UserError(f"relayrl demo has no recipe for env '{env}': use one of "
                         f"{', '.join(k for k in RECIPES if k)} (or none, for arith)")
-    sft_recipe, grpo_recipe, what = RECIPES[env]
+    if algo not in ALGOS:
+        raise UserError(f"relayrl demo has no recipe for algo '{algo}': use one of {', '.join(ALGOS)}")
+    sft_recipe, grpo_recipe, what = recipe(env, algo)
     measure = "success" if env else "accuracy"
     start = time.perf_counter()
     for sub in ("sft", "grpo"):
@@ -101,7 +122,7 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
     before = sft["eval_last"]["eval/accuracy"]
     print(f"      held-out {measure} after SFT: {before:.3f}")
 
-    print("[2/3] GRPO")
+    print(f"[2/3] {algo.upper()}")
     run = {**grpo_recipe["run"], "out_dir": str(out / "grpo"), **({"steps": steps} if steps else {})}
     grpo_cfg = RunConfig.from_dict({**grpo_recipe, "model": {"path": sft["model_dir"]}, "run": run})
     res = train(grpo_cfg, show_progress=show_progress)
@@ -110,9 +131,10 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
     print("[3/3] report")
     plots = make_report(out / "grpo")
     seconds = time.perf_counter() - start
-    summary = {"env": env, "accuracy_before": before, "accuracy_after": after, "seconds": round(seconds, 1),
+    summary = {"env": env, "algo": algo, "accuracy_before": before, "accuracy_after": after,
+               "seconds": round(seconds, 1),
                "sft_dir": str(out / "sft"), "grpo_dir": str(out / "grpo"), "plots": [str(p) for p in plots]}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
-    print(f"held-out {measure}: before GRPO {before:.3f} -> after GRPO {after:.3f} "
+    print(f"held-out {measure}: before {algo.upper()} {before:.3f} -> after {algo.upper()} {after:.3f} "
           f"({100 * (after - before):+.1f} points) in {seconds:.0f} s; plots in {out / 'grpo' / 'report'}")
     return summary

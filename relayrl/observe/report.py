@@ -50,9 +50,13 @@ ENV_TIME = "time/env"
 # engine's for the trainer (spent beside the step, in another thread): neither is a stage of the step.
 ASYNC_WAITS = ("time/wait_rollout", "time/wait_train")
 TURNS = "turns/mean"
+VALUE_LOSS = "critic/value_loss"  # PPO with a critic
+EXPLAINED_VARIANCE = "critic/explained_variance"
 
 SUMMARY_KEYS = (
     REWARD_MEAN,
+    VALUE_LOSS,
+    EXPLAINED_VARIANCE,
     *ACCURACY_KEYS,
     EVAL_ACCURACY,
     MISMATCH_MEAN,
@@ -213,12 +217,31 @@ def _plot_episodes(records: list[dict[str, Any]], out: Path) -> Path | None:
     return _save(fig, out / "episodes.png")
 
 
+def _plot_critic(records: list[dict[str, Any]], out: Path) -> Path | None:
+    loss_steps, losses = _series(records, VALUE_LOSS)
+    if not loss_steps:
+        return None
+    fig, ax = _new_axes("critic: value loss and explained variance")
+    ax.plot(loss_steps, losses, label=VALUE_LOSS)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("value loss")
+    ax.grid(alpha=0.3)
+    right = ax.twinx()
+    right.plot(*_series(records, EXPLAINED_VARIANCE), color="tab:orange", alpha=0.8, label=EXPLAINED_VARIANCE)
+    right.axhline(0.0, color="gray", lw=0.5)
+    right.set_ylabel("explained variance (1: perfect, 0: the mean)")
+    lines, more = ax.get_legend_handles_labels(), right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right")
+    return _save(fig, out / "critic.png")
+
+
 def make_report(run_dir: str | os.PathLike[str]) -> list[Path]:
     """Writes the PNGs the run's metrics allow under run_dir/report/ and returns their paths."""
     records = _load(run_dir)
     out = Path(run_dir) / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    plots = (_plot_reward, _plot_mismatch, _plot_time_share, _plot_lengths, _plot_episodes)
+    plots = (_plot_reward, _plot_mismatch, _plot_time_share, _plot_lengths, _plot_episodes, _plot_critic)
     return [p for plot in plots if (p := plot(records, out)) is not None]
 
 
