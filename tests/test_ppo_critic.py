@@ -84,3 +84,18 @@ def test_remax_and_reinforce_pp_train_through_the_driver(tmp_path, advantage):
     assert all(m["loss/kl"] == 0.0 for m in steps)  # the KL is in the reward, not a loss term
     if advantage == "remax":  # the greedy sample's share of sevens, in [0, 1]
         assert all(0.0 <= m["remax/baseline_mean"] <= 1.0 and "time/baseline" in m for m in steps)
+
+
+def test_ppo_saved_in_one_process_resumes_on_fsdp(tmp_path):
+    """The critic's checkpoint, like the actor's, loads into another layout."""
+    cfg = dict(algo=PPO, reward=SEVENS, critic={"lr": 1e-3}, run={"steps": 3, "save_every": 2})
+    straight = train(cfg_for(tmp_path, "straight", **cfg), show_progress=False)
+    first = cfg_for(tmp_path, "moved", **{**cfg, "run": {"steps": 2, "save_every": 2}})
+    train(first, show_progress=False)
+    moved = cfg_for(tmp_path, "moved", **cfg, parallel={"backend": "local", "dp_shard": 2})
+    train(moved, resume=True, show_progress=False)
+    want, got = step_metrics(straight["run_dir"])[-1], step_metrics(tmp_path / "moved")[-1]
+    assert got["step"] == 3
+    assert_same_metrics([got], [want])  # the same samples, from the same actor, and the update to rounding
+    for k in ("critic/value_loss", "critic/values_mean", "critic/explained_variance"):
+        assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k  # the critic resumed, not restarted

@@ -86,9 +86,12 @@ RECIPES = {None: (SFT, GRPO, "arith"), "calculator": (CALC_SFT, CALC_GRPO, "the 
 # `--algo ppo`: the same job with PPO's learned value function instead of the group baseline. The critic
 # starts from the SFT model with a zero head and trains alone for its first steps (its early values are
 # noise); GAE with lam = 1 on the outcome reward makes each token's advantage the return minus its value.
+# The critic's forward and update cost about as much as the actor's (measured: 0.36 of 0.84 s a step), so
+# PPO gets 360 steps: the GRPO demo's wall time (benchmarks/RESULTS.md).
 PPO = {"algo": {"advantage": "gae", "gamma": 1.0, "lam": 1.0, "value_clip": 0.2, "whiten_advantages": True},
        "critic": {"lr": 1e-4, "micro_batch_size": 256, "mini_batches": 2, "warmup_steps": 10,
-                  "schedule": "cosine", "min_lr_ratio": 0.1, "warmup_updates": 10}}
+                  "schedule": "cosine", "min_lr_ratio": 0.1, "warmup_updates": 10},
+       "run": {"steps": 360}}
 ALGOS = ("grpo", "ppo")
 
 
@@ -96,7 +99,7 @@ def recipe(env: str | None, algo: str) -> tuple[dict, dict, str]:
     """(SFT recipe, RL recipe, what it trains on) for the demo of `env` with `algo`."""
     sft, rl, what = RECIPES[env]
     if algo == "ppo":
-        rl = {**rl, "algo": {**rl["algo"], **PPO["algo"]}, "critic": PPO["critic"]}
+        rl = {**rl, "algo": {**rl["algo"], **PPO["algo"]}, "critic": PPO["critic"], "run": {**rl["run"], **PPO["run"]}}
     return sft, rl, what
 
 
