@@ -88,3 +88,49 @@ def test_all_rewards_failing_stops_the_run(tmp_path):
                   run={"steps": 1, "save_every": 0})
     with pytest.raises(RewardError, match="every sample failed"):
         train(cfg, show_progress=False)
+
+
+def test_a_prompt_row_sets_its_own_generation_budget(tmp_path):
+    from relayrl.controller.driver import Driver
+    from relayrl.data import Example
+    from relayrl.errors import DataError
+
+    d = Driver(cfg_for(tmp_path, "b", rollout={"max_tokens": 12}), policy=None, engine=None, scorer=None,
+               sampler=None, weight_sync=None)
+    from_file = Example(prompt="p", answer="a", meta={"row": 0, "fields": {"max_tokens": 5}})  # a dataset column
+    from_task = Example(prompt="p", answer="a", meta={"max_tokens": 7})
+    too_long = Example(prompt="p", answer="a", meta={"max_tokens": 99})
+    assert [d._params(0, 0, 0, ex).max_tokens for ex in (from_file, from_task, too_long, None)] == [5, 7, 12, 12]
+    with pytest.raises(DataError, match="max_tokens must be a whole number"):
+        d._params(0, 0, 0, Example(prompt="p", answer="a", meta={"fields": {"max_tokens": "long"}}))
+
+
+def test_evaluation_seeds_each_prompt_apart():
+    from relayrl.controller.evaluate import evaluate
+    from relayrl.data import DataConfig, Example
+    from relayrl.engine.outputs import CompletionSample, RequestOutput
+    from relayrl.rewards.result import ScoreResult
+
+    class Tokenizer:
+        bos_token_id = None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    class Engine:
+        tokenizer = Tokenizer()
+
+        def generate(self, prompts, params):
+            self.params = params
+            return [RequestOutput(i, [1], [CompletionSample([1], [0.0], "x", finish_reason="stop")], 0)
+                    for i in range(len(prompts))]
+
+    class Scorer:
+        def score(self, texts, examples):
+            return ScoreResult(rewards=[0.0] * len(texts), per_function={}, failures=0, correct=[False] * len(texts))
+
+    engine = Engine()
+    exs = [Example(prompt=f"{i}+1=", answer="") for i in range(3)]
+    evaluate(engine, exs, DataConfig(use_chat_template=False), Scorer(), 4, temperature=1.0, seed=10)
+    # one shared seed would draw the same uniforms for every prompt at temperature 1
+    assert [p.seed for p in engine.params] == [10, 11, 12]

@@ -80,6 +80,16 @@ class Rollout:
                        baseline=baseline)
 
 
+def prompt_budget(ex: Example | None):
+    """A prompt's own `max_tokens`: a dataset file's column (meta["fields"]) or a generated task's meta."""
+    if ex is None or not isinstance(ex.meta, dict):
+        return None
+    fields = ex.meta.get("fields")
+    if isinstance(fields, dict) and "max_tokens" in fields:
+        return fields["max_tokens"]
+    return ex.meta.get("max_tokens")
+
+
 def sample_versions(out: RequestOutput, sample: CompletionSample) -> list[int]:
     """The weights version of each of a sample's tokens (the output's version when the engine keeps none)."""
     return list(getattr(sample, "versions", None) or [out.weights_version] * len(sample.token_ids))
@@ -142,11 +152,11 @@ class Driver:
         return out
 
     def _params(self, step: int, round_: int, i: int, ex: Example | None = None) -> SamplingParams:
-        """Sampling settings of prompt i of a step's round. A prompt whose row sets `max_tokens` (in its
-        meta) gets that budget, never more than rollout.max_tokens (hard problems may be given longer)."""
+        """Sampling settings of prompt i of a step's round. A prompt whose row sets `max_tokens` (a dataset
+        file's column, or a task's meta) gets that budget, never more than rollout.max_tokens."""
         r = self.cfg.rollout
         seed = ((self.cfg.run.seed * 1_000_003 + step) * 101 + round_) * 100_003 + i
-        own = ex.meta.get("max_tokens") if ex is not None and isinstance(ex.meta, dict) else None
+        own = prompt_budget(ex)
         if own is not None and (isinstance(own, bool) or not isinstance(own, int) or own < 1):
             raise DataError(f"a prompt's max_tokens must be a whole number >= 1, got {own!r} "
                             f"(prompt: {ex.prompt!r:.60})")

@@ -20,7 +20,9 @@ def evaluate(
 ) -> dict[str, float]:
     tok = engine.tokenizer
     prompts = [encode_prompt(tok, ex, data) for ex in examples]
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, stop=list(stop))
+    # a seed per prompt: at temperature > 0 one shared seed would draw the same uniforms for every prompt
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, stop=list(stop))
+              for i in range(len(prompts))]
     outs = engine.generate(prompts, params)
     texts = [o.samples[0].text for o in outs]
     res = scorer.score(texts, examples)
