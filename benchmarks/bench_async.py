@@ -96,21 +96,6 @@ def config(out: Path, model: Path, data: Path, L: int, sleep_s: float, steps: in
     })
 
 
-def lift_budgets() -> None:
-    """A file's extra columns reach Example.meta["fields"]; the driver reads a prompt's budget from
-    meta["max_tokens"]. Until the data layer lifts the column itself, copy it over for this workload."""
-    build = run_mod.build_datasets
-
-    def build_with_budgets(cfg):
-        train, held_out = build(cfg)
-        for ex in train:
-            if "max_tokens" not in ex.meta and "max_tokens" in ex.meta.get("fields", {}):
-                ex.meta["max_tokens"] = ex.meta["fields"]["max_tokens"]
-        return train, held_out
-
-    run_mod.build_datasets = build_with_budgets
-
-
 class Stamper:
     """Stamps every complete line of metrics.jsonl with the wall time it appeared (polled every 10 ms)."""
 
@@ -209,7 +194,6 @@ def main() -> None:
         runs = [r for r in RUNS if r[0] == "sync" or r[0] in args.runs.split(",")]
     if args.quick:
         shapes, runs, steps = SHAPES[:1], [r for r in RUNS if r[0] in ("sync", "async eta=1", "async eta=4")], 4
-    lift_budgets()
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict]] = {}
