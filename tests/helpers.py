@@ -143,3 +143,26 @@ def importable(directory: Path, module: str, source: str) -> Iterator[Path]:
 def scorer(functions: list[dict], **reward) -> RewardScorer:
     """A scorer (with its reward pool) for the `reward.functions` entries and other `reward.*` keys."""
     return build_scorer(RewardConfig.from_dict({"functions": functions, **reward}))
+
+
+# ---------------------------------------------------------------------------- random batches
+def random_rows(seed: int = 3, n: int = 8) -> tuple[list[list[int]], list[list[int]]]:
+    """n prompts of 2-5 tokens and n responses of 1-7 tokens (ids 3..59), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    resps = [torch.randint(3, 60, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(n)]
+    return prompts, resps
+
+
+def random_multiturn_mask(rng, B: int, T: int, dtype=torch.float32) -> torch.Tensor:
+    """[B, T] response masks, right-padded; every odd row has a two-token hole (a multi-turn observation)."""
+    mask = torch.zeros(B, T, dtype=dtype)
+    for i in range(B):
+        start, end = rng.randint(1, 5), rng.randint(8, T)
+        mask[i, start:end] = 1.0
+        if i % 2:
+            hole = rng.randint(start + 1, end - 2)
+            mask[i, hole:hole + 2] = 0.0
+    return mask

@@ -20,6 +20,7 @@ from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.critic import Critic, token_values
 
 from dist_harness import run_distributed
+from helpers import random_rows
 
 LAYOUTS = {"fsdp2": dict(dp_shard=2), "ddp2": dict(dp_replicate=2), "tp2": dict(tp=2)}
 
@@ -71,14 +72,9 @@ def _cfgs():
 
 
 def _batch() -> TrainBatch:
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(8)]
-    resps = [torch.randint(3, 60, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
-             for _ in range(8)]
-    ids, attn, resp = build_rows(prompts, resps)
+    ids, attn, resp = build_rows(*random_rows(seed=3))
     values = Critic(_model(), *_cfgs(), total_steps=1).compute_values(TrainBatch(ids, attn, resp))
-    returns = (torch.randn(resp.shape, generator=g) + 1.0) * resp
+    returns = (torch.randn(resp.shape, generator=torch.Generator().manual_seed(4)) + 1.0) * resp
     return TrainBatch(ids, attn, resp, values=values, returns=returns)
 
 

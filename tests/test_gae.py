@@ -8,6 +8,8 @@ import torch
 
 from relayrl.algorithms.gae import gae, masked_whiten, token_rewards
 
+from helpers import random_multiturn_mask
+
 
 def test_hand_computed_case():
     # prompt token, three model tokens, padding; outcome 1 on the last model token
@@ -41,13 +43,7 @@ def reference_loop(rewards, values, mask, gamma, lam):
 def test_equals_a_plain_loop_on_random_masked_batches(seed):
     rng = random.Random(seed)
     B, T = 6, 17
-    mask = torch.zeros(B, T)
-    for i in range(B):
-        start, end = rng.randint(1, 5), rng.randint(8, T)
-        mask[i, start:end] = 1.0
-        if i % 2:  # a multi-turn row: an observation between two turns
-            hole = rng.randint(start + 1, end - 2)
-            mask[i, hole:hole + 2] = 0.0
+    mask = random_multiturn_mask(rng, B, T)
     g = torch.Generator().manual_seed(seed)
     values = torch.randn(B, T, generator=g)
     rewards = token_rewards(torch.randn(B, generator=g), mask, kl=torch.rand(B, T, generator=g), kl_coef=0.1)

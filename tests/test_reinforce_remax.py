@@ -23,6 +23,8 @@ from relayrl.algorithms import (
 from relayrl.algorithms.gae import token_rewards
 from relayrl.errors import ConfigError
 
+from helpers import random_multiturn_mask
+
 D = torch.float64
 
 
@@ -137,13 +139,7 @@ def reference_loop(outcome, mask, kl, kl_coef, gamma, baseline_group=0):
 def test_equals_a_plain_loop_on_random_masked_batches(seed):
     rng = random.Random(seed)
     B, T, G = 6, 17, 3
-    mask = torch.zeros(B, T, dtype=D)
-    for i in range(B):
-        start, end = rng.randint(1, 5), rng.randint(8, T)
-        mask[i, start:end] = 1.0
-        if i % 2:  # a multi-turn row: an observation between two turns
-            hole = rng.randint(start + 1, end - 2)
-            mask[i, hole:hole + 2] = 0.0
+    mask = random_multiturn_mask(rng, B, T, dtype=D)
     g = torch.Generator().manual_seed(seed)
     outcome, kl = torch.randn(B, generator=g, dtype=D), torch.rand(B, T, generator=g, dtype=D)
     kl_coef, gamma = rng.choice([0.0, 0.05, 0.5]), rng.choice([1.0, 0.99, 0.8])

@@ -64,6 +64,15 @@ def _hf_scores(hf, rows, pad_id):
     return alone, batched
 
 
+def _score_once(cfg, completions, examples):
+    """The run's scorer, built, used once and closed (its reward pool stops)."""
+    scorer = build_scorer_for(cfg)
+    try:
+        return scorer.score(completions, examples)
+    finally:
+        scorer.close()
+
+
 def test_scores_equal_transformers_on_padded_batches_and_truncation(rm_dir):
     scorer = ModelScorer([ModelEntry(name="model", key="k", path=str(rm_dir), weight=1.0, batch_size=2)])
     rm = scorer.models[0]
@@ -109,11 +118,7 @@ def test_weighted_sum_with_rule_functions_by_hand(tmp_path, rm_dir):
            {"name": "model", "path": str(rm_dir), "weight": -1.0, "params": {"batch_size": 1}}]
     cfg = cfg_for(tmp_path, "w", reward={"functions": fns, "workers": 0})
     completions, examples = _arith_batch()
-    scorer = build_scorer_for(cfg)
-    try:
-        res = scorer.score(completions, examples)
-    finally:
-        scorer.close()
+    res = _score_once(cfg, completions, examples)
     assert list(res.per_function) == ["task", "model", "model#2"]
     task = [task_reward(c, ex) for c, ex in zip(completions, examples, strict=True)]
     assert res.per_function["task"] == task and task == [1.0, 0.0, 0.0, 1.0]
@@ -130,11 +135,7 @@ def test_only_models_keep_accuracy_from_the_task(tmp_path, rm_dir):
     cfg = cfg_for(tmp_path, "o", reward={"functions": [{"name": "model", "path": str(rm_dir), "weight": 3.0}],
                                          "workers": 0})
     completions, examples = _arith_batch()
-    scorer = build_scorer_for(cfg)
-    try:
-        res = scorer.score(completions, examples)
-    finally:
-        scorer.close()
+    res = _score_once(cfg, completions, examples)
     assert list(res.per_function) == ["model"]
     assert res.rewards == [0.0 + 3.0 * v for v in res.per_function["model"]]
     assert res.correct == [True, False, False, True]  # the task's score, as with rule functions

@@ -23,6 +23,7 @@ from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
 
 from dist_harness import run_distributed
+from helpers import random_rows
 
 AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LAYOUTS = {"fsdp2": dict(dp_shard=2), "ddp2": dict(dp_replicate=2), "tp2": dict(tp=2)}
@@ -45,12 +46,8 @@ def _cfgs(agg):
 
 
 def _batch() -> TrainBatch:
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(8)]
-    resps = [torch.randint(3, 60, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
-             for _ in range(8)]
-    ids, attn, resp = build_rows(prompts, resps)
+    ids, attn, resp = build_rows(*random_rows(seed=3))
+    g = torch.Generator().manual_seed(4)
     model = _model()
     actor = Actor(model, *_cfgs("token-mean"), total_steps=1)
     old = actor.compute_logprobs(TrainBatch(ids, attn, resp))
