@@ -111,6 +111,7 @@ def test_killed_async_run_resumes_without_losing_or_repeating_a_prompt(tmp_path,
     ("parallel", {"backend": "local"}, "placement=disaggregated"),
     ("rollout", {"sleep_level": 1}, "sleep_level"),
     ("algo", {"filter_groups": True}, "filter_groups"),
+    ("algo", {"advantage": "remax"}, "ReMax"),
 ])
 def test_async_refuses_layouts_it_cannot_overlap_in_one_line(tmp_path, section, value, says):
     d = cfg_for(tmp_path, "x").to_dict()

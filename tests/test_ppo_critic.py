@@ -99,3 +99,13 @@ def test_ppo_saved_in_one_process_resumes_on_fsdp(tmp_path):
     assert_same_metrics([got], [want])  # the same samples, from the same actor, and the update to rounding
     for k in ("critic/value_loss", "critic/values_mean", "critic/explained_variance"):
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k  # the critic resumed, not restarted
+
+
+def test_a_critic_section_without_gae_is_refused_and_gae_gets_a_default_critic(tmp_path):
+    from relayrl.controller.config import RunConfig
+    from relayrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="critic: a value model is trained only for algo.advantage=gae"):
+        RunConfig.from_dict({"critic": {"lr": 1e-3}})
+    cfg = RunConfig.from_dict({"algo": {"advantage": "gae"}})
+    assert cfg.critic is not None and cfg.critic.path is None and cfg.critic.warmup_updates == 0
