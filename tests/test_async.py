@@ -172,3 +172,17 @@ def test_async_failures_stop_the_run_in_one_line_like_sync(tmp_path, monkeypatch
     d["rollout"].update(mode="async", max_staleness=1)
     with pytest.raises(EnvError, match="failed on every episode"):
         train(RunConfig.from_dict(d), show_progress=False)
+
+
+def test_async_episodes_failing_on_some_prompts_do_not_stop_the_run(tmp_path):
+    """Failing episodes end first; judged per group they would stop the run, judged per step (as sync) they do not."""
+    from test_env_training import env_cfg
+
+    d = env_cfg(tmp_path, "some", {"name": "tests.fixtures.envs:FailsOnSome", "max_total_tokens": 200}).to_dict()
+    d["rollout"].update(mode="async", max_staleness=1)
+    d["run"]["steps"] = 4
+    res = train(RunConfig.from_dict(d), show_progress=False)
+    steps = _step_lines(res["run_dir"])
+    assert len(steps) == 4
+    errors = [m["env/errors"] for m in steps]
+    assert any(e > 0 for e in errors) and all(e < 1 for e in errors)

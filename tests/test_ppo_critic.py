@@ -77,11 +77,14 @@ def test_ppo_in_worker_groups_matches_one_process(tmp_path):
 
 @pytest.mark.parametrize("advantage", ["remax", "reinforce_pp", "reinforce_pp_baseline"])
 def test_remax_and_reinforce_pp_train_through_the_driver(tmp_path, advantage):
-    res = train(cfg_for(tmp_path, advantage, algo={"advantage": advantage, "kl_coef": 0.05, "kl_in_reward": True},
+    token_level = advantage != "remax"  # the KL goes in the token rewards only where there are token rewards
+    res = train(cfg_for(tmp_path, advantage, algo={"advantage": advantage, "kl_coef": 0.05,
+                                                   "kl_in_reward": token_level},
                         reward=SEVENS, run={"steps": 2, "save_every": 0}), show_progress=False)
     steps = step_metrics(res["run_dir"])
     assert len(steps) == 2 and all(m["grad_norm"] > 0 for m in steps)
-    assert all(m["loss/kl"] == 0.0 for m in steps)  # the KL is in the reward, not a loss term
+    # in the reward, the KL is no loss term; in the loss (ReMax) it is one, after the first update moved the policy
+    assert all((m["loss/kl"] == 0.0) == token_level for m in steps[1:])
     if advantage == "remax":  # the greedy sample's share of sevens, in [0, 1]
         assert all(0.0 <= m["remax/baseline_mean"] <= 1.0 and "time/baseline" in m for m in steps)
 
@@ -109,3 +112,16 @@ def test_a_critic_section_without_gae_is_refused_and_gae_gets_a_default_critic(t
         RunConfig.from_dict({"critic": {"lr": 1e-3}})
     cfg = RunConfig.from_dict({"algo": {"advantage": "gae"}})
     assert cfg.critic is not None and cfg.critic.path is None and cfg.critic.warmup_updates == 0
+    with pytest.raises(ConfigError, match="kl_in_reward puts the KL in token rewards"):  # grpo would lose its KL
+        RunConfig.from_dict({"algo": {"kl_coef": 0.1, "kl_in_reward": True}})
+    with pytest.raises(ConfigError, match="critic.padding_free"):
+        RunConfig.from_dict({"algo": {"advantage": "gae"}, "critic": {"padding_free": True}})
+
+
+def test_the_critic_keeps_one_checkpoint_more_than_the_actor(tmp_path):
+    """A failure while the actor writes step N must still find the critic of step N - 1 beside it."""
+    train(cfg_for(tmp_path, "k", algo=PPO, reward=SEVENS, run={"steps": 3, "save_every": 1, "keep_last": 1}),
+          show_progress=False)
+    names = lambda d: sorted(p.name for p in d.iterdir() if p.name.startswith("step_"))  # noqa: E731
+    actor, critic = names(tmp_path / "k" / "checkpoints"), names(tmp_path / "k" / "critic" / "checkpoints")
+    assert actor == ["step_00000003"] and critic == ["step_00000002", "step_00000003"]

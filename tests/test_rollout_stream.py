@@ -140,3 +140,21 @@ def test_sampler_state_is_the_one_before_the_batch_was_drawn():
         assert s.sampler_state(1) == fresh.state_dict()  # batches 1 and 2 were drawn since
     finally:
         assert s.close() == 2 * P  # batches 1 and 2, admitted and never taken, are counted as discarded
+
+
+def test_a_dead_rollout_thread_is_reported_by_the_next_pause():
+    class Broken(ScriptedEngine):
+        def step(self):
+            raise RuntimeError("an engine rank died")
+
+    s = _stream(Broken(), staleness=1)
+    try:
+        s.set_version(0)
+        _wait_until(lambda: s.error is not None)
+        with pytest.raises(RuntimeError, match="an engine rank died"):
+            with s.paused():  # the driver's next sync learns why, before touching the broken engine
+                pass
+        with pytest.raises(RuntimeError, match="an engine rank died"):
+            s.take(0)
+    finally:
+        s.close()

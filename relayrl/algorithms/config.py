@@ -23,7 +23,14 @@ from relayrl.algorithms import gae as _gae  # noqa: F401 - registers gae
 from relayrl.algorithms import kl as _kl  # noqa: F401 - registers the KL estimators
 from relayrl.algorithms import policy_loss as _policy_loss  # noqa: F401 - registers the policy losses
 from relayrl.algorithms import token_advantages as _token_advantages  # noqa: F401 - registers REINFORCE++
-from relayrl.algorithms.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LOSSES, Registry
+from relayrl.algorithms.registry import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    LOSSES,
+    Registry,
+    advantage_is_token_level,
+)
 from relayrl.config import Config
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -97,6 +104,15 @@ class AlgoConfig(Config):
     @classmethod
     def _kl_known(cls, v: str) -> str:
         return _check_name(KL_ESTIMATORS, v)
+
+    @model_validator(mode="after")
+    def _kl_in_reward_needs_token_rewards(self) -> AlgoConfig:
+        # a sequence-level estimator never reads a per-token reward, and the loss term is off: no KL at all
+        if self.kl_in_reward and not advantage_is_token_level(self.advantage):
+            raise ValueError(f"kl_in_reward puts the KL in token rewards, which '{self.advantage}' does not use "
+                             "(it would train with no KL at all): use a token-level estimator (gae, reinforce_pp, "
+                             "reinforce_pp_baseline) or keep the KL in the loss (kl_in_reward=false)")
+        return self
 
     @model_validator(mode="after")
     def _mis_band(self) -> AlgoConfig:

@@ -123,6 +123,9 @@ class AgentLoop:
         self._completed: list[Hashable] = []  # submissions whose last episode ended, in that order
         self._next_index = 0
         self._env_worked = False  # some episode ended other than by an environment error
+        # advance() raises when a whole submission failed before any episode worked; a caller that judges
+        # failures over a step of several submissions (the async rollout stream) turns it off
+        self.check_failures = True
 
     def close(self) -> None:
         self.pool.close()
@@ -188,7 +191,7 @@ class AgentLoop:
         failed in its environment and no episode so far has done better: an environment that always fails
         stops the run at its first submission, one bad submission among good ones does not."""
         done = self._advance(block)
-        if not self._env_worked:
+        if self.check_failures and not self._env_worked:
             for _, episodes in done:
                 if episodes:  # here every ended episode failed, so every one of these did
                     raise self._failed_everywhere(episodes)

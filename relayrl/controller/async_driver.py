@@ -34,6 +34,7 @@ from relayrl.controller.agent_loop import AgentLoop
 from relayrl.controller.driver import Driver, Rollout, rollout_from_outputs, rollout_from_trajectories
 from relayrl.controller.prompts import encode_prompt
 from relayrl.controller.rollout_stream import RolloutStream
+from relayrl.errors import EnvError
 from relayrl.rewards.result import ScoreResult
 
 
@@ -73,13 +74,26 @@ class AsyncDriver(Driver):
         signal = group_has_signal(ro.rewards, self.cfg.rollout.group_size)
         extra = {**sync_metrics, "time/wait_rollout": t_wait, "time/wait_train": self.stream.pop_idle(),
                  "rollout/queue_len": float(queue_len)}
-        return self.learn(ro, 1.0 - float(signal.float().mean()), t0=t0, extra=extra)
+        out = self.learn(ro, 1.0 - float(signal.float().mean()), t0=t0, extra=extra)
+        # generation runs beside the step, so tokens per second of the trainer's wait would mean nothing:
+        # the pipeline's pace is the model's tokens trained per second of step
+        out.pop("throughput/gen_tokens_per_s", None)
+        out["throughput/tokens_per_s"] = out["response_length/mean"] * len(ro.response_ids) / max(out["time/step"],
+                                                                                                   1e-9)
+        return out
 
-    @staticmethod
-    def _assemble(groups) -> Rollout:
+    def _engine_stats(self) -> dict[str, float]:
+        with self.stream.paused():  # the rollout thread updates these counters as it steps
+            return super()._engine_stats()
+
+    def _assemble(self, groups) -> Rollout:
         examples = [g.example for g in groups]
         if groups[0].trajectories is not None:
-            return rollout_from_trajectories(examples, [t for g in groups for t in g.trajectories])
+            trajs = [t for g in groups for t in g.trajectories]
+            if all(t.finish == "env_error" for t in trajs):  # judged per step, as the synchronous loop does
+                raise EnvError(f"environment '{self.cfg.env.name}' failed on every episode of the step, "
+                               f"e.g.: {trajs[0].error}")
+            return rollout_from_trajectories(examples, trajs)
         # scored group by group without the every-sample-failed check: it applies to the step, as in sync mode
         res = ScoreResult.merge([g.score for g in groups])
         return rollout_from_outputs(examples, [g.output for g in groups], res)

@@ -7,8 +7,9 @@ below the CLI, and must never import relayrl.cli.
       base_model/          the tiny model, when model.path is unset
       metrics.jsonl, tb/   one line / TensorBoard scalars per step (eval lines share the step)
       eval.jsonl           held-out evaluations
-      trained_prompts.jsonl per step, a digest of each prompt trained on (a resumed run continues it: every
-                           prompt the sampler drew is trained exactly once, whatever the rollout mode)
+      trained_prompts.jsonl per step, a digest of each prompt trained on; a resumed run continues it, so every
+                           prompt the sampler drew is trained exactly once in every rollout mode, except that
+                           DAPO's algo.filter_groups (sync only) drops the groups it filters
       sync_checksums.jsonl with sync.debug_checksums: per engine parameter, trainer vs engine checksum
       checkpoints/step_N/  model, optimizer, scheduler, sampler, RNG as data, a checksummed manifest
                            (atomic: temp name + rename)

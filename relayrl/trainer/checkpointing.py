@@ -46,8 +46,11 @@ def critic_checkpoint(actor_checkpoint: str | Path) -> Path:
 def save_critic(critic: Actor, run_dir: str | Path, step: int, *, meta: Mapping[str, Any],
                 keep_last: int | None) -> Path:
     """The critic's checkpoint, in a tree of its own (run_dir/critic), written before the actor's: a step
-    whose actor checkpoint is complete has its critic's too."""
-    return save_actor(critic, Path(run_dir) / "critic", step, extra={}, meta=meta, keep_last=keep_last)
+    whose actor checkpoint is complete has its critic's too. The critic's tree keeps one more than the
+    actor's, so a failure while the actor writes step N still finds the critic of step N - 1 beside the
+    actor's last complete checkpoint."""
+    keep = keep_last + 1 if keep_last is not None else None
+    return save_actor(critic, Path(run_dir) / "critic", step, extra={}, meta=meta, keep_last=keep)
 
 
 def load_critic(critic: Actor, actor_checkpoint: str | Path) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from relayrl.config import Config
 
@@ -42,3 +42,9 @@ class CriticConfig(TrainerConfig):
     path: str | None = None  # a sequence-classification directory (one label); None: the policy with a fresh head
     head_std: float = Field(0.0, ge=0)  # the fresh head's init std (0: every value starts at 0)
     warmup_updates: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _padded(self) -> CriticConfig:
+        if self.padding_free:
+            raise ValueError("padding_free: the critic runs on padded rows; set critic.padding_free=false")
+        return self
