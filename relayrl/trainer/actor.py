@@ -52,17 +52,23 @@ class Actor:
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.bf16 else contextlib.nullcontext()
 
-    @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs [B, T] under the current weights, in micro-batches (no grad)."""
+        return self.per_token(batch, lambda mb: token_logprobs(
+            self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
+            tp_group=self.tp_group)[0])
+
+    @torch.no_grad()
+    def per_token(self, batch: TrainBatch, forward) -> torch.Tensor:
+        """forward(micro-batch) -> [b, T] over the batch in micro-batches (no grad), masked to the response
+        tokens; every data-parallel rank runs as many micro-batches (see _micro_batches)."""
         self.model.eval()
         parts = []
         for mb, real in self._micro_batches(batch, batch):
             with self._autocast():
-                logp, _ = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                         padding_free=self.cfg.padding_free, tp_group=self.tp_group)
+                out = forward(mb).float()
             if real:
-                parts.append(logp * mb.response_mask)
+                parts.append(out * mb.response_mask)
         return torch.cat(parts) if parts else torch.zeros_like(batch.response_mask)
 
     def _micro_batches(self, rows: TrainBatch, template: TrainBatch):

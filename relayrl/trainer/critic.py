@@ -40,16 +40,8 @@ class Critic(Actor):
                  dims: ParallelDims | None = None):
         super().__init__(model, cfg, algo, total_steps=total_steps, temperature=1.0, seed=seed, dims=dims)
 
-    @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        self.model.eval()
-        parts = []
-        for mb, real in self._micro_batches(batch, batch):
-            with self._autocast():
-                v = token_values(self.model, mb.input_ids, mb.attention_mask).float()
-            if real:
-                parts.append(v * mb.response_mask)
-        return torch.cat(parts) if parts else torch.zeros_like(batch.response_mask)
+        return self.per_token(batch, lambda mb: token_values(self.model, mb.input_ids, mb.attention_mask))
 
     def loss(self, mb: TrainBatch, num_tokens: torch.Tensor, num_seqs: float) -> tuple[torch.Tensor, dict]:
         with self._autocast():
