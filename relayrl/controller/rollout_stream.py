@@ -260,26 +260,31 @@ class RolloutStream:
             return True
         return self.engine.has_unfinished() or bool(self._admissible())
 
+    def _open(self) -> bool:  # under cv: admission is neither stopped (drain) nor waiting for weights
+        return not self.drains and self.version >= 0
+
+    def _drawable(self) -> bool:  # under cv: the next batch exists and the bound allows it
+        return self.next_batch < self.total and self.next_batch <= self.version + self.staleness
+
+    def _capacity(self) -> bool:  # under cv
+        return self.max_inflight is None or self.inflight < self.max_inflight
+
     def _admissible(self) -> bool:  # under cv
-        if self.drains or self.version < 0:
-            return False
-        capacity = self.max_inflight is None or self.inflight < self.max_inflight
-        drawable = self.next_batch < self.total and self.next_batch <= self.version + self.staleness
-        return capacity and (bool(self.waiting) or drawable)
+        return self._open() and self._capacity() and (bool(self.waiting) or self._drawable())
 
     def _admit(self) -> list[Group]:
         """Draw the batches the bound allows, then take groups oldest first while there is capacity."""
         with self.cv:
-            if self.drains or self.version < 0:
+            if not self._open():
                 return []
-            while self.next_batch < self.total and self.next_batch <= self.version + self.staleness:
+            while self._drawable():
                 j = self.next_batch
                 self.draw_states[j] = self.sampler.state_dict()
                 for i, ex in enumerate(self.sampler.next_batch(self.P)):
                     self.waiting.append(Group(j, i, ex, self.make_params(j, i, ex)))
                 self.next_batch += 1
             out = []
-            while self.waiting and (self.max_inflight is None or self.inflight < self.max_inflight):
+            while self.waiting and self._capacity():
                 out.append(self.waiting.popleft())
                 self.inflight += 1
             return out
