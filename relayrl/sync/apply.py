@@ -20,16 +20,18 @@ from __future__ import annotations
 import torch
 
 from relayrl.models.config import ModelShape
+from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.layout import TrainerLayout, trainer_holdings
 from relayrl.sync.plan import SyncPlan, Transfer
 from relayrl.sync.wire import pack_pieces, unpack_pieces
 
 
 def shard_state_dict(full_sd: dict[str, torch.Tensor], cfg: ModelShape, layout: TrainerLayout,
-                     rank: int) -> dict[str, torch.Tensor]:
-    """Trainer `rank`'s local tensors (HF names) cut from the full logical state dict."""
+                     rank: int, lora: AdapterShape | None = None) -> dict[str, torch.Tensor]:
+    """Trainer `rank`'s local tensors (HF names) cut from the full logical state dict (with the
+    adapters' when `lora` is given)."""
     out = {}
-    for name, holdings in trainer_holdings(cfg, layout, rank).items():
+    for name, holdings in trainer_holdings(cfg, layout, rank, lora).items():
         (h,) = holdings
         if name not in full_sd:
             raise KeyError(f"the full state dict has no {name!r}")

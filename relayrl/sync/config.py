@@ -30,3 +30,7 @@ class SyncConfig(Config):
     wire: Literal["engine", "float8"] = "engine"
     # how long a member waits on a message (a peer that died mid-sync surfaces as an error after this)
     timeout_s: float = Field(300.0, gt=0)
+    # with LoRA (trainer.lora) every sync after the first sends the adapters only; the engine then keeps
+    # them apart (separate: its forward adds s * (x A^T) B^T, no extra weights) or merges them into its
+    # fused weights (merge: a plain forward, at the cost of a copy of the targeted base weights per rank)
+    lora: Literal["separate", "merge"] = "separate"

@@ -26,6 +26,10 @@ Engine rank r of tp (relayrl.engine.model, mirrored here as data — sync never 
     KV heads: tp <= Hkv: rank r holds [r*Hkv/tp, (r+1)*Hkv/tp); tp > Hkv: the one head r*Hkv // tp
     its Q heads use (the same KV head sits on tp/Hkv ranks).
 
+LoRA adapters (`lora`, an AdapterShape) are logical tensors too, laid out by relayrl.sync.adapters; every
+function below takes `lora` (adapters added) and `base` (False: the adapters alone, what a sync sends
+once the engine holds the frozen base).
+
 It imports relayrl.models (shapes), relayrl.parallel, relayrl.errors and the sync modules only; like all
 of sync, it must never import the trainer, the engine or the controller: the controller hands it plain
 tensors.
@@ -41,6 +45,7 @@ from relayrl.errors import ConfigError
 from relayrl.models.config import ModelShape
 from relayrl.models.fusion import FUSED_INTO
 from relayrl.parallel.tensor_parallel import WEIGHT_SHARD_DIM, check_tp_divisibility, tp_plan
+from relayrl.sync.adapters import AdapterShape, adapter_shard_dim, adapter_tensors, engine_adapter_pieces, is_adapter
 from relayrl.sync.boxes import Box
 
 # logical (HF) module -> (engine module, which part of the fused tensor, in order)
@@ -137,15 +142,25 @@ def _logical(shape: ModelShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple(out)
 
 
-def logical_tensors(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor of the checkpoint (what a sync must deliver)."""
-    return dict(_logical(ModelShape.of(cfg)))
+@lru_cache(maxsize=64)
+def _tensors(shape: ModelShape, lora: AdapterShape | None, base: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    if not base and lora is None:
+        raise ValueError("a sync without the base weights sends adapters: it needs a LoRA shape")
+    return (_logical(shape) if base else ()) + (tuple(adapter_tensors(shape, lora)) if lora else ())
+
+
+def logical_tensors(cfg: ModelShape, lora: AdapterShape | None = None, base: bool = True) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor of the checkpoint (what a sync must deliver), with the
+    adapters' when `lora` is given (only theirs when `base` is False)."""
+    return dict(_tensors(ModelShape.of(cfg), lora, base))
 
 
 # ---------------------------------------------------------------------------- trainer
 def trainer_shard_dim(name: str, sequence_parallel: bool = False) -> int | None:
     """Which dim of logical tensor `name` the trainer's TP plan shards (None: replicated over TP)."""
     module, kind = name.rsplit(".", 1)
+    if is_adapter(name):
+        return adapter_shard_dim(name, trainer_shard_dim(module + ".weight", sequence_parallel))
     styles = [style for pattern, style in tp_plan(sequence_parallel).items() if fnmatch(module, pattern)]
     if not styles:
         return None
@@ -173,11 +188,12 @@ def _fsdp_box(tp_box: Box, dp_shard: int, s: int) -> Box:
 
 
 @lru_cache(maxsize=1024)
-def _trainer(shape: ModelShape, layout: TrainerLayout, rank: int) -> tuple[tuple[str, Holding], ...]:
+def _trainer(shape: ModelShape, layout: TrainerLayout, rank: int, lora: AdapterShape | None,
+             base: bool) -> tuple[tuple[str, Holding], ...]:
     check_tp_divisibility(shape, layout.tp)
     _, s, t = layout.coords(rank)
     out = []
-    for name, shp in _logical(shape):
+    for name, shp in _tensors(shape, lora, base):
         full = Box.full(shp)
         box = _fsdp_box(_tp_box(full, trainer_shard_dim(name, layout.sequence_parallel), layout.tp, t, name),
                         layout.dp_shard, s)
@@ -185,9 +201,10 @@ def _trainer(shape: ModelShape, layout: TrainerLayout, rank: int) -> tuple[tuple
     return tuple(out)
 
 
-def trainer_holdings(cfg: ModelShape, layout: TrainerLayout, rank: int) -> dict[str, list[Holding]]:
+def trainer_holdings(cfg: ModelShape, layout: TrainerLayout, rank: int, lora: AdapterShape | None = None,
+                     base: bool = True) -> dict[str, list[Holding]]:
     """HF name -> what trainer `rank` holds of it (one box, possibly empty: FSDP's trailing chunks)."""
-    return {name: [h] for name, h in _trainer(ModelShape.of(cfg), layout, rank)}
+    return {name: [h] for name, h in _trainer(ModelShape.of(cfg), layout, rank, lora, base)}
 
 
 # ---------------------------------------------------------------------------- engine
@@ -216,7 +233,8 @@ def engine_param_name(hf_name: str) -> str:
 
 
 @lru_cache(maxsize=256)
-def _engine(shape: ModelShape, layout: EngineLayout, rank: int) -> tuple[tuple[str, tuple[EnginePiece, ...]], ...]:
+def _engine(shape: ModelShape, layout: EngineLayout, rank: int, lora: AdapterShape | None,
+            base: bool) -> tuple[tuple[str, tuple[EnginePiece, ...]], ...]:
     tp = layout.tp
     if not 0 <= rank < tp:
         raise ValueError(f"engine rank {rank} out of range for tensor parallel degree {tp}")
@@ -236,7 +254,7 @@ def _engine(shape: ModelShape, layout: EngineLayout, rank: int) -> tuple[tuple[s
     split_cols = {"o_proj": (q_heads.start * hd, q_heads.stop * hd),
                   "down_proj": (rank * local, (rank + 1) * local)}
     params: dict[str, list[EnginePiece]] = {}
-    for name, shp in _logical(shape):
+    for name, shp in _logical(shape) if base else ():
         module, kind = name.rsplit(".", 1)
         mod = module.rsplit(".", 1)[-1]
         box = Box.full(shp)
@@ -247,20 +265,25 @@ def _engine(shape: ModelShape, layout: EngineLayout, rank: int) -> tuple[tuple[s
         elif mod in split_cols and kind == "weight":  # their biases are added after the all-reduce: whole
             box = box.with_cols(*split_cols[mod])
         params.setdefault(engine_param_name(name), []).append(EnginePiece(name, box, dst))
+    if lora is not None:
+        for param, name, box, dst in engine_adapter_pieces(shape, lora, fused_rows, split_cols):
+            params.setdefault(param, []).append(EnginePiece(name, box, dst))
     return tuple((k, tuple(v)) for k, v in params.items())
 
 
-def engine_holdings(cfg: ModelShape, layout: EngineLayout, rank: int) -> dict[str, list[EnginePiece]]:
+def engine_holdings(cfg: ModelShape, layout: EngineLayout, rank: int, lora: AdapterShape | None = None,
+                    base: bool = True) -> dict[str, list[EnginePiece]]:
     """Engine parameter name -> the logical boxes it is made of, with their destination offsets.
 
     Tied embeddings: lm_head.weight is absent (the engine's lm_head shares embed_tokens.weight)."""
-    return {k: list(v) for k, v in _engine(ModelShape.of(cfg), layout, rank)}
+    return {k: list(v) for k, v in _engine(ModelShape.of(cfg), layout, rank, lora, base)}
 
 
-def engine_param_shapes(cfg: ModelShape, layout: EngineLayout, rank: int) -> dict[str, tuple[int, ...]]:
+def engine_param_shapes(cfg: ModelShape, layout: EngineLayout, rank: int, lora: AdapterShape | None = None,
+                        base: bool = True) -> dict[str, tuple[int, ...]]:
     """Engine parameter name -> its shape on `rank` (the bounding box of its pieces)."""
     out = {}
-    for name, pieces in engine_holdings(cfg, layout, rank).items():
+    for name, pieces in engine_holdings(cfg, layout, rank, lora, base).items():
         ndim = len(pieces[0].dst_offset)
         out[name] = tuple(max(p.dst_offset[i] + p.box.shape[i] for p in pieces) for i in range(ndim))
     return out

@@ -23,6 +23,10 @@ the same box. One is chosen per destination: the destination's own rank number w
 (a colocated process then copies locally), otherwise holders[dst % len(holders)] — round-robin, so
 replicated reads are spread over the holders instead of all hitting trainer rank 0.
 
+With LoRA the plan also moves the adapters (relayrl.sync.adapters): `plan_sync(..., lora=AdapterShape(r))`
+sends base + adapters (the first sync), `base=False` the adapters alone (every later one: the base is
+frozen and already in place).
+
 It imports torch and the sync modules only; like all of sync, it must never import the trainer, the
 engine or the controller: the controller hands it plain tensors.
 """
@@ -35,6 +39,7 @@ from functools import cached_property, lru_cache
 
 import torch
 
+from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.boxes import Box
 from relayrl.sync.layout import (
     EngineLayout,
@@ -87,6 +92,12 @@ class SyncPlan:
     engine: EngineLayout
     transfers: tuple[Transfer, ...]  # by engine rank, then parameter, then destination offset
     param_shapes: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]  # per engine rank
+    lora: AdapterShape | None = None  # the adapters moved too
+    base: bool = True  # False: the adapters alone
+
+    def trainer_holdings(self, rank: int):
+        """What trainer `rank` holds of every tensor this plan reads."""
+        return trainer_holdings(self.shape, self.trainer, rank, self.lora, self.base)
 
     # ---- views ----
     @cached_property
@@ -142,8 +153,9 @@ class SyncPlan:
         s, tl = self.shape, self.trainer
         tied = ", tied embeddings" if s.tie_word_embeddings else ""
         mib = f"MiB ({str(dtype).removeprefix('torch.')})"
+        what = "" if self.lora is None else f", LoRA r={self.lora.rank} {'base + ' if self.base else ''}adapters"
         lines = [
-            f"sync plan: trainer tp={tl.tp} dp_shard={tl.dp_shard} dp_replicate={tl.dp_replicate} "
+            f"sync plan{what}: trainer tp={tl.tp} dp_shard={tl.dp_shard} dp_replicate={tl.dp_replicate} "
             f"({tl.world_size} ranks) -> engine tp={self.engine.tp}",
             f"model: {s.num_hidden_layers} layers, {s.num_attention_heads} Q / {s.num_key_value_heads} KV heads "
             f"x head_dim {s.head_dim}, hidden {s.hidden_size}, intermediate {s.intermediate_size}, "
@@ -180,12 +192,12 @@ class SyncPlan:
 
 # ---------------------------------------------------------------------------- planning
 @lru_cache(maxsize=32)
-def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout) -> SyncPlan:
-    logical = logical_tensors(shape)
+def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout, lora: AdapterShape | None, base: bool) -> SyncPlan:
+    logical = logical_tensors(shape, lora, base)
     # name -> {(box, local offset): holders}; distinct boxes of one tensor must tile it
     index: dict[str, dict[tuple[Box, tuple[int, ...]], list[int]]] = defaultdict(dict)
     for rank in range(tl.world_size):
-        for name, holdings in trainer_holdings(shape, tl, rank).items():
+        for name, holdings in trainer_holdings(shape, tl, rank, lora, base).items():
             for h in holdings:
                 if not h.box.empty:
                     index[name].setdefault((h.box, h.local_offset), []).append(rank)
@@ -195,9 +207,9 @@ def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout) -> SyncPlan:
 
     transfers, param_shapes = [], []
     for dst in range(el.world_size):
-        shapes = engine_param_shapes(shape, el, dst)
+        shapes = engine_param_shapes(shape, el, dst, lora, base)
         param_shapes.append(tuple(shapes.items()))
-        for param, pieces in engine_holdings(shape, el, dst).items():
+        for param, pieces in engine_holdings(shape, el, dst, lora, base).items():
             covered, start = 0, len(transfers)
             for piece in pieces:
                 for (sbox, local_offset), holders in index[piece.name].items():
@@ -215,9 +227,12 @@ def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout) -> SyncPlan:
             if covered != Box.full(shapes[param]).size:
                 raise RuntimeError(f"plan covers {covered} elements of engine rank {dst}'s {param} "
                                    f"{shapes[param]}: a layout bug")
-    return SyncPlan(shape=shape, trainer=tl, engine=el, transfers=tuple(transfers), param_shapes=tuple(param_shapes))
+    return SyncPlan(shape=shape, trainer=tl, engine=el, transfers=tuple(transfers), param_shapes=tuple(param_shapes),
+                    lora=lora, base=base)
 
 
-def plan_sync(cfg: ModelShape, trainer_layout: TrainerLayout, engine_layout: EngineLayout) -> SyncPlan:
-    """The reshard plan from a trainer layout to one engine replica's layout (cached)."""
-    return _plan(ModelShape.of(cfg), trainer_layout, engine_layout)
+def plan_sync(cfg: ModelShape, trainer_layout: TrainerLayout, engine_layout: EngineLayout,
+              lora: AdapterShape | None = None, base: bool = True) -> SyncPlan:
+    """The reshard plan from a trainer layout to one engine replica's layout (cached); with `lora`, the
+    adapters too (`base=False`: the adapters alone)."""
+    return _plan(ModelShape.of(cfg), trainer_layout, engine_layout, lora, base)

@@ -49,7 +49,8 @@ import torch.distributed as dist
 
 from relayrl.models.config import ModelShape
 from relayrl.parallel.rendezvous import StoreAddress, join_store
-from relayrl.sync.layout import EngineLayout, TrainerLayout, trainer_holdings
+from relayrl.sync.adapters import AdapterShape
+from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.plan import SyncPlan, Transfer, plan_sync
 from relayrl.sync.wire import decode, encode, fp8_round_trip, fp8_scales, nbytes, receive_buffers
 
@@ -89,10 +90,12 @@ class SyncSpec:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     window: int = 4
     fp8: bool = False  # float8 e4m3 on the wire, a scale per piece
+    lora: AdapterShape | None = None  # LoRA adapters move too (relayrl.sync.adapters)
+    base: bool = True  # False: the adapters alone (the engine already holds the frozen base)
 
     @property
     def plan(self) -> SyncPlan:
-        return plan_sync(self.shape, self.trainer, self.engine)
+        return plan_sync(self.shape, self.trainer, self.engine, self.lora, self.base)
 
 
 class SyncComm:
@@ -163,7 +166,7 @@ def trainer_locals(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def check_locals(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor]) -> None:
     """Every tensor the plan reads from trainer `rank` is there with the shape the layout says."""
-    for name, (h,) in trainer_holdings(plan.shape, plan.trainer, rank).items():
+    for name, (h,) in plan.trainer_holdings(rank).items():
         if name not in local:
             raise KeyError(f"trainer rank {rank} has no tensor {name!r} for the weight sync")
         if tuple(local[name].shape) != h.local_shape:
