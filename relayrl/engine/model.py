@@ -12,6 +12,9 @@ through its `weight_loader(param, tensor, shard)`: q, k and v each land in their
 assembled fused matrix, whose row blocks would not line up with q/k/v boundaries under TP.
 Embedding, lm_head and norms are replicated on every rank.
 
+With LoRA (relayrl.engine.lora) a fused or row-parallel projection may carry `lora`, its adapters: the
+forward adds their low-rank term when they are kept apart (`lora.separate`), and nothing otherwise.
+
 What may be loaded is checked against the model config first (`check_weights`): every tensor must
 have exactly the logical shape `logical_shapes(config)` gives for its Hugging Face name, an unknown
 name or a missing tensor is refused, and nothing is ever sliced or broadcast to fit. The loaders below
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from relayrl.engine.attention import PagedBatch, paged_attention
+from relayrl.engine.lora import LoRATerm
 from relayrl.engine.parallel_state import TPInfo, head_layout
 from relayrl.errors import WeightShapeError
 from relayrl.models.config import ModelConfig
@@ -104,6 +108,8 @@ def _copy_weight(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
 
 
 class QKVParallelLinear(nn.Module):
+    lora: LoRATerm | None = None  # adapters (relayrl.engine.lora), set by enable_lora
+
     def __init__(self, cfg: ModelConfig, tp: TPInfo):
         super().__init__()
         self.q_heads, self.kv_heads = head_layout(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
@@ -127,11 +133,14 @@ class QKVParallelLinear(nn.Module):
         param.data[dst].copy_(src)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return self.lora.column(self, x, y) if self.lora is not None and self.lora.separate else y
 
 
 class ColumnParallelLinear(nn.Module):
     """Output features split over ranks; `parts` logical tensors fused side by side (gate, up)."""
+
+    lora: LoRATerm | None = None
 
     def __init__(self, in_features: int, out_per_part: int, parts: tuple[str, ...], tp: TPInfo, *, bias: bool):
         super().__init__()
@@ -146,11 +155,14 @@ class ColumnParallelLinear(nn.Module):
         param.data[i * self.local: (i + 1) * self.local].copy_(src)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return self.lora.column(self, x, y) if self.lora is not None and self.lora.separate else y
 
 
 class RowParallelLinear(nn.Module):
     """Input features split over ranks; partial outputs are summed with an all-reduce."""
+
+    lora: LoRATerm | None = None
 
     def __init__(self, in_features: int, out_features: int, tp: TPInfo, *, bias: bool, col_ranges=None):
         super().__init__()
@@ -167,7 +179,10 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(loaded[:, self.cols.start:self.cols.stop])
 
     def forward(self, x):
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        partial = F.linear(x, self.weight)
+        if self.lora is not None and self.lora.separate:
+            partial = self.lora.row(self, x, partial)
+        out = self.tp.all_reduce(partial)
         return out + self.bias if self.bias is not None else out
 
 

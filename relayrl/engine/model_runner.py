@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from relayrl.engine import lora
 from relayrl.engine.attention import PagedBatch, build_batch
 from relayrl.engine.model import EngineModel
 from relayrl.engine.parallel_state import TPInfo
@@ -92,27 +93,37 @@ class ModelRunner:
         self.kv_cache = None
 
     def free_weights(self) -> None:
-        """Deep sleep: drop parameter storage (shapes are kept by the module definitions)."""
+        """Deep sleep: drop parameter storage (and merged LoRA's base copies); their shapes are kept."""
+        self._freed_shapes = {n: p.shape for n, p in self.model.named_parameters(remove_duplicate=False)}
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        lora.free_bases(self.model)
         self._weights_freed = True
 
     def restore_weight_storage(self) -> None:
         if not self._weights_freed:
             return
-        with torch.device("meta"):
-            shapes = EngineModel(self.cfg, self.tp)
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        for name, p in shapes.named_parameters(remove_duplicate=False):
-            params[name].data = torch.zeros(p.shape, dtype=self.dtype, device=self.device)
+        for name, shape in self._freed_shapes.items():  # LoRA adapters included
+            params[name].data = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.cfg.tie_word_embeddings:
             self.model.lm_head.weight = self.model.embed_tokens.weight
+        lora.restore_bases(self.model)
         self._weights_freed = False
 
     def params(self) -> dict[str, torch.Tensor]:
         """Engine parameter name -> its storage on this rank (what a weight sync writes into).
-        Tied lm_head is not listed: it is embed_tokens.weight."""
-        return {n: p.data for n, p in self.model.named_parameters()}
+        Tied lm_head is not listed: it is embed_tokens.weight. With merged LoRA a targeted module's
+        weight is its base copy (merge_lora derives the weight the forward uses)."""
+        return lora.sync_params(self.model, {n: p.data for n, p in self.model.named_parameters()})
+
+    def enable_lora(self, rank: int, scaling: float, targets: tuple[str, ...], mode: str) -> None:
+        """Zero LoRA adapters on the targeted modules (relayrl.engine.lora); a weight sync fills them."""
+        lora.enable_lora(self.model, rank, scaling, targets, mode)
+
+    def merge_lora(self) -> None:
+        """merge mode: write base + scaling * B @ A into the targeted weights (after a sync)."""
+        lora.merge_lora(self.model)
 
     def load_weights(self, weights) -> set:
         return self.model.load_weights((n, t.to(self.device)) for n, t in weights)
