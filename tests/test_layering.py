@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "lazy": set(),
     "config": {"errors"},
     **{leaf: set(GROUND) for leaf in LEAVES},
-    "single_controller": GROUND | {"parallel"},  # generic: knows nothing of RL
+    "single_controller": GROUND | {"parallel", "observe"},  # generic: knows nothing of RL; traces its calls
     "rewards": GROUND | {"sandbox", "data"},
     "envs": GROUND | {"rewards", "sandbox", "data"},
     "checkpoint": GROUND | {"parallel", "models"},

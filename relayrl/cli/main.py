@@ -115,6 +115,11 @@ def _cmd_generate(a) -> int:
 
 
 def _cmd_report(a) -> int:
+    if a.trace:  # the timeline only: every process's spans, merged (no run with spans: one line, exit 2)
+        from relayrl.observe.trace import merge_traces
+
+        print(merge_traces(a.run_dir))
+        return 0
     from relayrl.observe.report import make_report
 
     for path in make_report(a.run_dir):
@@ -197,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="PNG plots of a run: relayrl report RUN_DIR")
     r.add_argument("run_dir")
+    r.add_argument("--trace", action="store_true", help="instead of plots, merge the run's spans (driver and "
+                   "every worker) into RUN_DIR/report/trace.json for ui.perfetto.dev or chrome://tracing")
     r.set_defaults(fn=_cmd_report)
 
     x = sub.add_parser("export", help="merge a sharded checkpoint into a Hugging Face directory")

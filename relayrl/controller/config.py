@@ -85,6 +85,9 @@ class RunSection(Config):
     save_every: int = Field(0, ge=0)  # 0: only at the end
     keep_last: int | None = Field(2, ge=1)
     tensorboard: bool = True
+    # spans of every stage and every worker call, per process, in run_dir/trace/ (`relayrl report RUN --trace`
+    # merges them into one Perfetto timeline); a few microseconds per span
+    trace: bool = True
 
 
 class RunConfig(Config):

@@ -14,6 +14,8 @@ below the CLI, and must never import relayrl.cli.
       checkpoints/step_N/  model, optimizer, scheduler, sampler, RNG as data, a checksummed manifest
                            (atomic: temp name + rename)
       final_model/         the trained policy as a Hugging Face directory
+      trace/               with run.trace: spans per process (<role>-<rank>-<pid>.jsonl), merged by
+                           `relayrl report RUN --trace` into report/trace.json
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from relayrl.models import load_config, load_pretrained, save_pretrained
 from relayrl.models.config import ModelConfig, ModelShape
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
+from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
@@ -264,18 +267,32 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    driver, eval_set, src = build_driver(cfg, run_dir)
-    failed = True
+    traces = str(trace_dir(run_dir).resolve()) if cfg.run.trace else None
+    # the worker groups read it when they start (relayrl.observe.trace); restored after, so a later run
+    # in this process does not trace into this one's directory
+    previous = os.environ.pop(TRACE_ENV, None)
+    if traces is not None:
+        os.environ[TRACE_ENV] = traces
+    tracer = open_tracer(traces, "driver")
     try:
-        out = _run(driver, cfg, run_dir, src, eval_set, ckpt, show_progress)
-        failed = False
-        return out
-    finally:
+        driver, eval_set, src = build_driver(cfg, run_dir)
+        driver.timer.tracer = tracer if traces is not None else None
+        failed = True
         try:
-            close_all(driver, driver.agent, driver.weight_sync, driver.scorer, driver.engine, driver.policy)
-        except Exception:
-            if not failed:
-                raise
+            out = _run(driver, cfg, run_dir, src, eval_set, ckpt, show_progress, tracer)
+            failed = False
+            return out
+        finally:
+            try:
+                close_all(driver, driver.agent, driver.weight_sync, driver.scorer, driver.engine, driver.policy)
+            except Exception:
+                if not failed:
+                    raise
+    finally:
+        tracer.close()
+        os.environ.pop(TRACE_ENV, None)
+        if previous is not None:
+            os.environ[TRACE_ENV] = previous
 
 
 def resume_point(run_dir: Path) -> Path:
@@ -290,7 +307,8 @@ def resume_point(run_dir: Path) -> Path:
     return ckpt
 
 
-def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckpt, show_progress: bool) -> dict:
+def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckpt, show_progress: bool,
+         tracer) -> dict:
     start = _restore(driver, ckpt) if ckpt is not None else 0
     logger = MetricsLogger(run_dir, use_tensorboard=cfg.run.tensorboard, resume_step=start if ckpt else None)
     if ckpt is not None:
@@ -298,10 +316,14 @@ def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckp
         _truncate_jsonl(run_dir / "trained_prompts.jsonl", start)
     progress = Progress(cfg.run.steps, desc="grpo", initial=start, disable=not show_progress)
     try:
-        first = _eval(driver, eval_set, cfg, run_dir, logger) if start == 0 else None
+        first = None
+        if start == 0:
+            with tracer.span("eval", step=0):
+                first = _eval(driver, eval_set, cfg, run_dir, logger)
         last = first
         while driver.step < cfg.run.steps:
-            m = driver.train_step()
+            with tracer.span("step", step=driver.step + 1):  # the driver's stages nest inside it
+                m = driver.train_step()
             logger.log(driver.step, m)
             with open(run_dir / "trained_prompts.jsonl", "a") as f:
                 f.write(json.dumps({"step": driver.step, "prompts": [prompt_digest(ex) for ex in driver.last_prompts]})
@@ -312,9 +334,11 @@ def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckp
             progress.update(driver.step, {"reward": m["reward/mean"], "acc": m["reward/accuracy"]})
             done = driver.step == cfg.run.steps
             if done or (cfg.eval.every and driver.step % cfg.eval.every == 0):
-                last = _eval(driver, eval_set, cfg, run_dir, logger)
+                with tracer.span("eval", step=driver.step):
+                    last = _eval(driver, eval_set, cfg, run_dir, logger)
             if done or (cfg.run.save_every and driver.step % cfg.run.save_every == 0):
-                _save(driver, run_dir, cfg, src)
+                with tracer.span("checkpoint", step=driver.step):
+                    _save(driver, run_dir, cfg, src)
         final = load_pretrained(src)  # the policy's weights, wherever it runs, as a HF directory
         final.load_state_dict(dict(driver.policy.weights()))
         save_pretrained(final, run_dir / "final_model", tokenizer_dir=src)

@@ -52,6 +52,8 @@ class WorkerInfo:
     node: int = 0
     device: str = "cpu"
     store: StoreAddress | None = None  # the group's rendezvous, hosted by the process that started it
+    name: str = "worker"  # the group's name (its pool's): the process's name in a run's trace
+    trace_dir: str | None = None  # where this process appends its spans (relayrl.observe.trace); None: off
 
 
 class Worker:

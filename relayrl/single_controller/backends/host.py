@@ -3,7 +3,8 @@
     driver ──("construct", info, cls, args, kwargs, threads)──> host starts its heartbeat, builds
                                                                  the worker object, answers its pid
            ──("dp_infos", prefixes)──────────────────────────> each role's DPInfo
-           ──("call", "actor.compute_logprobs", args, kwargs)─> getattr path, call
+           ──("call", "actor.compute_logprobs", args, kwargs)─> getattr path, call (a span in the
+                                                                 run's trace when info.trace_dir is set)
            ──("close",)───────────────────────────────────────> teardown hooks → drop the worker
                                                                  → gc → barrier → destroy group
 Every operation answers a payload, never raises:
@@ -27,6 +28,7 @@ import sys
 import traceback
 from typing import Any
 
+from relayrl.observe.trace import TRACE_ENV, NullTracer, Tracer, open_tracer
 from relayrl.parallel import launch
 from relayrl.single_controller.dispatch import DPInfo
 from relayrl.single_controller.liveness import start_heartbeat
@@ -60,18 +62,24 @@ class WorkerHost:
     def __init__(self) -> None:
         self.worker: Any = None
         self.info: WorkerInfo | None = None
+        self.tracer: Tracer | NullTracer = NullTracer()
 
     def construct(self, info: WorkerInfo, cls: type, args: tuple, kwargs: dict, threads: int) -> Payload:
         try:
             if info.store is not None:
                 start_heartbeat(info.store, info.rank)
+            if info.trace_dir is not None:
+                # groups this worker starts (an engine's tensor-parallel ranks) trace into the same directory
+                os.environ[TRACE_ENV] = info.trace_dir
+            self.tracer = open_tracer(info.trace_dir, info.name, info.rank)
             import torch
 
             torch.set_num_threads(threads)
             if info.device.startswith("cuda"):
                 torch.cuda.set_device(info.device)
             self.info = info
-            self.worker = construct(cls, info, args, kwargs)
+            with self.tracer.span(f"construct {getattr(cls, '__name__', cls)}", rank=info.rank):
+                self.worker = construct(cls, info, args, kwargs)
             return ("ok", os.getpid())
         except BaseException:  # reported to the driver
             return error_payload(f"building {getattr(cls, '__name__', cls)} on rank {info.rank}:")
@@ -91,7 +99,8 @@ class WorkerHost:
         try:
             if self.worker is None:
                 raise RuntimeError("this worker was never built (its construction failed) or is closed")
-            return ("ok", resolve(self.worker, path)(*args, **kwargs))
+            with self.tracer.span(path, rank=self.info.rank):
+                return ("ok", resolve(self.worker, path)(*args, **kwargs))
         except BaseException:
             return error_payload()
 
@@ -108,4 +117,5 @@ class WorkerHost:
             launch.shutdown_process_group()
         except BaseException:
             result = error_payload("destroying the process group:")
+        self.tracer.close()
         return result
