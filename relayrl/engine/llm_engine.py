@@ -42,6 +42,7 @@ import itertools
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -134,6 +135,7 @@ class LLMEngine:
         # outputs of requests generate() did not add that ended inside it: the next step() returns them
         self._held: list[RequestOutput] = []
         self.peak_used_fraction = self.utilisation_at_peak = 0.0
+        self.num_steps = 0  # model runs so far: the clock of each sample's SampleCost
 
     # ---- construction ----
     @classmethod
@@ -324,6 +326,7 @@ class LLMEngine:
                                  rng=stream, completion_token_ids=list(done_tokens),
                                  completion_logprobs=list(done_lps),
                                  completion_versions=list(done_versions[0]) if done_versions else None))
+            seqs[-1].cost.added_step = self.num_steps
         self._requests[rid] = seqs
         try:
             for s in seqs:
@@ -351,7 +354,7 @@ class LLMEngine:
         samples = [CompletionSample(list(s.completion_token_ids), list(s.logprobs),
                                     s.text if s.text is not None else self._decode(s.completion_token_ids),
                                     finish_reason=s.finish_reason, top_logprobs=list(s.top_logprobs),
-                                    versions=list(s.versions)) for s in seqs]
+                                    versions=list(s.versions), cost=replace(s.cost)) for s in seqs]
         return RequestOutput(rid, seqs[0].token_ids[: seqs[0].num_prompt_tokens], samples, self.weights_version)
 
     def abort(self, request_ids: Iterable[int]) -> list[RequestOutput]:
@@ -395,6 +398,8 @@ class LLMEngine:
             self.peak_used_fraction, self.utilisation_at_peak = used, self.block_manager.utilisation()
         input_ids, batch = prepare(seqs, is_prefill, self.block_size, self.config.sliding_window)
         logits = self._call("run", input_ids, batch)
+        self.num_steps += 1
+        self._count(seqs, is_prefill)
         def row(f, dt):  # one sampling parameter per sequence, as a column for the batched sampler
             return torch.tensor([f(s.params) for s in seqs], dtype=dt)
 
@@ -407,10 +412,24 @@ class LLMEngine:
             s.append_token(t, lp, self.weights_version)
             reason = self._finish_reason(s)
             if reason is not None:
+                s.cost.finished_step = self.num_steps
                 self.scheduler.finish(s, reason)
                 if all(x.is_finished for x in self._requests[s.request_id]):
                     done_requests.add(s.request_id)
         return done_requests
+
+    def _count(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """Add what this batch computed to each sequence's cost: the tokens prepare() ran (a prefill from the
+        first uncached token, a decode its newest) and the keys each attended to (p + 1 at position p, at
+        most the sliding window)."""
+        window = self.config.sliding_window
+        for s in seqs:
+            start = s.num_cached_tokens if is_prefill else s.num_tokens - 1
+            s.cost.computed_tokens += s.num_tokens - start
+            if window is None:  # sum of p + 1 over p in [start, num_tokens)
+                s.cost.attended += (s.num_tokens * (s.num_tokens + 1) - start * (start + 1)) // 2
+            else:
+                s.cost.attended += sum(min(p + 1, window) for p in range(start, s.num_tokens))
 
     @staticmethod
     def _record_top_logprobs(seqs, logits: torch.Tensor) -> None:

@@ -11,6 +11,27 @@ from dataclasses import KW_ONLY, dataclass, field
 
 
 @dataclass
+class SampleCost:
+    """What the engine spent on one sample, for the FLOP count and the straggler measure.
+
+    computed_tokens  tokens run through the model for it: the prefill past its prefix-cache hits, one per
+                     decode step, and again whatever a preemption or re-prefill recomputed
+    attended         keys those tokens attended to, summed (a token at position p attends to p + 1, or
+                     to the sliding window): attention's share of the FLOPs
+    added_step       the engine's step count when the sample was queued (0: before the first step)
+    finished_step    the engine step that produced its last token (-1: not finished, e.g. aborted)
+
+    Engine steps are the clock here, not seconds: deterministic, and on a GPU a decode step costs about
+    the same whether the batch is full or has one sequence left (memory-bound), which is what a long
+    tail wastes."""
+
+    computed_tokens: int = 0
+    attended: int = 0
+    added_step: int = 0
+    finished_step: int = -1
+
+
+@dataclass
 class CompletionSample:
     token_ids: list[int]
     logprobs: list[float]  # of each sampled token, as defined in relayrl.engine.sampler
@@ -20,6 +41,7 @@ class CompletionSample:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when SamplingParams.logprobs > 0
     # per token, the engine's weights version that sampled it (-1: unknown; empty from backends that do not say)
     versions: list[int] = field(default_factory=list)
+    cost: SampleCost | None = None  # None from backends that do not count (vLLM)
 
 
 @dataclass

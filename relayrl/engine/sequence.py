@@ -18,13 +18,15 @@ never offers its (stale, mixed) blocks to a sequence of the new version.
 The engine owns `params` (a SamplingParams) and `rng`; nothing here reads them except
 `params.max_tokens`, which the scheduler uses to check that the sequence can ever fit in the pool.
 
-It imports the standard library only; like the whole engine, it must never import the trainer, sync, the
-controller or the CLI.
+It imports the standard library and relayrl.engine.outputs (SampleCost) only; like the whole engine, it must
+never import the trainer, sync, the controller or the CLI.
 """
 
 from __future__ import annotations
 
 import enum
+
+from relayrl.engine.outputs import SampleCost
 
 
 class SequenceStatus(enum.Enum):
@@ -81,6 +83,7 @@ class Sequence:
         self.text: str | None = None
         # per completion token, {token id: logprob} of the params.logprobs most likely tokens (when asked)
         self.top_logprobs: list[dict[int, float]] = []
+        self.cost = SampleCost()  # tokens computed, keys attended, engine steps (filled in by the engine)
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property
