@@ -96,6 +96,8 @@ class AsyncDriver(Driver):
             return rollout_from_trajectories(examples, trajs)
         # scored group by group without the every-sample-failed check: it applies to the step, as in sync mode
         res = ScoreResult.merge([g.score for g in groups])
+        if self.cost is not None:
+            self.cost.add([g.output for g in groups])
         return rollout_from_outputs(examples, [g.output for g in groups], res)
 
     def sampler_state(self) -> dict:

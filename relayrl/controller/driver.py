@@ -30,12 +30,14 @@ from relayrl.controller.advantage_step import compute_advantages
 from relayrl.controller.agent_loop import EpisodeRunner, episode_metrics
 from relayrl.controller.config import RunConfig
 from relayrl.controller.prompts import encode_prompt
+from relayrl.controller.step_cost import StepCost
 from relayrl.data import Example, PromptSampler
 from relayrl.engine.outputs import CompletionSample, RequestOutput
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.episode import Trajectory
 from relayrl.errors import DataError
+from relayrl.models.config import ModelShape
 from relayrl.observe import StageTimer
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
@@ -135,8 +137,11 @@ class Driver:
     The driver code is the same for every placement and backend."""
 
     def __init__(self, cfg: RunConfig, *, policy: Policy, engine: RolloutEngine, scorer: Scorer | None,
-                 sampler: PromptSampler, weight_sync: WeightSync, agent: EpisodeRunner | None = None):
+                 sampler: PromptSampler, weight_sync: WeightSync, agent: EpisodeRunner | None = None,
+                 model: ModelShape | None = None):
         self.cfg, self.policy, self.engine, self.scorer, self.sampler = cfg, policy, engine, scorer, sampler
+        # the model's shape gives the step's FLOPs and MFU (relayrl.controller.step_cost); None: not counted
+        self.cost = StepCost(cfg, model) if model is not None else None
         self.weight_sync, self.agent = weight_sync, agent
         self.step = 0
         self.timer = StageTimer()
@@ -189,6 +194,8 @@ class Driver:
             prompts = [encode_prompt(tok, ex, self.cfg.data) for ex in examples]
             params = [self._params(self.step, round_, i, ex) for i, ex in enumerate(examples)]
             outs = self.engine.generate(prompts, params)
+        if self.cost is not None:
+            self.cost.add(outs)
         assert sum(len(o.samples) for o in outs) == G * len(examples)
         with self.timer.stage("reward"):
             texts = [smp.text for o in outs for smp in o.samples]
@@ -257,12 +264,14 @@ class Driver:
         if batch.values is not None:  # PPO's critic learns from this batch's returns
             with self.timer.stage("critic_update"):
                 stats.update({f"critic/{k}": v for k, v in self.policy.update_critic(batch).items()})
-        if cfg.critic is None or self.step >= cfg.critic.warmup_updates:  # the critic's warm-up: actor holds
+        updated = cfg.critic is None or self.step >= cfg.critic.warmup_updates  # the critic's warm-up: actor holds
+        if updated:
             with self.timer.stage("update"):
                 stats.update(self.policy.update(batch))
         stages = STAGES + (CRITIC_STAGES if cfg.critic is not None else ())
         times = {f"time/{s}": 0.0 for s in stages} | self.timer.pop()
         times["time/step"] = time.perf_counter() - t0
+        cost = self.cost.metrics(batch, times | extra, updated=updated) if self.cost is not None else {}
         lengths = [sum(m) for m in ro.response_mask]  # the model's tokens (not a multi-turn episode's observations)
         self.last_prompts = [ro.examples[i] for i in range(0, len(ro.examples), G)]
         self.step += 1
@@ -280,6 +289,7 @@ class Driver:
             **extra,
             "throughput/gen_tokens_per_s": sum(lengths) / max(times["time/rollout"], 1e-9),
             **self._engine_stats(),
+            **cost,  # flops/*, rollout/straggler_share, throughput/mfu_* and the peaks
         }
 
     def staleness_metrics(self, ro: Rollout) -> dict[str, float]:

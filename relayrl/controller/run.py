@@ -6,6 +6,7 @@ below the CLI, and must never import relayrl.cli.
       config.yaml          the resolved config (resume reads it back)
       base_model/          the tiny model, when model.path is unset
       metrics.jsonl, tb/   one line / TensorBoard scalars per step (eval lines share the step)
+      wandb/, mlruns/      with run.loggers [wandb, mlflow]: W&B offline run, MLflow file store (observe.loggers)
       eval.jsonl           held-out evaluations
       trained_prompts.jsonl per step, a digest of each prompt trained on; a resumed run continues it, so every
                            prompt the sampler drew is trained exactly once in every rollout mode, except that
@@ -52,6 +53,7 @@ from relayrl.models import load_config, load_pretrained, save_pretrained
 from relayrl.models.config import ModelConfig, ModelShape
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
+from relayrl.observe.loggers import LoggerOptions, require_loggers
 from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.rewards import build_scorer
@@ -183,7 +185,8 @@ def check_fits_model(cfg: RunConfig, model: ModelConfig) -> None:
 
 def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
-    check_fits_model(cfg, load_config(src))
+    model = load_config(src)
+    check_fits_model(cfg, model)
     torch.manual_seed(cfg.run.seed)
     train_set, eval_set = build_datasets(cfg.data)
     if cfg.env is not None:
@@ -197,7 +200,7 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
         agent = build_agent(cfg, engine)
         kind = Driver if cfg.rollout.mode == "sync" else AsyncDriver
         driver = kind(cfg, policy=policy, engine=engine, scorer=scorer,
-                      sampler=PromptSampler(train_set, cfg.run.seed), weight_sync=sync, agent=agent)
+                      sampler=PromptSampler(train_set, cfg.run.seed), weight_sync=sync, agent=agent, model=model)
     except BaseException:
         try:  # no process outlives a failed start
             close_all(agent, sync, scorer, engine, policy)
@@ -264,6 +267,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a "
                         "new directory")
+    require_loggers(cfg.run.sinks)  # a missing wandb / mlflow package: one line, before any process starts
     ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -310,7 +314,11 @@ def resume_point(run_dir: Path) -> Path:
 def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckpt, show_progress: bool,
          tracer) -> dict:
     start = _restore(driver, ckpt) if ckpt is not None else 0
-    logger = MetricsLogger(run_dir, use_tensorboard=cfg.run.tensorboard, resume_step=start if ckpt else None)
+    r = cfg.run
+    logger = MetricsLogger(run_dir, resume_step=start if ckpt else None, loggers=r.sinks, config=cfg.to_dict(),
+                           options=LoggerOptions(wandb_project=r.wandb_project, wandb_name=r.wandb_name,
+                                                 mlflow_tracking_uri=r.mlflow_tracking_uri,
+                                                 mlflow_experiment=r.mlflow_experiment))
     if ckpt is not None:
         _truncate_jsonl(run_dir / "eval.jsonl", start)
         _truncate_jsonl(run_dir / "trained_prompts.jsonl", start)

@@ -1,0 +1,133 @@
+"""What a step computed, and how much of the machine that was: model FLOPs, MFU and the rollout's tail.
+
+    flops/update       ppo_epochs x tokens x (6N + 12 L H d T)   the actor's update (relayrl.models.flops):
+                       tokens = rows x T padded (the trainer runs every micro-batch at the batch's width T),
+                       or the real tokens with trainer.padding_free (T: the longest sequence, the packed rows'
+                       capacity)
+    flops/old_logp     tokens x (2N + 4 L H d T)                 the proximal logprobs' recompute (decoupled PPO)
+    flops/ref_logp     the same, on the reference model          (algo.kl_coef > 0)
+    flops/rollout      sum over the step's samples of 2N x computed tokens + 4 L H d x keys attended, as the
+                       engine counted them (relayrl.engine.outputs.SampleCost: prefix-cache hits are not
+                       computed, preemptions' recomputes are; every generate() of the step, resampled groups
+                       included); absent when the backend does not count (vLLM) or for environment episodes
+
+    throughput/mfu_update   flops/update  / (time/update x peak_trainer x trainer ranks)
+    throughput/mfu_rollout  flops/rollout / (engine seconds x peak_engine x engine ranks); engine seconds are
+                            time/rollout, or in an asynchronous run the step less the engine's idle wait
+                            (time/step - time/wait_train): it generates beside the step
+    throughput/peak_gflops_trainer, throughput/peak_gflops_engine: each rank's matmul peak
+                            (relayrl.observe.peak, at the rank's threads and dtype)
+
+    rollout/straggler_share = (last finish - median finish) / (last finish - first queued), in engine steps, over
+                            the step's samples: the share of the rollout spent after half of its samples had
+                            finished, waiting on the tail. 0 when every sample ends on the same step; with every
+                            sample queued at once it is (max length - median length) / max length.
+
+MFU and the peaks are timing-dependent and sit under throughput/, beside the other rates; the FLOPs and the
+straggler share are functions of the samples and reproduce exactly.
+
+Like the rest of the controller, this module may import any layer below the CLI; it must never import
+relayrl.cli.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from relayrl.controller.config import RunConfig
+from relayrl.engine.outputs import RequestOutput, SampleCost
+from relayrl.models.config import ModelShape
+from relayrl.models.flops import forward_flops, generate_flops, train_flops
+from relayrl.observe.peak import matmul_peak
+from relayrl.single_controller.liveness import GroupOptions
+from relayrl.trainer.batch import TrainBatch
+
+
+def straggler_share(costs: list[SampleCost]) -> float | None:
+    """(last finish - median finish) / (last finish - first queued), in engine steps; None without samples."""
+    done = [c for c in costs if c.finished_step >= 0]
+    if not done:
+        return None
+    last = max(c.finished_step for c in done)
+    span = last - min(c.added_step for c in done)
+    return (last - statistics.median(c.finished_step for c in done)) / span if span > 0 else 0.0
+
+
+def role_peaks(cfg: RunConfig) -> dict[str, tuple[float, int]]:
+    """{"trainer" | "engine": (one rank's matmul peak in GFLOP/s, ranks)}. A role in the driver's own process
+    runs torch's threads there; a worker rank runs GroupOptions' threads (the worker groups' setting)."""
+    par, r = cfg.parallel, cfg.rollout
+    here, worker = torch.get_num_threads(), GroupOptions().threads
+    out = {"trainer": (matmul_peak("cpu", "bfloat16" if cfg.trainer.bf16 else "float32",
+                                   here if par.backend == "none" else worker),
+                       1 if par.backend == "none" else par.world_size)}
+    if r.backend == "vllm":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        out["engine"] = (matmul_peak(device, r.engine_dtype, here), 1)
+    else:
+        in_driver = par.backend == "none" and par.placement == "colocated" and not par.rollout_worker
+        out["engine"] = (matmul_peak("cpu", r.engine_dtype, here if in_driver else worker), r.tp)
+    return out
+
+
+class StepCost:
+    """Collects the step's samples (add) and turns them and the trained batch into the step's metrics."""
+
+    def __init__(self, cfg: RunConfig, shape: ModelShape, peaks: dict[str, tuple[float, int]] | None = None):
+        self.cfg, self.shape = cfg, ModelShape.of(shape)
+        self.peaks = role_peaks(cfg) if peaks is None else peaks
+        self.samples: list[SampleCost] = []
+        self.counted = True  # every sample so far came with its cost
+
+    def add(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            for s in o.samples:
+                if s.cost is None:
+                    self.counted = False
+                else:
+                    self.samples.append(s.cost)
+
+    def trained_tokens(self, batch: TrainBatch) -> tuple[int, int]:
+        """(tokens one pass over the batch computes, keys each attends to)."""
+        if self.cfg.trainer.padding_free:
+            lengths = batch.attention_mask.sum(-1)
+            return int(lengths.sum()), int(lengths.max())
+        B, T = batch.input_ids.shape
+        return B * T, T
+
+    def metrics(self, batch: TrainBatch, times: dict[str, float], *, updated: bool) -> dict[str, float]:
+        """flops/*, rollout/straggler_share and throughput/mfu_* of the step; `times` holds its time/* keys."""
+        cfg, shape = self.cfg, self.shape
+        tokens, keys = self.trained_tokens(batch)
+        out: dict[str, float] = {}
+        if updated:
+            out["flops/update"] = float(cfg.trainer.ppo_epochs * train_flops(shape, tokens, keys))
+        if cfg.algo.proximal != "behaviour":
+            out["flops/old_logp"] = float(forward_flops(shape, tokens, keys))
+        if cfg.algo.kl_coef > 0:
+            out["flops/ref_logp"] = float(forward_flops(shape, tokens, keys))
+        samples, counted = self.samples, self.counted
+        self.samples, self.counted = [], True
+        if samples and counted:
+            out["flops/rollout"] = float(sum(generate_flops(shape, c.computed_tokens, c.attended) for c in samples))
+        share = straggler_share(samples)
+        if share is not None:
+            out["rollout/straggler_share"] = share
+        peak_t, ranks_t = self.peaks["trainer"]
+        peak_e, ranks_e = self.peaks["engine"]
+        out["throughput/peak_gflops_trainer"], out["throughput/peak_gflops_engine"] = peak_t, peak_e
+        if "flops/update" in out and times.get("time/update", 0.0) > 0:
+            out["throughput/mfu_update"] = mfu(out["flops/update"], times["time/update"], peak_t, ranks_t)
+        engine_s = times.get("time/rollout", 0.0)
+        if cfg.rollout.mode != "sync":
+            engine_s = times.get("time/step", 0.0) - times.get("time/wait_train", 0.0)
+        if "flops/rollout" in out and engine_s > 0:
+            out["throughput/mfu_rollout"] = mfu(out["flops/rollout"], engine_s, peak_e, ranks_e)
+        return out
+
+
+def mfu(flops: float, seconds: float, peak_gflops: float, ranks: int) -> float:
+    """Model FLOPs utilisation: flops / (seconds x peak x ranks)."""
+    return flops / (seconds * peak_gflops * 1e9 * ranks)
