@@ -7,13 +7,15 @@
                       lengths.png     response length mean and max per step
                       episodes.png    (runs in an environment) success per step, held-out success
                                       dots, and turns per episode
+                      bottleneck.md   stage shares, MFU, stragglers, and each threshold crossed with the
+                                      config keys to change (relayrl.observe.bottleneck)
 
 Any metric a run did not log is simply left out; a plot with nothing to show is not written.
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot), so making a report never opens a
 window, needs no display, and does not change the process-wide pyplot backend.
 
-It imports matplotlib, the metrics reader and relayrl.errors only; it must never import another relayrl
-layer: observe is a leaf, which the controller and the CLI import.
+It imports matplotlib, the metrics reader, the bottleneck checks and relayrl.errors only; it must never import
+another relayrl layer: observe is a leaf, which the controller and the CLI import.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from relayrl.errors import UserError
+from relayrl.observe.bottleneck import STEP_TIME, section, time_stages
 from relayrl.observe.metrics import metrics_path, read_metrics
 
 REPORT_DIR = "report"
@@ -42,13 +45,7 @@ MISMATCH_MAX = "mismatch/logp_abs_max"
 CANARY_GAP = "sync/canary_gap"  # the weight sync's check: mean |Δ logp| on fixed rows after each sync
 LENGTH_MEAN = "response_length/mean"
 LENGTH_MAX = "response_length/max"
-STEP_TIME = "time/step"
-# Seconds inside environment steps, summed over episodes: they overlap the rollout (and each other), so
-# they are a part of time/rollout, not a stage of their own.
-ENV_TIME = "time/env"
-# An asynchronous run's waits: the trainer's for its batch (the same seconds as its time/rollout) and the
-# engine's for the trainer (spent beside the step, in another thread): neither is a stage of the step.
-ASYNC_WAITS = ("time/wait_rollout", "time/wait_train")
+BOTTLENECK = "bottleneck.md"
 TURNS = "turns/mean"
 VALUE_LOSS = "critic/value_loss"  # PPO with a critic
 EXPLAINED_VARIANCE = "critic/explained_variance"
@@ -137,13 +134,6 @@ def _plot_mismatch(records: list[dict[str, Any]], out: Path) -> Path | None:
     ax.legend()
     ax.grid(alpha=0.3)
     return _save(fig, out / "mismatch.png")
-
-
-def time_stages(keys) -> list[str]:
-    """The stage timers among `keys`: time/* but time/step, and not a stage's parts (time/sync_verify
-    is inside time/sync), so the shares add up."""
-    timers = {k for k in keys if k.startswith("time/") and k not in (STEP_TIME, ENV_TIME, *ASYNC_WAITS)}
-    return sorted(k for k in timers if not any(k.startswith(t + "_") for t in timers))
 
 
 def _plot_time_share(records: list[dict[str, Any]], out: Path) -> Path | None:
@@ -237,12 +227,19 @@ def _plot_critic(records: list[dict[str, Any]], out: Path) -> Path | None:
 
 
 def make_report(run_dir: str | os.PathLike[str]) -> list[Path]:
-    """Writes the PNGs the run's metrics allow under run_dir/report/ and returns their paths."""
+    """Writes the PNGs the run's metrics allow and bottleneck.md under run_dir/report/; returns their paths."""
     records = _load(run_dir)
     out = Path(run_dir) / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     plots = (_plot_reward, _plot_mismatch, _plot_time_share, _plot_lengths, _plot_episodes, _plot_critic)
-    return [p for plot in plots if (p := plot(records, out)) is not None]
+    paths = [p for plot in plots if (p := plot(records, out)) is not None]
+    (out / BOTTLENECK).write_text(section(records))
+    return [*paths, out / BOTTLENECK]
+
+
+def bottleneck(run_dir: str | os.PathLike[str]) -> str:
+    """The bottleneck section of the run's report (Markdown; relayrl.observe.bottleneck)."""
+    return section(_load(run_dir))
 
 
 def summarize(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
