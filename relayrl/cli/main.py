@@ -120,10 +120,12 @@ def _cmd_report(a) -> int:
 
         print(merge_traces(a.run_dir))
         return 0
-    from relayrl.observe.report import make_report
+    from relayrl.observe.report import bottleneck, make_report
 
     for path in make_report(a.run_dir):
         print(path)
+    print()
+    print(bottleneck(a.run_dir), end="")  # also in report/bottleneck.md
     return 0
 
 
