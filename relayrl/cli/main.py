@@ -152,7 +152,18 @@ def _cmd_sync_plan(a) -> int:
         raise ConfigError(f"--dtype {a.dtype!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
     shape = load_config(a.model) if a.model else preset(a.preset)
     trainer = TrainerLayout(tp=a.trainer_tp, dp_shard=a.trainer_dp, dp_replicate=a.trainer_dp_replicate)
-    print(plan_sync(shape, trainer, EngineLayout(tp=a.engine_tp)).describe(dtype, layers=a.layers))
+    engine = EngineLayout(tp=a.engine_tp)
+    if a.lora_rank is None:
+        print(plan_sync(shape, trainer, engine).describe(dtype, layers=a.layers))
+        return 0
+    from relayrl.sync.adapters import AdapterShape
+
+    lora = AdapterShape(a.lora_rank)
+    print(plan_sync(shape, trainer, engine, lora, base=False).describe(dtype, layers=a.layers))
+    full = max(plan_sync(shape, trainer, engine).bytes_per_dst_rank(dtype).values())
+    adapters = max(plan_sync(shape, trainer, engine, lora, base=False).bytes_per_dst_rank(dtype).values())
+    print(f"\nbytes per engine rank per sync (the largest rank): full weights {full / 2**20:.2f} MiB, "
+          f"adapters only {adapters / 2**20:.2f} MiB: {full / adapters:.1f}x fewer bytes")
     return 0
 
 
@@ -224,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--engine-tp", type=int, default=1)
     sp.add_argument("--dtype", default="bfloat16", help="engine dtype, for byte counts")
     sp.add_argument("--layers", type=int, default=1, help="decoder layers to list piece by piece")
+    sp.add_argument("--lora-rank", type=int, default=None, help="LoRA rank: plan the adapters-only sync "
+                    "(q, k, v, o, gate, up, down targeted) and print its bytes against the full weights'")
     sp.set_defaults(fn=_cmd_sync_plan)
 
     d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after")

@@ -106,6 +106,14 @@ def engine_checksums(runner, spec: SyncSpec) -> dict[int, float]:
     return dest_checksums(spec.plan, runner.tp.rank, runner.params())
 
 
+def engine_enable_lora(runner, rank: int, scaling: float, targets: tuple[str, ...], mode: str) -> None:
+    runner.enable_lora(rank, scaling, targets, mode)
+
+
+def engine_merge_lora(runner) -> None:
+    runner.merge_lora()
+
+
 def total(parts: list[SyncStats]) -> SyncStats:
     out = SyncStats()
     for p in parts:

@@ -19,6 +19,11 @@ verifies it every time.
                             compared after the first sync (the plan never changes, so a layout bug
                             shows there) and, with sync.debug_checksums, after every sync.
 
+LoRA (`lora`, the trainer's adapters' AdapterShape): the engine gets adapter slots on its targeted
+modules (relayrl.engine.lora, kept apart or merged as sync.lora says); the first sync, and any after
+sleep(level=2) released the engine's weights, sends base + adapters, every other one the adapters
+only (the base is frozen). Checksums always cover base and adapters.
+
 What each rank runs is in relayrl.controller.sync_steps. The driver process hosts the sync group's
 rendezvous (on the address the trainer's workers reach it by, behind the run's token) and joins no
 group itself. Both classes here implement relayrl.sync.protocol.WeightSync.
@@ -29,6 +34,7 @@ relayrl.cli.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -38,6 +44,7 @@ from relayrl.engine.protocols import RolloutEngine
 from relayrl.errors import UserError
 from relayrl.models.config import ModelShape
 from relayrl.parallel.rendezvous import serve_store
+from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.checksums import describe_piece, first_mismatch
 from relayrl.sync.config import SyncConfig
 from relayrl.sync.layout import EngineLayout, TrainerLayout
@@ -70,17 +77,23 @@ class PlannedWeightSync:
 
     def __init__(self, policy: Policy, engine: RolloutEngine, *, shape: ModelShape, trainer_layout: TrainerLayout,
                  engine_tp: int, colocated: bool, engine_dtype: torch.dtype, trainer_dtype: torch.dtype,
-                 temperature: float, cfg: SyncConfig | None = None):
+                 temperature: float, cfg: SyncConfig | None = None, lora: AdapterShape | None = None,
+                 lora_scaling: float = 1.0):
         cfg = cfg if cfg is not None else SyncConfig()
         self.policy, self.engine, self.cfg, self.temperature = policy, engine, cfg, temperature
         members = Members(trainer_layout.world_size, engine_tp, colocated)
+        # base (+ adapters): the first sync, the checksums; adapters alone: every later sync with LoRA
         self.spec = SyncSpec(shape=shape, trainer=trainer_layout, engine=EngineLayout(engine_tp), members=members,
                              dtype=engine_dtype, bucket_bytes=int(cfg.bucket_mb * 2**20), window=cfg.window,
-                             fp8=cfg.wire == "float8")
+                             fp8=cfg.wire == "float8", lora=lora)
+        self.adapters_spec = dataclasses.replace(self.spec, base=False) if lora is not None else None
+        self.lora = lora
+        if lora is not None:
+            engine.run_on_ranks(steps.engine_enable_lora, lora.rank, lora_scaling, lora.targets, cfg.lora)
         lower = FP8 if self.spec.fp8 else engine_dtype if engine_dtype != torch.float32 else trainer_dtype
         self.bound = cfg.gap_bound if cfg.gap_bound is not None else GAP_BOUND[lower]
         self.rows = canary_rows(shape.vocab_size, max(cfg.canary_rows, trainer_layout.world_size), cfg.canary_len)
-        self.shard_bytes = max(self.spec.plan.bytes_per_dst_rank(engine_dtype).values())  # the largest engine shard
+        self.shard_bytes = self.bytes_per_engine_rank(self.spec)  # the largest engine shard
         self.syncs = 0
         self._hosted = None
         if members.world_size > 1:
@@ -97,6 +110,10 @@ class PlannedWeightSync:
     def colocated(self) -> bool:
         return self.spec.members.colocated
 
+    def bytes_per_engine_rank(self, spec: SyncSpec) -> int:
+        """What `spec`'s plan moves into the largest engine shard (in the engine's dtype)."""
+        return max(spec.plan.bytes_per_dst_rank(self.spec.dtype).values())
+
     def transfer(self) -> dict[str, float]:
         """One planned transfer (verify() next). Returns its figures: bytes per engine rank (what
         the plan moves into the largest engine shard), bytes moved between processes, bytes copied
@@ -105,23 +122,31 @@ class PlannedWeightSync:
             raise RuntimeError("an earlier weight sync failed part way; the sync group's state is unknown: "
                                "restart the run from its last checkpoint")
         t0 = time.perf_counter()
+        # the base goes once, unless deep sleep released the engine's copy of it
+        spec = self.adapters_spec if self.lora is not None and self.syncs and self.engine.asleep < 2 else self.spec
         self.engine.begin_weight_update()
         try:
             if self.colocated:
-                stats = steps.total(self.policy.run_on_ranks(steps.trainer_colocated, self.spec))
+                stats = steps.total(self.policy.run_on_ranks(steps.trainer_colocated, spec))
             else:
-                self.policy.run_on_ranks(steps.trainer_start_send, self.spec)
-                received = self.engine.run_on_ranks(steps.engine_receive, self.spec)
+                self.policy.run_on_ranks(steps.trainer_start_send, spec)
+                received = self.engine.run_on_ranks(steps.engine_receive, spec)
                 stats = steps.total(self.policy.run_on_ranks(steps.trainer_finish_send) + received)
+            if self.lora is not None and self.cfg.lora == "merge":
+                self.engine.run_on_ranks(steps.engine_merge_lora)
         except BaseException:
             self.broken = True  # sends or receives may still be posted: no later sync may reuse the group
             raise
         self.engine.end_weight_update()
         self.syncs += 1
-        return {"time/sync_transfer": time.perf_counter() - t0,
-                "sync/bytes_between_processes": float(stats.bytes_received),
-                "sync/bytes_copied_in_place": float(stats.bytes_copied),
-                "sync/bytes_per_engine_rank": float(self.shard_bytes), "sync/messages": float(stats.messages)}
+        out = {"time/sync_transfer": time.perf_counter() - t0,
+               "sync/bytes_between_processes": float(stats.bytes_received),
+               "sync/bytes_copied_in_place": float(stats.bytes_copied),
+               "sync/bytes_per_engine_rank": float(self.bytes_per_engine_rank(spec)),
+               "sync/messages": float(stats.messages)}
+        if self.lora is not None:
+            out["sync/adapters_only"] = float(not spec.base)
+        return out
 
     def sync(self, label: str | None = None) -> dict[str, float]:
         """transfer(), wake() an engine put to sleep since the last sync, then verify() both."""
