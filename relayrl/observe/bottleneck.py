@@ -124,6 +124,7 @@ ROLLOUT_ADVICE = [
 ]
 SYNC_ADVICE = [
     "send fewer bytes: `sync.wire=float8` (a quarter of fp32's, half of bf16's)",
+    "train low-rank adapters and sync only them: `trainer.lora.rank` (a `trainer.lora` section)",
     "fewer, fuller messages: raise `sync.bucket_mb` and `sync.window`",
     "keep the engine in the trainer's processes, where most pieces are copied in place: `parallel.placement=colocated`",
 ]
