@@ -28,7 +28,7 @@ from relayrl.models.lora_config import LORA_TARGETS, LoRAConfig
 
 __all__ = [
     "LORA_TARGETS", "LoRAConfig", "LoRALinear", "apply_lora", "apply_lora_config", "is_lora_param", "lora_modules",
-    "lora_state", "merged_state", "merged_weight", "set_lora_enabled",
+    "lora_state", "merge_lora_state_dict", "merged_state", "merged_weight", "set_lora_enabled",
 ]
 
 
@@ -141,6 +141,20 @@ def merged_weight(module: LoRALinear) -> torch.Tensor:
     w = module.weight
     delta = (module.lora_B.float() @ module.lora_A.float()) * module.scaling
     return (w.float() + delta).to(w.dtype)
+
+
+@torch.no_grad()
+def merge_lora_state_dict(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A full (gathered) LoRA state dict -> the plain model's: each `<m>.weight` with a `<m>.lora_A` /
+    `<m>.lora_B` beside it becomes W + scaling * B @ A (fp32 math, W's dtype), adapters dropped."""
+    out = {n: t for n, t in sd.items() if not is_lora_param(n)}
+    for n in sd:
+        if n.endswith(".lora_A"):
+            mod = n.removesuffix(".lora_A")
+            w = sd[f"{mod}.weight"]
+            delta = (sd[f"{mod}.lora_B"].float() @ sd[n].float()) * scaling
+            out[f"{mod}.weight"] = (w.float() + delta).to(w.dtype)
+    return out
 
 
 @torch.no_grad()

@@ -80,7 +80,13 @@ def parallelize_model(
         raise ConfigError("parallelize_model needs the mesh returned by dims.build_mesh(...)")
 
     if dims.tp > 1:
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         apply_tensor_parallel(model, mesh["tp"], gather_logits=gather_logits, sequence_parallel=sequence_parallel)
+        # some torch styles (SequenceParallel) make every parameter they distribute trainable: a frozen base
+        # (LoRA) stays frozen
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if dims.dp > 1:

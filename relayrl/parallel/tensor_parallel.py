@@ -27,6 +27,17 @@ i // (H/K), and H/tp is a multiple of H/K), so attention runs locally; o_proj ro
 contributions. The model reads its head counts from attributes, so apply_tensor_parallel sets the
 per-rank counts on each Attention module; the model code itself stays unaware of parallelism.
 
+LoRA (a linear with `lora_A` [r, in] and `lora_B` [out, r] beside its weight, relayrl.models.lora): the
+low-rank path follows the base linear's sharding, so y = x W^T + s x A^T B^T splits like x W^T alone:
+
+    style     weight         lora_A [r, in]        lora_B [out, r]       why
+    colwise   Shard(0) rows  Replicate             Shard(0) rows         x A^T is full; B's rows give y's
+    rowwise   Shard(1) cols  Shard(1) cols         Replicate             x_r A_r^T sums over ranks (partial)
+                                                                         like x_r W_r^T, then one reduction
+
+The forward runs on DTensors, so the partial sums are reduced by the same output redistribution as the
+base linear's, and a replicated adapter's gradient is summed over the TP ranks (see LORA_SHARD_DIM).
+
 It imports torch and relayrl.errors only: the plan names modules by their Hugging Face names, so it
 never imports relayrl.models, and it must never import another relayrl layer (models, single_controller,
 the trainer, the engine, ...): they import it.
@@ -38,7 +49,7 @@ from fnmatch import fnmatch
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -86,6 +97,38 @@ WEIGHT_SHARD_DIM: dict[str, int | None] = {
 }
 
 
+# The dim each style shards a LoRA adapter on (None: replicated): a colwise linear's output rows live in
+# lora_B, a rowwise linear's input columns in lora_A.
+LORA_SHARD_DIM: dict[str, dict[str, int | None]] = {
+    "colwise": {"lora_A": None, "lora_B": 0},
+    "rowwise": {"lora_A": 1, "lora_B": None},
+    "rowwise_sp": {"lora_A": 1, "lora_B": None},
+}
+
+
+class _LinearPartition:
+    """Shard a linear's parameters by name: weight / bias as the style does, and the LoRA adapters (when
+    the linear has them) by LORA_SHARD_DIM. Mixed into torch's Colwise / RowwiseParallel."""
+
+    shard_dims: dict[str, int | None]
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dim = self.shard_dims[pname]
+            placement = Replicate() if dim is None else Shard(dim)
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+
+class _Colwise(_LinearPartition, ColwiseParallel):
+    shard_dims = {"weight": 0, "bias": 0, **LORA_SHARD_DIM["colwise"]}
+
+
+class _Rowwise(_LinearPartition, RowwiseParallel):
+    shard_dims = {"weight": 1, "bias": None, **LORA_SHARD_DIM["rowwise"]}
+
+
 def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
     """The default plan for CausalLM, with or without sequence parallelism."""
     return {**TP_PLAN, **SP_PLAN} if sequence_parallel else dict(TP_PLAN)
@@ -93,9 +136,9 @@ def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
 
 def _style(name: str, gather_logits: bool) -> ParallelStyle:
     if name == "colwise":
-        return ColwiseParallel()
+        return _Colwise()
     if name == "rowwise":
-        return RowwiseParallel()
+        return _Rowwise()
     if name == "vocab_embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "vocab_output":
@@ -113,7 +156,7 @@ def _style(name: str, gather_logits: bool) -> ParallelStyle:
     if name == "mlp_input_sp":
         return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     if name == "rowwise_sp":
-        return RowwiseParallel(output_layouts=seq, use_local_output=False)
+        return _Rowwise(output_layouts=seq, use_local_output=False)
     if name == "vocab_output_sp":
         return ColwiseParallel(input_layouts=seq, output_layouts=Replicate() if gather_logits else Shard(-1))
     raise ConfigError(f"unknown tensor-parallel style {name!r} (known: {', '.join(WEIGHT_SHARD_DIM)})")

@@ -1,6 +1,7 @@
 """TrainerConfig sets the optimiser, schedule and batching of the actor update (the `trainer:` section).
 
-This module imports pydantic and relayrl.config only, so that loading a run's config stays cheap; like
+This module imports pydantic, relayrl.config and relayrl.models' torch-free LoRA config only, so that
+loading a run's config stays cheap; like
 all of the trainer, it must never import the engine, sync, the controller or the CLI.
 """
 
@@ -11,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from relayrl.config import Config
+from relayrl.models.lora_config import LoRAConfig
 
 
 class TrainerConfig(Config):
@@ -32,6 +34,9 @@ class TrainerConfig(Config):
     shuffle: bool = True  # shuffle sequences between mini-batches (seeded)
     bf16: bool = False  # autocast the forward to bf16; master weights and optimiser stay fp32
     padding_free: bool = False  # pack sequences into one row instead of padding
+    # low-rank adapters on the decoder's linears (relayrl.models.lora); only the adapters train, the base
+    # stays frozen (optionally in bf16). None: full fine-tuning
+    lora: LoRAConfig | None = None
 
 
 class CriticConfig(TrainerConfig):
@@ -47,4 +52,6 @@ class CriticConfig(TrainerConfig):
     def _padded(self) -> CriticConfig:
         if self.padding_free:
             raise ValueError("padding_free: the critic runs on padded rows; set critic.padding_free=false")
+        if self.lora is not None:
+            raise ValueError("lora: the critic trains in full (its fresh value head must learn); remove critic.lora")
         return self
