@@ -1,8 +1,8 @@
 """TrainerConfig sets the optimiser, schedule and batching of the actor update (the `trainer:` section).
 
 This module imports pydantic, relayrl.config and relayrl.models' torch-free LoRA config only, so that
-loading a run's config stays cheap; like
-all of the trainer, it must never import the engine, sync, the controller or the CLI.
+loading a run's config stays cheap; like all of the trainer, it must never import the engine, sync, the
+controller or the CLI.
 """
 
 from __future__ import annotations
