@@ -1,5 +1,5 @@
-"""This module names model shapes for planning a sync without a model directory
-(`relayrl sync-plan --preset NAME`).
+"""This module names model shapes for planning a sync or a layout without a model directory
+(`relayrl sync-plan --preset NAME`, `relayrl plan --preset NAME`).
 
 A preset holds only what decides tensor names and shapes (ModelShape); the numbers are those of the
 public config.json files of these models.
@@ -27,6 +27,13 @@ PRESETS: dict[str, ModelShape] = {
                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, qk_norm=True),
     "llama-3.1-8b": ModelShape(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    # the large shapes `relayrl plan` is asked about (the reading's 70B figures)
+    "qwen2.5-32b": ModelShape(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                              num_attention_heads=40, num_key_value_heads=8, head_dim=128, qkv_bias=True),
+    "llama-3-70b": ModelShape(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                              num_attention_heads=64, num_key_value_heads=8, head_dim=128),
+    "qwen2.5-72b": ModelShape(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                              num_attention_heads=64, num_key_value_heads=8, head_dim=128, qkv_bias=True),
 }
 
 

@@ -1,0 +1,153 @@
+"""Activation memory from the published per-layer formula, adapted to the models relayrl trains.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", GPT: GeLU
+MLP of 4h, LayerNorm, dropout, attention scores materialised), bytes per layer at 16-bit:
+
+    no parallelism           s b h (34 + 5 a s / h)
+    TP t                     s b h (10 + 24 / t + 5 a s / (h t))
+    TP t + SP                s b h (34 / t + 5 a s / (h t))
+    selective recompute      the 5 a s / h term is dropped (scores recomputed in backward)
+    full recompute           2 s b h (the layer input only)
+
+(34 = attention 11: QKV input 2, Q and K 4, V 2, o_proj input 2, dropout mask 1; MLP 19: input 2,
+GeLU input 8, GeLU output 8, dropout mask 1; two LayerNorm inputs 4. 5as/h: softmax output 2,
+dropout mask 1, dropout output 2 per score.) `korthikanti_layer_bytes` is that formula, exactly.
+
+Our adaptation for Llama / Qwen (RMSNorm, SwiGLU of I, GQA with kv heads, RoPE, no dropout), e bytes per
+element (2 for bf16, 4 for fp32), q = a*hd, kv = kv_heads*hd, per layer (TP t, SP: the first two /t too):
+
+    two RMSNorm inputs                         2 e s b h
+    QKV input and MLP input                    2 e s b h
+    Q, K, V after RoPE (attention's inputs)    e s b (q + 2 kv) / t
+    attention output (o_proj's input)          e s b q / t
+    SwiGLU: gate, up, silu(gate), their product  4 e s b I / t
+    scores: sdpa (flash / memory-efficient)    4 a s b / t (fp32 logsumexp; no s x s kept)
+            eager                               e a s^2 b / t (softmax output; no dropout)
+
+At e = 2, q = kv = h, I = 4h that is s b h (30 + 2 a s / h) against the paper's 34 + 5as/h: the
+differences are the dropout masks and dropout output. With CP c each rank keeps s/c of every token
+term, and its scores cover (s/c) x s. Outside the layers: the attention mask relayrl's model builds
+([b, 1, s, s] bool, once), the final norm's input, and the fp32 log-softmax over the vocabulary
+(b s V / t x 4 B) that the logprob loss keeps for backward.
+
+Pipeline: a stage keeps the activations of the micro-batches in flight — 1F1B: min(m, pp - stage)
+(pp on the first stage), GPipe: all m.
+
+It imports the planner's modules and relayrl.models.config only.
+"""
+
+from __future__ import annotations
+
+from relayrl.models.config import ModelShape
+from relayrl.planner.layout import Layout
+from relayrl.planner.workload import Workload
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """The paper's per-layer activation bytes (16-bit, GPT shape) — the reference our adaptation cites."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    linear = 34 / t if sp else 10 + 24 / t
+    return s * b * h * (linear + scores)
+
+
+def in_flight(layout: Layout, m: int, stage: int) -> int:
+    """Micro-batches whose activations a pipeline stage keeps at once."""
+    if layout.pp == 1:
+        return 1
+    return m if layout.pp_schedule == "gpipe" else min(m, layout.pp - stage)
+
+
+def layer_terms(shape: ModelShape, layout: Layout, w: Workload) -> list[tuple[str, float, str]]:
+    """Per-layer, per-micro-batch activation bytes of one rank (no recompute), as (name, bytes, why)."""
+    e, b, t = w.act_bytes, w.micro_batch, layout.tp
+    s = w.seq / layout.cp  # tokens this rank keeps
+    h, a, inter = shape.hidden_size, shape.num_attention_heads, shape.intermediate_size
+    q, kv = a * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    seq_split = t if layout.sp else 1
+    sp_note = " / t (SP)" if layout.sp else ""
+    out = [("norm inputs", 2 * e * s * b * h / seq_split, "2 RMSNorm inputs: 2 e s b h" + sp_note),
+           ("qkv + mlp inputs", 2 * e * s * b * h / seq_split, "inputs of q/k/v and gate/up: 2 e s b h"
+            + (" / t (SP)" if layout.sp else " (replicated over TP)")),
+           ("q, k, v", e * s * b * (q + 2 * kv) / t, f"after RoPE: e s b (q + 2 kv) / t, q={q}, kv={kv} (GQA)"),
+           ("attention output", e * s * b * q / t, "o_proj input: e s b q / t"),
+           ("swiglu", 4 * e * s * b * inter / t, f"gate, up, silu(gate), product: 4 e s b I / t, I={inter}")]
+    if w.attention == "eager":
+        out.append(("attention scores", e * a * s * w.seq * b / t, "softmax output e a (s/cp) s b / t"))
+    else:
+        out.append(("attention scores", 4 * a * s * b / t, "sdpa keeps only the fp32 logsumexp: 4 a s b / t"))
+    return out
+
+
+def activation_terms(shape: ModelShape, layout: Layout, w: Workload, stage: int) -> list[tuple[str, int, str]]:
+    from relayrl.planner.memory import stage_layers
+
+    m = w.micro_batches(layout.pp)
+    fly = in_flight(layout, m, stage)
+    n_layers = len(stage_layers(shape.num_hidden_layers, layout.pp, stage))
+    e, b, t, s = w.act_bytes, w.micro_batch, layout.tp, w.seq / layout.cp
+    h = shape.hidden_size
+    seq_split = t if layout.sp else 1
+    mult = n_layers * fly
+    where = f"x {n_layers} layers x {fly} micro-batch(es) in flight"
+    out: list[tuple[str, int, str]] = []
+    if w.recompute == "full":
+        out.append(("layer inputs (full recompute)", int(e * s * b * h / seq_split * mult),
+                    f"only each layer's input is kept: e s b h{' / t' if layout.sp else ''} {where}"))
+    else:
+        for name, per, why in layer_terms(shape, layout, w):
+            if name == "attention scores" and w.recompute == "selective":
+                continue  # recomputed in backward: the point of selective recompute
+            out.append((name, int(per * mult), f"{why} {where}"))
+    last = stage == layout.pp - 1
+    out.append(("attention mask", int(b * s * w.seq * fly), "[b, 1, s, s] bool built once per forward"))
+    if last:
+        v = shape.vocab_size
+        out.append(("log-softmax", int(4 * b * s * v / t * fly), f"fp32 b s V / t kept by the logprob loss, V={v}"))
+        out.append(("final norm input", int(e * s * b * h / seq_split * fly), "e s b h"))
+    return out
+
+
+def transient_terms(shape: ModelShape, layout: Layout, w: Workload, stage: int) -> list[tuple[str, int, str]]:
+    """Buffers that live for part of a step. Summed: a conservative peak (they do not all coexist)."""
+    from relayrl.planner.memory import stage_summary
+
+    e, b, t, s = w.act_bytes, w.micro_batch, layout.tp, w.seq / layout.cp
+    h = shape.hidden_size
+    out: list[tuple[str, int, str]] = []
+    _, big, root = stage_summary(shape, layout, w, stage)
+    sb = w.state_bytes()
+    pb = max(sb.param, w.frozen_bytes) if w.lora_rank else sb.param
+    n = layout.shard_group
+    if layout.dp_mode == "fsdp" and n > 1:
+        out.append(("fsdp gathered layers", 2 * big[0] * pb,
+                    f"two decoder layers unsharded at once (the current and the prefetched): 2 x {big[0]:,} x {pb} B"))
+        out.append(("fsdp gathered root", root[0] * pb,
+                    f"embedding / norm / lm_head: the root group stays gathered for forward and backward, "
+                    f"{root[0]:,} x {pb} B"))
+        out.append(("fsdp grad reduce-scatter input", big[1] * sb.grad,
+                    f"one layer's unsharded gradients before the reduce-scatter: {big[1]:,} x {sb.grad} B"))
+    elif layout.dp_mode == "zero2" and n > 1:
+        out.append(("zero2 grad bucket", big[1] * sb.grad, "one layer's full gradients before the reduce-scatter"))
+    if layout.sp:
+        out.append(("sp all-gather buffer", int(e * w.seq / layout.cp * b * h),
+                    "the sequence-gathered input of a TP region: e s b h"))
+    if layout.cp > 1:
+        kv = shape.num_key_value_heads * shape.head_dim
+        if layout.cp_mode == "ring":
+            out.append(("cp ring kv buffers", int(2 * 2 * e * s * b * kv / t),
+                        "the K, V chunk being used and the one arriving: 2 x 2 e (s/cp) b kv / t"))
+        else:
+            q = shape.num_attention_heads * shape.head_dim
+            out.append(("cp all-to-all buffers", int(e * s * b * (2 * q + 2 * kv) / t),
+                        "Ulysses: q, k, v, out re-split by heads: e (s/cp) b (2q + 2kv) / t"))
+    if w.recompute == "full":
+        one = sum(per for _, per, _ in layer_terms(shape, layout, w))
+        out.append(("recomputed layer", int(one), "one layer's activations, rebuilt during its backward"))
+    if stage == layout.pp - 1:
+        v = shape.vocab_size
+        out.append(("logits temporaries", int(b * s * v / t * (e + 4)),
+                    "logits at the compute dtype and their fp32 copy while log_softmax runs: b s V / t (e + 4)"))
+    return out

@@ -1,0 +1,135 @@
+"""Communication per optimizer step, per rank, collective by collective, with a time from the link it
+crosses.
+
+Ring algorithms; B = the bytes of the full tensor, n = the group's size; what one rank sends:
+
+    all-reduce        2 (n-1)/n B          all-gather / reduce-scatter    (n-1)/n B
+    all-to-all        (n-1)/n B            p2p                             B
+
+    DDP        all-reduce of the trained grads, once per step (accumulation without sync)
+    ZeRO-1/2   reduce-scatter of grads + all-gather of updated params over the shard group, once per step
+    FSDP       all-gather of params in forward and again in backward + reduce-scatter of grads, per
+               micro-batch (FSDP2 reshards after forward and reduces every backward); HSDP adds an
+               all-reduce of the grad shards over dp_replicate
+    TP         per layer per micro-batch: 2 all-reduces of e s b h in forward, 2 in backward (one per
+               attention and MLP block); SP replaces each by an all-gather + a reduce-scatter: the same
+               bytes; full recompute re-runs the forward's 2
+    PP         per micro-batch a stage boundary carries e s b h forward and its gradient back
+    CP ring    per layer per micro-batch: K, V chunks passed cp-1 times in forward, K, V and dK, dV in
+               backward (3x the forward); Ulysses: all-to-all of q, k, v and out, forward and backward
+    EP         all-to-all of routed tokens: none for dense models
+
+Which link: ranks are laid out tp fastest, then cp, dp_shard, dp_replicate, pp, on nodes of
+gpus_per_node consecutive ranks. A group of size n at rank stride st stays inside a node when
+st x n <= gpus_per_node; otherwise it crosses nodes and runs at inter_bw. Time = bytes / bandwidth
+(the bandwidths are per-GPU bus bandwidths, as nccl-tests reports busbw).
+
+It imports the planner's modules and relayrl.models.config only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relayrl.models.config import ModelShape
+from relayrl.planner.layout import Layout
+from relayrl.planner.workload import Workload
+
+
+@dataclass(frozen=True)
+class Network:
+    gpus_per_node: int
+    intra_bw: float = 450.0  # GB/s per GPU, NVLink (H100 SXM: 900 GB/s both ways)
+    inter_bw: float = 50.0  # GB/s per GPU, one 400 Gb/s NIC per GPU
+
+    def describe(self) -> str:
+        return (f"{self.gpus_per_node} GPUs per node; {self.intra_bw:g} GB/s per GPU inside a node, "
+                f"{self.inter_bw:g} GB/s per GPU across nodes (bus bandwidth; time = bytes / bandwidth)")
+
+
+@dataclass
+class Collective:
+    name: str
+    group: str  # which layout dims
+    size: int
+    bytes: int  # per rank per step
+    crosses_nodes: bool
+    seconds: float
+    overlapped: bool  # data-parallel traffic overlaps compute; TP / CP / PP sit on the critical path
+    explanation: str
+
+
+def _crosses(layout: Layout, dims: tuple[str, ...], net: Network) -> bool:
+    stride = layout.stride(dims[0])
+    size = 1
+    for d in dims:
+        size *= getattr(layout, d)
+    return stride * size > net.gpus_per_node
+
+
+def _coll(name, layout, dims, nbytes, net, overlapped, why) -> Collective:
+    size = 1
+    for d in dims:
+        size *= getattr(layout, d)
+    cross = _crosses(layout, dims, net)
+    bw = net.inter_bw if cross else net.intra_bw
+    shown = [d for d in dims if getattr(layout, d) > 1] or list(dims[:1])
+    return Collective(name, " x ".join(shown), size, int(nbytes), cross, nbytes / (bw * 1e9), overlapped, why)
+
+
+def step_collectives(shape: ModelShape, layout: Layout, w: Workload, net: Network,
+                     stage_elems: tuple[int, int], n_layers: int) -> list[Collective]:
+    """stage_elems: (all, trained) TP-local parameter elements of one pipeline stage."""
+    sb = w.state_bytes()
+    allp, trained = stage_elems
+    m = w.micro_batches(layout.pp)
+    e, b, t = w.act_bytes, w.micro_batch, layout.tp
+    s = w.seq / layout.cp
+    h = shape.hidden_size
+    out: list[Collective] = []
+    g_bytes, p_bytes = trained * sb.grad, allp * sb.param
+    if layout.dp_mode == "ddp" and layout.dp_replicate * layout.cp > 1:
+        n = layout.dp_replicate * layout.cp
+        out.append(_coll("ddp grad all-reduce", layout, ("cp", "dp_replicate"), 2 * (n - 1) / n * g_bytes, net, True,
+                         f"2(n-1)/n x {g_bytes:,} B of trained grads, once per step"))
+    n = layout.shard_group
+    if layout.dp_mode in ("zero1", "zero2") and n > 1:
+        out.append(_coll("zero grad reduce-scatter", layout, ("cp", "dp_shard"), (n - 1) / n * g_bytes, net, True,
+                         f"(n-1)/n x {g_bytes:,} B, once per step"))
+        out.append(_coll("zero param all-gather", layout, ("cp", "dp_shard"), (n - 1) / n * trained * sb.param, net,
+                         True, "(n-1)/n x the updated params, once per step"))
+    if layout.dp_mode == "fsdp" and n > 1:
+        out.append(_coll("fsdp param all-gather", layout, ("cp", "dp_shard"), 2 * m * (n - 1) / n * p_bytes, net, True,
+                         f"forward and backward, {m} micro-batch(es): 2 m (n-1)/n x {p_bytes:,} B"))
+        out.append(_coll("fsdp grad reduce-scatter", layout, ("cp", "dp_shard"), m * (n - 1) / n * g_bytes, net, True,
+                         f"every backward: m (n-1)/n x {g_bytes:,} B"))
+    if layout.dp_mode in ("zero1", "zero2", "fsdp") and layout.dp_replicate > 1:
+        r = layout.dp_replicate
+        times = m if layout.dp_mode == "fsdp" else 1
+        out.append(_coll("replica grad all-reduce", layout, ("dp_replicate",), times * 2 * (r - 1) / r * g_bytes / n,
+                         net, True, f"HSDP: the grad shards all-reduced over {r} replicas"))
+    if t > 1:
+        per = e * s * b * h
+        k = 6 if w.recompute == "full" else 4
+        out.append(_coll("tp all-reduce" + (" (sp: all-gather + reduce-scatter)" if layout.sp else ""), layout, ("tp",),
+                         n_layers * m * k * 2 * (t - 1) / t * per, net, False,
+                         f"{k} per layer per micro-batch x {n_layers} layers x {m}: 2(t-1)/t x e s b h = {per:,.0f} B"))
+    if layout.pp > 1:
+        per = e * s * b * h / (t if layout.sp else 1)
+        out.append(_coll("pp p2p", layout, ("pp",), 2 * m * per, net, False,
+                         f"activations forward and gradients back: 2 m x {per:,.0f} B"))
+    if layout.cp > 1:
+        c = layout.cp
+        kv = shape.num_key_value_heads * shape.head_dim
+        q = shape.num_attention_heads * shape.head_dim
+        fwd_passes = 2 if w.recompute == "full" else 1
+        if layout.cp_mode == "ring":
+            per = (c - 1) * 2 * e * s * b * kv / t
+            total = n_layers * m * (3 + fwd_passes - 1) * per
+            why = f"per layer: K, V chunks (c-1) x 2 e (s/c) b kv / t = {per:,.0f} B, x3 with backward"
+        else:
+            per = (c - 1) / c * e * s * b * (2 * q + 2 * kv) / t
+            total = n_layers * m * (1 + fwd_passes) * per
+            why = f"per layer: q, k, v, out all-to-all (c-1)/c x e (s/c) b (2q + 2kv) / t = {per:,.0f} B, fwd + bwd"
+        out.append(_coll(f"cp {layout.cp_mode}", layout, ("cp",), total, net, False, why))
+    return out

@@ -1,0 +1,205 @@
+"""The plan: every training layout of the GPUs, its memory, communication and step time; the rollout
+engine's TP degrees; colocated or disaggregated.
+
+Training layouts: every factorisation gpus = pp x dp_replicate x dp_shard x cp x tp with tp inside a node
+and dividing the model (heads, KV heads, intermediate and vocab sizes: the trainer's TP plan), sp on and
+off, dp_mode ddp / zero1 / zero2 / fsdp, HSDP (fsdp with dp_replicate > 1). A layout fits when its
+largest rank's total <= gpu_mem; those are ranked by MFU (tokens per second per GPU), the rest listed by
+how far they are over.
+
+Rollout: engine TP degrees t (dividing heads, with KV heads dividing or divided by t, inside a node); each
+replica's rank holds the weights and a KV cache of what is left of gpu_mem x gpu_util; it is useful
+when it holds at least one sequence of --seq tokens. Ranked by concurrent sequences over all replicas.
+
+Colocated (one set of GPUs, the engine asleep while the trainer steps: relayrl's sleep(level=1) frees
+the KV cache, the weights stay) when, on the best-fitting training layout,
+
+    trainer params + grads + optimizer + engine weights + max(trainer activations + transient,
+                                                               KV for rollout_seqs sequences) <= gpu_mem
+
+otherwise disaggregated (trainer and engine on separate GPUs).
+
+It imports the planner's modules, relayrl.models.config and relayrl.errors only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from relayrl.errors import ConfigError
+from relayrl.models.config import ModelShape
+from relayrl.planner.comm import Collective, Network, step_collectives
+from relayrl.planner.compute import StepTime, step_time
+from relayrl.planner.kv import engine_kv, engine_weight_bytes
+from relayrl.planner.layout import Layout
+from relayrl.planner.memory import TrainMemory, stage_layers, stage_summary, train_memory
+from relayrl.planner.workload import Workload
+
+GIB = 2**30
+
+
+@dataclass
+class TrainOption:
+    layout: str
+    degrees: dict
+    memory: TrainMemory
+    fits: bool
+    over_bytes: int
+    collectives: list[Collective]
+    time: StepTime
+
+
+@dataclass
+class RolloutOption:
+    tp: int
+    replicas: int
+    weight_bytes: int
+    kv_bytes: int
+    concurrent_per_replica: int
+    concurrent_total: int
+    fits: bool
+
+
+@dataclass
+class Plan:
+    model: str
+    gpus: int
+    gpu_mem_bytes: int
+    assumptions: list[str]
+    train: list[TrainOption]
+    rollout: list[RolloutOption]
+    placement: str
+    placement_reason: str
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_ok(shape: ModelShape, tp: int) -> bool:
+    return all(x % tp == 0 for x in (shape.num_attention_heads, shape.num_key_value_heads,
+                                     shape.intermediate_size, shape.vocab_size))
+
+
+def engine_tp_ok(shape: ModelShape, tp: int) -> bool:
+    kv = shape.num_key_value_heads
+    return (shape.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+            and shape.intermediate_size % tp == 0)
+
+
+def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq: int) -> list[Layout]:
+    out = []
+    for pp in _divisors(gpus):
+        if pp > shape.num_hidden_layers:
+            continue
+        for tp in _divisors(gpus // pp):
+            if tp > gpus_per_node or not tp_ok(shape, tp):
+                continue
+            for cp in _divisors(gpus // (pp * tp)):
+                if seq % cp or cp > 1 and seq // cp < 128:
+                    continue
+                dp = gpus // (pp * tp * cp)
+                sps = (False, True) if tp > 1 else (False,)
+                for sp in sps:
+                    common = dict(tp=tp, sp=sp, pp=pp, cp=cp)
+                    out.append(Layout(dp_replicate=dp, dp_shard=1, dp_mode="ddp", **common))
+                    for mode in ("zero1", "zero2", "fsdp"):
+                        if dp * cp > 1:  # a shard group to shard over
+                            out.append(Layout(dp_shard=dp, dp_mode=mode, **common))
+                    for r in _divisors(dp):
+                        if 1 < r < dp:
+                            out.append(Layout(dp_replicate=r, dp_shard=dp // r, dp_mode="fsdp", **common))
+    return out
+
+
+def evaluate(shape: ModelShape, layout: Layout, w: Workload, gpu_mem: int, net: Network,
+             peak_tflops: float, efficiency: float) -> TrainOption:
+    mem = train_memory(shape, layout, w)
+    stage = layout.coords(mem.rank)["stage"] if mem.rank is not None else 0
+    elems, _, _ = stage_summary(shape, layout, w, stage)
+    n_layers = len(stage_layers(shape.num_hidden_layers, layout.pp, stage))
+    colls = step_collectives(shape, layout, w, net, (elems[0], elems[1]), n_layers)
+    exposed = sum(c.seconds for c in colls if not c.overlapped)
+    overlapped = sum(c.seconds for c in colls if c.overlapped)
+    t = step_time(shape, layout, w, peak_tflops, exposed, overlapped, efficiency)
+    degrees = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "sp", "pp", "cp", "ep", "dp_mode")}
+    return TrainOption(layout.describe(), degrees, mem, mem.total <= gpu_mem, max(0, mem.total - gpu_mem), colls, t)
+
+
+def rollout_options(shape: ModelShape, gpus: int, gpus_per_node: int, gpu_mem: int, dtype: str, seq: int,
+                    gpu_util: float, max_num_seqs: int, block_size: int) -> list[RolloutOption]:
+    out = []
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node or not engine_tp_ok(shape, tp):
+            continue
+        weights = engine_weight_bytes(shape, tp, dtype)
+        budget = max(0, int(gpu_mem * gpu_util) - weights)
+        kv = engine_kv(shape, tp=tp, dtype=dtype, block_size=block_size, kv_cache_bytes=budget,
+                       max_num_seqs=max_num_seqs, seq_len=seq)
+        conc = kv.max_concurrent_seqs or 0
+        out.append(RolloutOption(tp, gpus // tp, weights, budget, conc, conc * (gpus // tp), conc >= 1))
+    out.sort(key=lambda o: (not o.fits, -o.concurrent_total, o.tp))
+    return out
+
+
+def placement(best: TrainOption | None, shape: ModelShape, gpu_mem: int, dtype: str, seq: int, rollout_seqs: int,
+              block_size: int) -> tuple[str, str]:
+    if best is None:
+        return "none", "no training layout fits these GPUs"
+    tp = best.degrees["tp"]
+    weights = engine_weight_bytes(shape, tp, dtype)
+    kv = engine_kv(shape, tp=tp, dtype=dtype, block_size=block_size, kv_cache_bytes=0, seq_len=seq)
+    kv_need = rollout_seqs * kv.blocks_per_seq * kv.bytes_per_block
+    m = best.memory
+    need = m.state + weights + max(m.activations + m.transient, kv_need)
+    rule = (f"trainer state {m.state / GIB:.1f} + engine weights (tp {tp}) {weights / GIB:.1f} + "
+            f"max(trainer activations+transient {(m.activations + m.transient) / GIB:.1f}, KV for {rollout_seqs} "
+            f"x {seq}-token sequences {kv_need / GIB:.1f}) = {need / GIB:.1f} GiB")
+    if need <= gpu_mem:
+        return "colocated", f"{rule} <= {gpu_mem / GIB:.0f} GiB: trainer and engine share the GPUs (engine sleeps)"
+    return "disaggregated", f"{rule} > {gpu_mem / GIB:.0f} GiB: put the engine on GPUs of its own"
+
+
+def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_gib: float, nodes: int = 1,
+              intra_bw: float = 450.0, inter_bw: float = 50.0, peak_tflops: float | None = None,
+              efficiency: float = 0.5, gpu_util: float = 0.9, max_num_seqs: int = 256, block_size: int = 16,
+              rollout_seqs: int = 64) -> Plan:
+    from relayrl.planner.compute import PEAK_TFLOPS
+
+    if gpus < 1 or nodes < 1 or gpus % nodes:
+        raise ConfigError(f"--gpus ({gpus}) must be >= 1 and a multiple of --nodes ({nodes})")
+    if gpu_mem_gib <= 0:
+        raise ConfigError(f"--gpu-mem must be > 0 GiB, got {gpu_mem_gib}")
+    per_node = gpus // nodes
+    net = Network(per_node, intra_bw, inter_bw)
+    peak = peak_tflops if peak_tflops is not None else PEAK_TFLOPS[w.dtype]
+    mem = int(gpu_mem_gib * GIB)
+    opts = [evaluate(shape, lay, w, mem, net, peak, efficiency) for lay in layouts(shape, gpus, per_node, w.seq)]
+    # throughput, not step time, ranks them: layouts differ in tokens per step (CP and PP shrink dp)
+    fit = sorted((o for o in opts if o.fits), key=lambda o: (-o.time.mfu, o.memory.total))
+    over = sorted((o for o in opts if not o.fits), key=lambda o: o.over_bytes)
+    roll = rollout_options(shape, gpus, per_node, mem, w.dtype, w.seq, gpu_util, max_num_seqs, block_size)
+    where, why = placement(fit[0] if fit else None, shape, mem, w.dtype, w.seq, rollout_seqs, block_size)
+    peak_note = "given" if peak_tflops is not None else f"an H100 SXM's dense {w.dtype} peak (--peak-tflops to change)"
+    assumptions = [
+        f"state: {w.describe_state()}; torch AdamW's step: 4 B per trained tensor",
+        f"activations: {w.dtype} ({w.act_bytes} B), recompute={w.recompute}, attention={w.attention}, "
+        f"seq {w.seq} x micro-batch {w.micro_batch}; Korthikanti et al. 2022 adapted to RMSNorm/SwiGLU/GQA "
+        "(relayrl.planner.activations)",
+        f"{w.micro_batches(1)} micro-batches per optimizer step on every layout (--micro-batches); "
+        "pipeline bubble (p-1)/(m+p-1)",
+        f"network: {net.describe()}; rank order tp, cp, dp_shard, dp_replicate, pp",
+        f"compute: {peak:g} TFLOP/s peak per GPU ({peak_note}) x kernel efficiency {efficiency:g}; "
+        "data-parallel communication overlaps compute, TP/CP/PP communication does not",
+        f"rollout: engine in {w.dtype}, KV from gpu_mem x {gpu_util:g} minus weights, block_size {block_size}, "
+        f"max_num_seqs {max_num_seqs}",
+        "transient buffers are summed (a conservative peak); allocator fragmentation and CUDA context not counted",
+    ]
+    if w.lora_rank:
+        assumptions.append(f"LoRA rank {w.lora_rank} on {', '.join(w.lora_targets)}; frozen base in "
+                           f"{w.base_dtype or w.dtype}")
+    return Plan(name, gpus, mem, assumptions, fit + over, roll, where, why)
