@@ -84,10 +84,21 @@ class RunSection(Config):
     out_dir: str = "runs/grpo"
     save_every: int = Field(0, ge=0)  # 0: only at the end
     keep_last: int | None = Field(2, ge=1)
-    tensorboard: bool = True
+    tensorboard: bool = True  # false drops tensorboard from run.loggers (the older switch, kept)
+    # where metrics go besides metrics.jsonl (relayrl.observe.loggers): tensorboard, wandb (offline), mlflow
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
+    wandb_project: str = "relayrl"
+    wandb_name: str | None = None  # None: the name of run.out_dir
+    mlflow_tracking_uri: str | None = None  # None: a file store in run_dir/mlruns
+    mlflow_experiment: str = "relayrl"
     # spans of every stage and every worker call, per process, in run_dir/trace/ (`relayrl report RUN --trace`
     # merges them into one Perfetto timeline); a few microseconds per span
     trace: bool = True
+
+    @property
+    def sinks(self) -> list[str]:
+        """The loggers that run: run.loggers, each once, without tensorboard when run.tensorboard is false."""
+        return [n for n in dict.fromkeys(self.loggers) if n != "tensorboard" or self.tensorboard]
 
 
 class RunConfig(Config):

@@ -1,5 +1,5 @@
-"""This module writes a run's metrics: one JSON object per line in run_dir/metrics.jsonl, plus TensorBoard
-scalars.
+"""This module writes a run's metrics: one JSON object per line in run_dir/metrics.jsonl, plus the sinks of
+relayrl.observe.loggers (TensorBoard scalars; W&B offline and MLflow when listed).
 
 metrics.jsonl is the record the report, the CLI summary and the golden-curve tests read; TensorBoard
 is for watching a run live. Each line is written and flushed on its own, so a run killed at any
@@ -7,10 +7,12 @@ moment loses at most the line being written — `read_metrics` skips such a trun
 
 Resuming from a checkpoint at step S replays steps S+1.. that the killed run may already have
 logged; `truncate_metrics(run_dir, S)` drops those lines first (and the logger tells TensorBoard to
-purge them), so a resumed run's file equals the one a never-stopped run would have written.
+purge them), so a resumed run's file equals the one a never-stopped run would have written. The
+append-only sinks (W&B, MLflow) cannot forget: the (step, metric) pairs the dropped lines held are not
+sent to them again.
 
-It imports torch's TensorBoard writer (lazily: it is slow to import) and relayrl.errors only; it must
-never import another relayrl layer: observe is a leaf, which the controller and the CLI import.
+It imports relayrl.observe.loggers (whose packages load lazily) and relayrl.errors only; it must never
+import another relayrl layer: observe is a leaf, which the controller and the CLI import.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from relayrl.errors import UserError
+from relayrl.observe.loggers import LoggerOptions, build_sinks
 
 METRICS_FILE = "metrics.jsonl"
-TB_DIR = "tb"
 
 
 def metrics_path(run_dir: str | os.PathLike[str]) -> Path:
@@ -48,8 +50,10 @@ def _to_float(key: str, value: Any) -> float:
 
 
 class MetricsLogger:
-    """Appends `{"step": step, **metrics}` to metrics.jsonl and mirrors scalars to TensorBoard.
+    """Appends `{"step": step, **metrics}` to metrics.jsonl and fans the scalars out to the sinks.
 
+    `loggers`: the sinks (relayrl.observe.loggers.LOGGERS); None: TensorBoard alone, if `use_tensorboard`.
+    `options` names the W&B / MLflow runs; `config` (the resolved run config) is logged to them.
     `resume_step`: when resuming from a checkpoint at that step, lines (and TensorBoard events) of
     later steps left by the interrupted run are dropped before anything new is written.
     """
@@ -59,22 +63,26 @@ class MetricsLogger:
         run_dir: str | os.PathLike[str],
         use_tensorboard: bool = True,
         resume_step: int | None = None,
+        loggers: Sequence[str] | None = None,
+        options: LoggerOptions | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # (step -> metric names) the interrupted run logged past the resume point: the append-only
+        # sinks already hold them
+        self._replayed: dict[int, set[str]] = {}
         if resume_step is not None:
+            if metrics_path(self.run_dir).exists():
+                for r in _parse_lines(metrics_path(self.run_dir)):
+                    if r.get("step", -math.inf) > resume_step:
+                        self._replayed.setdefault(int(r["step"]), set()).update(k for k in r if k != "step")
             truncate_metrics(self.run_dir, resume_step)
+        names = list(loggers) if loggers is not None else (["tensorboard"] if use_tensorboard else [])
+        self._sinks = build_sinks(names, self.run_dir, options or LoggerOptions(), config or {}, resume_step)
         # Line buffering is not enough for a guarantee (the line may exceed the buffer), so `log`
         # flushes explicitly; append mode keeps what a previous (resumed) run wrote.
         self._file = open(metrics_path(self.run_dir), "a", encoding="utf-8")
-        self._writer = None
-        if use_tensorboard:
-            # Imported lazily: tensorboard is slow to import and not needed without it.
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step hides events at steps >= purge_step that the interrupted run wrote.
-            purge = resume_step + 1 if resume_step is not None else None
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self._file.closed:
@@ -87,17 +95,25 @@ class MetricsLogger:
         # loss is exactly what someone reading the file needs to see. Python's json reads it back.
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._writer is not None:
-            for key, value in values.items():
-                self._writer.add_scalar(key, value, global_step=int(step))
-            self._writer.flush()
+        replayed = self._replayed.get(int(step), ())
+        fresh = {k: v for k, v in values.items() if k not in replayed}
+        for sink in self._sinks:
+            out = fresh if sink.append_only else values
+            if out:
+                sink.log(int(step), out)
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        sinks, self._sinks = self._sinks, []
+        first = None
+        for sink in sinks:  # each on its own: one failing must not leave the others open
+            try:
+                sink.close()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def __enter__(self) -> MetricsLogger:
         return self
