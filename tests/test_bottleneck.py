@@ -127,9 +127,8 @@ def test_report_writes_and_returns_the_section(tmp_path):
     rows = [{"step": 1, "time/step": 5.0, "time/rollout": 4.5, "time/update": 0.5, "rollout/straggler_share": 0.25,
              "throughput/mfu_update": 0.4, "throughput/peak_gflops_trainer": 50.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    paths = make_report(tmp_path)
-    assert paths[-1] == tmp_path / "report" / "bottleneck.md"
-    text = paths[-1].read_text()
+    assert [p.name for p in make_report(tmp_path)] == ["time_share.png"]  # the plots; the section beside them
+    text = (tmp_path / "report" / "bottleneck.md").read_text()
     assert text == bottleneck(tmp_path)
     assert "rollout 90.0%" in text and "update 10.0%" in text
     assert "MFU: update 40.0% (peak 50.0 GFLOP/s per rank)" in text and "MFU = flops / (seconds x peak x ranks)" in text

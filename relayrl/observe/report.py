@@ -227,14 +227,14 @@ def _plot_critic(records: list[dict[str, Any]], out: Path) -> Path | None:
 
 
 def make_report(run_dir: str | os.PathLike[str]) -> list[Path]:
-    """Writes the PNGs the run's metrics allow and bottleneck.md under run_dir/report/; returns their paths."""
+    """Writes the PNGs the run's metrics allow under run_dir/report/ and returns their paths; writes the
+    bottleneck section beside them, always, as report/bottleneck.md (`bottleneck()` returns its text)."""
     records = _load(run_dir)
     out = Path(run_dir) / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     plots = (_plot_reward, _plot_mismatch, _plot_time_share, _plot_lengths, _plot_episodes, _plot_critic)
-    paths = [p for plot in plots if (p := plot(records, out)) is not None]
     (out / BOTTLENECK).write_text(section(records))
-    return [*paths, out / BOTTLENECK]
+    return [p for plot in plots if (p := plot(records, out)) is not None]
 
 
 def bottleneck(run_dir: str | os.PathLike[str]) -> str:
