@@ -125,14 +125,14 @@ def _cmd_report(a) -> int:
     for path in make_report(a.run_dir):
         print(path)
     print()
-    print(bottleneck(a.run_dir), end="")  # also in report/bottleneck.md
+    print(bottleneck(a.run_dir), end="")  # written to report/bottleneck.md too
     return 0
 
 
 def _cmd_export(a) -> int:
     from relayrl.checkpoint import export_hf
 
-    out = export_hf(a.checkpoint, a.out, model_dir=a.model_dir)
+    out = export_hf(a.checkpoint, a.out, model_dir=a.model_dir, peft=a.peft)
     print(f"exported {a.checkpoint} -> {out}")
     return 0
 
