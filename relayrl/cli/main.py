@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, help="output directory (must not exist)")
     x.add_argument("--model-dir", default=None, help="base model directory for config and tokenizer "
                    "(default: the one the run recorded)")
+    x.add_argument("--peft", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory "
+                   "(peft.PeftModel.from_pretrained(base, OUT)) instead of the merged model")
     x.set_defaults(fn=_cmd_export)
 
     sp = sub.add_parser("sync-plan", help="which trainer shard goes where on the engine")

@@ -26,6 +26,7 @@ from relayrl.engine.model_runner import ModelRunner, available_memory
 from relayrl.engine.parallel_state import TPInfo
 from relayrl.errors import ModelDirError
 from relayrl.models import load_pretrained
+from relayrl.models.lora import apply_lora_config
 from relayrl.models.score import ScoreModel, from_causal_lm, load_score_model
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.dims import ParallelDims
@@ -57,6 +58,13 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+
+def actor_model(model_dir: str, lora, seed: int) -> torch.nn.Module:
+    """The policy at model_dir; with `trainer.lora` (a LoRAConfig), its base frozen (in lora.base_dtype) and
+    low-rank adapters on the target linears, seeded alike on every rank — before any parallelism is applied."""
+    model = load_pretrained(model_dir)
+    return model if lora is None else apply_lora_config(model, lora, seed=seed)
 
 
 def critic_model(model_dir: str, cfg: CriticConfig, seed: int) -> ScoreModel:
@@ -91,7 +99,7 @@ class ActorWorker(_ParallelModelWorker):
 
     def __init__(self, model_dir: str, par: ParallelConfig, trainer_cfg, algo_cfg, *, total_steps: int,
                  temperature: float, seed: int):
-        model = self._build_model(model_dir, par, seed)
+        model = self._build_model(model_dir, par, seed, loader=lambda: actor_model(model_dir, trainer_cfg.lora, seed))
         self.actor = Actor(model, trainer_cfg, algo_cfg, total_steps=total_steps, temperature=temperature, seed=seed,
                            dims=self.dims)
         self.engine_runner: ModelRunner | None = None

@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from relayrl.checkpoint import capture_rng_state, latest_valid_checkpoint, restore_rng_state
-from relayrl.controller.actor_workers import critic_model
+from relayrl.controller.actor_workers import actor_model, critic_model
 from relayrl.controller.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.controller.async_driver import AsyncDriver
 from relayrl.controller.base_model import base_model_dir
@@ -51,6 +51,7 @@ from relayrl.envs.base import make_env
 from relayrl.errors import ConfigError, UserError
 from relayrl.models import load_config, load_pretrained, save_pretrained
 from relayrl.models.config import ModelConfig, ModelShape
+from relayrl.models.lora import merge_lora_state_dict
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.observe.loggers import LoggerOptions, require_loggers
@@ -215,8 +216,8 @@ def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
     critic (algo.advantage gae) beside the actor, laid out like it."""
     with_ref = cfg.algo.kl_coef > 0
     if cfg.parallel.backend == "none":
-        actor = Actor(load_pretrained(src), cfg.trainer, cfg.algo, total_steps=cfg.run.steps,
-                      temperature=cfg.rollout.temperature, seed=cfg.run.seed)
+        actor = Actor(actor_model(str(src), cfg.trainer.lora, cfg.run.seed), cfg.trainer, cfg.algo,
+                      total_steps=cfg.run.steps, temperature=cfg.rollout.temperature, seed=cfg.run.seed)
         ref = load_pretrained(src).eval().requires_grad_(False) if with_ref else None
         critic = None
         if cfg.critic is not None:
@@ -348,12 +349,17 @@ def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckp
                 with tracer.span("checkpoint", step=driver.step):
                     _save(driver, run_dir, cfg, src)
         final = load_pretrained(src)  # the policy's weights, wherever it runs, as a HF directory
-        final.load_state_dict(dict(driver.policy.weights()))
+        final.load_state_dict(final_weights(dict(driver.policy.weights()), cfg.trainer.lora))
         save_pretrained(final, run_dir / "final_model", tokenizer_dir=src)
     finally:
         progress.close()
         logger.close()
     return {"run_dir": str(run_dir), "eval_first": first, "eval_last": last, "steps": driver.step}
+
+
+def final_weights(weights: dict[str, torch.Tensor], lora) -> dict[str, torch.Tensor]:
+    """The policy's full weights as the plain model's: with LoRA, each adapter merged into its base weight."""
+    return weights if lora is None else merge_lora_state_dict(weights, lora.alpha / lora.rank)
 
 
 def prompt_digest(ex) -> str:

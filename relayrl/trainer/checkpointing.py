@@ -22,8 +22,13 @@ from relayrl.trainer.optim import foreach_ok
 
 def save_actor(actor: Actor, run_dir: str | Path, step: int, *, extra: Mapping[str, Any], meta: Mapping[str, Any],
                keep_last: int | None) -> Path:
-    """Collective: every rank writes its shard; rank 0 adds the run state (`extra` + the actor's)."""
+    """Collective: every rank writes its shard; rank 0 adds the run state (`extra` + the actor's). With LoRA the
+    shards hold the frozen base and the adapters (the optimizer state is the adapters' only), and meta.json
+    records the adapters' settings (meta["lora"]), which `relayrl export` needs to merge them or write them
+    for peft."""
     extra = {**extra, "scheduler": actor.scheduler.state_dict(), "shuffle": actor.shuffle_gen.get_state()}
+    if actor.cfg.lora is not None:
+        meta = {**meta, "lora": actor.cfg.lora.to_dict()}
     return save_distributed(run_dir, step, actor.model, actor.optimizer, extra, meta=meta, keep_last=keep_last)
 
 
