@@ -244,3 +244,32 @@ def test_merged_engine_generates_as_a_plain_engine_with_the_merged_weights():
             assert a.samples[0].token_ids == b.samples[0].token_ids, mode
             assert a.samples[0].logprobs == pytest.approx(b.samples[0].logprobs, abs=1e-5), mode
     assert len({tuple(o.samples[0].token_ids) for o in want}) > 1  # not a degenerate model
+
+
+# ---------------------------------------------------------------------------- through the driver
+def test_a_lora_run_syncs_adapters_only_and_both_engine_modes_give_the_same_run(tmp_path):
+    """trainer.lora set: every step's sync sends the adapters only (the base went with the sync before
+    the first step), verified; the engine keeping them apart or merging them samples the same rollouts."""
+    from relayrl.controller.config import RunConfig
+    from relayrl.controller.run import train
+
+    from helpers import EXACT, group_cfg, step_metrics
+
+    runs = {}
+    for mode in ("separate", "merge"):
+        d = group_cfg(tmp_path, mode).to_dict()
+        d["run"]["steps"] = 3
+        d["trainer"].update(lora={"rank": 4, "alpha": 8.0}, lr=1e-2)
+        d["sync"]["lora"] = mode
+        runs[mode] = step_metrics(train(RunConfig.from_dict(d), show_progress=False)["run_dir"])
+    # the adapters of SMALL's model: hidden 32, MLP 64, 4 Q / 2 KV heads of 8, 2 layers; r (in + out) each, fp32
+    h, i, q, kv = 32, 64, 32, 16
+    adapter_bytes = 2 * 4 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)) * 4
+    for a, b in zip(runs["separate"], runs["merge"], strict=True):
+        for k in EXACT:
+            assert a[k] == b[k], k
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        for m in (a, b):
+            assert m["sync/adapters_only"] == 1 and m["sync/canary_gap"] < 1e-5
+            assert m["sync/bytes_per_engine_rank"] == m["sync/bytes_copied_in_place"] == adapter_bytes
+    assert len(runs["separate"]) == 3

@@ -42,7 +42,7 @@ from relayrl.controller.group_policy import GroupPolicy, group_options
 from relayrl.controller.local_policy import LocalPolicy
 from relayrl.controller.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
 from relayrl.controller.reward_model import CombinedScorer, ModelScorer, RemoteModelScorer, model_entries
-from relayrl.controller.weight_sync import FullWeightSync, PlannedWeightSync
+from relayrl.controller.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.engine.parallel_state import check_tp
@@ -103,15 +103,16 @@ def build_engine(cfg: RunConfig, src: Path, policy: LocalPolicy | GroupPolicy) -
 def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: RolloutEngine) -> WeightSync:
     """The planned, verified sync for relayrl's engine; vLLM's loader takes full tensors."""
     if cfg.rollout.backend == "vllm":
-        return FullWeightSync(policy, engine)
+        return FullWeightSync(policy, engine, **lora_options(cfg.trainer.lora))
     par = cfg.parallel
     layout = TrainerLayout() if par.backend == "none" else TrainerLayout(par.tp, par.dp_shard, par.dp_replicate)
+    bf16_base = cfg.trainer.lora is not None and cfg.trainer.lora.base_dtype == "bfloat16"  # the trainer's compute
     return PlannedWeightSync(policy, engine, shape=ModelShape.of(load_config(src)), trainer_layout=layout,
                              engine_tp=cfg.rollout.tp,
                              colocated=par.placement == "colocated" and not par.rollout_worker,
                              engine_dtype=DTYPES[cfg.rollout.engine_dtype],
-                             trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 else torch.float32,
-                             temperature=cfg.rollout.temperature, cfg=cfg.sync)
+                             trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 or bf16_base else torch.float32,
+                             temperature=cfg.rollout.temperature, cfg=cfg.sync, **lora_options(cfg.trainer.lora))
 
 
 def build_scorer_for(cfg: RunConfig) -> Scorer | None:

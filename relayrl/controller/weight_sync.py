@@ -43,6 +43,8 @@ from relayrl.controller import sync_steps as steps
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.errors import UserError
 from relayrl.models.config import ModelShape
+from relayrl.models.lora import merge_lora_state_dict
+from relayrl.models.lora_config import LoRAConfig
 from relayrl.parallel.rendezvous import serve_store
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.checksums import describe_piece, first_mismatch
@@ -63,6 +65,13 @@ GAP_MARGIN = 3.0  # the bound after the first (checksum-verified) sync: at least
 
 class SyncVerificationError(UserError):
     """The engine does not hold what the trainer holds (or computes differently from it)."""
+
+
+def lora_options(lora: LoRAConfig | None) -> dict:
+    """The weight sync's LoRA arguments from the run's `trainer.lora` section (none without one)."""
+    if lora is None:
+        return {}
+    return {"lora": AdapterShape(lora.rank, tuple(lora.target_modules)), "lora_scaling": lora.alpha / lora.rank}
 
 
 # ---------------------------------------------------------------------------- the driver's side
@@ -231,14 +240,20 @@ class PlannedWeightSync:
 class FullWeightSync:
     """The weight sync for vLLM, whose own loader takes full tensors (the one engine whose layout needs
     them): the trainer gathers them and vLLM slices them. There is no plan and no canary (vLLM scores
-    no given rows)."""
+    no given rows). With LoRA the adapters are merged into the gathered weights first (every sync
+    sends the full model: vLLM's loader has no adapters-only path here)."""
 
-    def __init__(self, policy: Policy, engine: RolloutEngine):
+    def __init__(self, policy: Policy, engine: RolloutEngine, lora: AdapterShape | None = None,
+                 lora_scaling: float = 1.0):
         self.policy, self.engine = policy, engine
+        self.lora_scaling = lora_scaling if lora is not None else None
         self.last_table: dict = {}  # no pieces, no checksums
 
     def sync(self, label: str | None = None) -> dict[str, float]:
-        self.engine.load_weights(self.policy.weights())
+        weights = self.policy.weights()
+        if self.lora_scaling is not None:
+            weights = merge_lora_state_dict(dict(weights), self.lora_scaling).items()
+        self.engine.load_weights(weights)
         if self.engine.asleep:
             self.engine.wake()
         return {}
