@@ -81,22 +81,26 @@ def _engine(rank: int, mode: str, group) -> ModelRunner:
     return runner
 
 
+TRAINERS = {"fsdp2": (1, 2), "tp2": (2, 1)}  # (tp, dp_shard) of the LoRA trainer, as parallelize_model lays it out
+
+
 def _colocated(rank: int, world: int, store) -> dict:
-    """FSDP 2 trainer (real fully_shard shards of the LoRA model) and engine rank r in process r; each
-    engine mode in turn (one launch: processes are the slow part)."""
+    """FSDP 2 or TP 2 trainer (the real shards of the LoRA model) and engine rank r in process r; each
+    layout and engine mode in turn (one launch: processes are the slow part)."""
     comm = SyncComm(store, rank, 2)
-    out = {mode: _colocated_mode(rank, comm, mode) for mode in ("separate", "merge")}
+    out = {(t, mode): _colocated_case(rank, comm, *TRAINERS[t], mode)
+           for t in TRAINERS for mode in ("separate", "merge")}
     comm.close()
     return out
 
 
-def _colocated_mode(rank: int, comm: SyncComm, mode: str) -> list:
+def _colocated_case(rank: int, comm: SyncComm, tp: int, dp: int, mode: str) -> list:
     ref = _lora_model()
-    dims = ParallelDims(dp_shard=2, world_size=2)
+    dims = ParallelDims(dp_shard=dp, tp=tp, world_size=2)
     model = _lora_model()
     model = parallelize_model(model, dims, dims.build_mesh("cpu"))
     runner = _engine(rank, mode, dist.group.WORLD)
-    full, adapters = _specs(TrainerLayout(dp_shard=2), Members(2, 2, colocated=True))
+    full, adapters = _specs(TrainerLayout(tp=tp, dp_shard=dp), Members(2, 2, colocated=True))
     out = []
     for step, spec in enumerate((full, adapters, adapters)):
         if step:  # an update: new adapters in the reference, and the same values in the FSDP shards
@@ -119,10 +123,11 @@ def _colocated_mode(rank: int, comm: SyncComm, mode: str) -> list:
     return out
 
 
-def test_fsdp2_trainer_to_colocated_engine_tp2():
+def test_fsdp2_and_tp2_trainers_to_colocated_engine_tp2():
     store = serve_store()
-    results = run_distributed(_colocated, 2, store.address, timeout=180)
-    for per_rank in (r[mode] for r in results for mode in ("separate", "merge")):
+    results = run_distributed(_colocated, 2, store.address, timeout=240)
+    assert len(results[0]) == 4
+    for per_rank in (case for r in results for case in r.values()):
         (gap0, moved0, shard0), *later = per_rank
         assert gap0 < 1e-5 and moved0 == shard0
         for gap, moved, shard in later:
