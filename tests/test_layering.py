@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "sync": GROUND | {"models", "parallel"},  # never the trainer or the engine: it is handed plain tensors
     "engine": GROUND | {"models", "single_controller"},  # its tensor-parallel ranks are a worker group
     "trainer": GROUND | {"parallel", "models", "algorithms", "checkpoint"},
+    "planner": GROUND | {"models", "sync"},  # shapes and layouts as data: no devices, no trainer, no engine
 }
 ALLOWED["controller"] = set(ALLOWED) - {"controller"}  # the RL application: everything below the CLI
 ALLOWED["cli"] = set(ALLOWED) - {"cli"}

@@ -167,6 +167,34 @@ def _cmd_sync_plan(a) -> int:
     return 0
 
 
+def _cmd_plan(a) -> int:
+    from relayrl.planner import Workload, make_plan
+    from relayrl.planner.table import render
+
+    if a.texts:
+        from relayrl.planner import texts
+
+        print(json.dumps([vars(f) for f in texts.figures()], indent=1) if a.json else texts.render())
+        return 0
+    if (a.model is None) == (a.preset is None):
+        raise ConfigError("relayrl plan needs exactly one of --model DIR or --preset NAME (or --texts)")
+    for flag in ("gpus", "gpu_mem", "seq", "micro_batch"):
+        if getattr(a, flag) is None:
+            raise ConfigError(f"relayrl plan needs --{flag.replace('_', '-')}")
+    if a.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {a.gpus}")
+    from relayrl.models import load_config
+    from relayrl.sync.presets import preset
+
+    shape = load_config(a.model) if a.model else preset(a.preset)
+    w = Workload(seq=a.seq, micro_batch=a.micro_batch, dtype=a.dtype, mixed_precision=a.dtype != "float32",
+                 recompute=a.recompute, lora_rank=a.lora_rank, num_micro_batches=a.micro_batches)
+    plan = make_plan(shape, a.model or a.preset, w, gpus=a.gpus, gpu_mem_gib=a.gpu_mem, nodes=a.nodes,
+                     intra_bw=a.intra_bw, inter_bw=a.inter_bw, peak_tflops=a.peak_tflops)
+    print(json.dumps(plan.to_dict(), indent=1) if a.json else render(plan, top=a.top))
+    return 0
+
+
 def _cmd_demo(a) -> int:
     from relayrl.controller.demo import run_demo
 
@@ -240,6 +268,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--lora-rank", type=int, default=None, help="LoRA rank: plan the adapters-only sync "
                     "(q, k, v, o, gate, up, down targeted) and print its bytes against the full weights'")
     sp.set_defaults(fn=_cmd_sync_plan)
+
+    pl = sub.add_parser("plan", help="memory, communication and step time of every layout of N GPUs")
+    pl.add_argument("--model", help="Hugging Face model directory (only config.json is read)")
+    pl.add_argument("--preset", help="a model shape from relayrl.sync.presets (e.g. llama-3-70b, qwen2.5-7b)")
+    pl.add_argument("--gpus", type=int)
+    pl.add_argument("--gpu-mem", type=float, help="GiB per GPU")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU inside a node")
+    pl.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU across nodes")
+    pl.add_argument("--peak-tflops", type=float, default=None, help="default: H100 dense, 989 bf16 / 67 fp32")
+    pl.add_argument("--seq", type=int, help="tokens per sequence (prompt + response)")
+    pl.add_argument("--micro-batch", type=int, help="sequences per micro-batch per data-parallel rank")
+    pl.add_argument("--micro-batches", type=int, default=None, help="micro-batches per optimizer step (default 8)")
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    pl.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    pl.add_argument("--lora-rank", type=int, default=0)
+    pl.add_argument("--top", type=int, default=15, help="layouts to list in each table")
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--texts", action="store_true", help="the reading's 70B memory figures, recomputed")
+    pl.set_defaults(fn=_cmd_plan)
 
     d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after")
     d.add_argument("--out", default="runs/demo")

@@ -24,9 +24,11 @@ element (2 for bf16, 4 for fp32), q = a*hd, kv = kv_heads*hd, per layer (TP t, S
     scores: sdpa (flash / memory-efficient)    4 a s b / t (fp32 logsumexp; no s x s kept)
             eager                               e a s^2 b / t (softmax output; no dropout)
 
-At e = 2, q = kv = h, I = 4h that is s b h (30 + 2 a s / h) against the paper's 34 + 5as/h: the
-differences are the dropout masks and dropout output. With CP c each rank keeps s/c of every token
-term, and its scores cover (s/c) x s. Outside the layers: the attention mask relayrl's model builds
+At e = 2, q = kv = h with the paper's GeLU MLP of 4h (input 2, GeLU in 8, out 8) in place of SwiGLU this
+is s b h (32 + 2 a s / h) against the paper's 34 + 5as/h: the differences are the two dropout masks and
+the scores' dropout mask and output. SwiGLU of I keeps 4 tensors of I (8 s b I at e = 2).
+With CP c each rank keeps s/c of every token term, and its scores cover (s/c) x s. Outside the layers:
+the attention mask relayrl's model builds
 ([b, 1, s, s] bool, once), the final norm's input, and the fp32 log-softmax over the vocabulary
 (b s V / t x 4 B) that the logprob loss keeps for backward.
 
