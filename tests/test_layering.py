@@ -112,12 +112,13 @@ def test_loading_a_run_config_imports_config_modules_only():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, check=True)
     loaded = json.loads(out.stdout)
     assert "relayrl.controller.config" in loaded
-    # config modules, the package __init__s on their way, and the registries names are checked against
+    # config modules (`config`, or `<thing>_config` beside a module of that thing: models.lora_config), the
+    # package __init__s on their way, and the registries names are checked against
     # (algorithm functions and built-in tasks: pure functions of torch / the standard library)
     allowed_prefixes = ("relayrl.algorithms", "relayrl.data")
     allowed = {"relayrl", "relayrl.config", "relayrl.errors", "relayrl.lazy", "relayrl.controller",
                "relayrl.envs", "relayrl.models", "relayrl.parallel", "relayrl.rewards", "relayrl.sync",
                "relayrl.trainer"}
     stray = [m for m in loaded
-             if m not in allowed and not m.endswith(".config") and not m.startswith(allowed_prefixes)]
+             if m not in allowed and not m.endswith((".config", "_config")) and not m.startswith(allowed_prefixes)]
     assert stray == []

@@ -166,3 +166,15 @@ def test_config_validation():
         LoRAConfig.from_dict({"rank": 0})
     with pytest.raises(ConfigError, match="base_dtype"):
         LoRAConfig.from_dict({"base_dtype": "float16"})
+
+
+def test_lora_refused_where_it_does_not_apply():
+    from relayrl.controller.sft_job import SFTJobConfig
+    from relayrl.trainer.config import CriticConfig, TrainerConfig
+
+    assert TrainerConfig.from_dict({"lora": {"rank": 2}}).lora.rank == 2
+    assert TrainerConfig().lora is None  # off by default
+    with pytest.raises(ConfigError, match="trainer.lora: SFT trains the full model"):
+        SFTJobConfig.from_dict({"trainer": {"lora": {}}})
+    with pytest.raises(ConfigError, match="lora: the critic trains in full"):
+        CriticConfig.from_dict({"lora": {}})

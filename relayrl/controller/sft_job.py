@@ -59,6 +59,8 @@ class SFTJobConfig(Config):
     def _env_fits(self) -> SFTJobConfig:
         if self.env is not None and not self.data.use_chat_template:
             raise ValueError("env: traces are conversations; set data.use_chat_template=true")
+        if self.trainer.lora is not None:  # SFT trains the full model; LoRA is the RL trainer's (relayrl train)
+            raise ValueError("trainer.lora: SFT trains the full model; remove trainer.lora from the SFT config")
         return self
 
 
