@@ -160,3 +160,15 @@ def test_fsdp_checkpoint_resumes_in_one_process(base_dir, tmp_path):
     one.update(batch)
     for n, t in after_two.items():
         torch.testing.assert_close(dict(one.model.named_parameters())[n].detach(), t, atol=1e-6, rtol=0, msg=n)
+
+
+def test_resume_with_other_lora_settings_is_refused(base_dir, tmp_path):
+    from relayrl.checkpoint import CheckpointError
+
+    a = _actor(base_dir)
+    ckpt = save_actor(a, tmp_path / "run", 1, extra={}, meta={"model_dir": str(base_dir)}, keep_last=None)
+    other = LoRAConfig(**{**LORA.to_dict(), "alpha": 16.0})
+    with pytest.raises(CheckpointError, match="trained with trainer.lora=.*'alpha': 8.0.*this run has.*16.0"):
+        load_actor(_actor(base_dir, other), ckpt)
+    with pytest.raises(CheckpointError, match="this run has None"):
+        load_actor(_actor(base_dir, None), ckpt)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from relayrl.checkpoint import load_distributed, save_distributed
+from relayrl.checkpoint import load_distributed, read_meta, save_distributed
 from relayrl.checkpoint.errors import CheckpointError
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.optim import foreach_ok
@@ -34,12 +34,28 @@ def save_actor(actor: Actor, run_dir: str | Path, step: int, *, extra: Mapping[s
 
 def load_actor(actor: Actor, path: str | Path) -> dict[str, Any]:
     """Collective: load into the actor's current layout, whatever layout wrote it; returns the run state."""
+    _check_lora(path, read_meta(path).get("lora"), actor.cfg.lora)
     extra = load_distributed(path, actor.model, actor.optimizer)
     for group in actor.optimizer.param_groups:  # the saved layout's choice does not fit this one
         group["foreach"] = foreach_ok(group["params"])
     actor.scheduler.load_state_dict(extra["scheduler"])  # after the optimizer: its lr wins
     actor.shuffle_gen.set_state(extra["shuffle"])
     return extra
+
+
+def _check_lora(path, saved: dict | None, lora) -> None:
+    """The adapters' shape AND scale must be the run's: a different alpha would load silently and change
+    every output (scaling = alpha / rank)."""
+    if saved is None and lora is None:
+        return
+    keys = ("rank", "alpha", "target_modules")
+    have = None if saved is None else {k: sorted(v) if k == "target_modules" else v
+                                       for k, v in saved.items() if k in keys}
+    want = None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
+                                      "target_modules": sorted(lora.target_modules)}
+    if have != want:
+        raise CheckpointError(f"checkpoint {path} was trained with trainer.lora={have}, this run has {want}: "
+                              "resume with the checkpoint's LoRA settings")
 
 
 def critic_checkpoint(actor_checkpoint: str | Path) -> Path:
