@@ -163,7 +163,7 @@ def _cmd_sync_plan(a) -> int:
     full = max(plan_sync(shape, trainer, engine).bytes_per_dst_rank(dtype).values())
     adapters = max(plan_sync(shape, trainer, engine, lora, base=False).bytes_per_dst_rank(dtype).values())
     print(f"\nbytes per engine rank per sync (the largest rank): full weights {full / 2**20:.2f} MiB, "
-          f"adapters only {adapters / 2**20:.2f} MiB: {full / adapters:.1f}x fewer bytes")
+          f"adapters only {adapters / 2**20:.2f} MiB: full / adapters = {full / adapters:.1f}x")
     return 0
 
 
