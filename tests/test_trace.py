@@ -118,7 +118,7 @@ def test_a_run_on_two_worker_ranks_traces_driver_and_workers_on_one_timeline(tmp
     out = train(group_cfg(tmp_path, "run", backend="local", dp_shard=2), show_progress=False)
     assert os.environ.get(TRACE_ENV) == before  # the run does not leak its directory to the next one
     run_dir = out["run_dir"]
-    files = sorted(p.name.rsplit("-", 1)[0] for p in trace_dir(run_dir).glob("*.jsonl"))
+    files = sorted(p.name.rsplit("-", 2)[0] for p in trace_dir(run_dir).glob("*.jsonl"))
     assert files == ["actor-0", "actor-1", "driver-0"]
 
     assert main(["report", run_dir, "--trace"]) == 0

@@ -15,7 +15,7 @@ below the CLI, and must never import relayrl.cli.
       checkpoints/step_N/  model, optimizer, scheduler, sampler, RNG as data, a checksummed manifest
                            (atomic: temp name + rename)
       final_model/         the trained policy as a Hugging Face directory
-      trace/               with run.trace: spans per process (<role>-<rank>-<pid>.jsonl), merged by
+      trace/               with run.trace: spans per process (<role>-<rank>-<host>-<pid>.jsonl), merged by
                            `relayrl report RUN --trace` into report/trace.json
 """
 

@@ -1,9 +1,9 @@
 """This module records spans (a name, a start, an end) for a run's timeline, and merges them into one
 Chrome / Perfetto trace.
 
-    driver process ─┐  run_dir/trace/driver-0-<pid>.jsonl     step, sync, rollout, reward, update, ...
-    actor rank 0  ──┤  run_dir/trace/actor-0-<pid>.jsonl      actor.compute_logprobs, actor.update, ...
-    actor rank 1  ──┤  run_dir/trace/actor-1-<pid>.jsonl
+    driver process ─┐  run_dir/trace/driver-0-<host>-<pid>.jsonl   step, sync, rollout, reward, update, ...
+    actor rank 0  ──┤  run_dir/trace/actor-0-<host>-<pid>.jsonl    actor.compute_logprobs, actor.update, ...
+    actor rank 1  ──┤  run_dir/trace/actor-1-<host>-<pid>.jsonl
     ...             └─ `relayrl report RUN --trace` ──> run_dir/report/trace.json  (chrome://tracing, ui.perfetto.dev)
 
 Each process appends one JSON line per finished span and flushes it, so a killed run keeps every span
@@ -15,7 +15,9 @@ nanoseconds since the epoch, where the anchors are read together when the proces
 Inside a process the times are monotonic (perf_counter), and processes agree as far as their wall
 clocks agree: exactly on one machine; across machines (Ray) only as well as the nodes' clocks are
 synchronised (NTP: typically well under a millisecond, sometimes worse), so cross-node gaps smaller than
-the skew mean nothing.
+the skew mean nothing. Each node writes where run_dir is on that node: the merged trace has every
+process only when run_dir is on a filesystem the nodes share (the host name in each file's name keeps
+two nodes' processes with the same pid apart there).
 
 The worker processes learn the directory from the environment variable RELAYRL_TRACE_DIR, which the
 driver sets before it starts its worker groups (and the groups copy into each worker's WorkerInfo, so
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -49,9 +52,9 @@ def trace_dir(run_dir: str | os.PathLike[str]) -> Path:
 
 
 class Tracer:
-    """Appends this process's spans to directory/<role>-<rank>-<pid>.jsonl, one JSON line each:
+    """Appends this process's spans to directory/<role>-<rank>-<host>-<pid>.jsonl, one JSON line each:
 
-        {"process": {"role": "actor", "rank": 0, "pid": 4242}}          first line
+        {"process": {"role": "actor", "rank": 0, "pid": 4242, "host": "node1"}}   first line
         {"thread": 4242, "name": "MainThread"}                          the first span of each thread
         {"name": "actor.update", "t0": <ns>, "t1": <ns>, "tid": 4242, "args": {...}}
     """
@@ -62,11 +65,12 @@ class Tracer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         safe = re.sub(r"[^A-Za-z0-9_.]+", "_", role) or "process"
-        self.path = directory / f"{safe}-{self.rank}-{os.getpid()}.jsonl"
+        host = re.sub(r"[^A-Za-z0-9_.]+", "_", socket.gethostname()) or "host"
+        self.path = directory / f"{safe}-{self.rank}-{host}-{os.getpid()}.jsonl"
         self._lock = threading.Lock()  # the async driver's rollout thread records too
         self._threads: set[int] = set()
         self._file = open(self.path, "a", encoding="utf-8")
-        self._write({"process": {"role": role, "rank": self.rank, "pid": os.getpid()}})
+        self._write({"process": {"role": role, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}})
 
     def now_ns(self) -> int:
         """Nanoseconds since the epoch, on this process's monotonic clock (see the module's docstring)."""
