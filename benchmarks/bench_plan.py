@@ -376,6 +376,20 @@ def report(args, measured: dict) -> None:
         print(f"| {x['layout']} | {x['rank']} | {' | '.join(cells)} | {exact} | "
               f"{x['activations'] / MiB:.0f} + {x['transient'] / MiB:.0f} | {x['total'] / MiB:.0f} | "
               f"{x['peak'] / MiB:.0f} ({x['peak_phase']}) | {x['ratio']:.3f} |")
+    print("\nper layout (MiB; state = params + grads + AdamW of rank 0, planned; peaks: the largest rank's; ratio: "
+          "the rank furthest from 1):")
+    print("| layout | ranks | state bytes planned = measured | planned state | planned act + transient | "
+          "planned peak | measured peak | planned / measured |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in dict.fromkeys(x["layout"] for x in rows):
+        mine = [x for x in rows if x["layout"] == name]
+        ok = sum(x["plan"] == x["held"] for x in mine)
+        far = max(mine, key=lambda x: abs(x["ratio"] - 1))
+        print(f"| {name} | {len(mine)} | {'yes' if ok == len(mine) else f'**{ok} of {len(mine)}**'} | "
+              f"{sum(mine[0]['plan'].values()) / MiB:.1f} | "
+              f"{mine[0]['activations'] / MiB:.0f} + {mine[0]['transient'] / MiB:.0f} | "
+              f"{max(x['total'] for x in mine) / MiB:.0f} | {max(x['peak'] for x in mine) / MiB:.0f} | "
+              f"{far['ratio']:.2f} |")
     exact = sum(x["plan"] == x["held"] for x in rows)
     worst = max(rows, key=lambda x: abs(x["ratio"] - 1))
     print(f"\nstate bytes equal on {exact} of {len(rows)} (layout, rank) pairs")
