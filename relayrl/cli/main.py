@@ -198,7 +198,7 @@ def _cmd_plan(a) -> int:
 def _cmd_demo(a) -> int:
     from relayrl.controller.demo import run_demo
 
-    run_demo(Path(a.out), steps=a.steps, env=a.env, algo=a.algo)
+    run_demo(Path(a.out), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora)
     return 0
 
 
@@ -296,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an agent in an environment: SFT on its tool-use traces, then GRPO on episodes")
     d.add_argument("--algo", default="grpo", choices=["grpo", "ppo"],
                    help="ppo: PPO with a learned critic (GAE) instead of GRPO's group baseline")
+    d.add_argument("--lora", action="store_true",
+                   help="GRPO trains rank-8 LoRA adapters (base frozen); the weight sync sends adapters only")
     d.set_defaults(fn=_cmd_demo)
     return p
 

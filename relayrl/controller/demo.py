@@ -6,6 +6,9 @@
 
 `relayrl demo --algo ppo`: the same job with PPO and a learned critic instead of GRPO's group baseline.
 
+`relayrl demo --lora`: GRPO trains LoRA adapters on the SFT model (base frozen); the weight sync sends the
+adapters only.
+
 `relayrl demo --env calculator` (an agent with a tool, multi-turn):
     tiny model ──SFT on the environment's tool-use traces──> success_before (held-out, greedy, with the tool)
                ──GRPO on episodes in the environment────> success_after ──> report PNGs (episodes.png)
@@ -94,17 +97,23 @@ PPO = {"algo": {"advantage": "gae", "gamma": 1.0, "lam": 1.0, "value_clip": 0.2,
        "run": {"steps": 360}}
 ALGOS = ("grpo", "ppo")
 
+# `--lora`: only rank-8 adapters on every projection train (the base stays the SFT model). Adapters start at
+# zero (B = 0) and move the weights through a low-rank product, so they take a larger step than full training.
+LORA = {"trainer": {"lora": {"rank": 8, "alpha": 16.0}, "lr": 5e-4}}
 
-def recipe(env: str | None, algo: str) -> tuple[dict, dict, str]:
-    """(SFT recipe, RL recipe, what it trains on) for the demo of `env` with `algo`."""
+
+def recipe(env: str | None, algo: str, lora: bool = False) -> tuple[dict, dict, str]:
+    """(SFT recipe, RL recipe, what it trains on) for the demo of `env` with `algo` (LoRA adapters: `lora`)."""
     sft, rl, what = RECIPES[env]
     if algo == "ppo":
         rl = {**rl, "algo": {**rl["algo"], **PPO["algo"]}, "critic": PPO["critic"], "run": {**rl["run"], **PPO["run"]}}
+    if lora:
+        rl = {**rl, "trainer": {**rl["trainer"], **LORA["trainer"]}}
     return sft, rl, what
 
 
 def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, env: str | None = None,
-             algo: str = "grpo") -> dict:
+             algo: str = "grpo", lora: bool = False) -> dict:
     from relayrl.observe.report import make_report
 
     if env not in RECIPES:
@@ -112,7 +121,10 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
                         f"{', '.join(k for k in RECIPES if k)} (or none, for arith)")
     if algo not in ALGOS:
         raise UserError(f"relayrl demo has no recipe for algo '{algo}': use one of {', '.join(ALGOS)}")
-    sft_recipe, grpo_recipe, what = recipe(env, algo)
+    if lora and algo == "ppo":
+        raise UserError("relayrl demo --lora trains the policy's adapters with GRPO; drop --algo ppo "
+                        "(the critic trains in full)")
+    sft_recipe, grpo_recipe, what = recipe(env, algo, lora)
     measure = "success" if env else "accuracy"
     start = time.perf_counter()
     for sub in ("sft", "grpo"):
@@ -125,7 +137,7 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
     before = sft["eval_last"]["eval/accuracy"]
     print(f"      held-out {measure} after SFT: {before:.3f}")
 
-    print(f"[2/3] {algo.upper()}")
+    print(f"[2/3] {algo.upper()}" + (" (LoRA adapters, base frozen)" if lora else ""))
     run = {**grpo_recipe["run"], "out_dir": str(out / "grpo"), **({"steps": steps} if steps else {})}
     grpo_cfg = RunConfig.from_dict({**grpo_recipe, "model": {"path": sft["model_dir"]}, "run": run})
     res = train(grpo_cfg, show_progress=show_progress)
@@ -134,7 +146,7 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
     print("[3/3] report")
     plots = make_report(out / "grpo")
     seconds = time.perf_counter() - start
-    summary = {"env": env, "algo": algo, "accuracy_before": before, "accuracy_after": after,
+    summary = {"env": env, "algo": algo, "lora": lora, "accuracy_before": before, "accuracy_after": after,
                "seconds": round(seconds, 1),
                "sft_dir": str(out / "sft"), "grpo_dir": str(out / "grpo"), "plots": [str(p) for p in plots]}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
