@@ -1,14 +1,11 @@
 """relayrl.planner against hand-computed cases on a tiny shape, relayrl's engine arithmetic, one measured
-FSDP2 run (padded shards), and the `relayrl plan` CLI."""
+FSDP2 run (padded shards). The CLI: tests/test_plan_cli.py."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
-from relayrl.cli.main import main
 from relayrl.models.config import ModelConfig, ModelShape
 from relayrl.planner import Layout, Workload, engine_kv, engine_weight_bytes, korthikanti_layer_bytes, train_memory
 from relayrl.planner.activations import activation_terms
@@ -253,38 +250,3 @@ def test_fsdp2_held_bytes_are_what_the_planner_counts():
     for r, h in enumerate(held):
         m = train_memory(TINY, Layout(dp_shard=2), FP32, rank=r)
         assert (m.params, m.grads, m.optim) == (h["params"], h["grads"], h["optim"])
-
-
-def test_cli_json_ranks_fitting_layouts(capsys):
-    assert main(["plan", "--preset", "qwen2.5-0.5b", "--gpus", "4", "--gpu-mem", "24", "--seq", "2048",
-                 "--micro-batch", "1", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
-    fits = [o for o in plan["train"] if o["fits"]]
-    assert fits and all(o["memory"]["total"] <= plan["gpu_mem_bytes"] for o in fits)
-    assert [o["time"]["mfu"] for o in fits] == sorted((o["time"]["mfu"] for o in fits), reverse=True)
-    rest = plan["train"][len(fits):]
-    assert all(not o["fits"] and o["over_bytes"] > 0 for o in rest)
-    assert plan["placement"] in ("colocated", "disaggregated") and plan["rollout"][0]["fits"]
-
-
-def test_cli_text_prints_every_assumption(capsys):
-    assert main(["plan", "--preset", "tiny-gqa", "--gpus", "2", "--gpu-mem", "1", "--seq", "64",
-                 "--micro-batch", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "assumptions:" in out and "16 B per trained parameter" in out and "placement:" in out
-
-
-@pytest.mark.parametrize("argv, msg", [
-    (["--preset", "nope"], "unknown model preset"),
-    (["--model", "/nonexistent/dir"], "model directory not found"),
-    (["--preset", "tiny-gqa", "--gpus", "0"], "--gpus must be >= 1"),
-])
-def test_cli_bad_input_is_one_line_exit_2(capsys, argv, msg):
-    base = {"--gpus": "2", "--gpu-mem": "80", "--seq": "64", "--micro-batch": "1"}
-    args = list(argv)
-    for k, v in base.items():
-        if k not in args:
-            args += [k, v]
-    assert main(["plan", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert msg in err and "\n" not in err

@@ -184,9 +184,10 @@ def _cmd_plan(a) -> int:
     if a.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {a.gpus}")
     from relayrl.models import load_config
+    from relayrl.models.config import ModelShape
     from relayrl.sync.presets import preset
 
-    shape = load_config(a.model) if a.model else preset(a.preset)
+    shape = ModelShape.of(load_config(a.model)) if a.model else preset(a.preset)
     w = Workload(seq=a.seq, micro_batch=a.micro_batch, dtype=a.dtype, mixed_precision=a.dtype != "float32",
                  recompute=a.recompute, lora_rank=a.lora_rank, num_micro_batches=a.micro_batches)
     plan = make_plan(shape, a.model or a.preset, w, gpus=a.gpus, gpu_mem_gib=a.gpu_mem, nodes=a.nodes,

@@ -174,6 +174,7 @@ def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_g
         raise ConfigError(f"--gpus ({gpus}) must be >= 1 and a multiple of --nodes ({nodes})")
     if gpu_mem_gib <= 0:
         raise ConfigError(f"--gpu-mem must be > 0 GiB, got {gpu_mem_gib}")
+    shape = ModelShape.of(shape)  # a loaded ModelConfig is unhashable; the cached per-shape tables need a shape
     per_node = gpus // nodes
     net = Network(per_node, intra_bw, inter_bw)
     peak = peak_tflops if peak_tflops is not None else PEAK_TFLOPS[w.dtype]
