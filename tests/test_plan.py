@@ -166,6 +166,26 @@ def test_engine_kv_matches_relayrl_engine_arithmetic():
     assert engine_kv(shape, kv_cache_bytes=10**9, seq_len=16, max_num_seqs=7).max_concurrent_seqs == 7
 
 
+def test_engine_kv_blocks_per_sequence_are_the_schedulers():
+    """A sequence of L tokens needs KV for L - 1 (its last token is never fed back): the scheduler's own rule,
+    at and around block edges (L = k bs + 1 is one block fewer than ceil(L / bs))."""
+    from relayrl.engine.block_manager import BlockManager
+    from relayrl.engine.sampling_params import SamplingParams
+    from relayrl.engine.scheduler import Scheduler
+    from relayrl.engine.sequence import Sequence
+
+    shape = preset("tiny-gqa")
+    assert engine_kv(shape, block_size=4, kv_cache_bytes=10**9, seq_len=9).blocks_per_seq == 2  # 8 KV tokens
+    assert engine_kv(shape, block_size=4, kv_cache_bytes=10**9, seq_len=10).blocks_per_seq == 3
+    for bs in (1, 4, 16):
+        sched = Scheduler(BlockManager(1000, bs), max_num_seqs=8, max_num_batched_tokens=4096)
+        for length in range(2, 40):
+            for prompt in (1, length // 2, length - 1):
+                seq = Sequence(0, [1] * prompt, SamplingParams(max_tokens=length - prompt), bs)
+                kv = engine_kv(shape, block_size=bs, kv_cache_bytes=10**9, seq_len=length)
+                assert kv.blocks_per_seq == sched.blocks_for(sched.max_kv_tokens(seq)), (bs, length, prompt)
+
+
 def test_engine_weights_match_the_engine_model():
     from relayrl.engine.model import EngineModel
     from relayrl.engine.parallel_state import TPInfo

@@ -139,16 +139,9 @@ def _engine(block_size: int, kv_cache_bytes: int, max_num_seqs: int) -> LLMEngin
                                 enable_prefix_caching=False, max_num_batched_tokens=4096)
 
 
-# engine_kv counts ceil(seq_len / block_size) blocks per sequence, but the engine never writes the KV of a
-# sequence's last token (Scheduler.max_kv_tokens = length - 1): at a length of k * block_size + 1 the plan
-# says one block more than the engine uses, and one sequence fewer than the engine runs at once (here 2, not 3).
-# Strict: when the planner is fixed this xfail fails, and the mark goes.
-OFF_BY_ONE = pytest.mark.xfail(strict=True, reason="engine_kv: a sequence of L tokens holds KV for L - 1 (planner bug)")
-
-
 @pytest.mark.parametrize(("blocks", "max_num_seqs", "completion"), [
     pytest.param(7, 256, 5, id="blocks-bound"),
-    pytest.param(7, 256, 6, id="blocks-bound-at-block-edge", marks=OFF_BY_ONE),
+    pytest.param(7, 256, 6, id="blocks-bound-at-block-edge"),
     pytest.param(64, 2, 6, id="max_num_seqs-bound")])
 def test_planned_max_concurrent_sequences_run_at_once(blocks, max_num_seqs, completion):
     """Sequences of L = 3 prompt + `completion` tokens (KV for the L - 1 tokens before the last: 7 or 8 tokens,

@@ -7,9 +7,14 @@ relayrl's engine arithmetic reproduced (relayrl.engine.model_runner, llm_engine,
     num blocks           kv_cache_bytes // bytes per block, when given; else
                          min(free x kv_cache_fraction // bytes per block,
                              max_num_seqs x ceil(max_position_embeddings / block_size))   (kv_blocks)
-    concurrent seqs      min(num_blocks // ceil(seq_len / block_size), max_num_seqs)
-                         (a sequence of n tokens takes ceil(n / block_size) blocks; the scheduler runs
-                         at most max_num_seqs)
+    blocks per seq       ceil((seq_len - 1) / block_size)   (at least 1)
+    concurrent seqs      min(num_blocks // blocks per seq, max_num_seqs)   (the scheduler runs at most
+                         max_num_seqs)
+
+Why seq_len - 1: a sequence of L tokens (prompt + generated) holds KV for L - 1 when its last token is
+sampled: that token finishes the sequence and is never fed back, so it gets no slot
+(relayrl.engine.scheduler.Scheduler.max_kv_tokens = max(prompt, L - 1); the prompt is at most L - 1 when
+at least one token is generated). At L = k x block_size + 1 this is one block fewer than ceil(L / bs).
 
 Weights per engine rank: the engine's parameters on rank 0 (relayrl.sync.layout.engine_param_shapes:
 fused qkv / gate_up of its heads, o_proj / down_proj columns, embeddings, lm_head and norms whole; a
@@ -72,7 +77,7 @@ def engine_kv(shape: ModelShape, tp: int = 1, dtype: str = "float32", block_size
         raise ConfigError("engine_kv needs kv_cache_bytes, or free_bytes with max_position_embeddings")
     need = conc = None
     if seq_len is not None:
-        need = -(-seq_len // block_size)
+        need = -(-max(seq_len - 1, 1) // block_size)  # KV for L - 1 tokens (module docstring)
         conc = min(blocks // need, max_num_seqs)
     return EngineKV(tp=tp, dtype=dtype, block_size=block_size, kv_heads_per_rank=heads, bytes_per_token=per_token,
                     bytes_per_block=per_block, num_blocks=blocks, seq_len=seq_len, blocks_per_seq=need,
