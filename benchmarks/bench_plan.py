@@ -314,6 +314,8 @@ def run_measurements(args) -> dict:
     for lay in layouts:
         t = time.time()
         out[lay.name] = measure([(lay, mc, batch)], tcfg, steps=args.steps, env=env)[0]
+        if args.save:  # after each layout, so a long run stopped midway keeps what it measured
+            Path(args.save).write_text(json.dumps(out))
         print(f"  measured {lay.name:14s} in {time.time() - t:.0f}s; load {os.getloadavg()[0]:.1f}", flush=True)
     return out
 
@@ -407,8 +409,6 @@ def main(argv=None) -> None:
         measured = json.loads(Path(args.load).read_text())
     else:
         measured = run_measurements(args)
-        if args.save:
-            Path(args.save).write_text(json.dumps(measured))
     report(args, measured)
     print(f"\ntotal {time.time() - t0:.0f}s; load average {os.getloadavg()}")
 
