@@ -34,6 +34,24 @@ def test_cli_plans_a_model_directory(capsys, model_dir):
     assert {r["tp"]: r["weight_bytes"] for r in plan["rollout"]}[1] == 2 * n
 
 
+def _plan(capsys, *extra) -> dict:
+    assert main(["plan", "--preset", "tiny-gqa", "--gpus", "2", "--gpu-mem", "1", "--seq", "64", "--micro-batch",
+                 "1", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_lora_sync_counts_merges_base_copy(capsys):
+    sep = _plan(capsys, "--lora-rank", "4")
+    merge = _plan(capsys, "--lora-rank", "4", "--lora-sync", "merge")
+    w_sep, w_merge = ({r["tp"]: r["weight_bytes"] for r in p["rollout"]} for p in (sep, merge))
+    # tiny-gqa at tp 1, every projection targeted: merge keeps a bf16 copy of each layer's qkv (48 x 32), o (32 x 32),
+    # gate_up (128 x 32) and down (32 x 64) weights, 2 layers
+    assert w_merge[1] - w_sep[1] == 2 * 2 * (48 * 32 + 32 * 32 + 128 * 32 + 32 * 64)
+    assert sep == _plan(capsys, "--lora-rank", "4", "--lora-sync", "separate")  # the default
+    assert sep["placement"] == "colocated" and sep["engine_tp"] in (1, 2)
+    assert any("sync.lora=merge" in a for a in merge["assumptions"])
+
+
 def test_cli_json_ranks_fitting_layouts(capsys):
     assert main(["plan", "--preset", "qwen2.5-0.5b", "--gpus", "4", "--gpu-mem", "24", "--seq", "2048",
                  "--micro-batch", "1", "--json"]) == 0
@@ -57,6 +75,7 @@ def test_cli_text_prints_every_assumption(capsys):
     (["--preset", "nope"], "unknown model preset"),
     (["--model", "/nonexistent/dir"], "model directory not found"),
     (["--preset", "tiny-gqa", "--gpus", "0"], "--gpus must be >= 1"),
+    (["--preset", "tiny-gqa", "--lora-sync", "merge"], "--lora-sync needs --lora-rank"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(capsys, argv, msg):
     base = {"--gpus": "2", "--gpu-mem": "80", "--seq": "64", "--micro-batch": "1"}

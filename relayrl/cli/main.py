@@ -183,6 +183,8 @@ def _cmd_plan(a) -> int:
             raise ConfigError(f"relayrl plan needs --{flag.replace('_', '-')}")
     if a.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {a.gpus}")
+    if a.lora_sync is not None and not a.lora_rank:
+        raise ConfigError("--lora-sync needs --lora-rank (it says how the engine holds LoRA adapters)")
     from relayrl.models import load_config
     from relayrl.models.config import ModelShape
     from relayrl.sync.presets import preset
@@ -191,7 +193,8 @@ def _cmd_plan(a) -> int:
     w = Workload(seq=a.seq, micro_batch=a.micro_batch, dtype=a.dtype, mixed_precision=a.dtype != "float32",
                  recompute=a.recompute, lora_rank=a.lora_rank, num_micro_batches=a.micro_batches)
     plan = make_plan(shape, a.model or a.preset, w, gpus=a.gpus, gpu_mem_gib=a.gpu_mem, nodes=a.nodes,
-                     intra_bw=a.intra_bw, inter_bw=a.inter_bw, peak_tflops=a.peak_tflops)
+                     intra_bw=a.intra_bw, inter_bw=a.inter_bw, peak_tflops=a.peak_tflops,
+                     lora_sync=a.lora_sync or "separate")
     print(json.dumps(plan.to_dict(), indent=1) if a.json else render(plan, top=a.top))
     return 0
 
@@ -285,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     pl.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     pl.add_argument("--lora-rank", type=int, default=0)
+    pl.add_argument("--lora-sync", choices=["separate", "merge"], default=None,
+                    help="with --lora-rank: the engine keeps the adapters apart (default) or merges them, holding a "
+                    "second copy of the targeted base weights")
     pl.add_argument("--top", type=int, default=15, help="layouts to list in each table")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--texts", action="store_true", help="the reading's 70B memory figures, recomputed")

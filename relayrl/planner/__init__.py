@@ -5,7 +5,9 @@ shape alone (no weights, no devices).
     train_memory(shape, layout, w)   bytes per rank: params, grads, optim (exact for relayrl's trainer),
                                      activations, transient, with every term explained
     engine_kv(shape, tp, ...)        the rollout engine's KV arithmetic, as relayrl's engine does it
-    make_plan(...)                   every layout of the GPUs ranked; rollout TP degrees; placement
+    engine_weight_bytes(...)         the engine's weights per rank (LoRA adapters; merge mode's base copies)
+    make_plan(...)                   every layout of the GPUs ranked; rollout TP degrees; placement with the
+                                     engine TP degree that fits beside the trainer (relayrl.planner.rollout)
     TEXT_FIGURES                     the reading's 70B figures checked (relayrl.planner.texts)
 
 It imports relayrl.models (shapes), relayrl.sync (layouts, adapters), relayrl.config and

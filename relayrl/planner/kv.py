@@ -18,9 +18,10 @@ at least one token is generated). At L = k x block_size + 1 this is one block fe
 
 Weights per engine rank: the engine's parameters on rank 0 (relayrl.sync.layout.engine_param_shapes:
 fused qkv / gate_up of its heads, o_proj / down_proj columns, embeddings, lm_head and norms whole; a
-tied lm_head is the embedding).
+tied lm_head is the embedding). With LoRA, the adapters too, and under sync.lora = merge a second copy of
+every targeted module's base weight (engine_weight_terms).
 
-It imports relayrl.errors, relayrl.models.config and relayrl.sync.layout only.
+It imports relayrl.errors, relayrl.models.config and relayrl.sync (layouts, adapters) only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from dataclasses import dataclass
 from relayrl.errors import ConfigError
 from relayrl.models.config import ModelShape
 from relayrl.planner.workload import DTYPE_BYTES
+from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.layout import EngineLayout, engine_heads, engine_param_shapes
+
+LORA_SYNC = ("separate", "merge")  # the run's sync.lora (relayrl.engine.lora)
 
 
 @dataclass
@@ -84,13 +88,32 @@ def engine_kv(shape: ModelShape, tp: int = 1, dtype: str = "float32", block_size
                     max_concurrent_seqs=conc)
 
 
-def engine_weight_bytes(shape: ModelShape, tp: int, dtype: str) -> int:
-    """Bytes of the engine's parameters on its largest TP rank (rank 0; all ranks are equal)."""
-    shapes = engine_param_shapes(ModelShape.of(shape), EngineLayout(tp=tp), 0)
-    total = 0
-    for shp in shapes.values():
-        n = 1
-        for d in shp:
-            n *= d
-        total += n
-    return total * _dtype_bytes(dtype)
+def engine_weight_terms(shape: ModelShape, tp: int, dtype: str, lora: AdapterShape | None = None,
+                        lora_sync: str = "separate") -> dict[str, int]:
+    """Bytes of the engine's weights on its largest TP rank (rank 0; all ranks are equal), by kind:
+    base (its parameters), adapters (LoRA's lora_A / lora_B in the engine's dtype: stacked A and per-part B
+    on the fused modules, relayrl.engine.lora), merge copy (sync.lora = merge: `lora_base`, a clone of the
+    whole weight of every module with a targeted part, the weight the sync writes the base into)."""
+    if lora_sync not in LORA_SYNC:
+        raise ConfigError(f"LoRA sync mode must be one of {', '.join(LORA_SYNC)}, got {lora_sync!r}")
+    e = _dtype_bytes(dtype)
+    shapes = engine_param_shapes(ModelShape.of(shape), EngineLayout(tp=tp), 0, lora)
+    out = {"base": 0, "adapters": 0, "merge copy": 0}
+    for name, shp in shapes.items():
+        out["adapters" if ".lora_" in name else "base"] += _numel(shp) * e
+        if lora is not None and lora_sync == "merge" and name.endswith(".lora_A"):
+            out["merge copy"] += _numel(shapes[name.removesuffix(".lora_A") + ".weight"]) * e
+    return out
+
+
+def engine_weight_bytes(shape: ModelShape, tp: int, dtype: str, lora: AdapterShape | None = None,
+                        lora_sync: str = "separate") -> int:
+    """engine_weight_terms summed."""
+    return sum(engine_weight_terms(shape, tp, dtype, lora, lora_sync).values())
+
+
+def _numel(shp: tuple[int, ...]) -> int:
+    n = 1
+    for d in shp:
+        n *= d
+    return n

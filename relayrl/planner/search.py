@@ -7,17 +7,7 @@ off, dp_mode ddp / zero1 / zero2 / fsdp, HSDP (fsdp with dp_replicate > 1). A la
 largest rank's total <= gpu_mem; those are ranked by MFU (tokens per second per GPU), the rest listed by
 how far they are over.
 
-Rollout: engine TP degrees t (dividing heads, with KV heads dividing or divided by t, inside a node); each
-replica's rank holds the weights and a KV cache of what is left of gpu_mem x gpu_util; it is useful
-when it holds at least one sequence of --seq tokens. Ranked by concurrent sequences over all replicas.
-
-Colocated (one set of GPUs, the engine asleep while the trainer steps: relayrl's sleep(level=1) frees
-the KV cache, the weights stay) when, on the best-fitting training layout,
-
-    trainer params + grads + optimizer + engine weights + max(trainer activations + transient,
-                                                               KV for rollout_seqs sequences) <= gpu_mem
-
-otherwise disaggregated (trainer and engine on separate GPUs).
+The rollout engine's TP degrees and colocated or disaggregated: relayrl.planner.rollout.
 
 It imports the planner's modules, relayrl.models.config and relayrl.errors only.
 """
@@ -30,12 +20,12 @@ from relayrl.errors import ConfigError
 from relayrl.models.config import ModelShape
 from relayrl.planner.comm import Collective, Network, step_collectives
 from relayrl.planner.compute import StepTime, step_time
-from relayrl.planner.kv import engine_kv, engine_weight_bytes
 from relayrl.planner.layout import Layout
-from relayrl.planner.memory import TrainMemory, stage_layers, stage_summary, train_memory
+from relayrl.planner.memory import TrainMemory, adapter_shape, stage_layers, stage_summary, train_memory
+from relayrl.planner.rollout import GIB, Engine, RolloutOption, placement, rollout_options
 from relayrl.planner.workload import Workload
 
-GIB = 2**30
+__all__ = ["GIB", "Plan", "TrainOption", "make_plan"]
 
 
 @dataclass
@@ -50,17 +40,6 @@ class TrainOption:
 
 
 @dataclass
-class RolloutOption:
-    tp: int
-    replicas: int
-    weight_bytes: int
-    kv_bytes: int
-    concurrent_per_replica: int
-    concurrent_total: int
-    fits: bool
-
-
-@dataclass
 class Plan:
     model: str
     gpus: int
@@ -70,6 +49,7 @@ class Plan:
     rollout: list[RolloutOption]
     placement: str
     placement_reason: str
+    engine_tp: int | None = None  # the engine's TP degree the placement chose
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -83,12 +63,6 @@ def _divisors(n: int) -> list[int]:
 def tp_ok(shape: ModelShape, tp: int) -> bool:
     return all(x % tp == 0 for x in (shape.num_attention_heads, shape.num_key_value_heads,
                                      shape.intermediate_size, shape.vocab_size))
-
-
-def engine_tp_ok(shape: ModelShape, tp: int) -> bool:
-    kv = shape.num_key_value_heads
-    return (shape.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
-            and shape.intermediate_size % tp == 0)
 
 
 def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq: int) -> list[Layout]:
@@ -130,44 +104,10 @@ def evaluate(shape: ModelShape, layout: Layout, w: Workload, gpu_mem: int, net: 
     return TrainOption(layout.describe(), degrees, mem, mem.total <= gpu_mem, max(0, mem.total - gpu_mem), colls, t)
 
 
-def rollout_options(shape: ModelShape, gpus: int, gpus_per_node: int, gpu_mem: int, dtype: str, seq: int,
-                    gpu_util: float, max_num_seqs: int, block_size: int) -> list[RolloutOption]:
-    out = []
-    for tp in _divisors(gpus):
-        if tp > gpus_per_node or not engine_tp_ok(shape, tp):
-            continue
-        weights = engine_weight_bytes(shape, tp, dtype)
-        budget = max(0, int(gpu_mem * gpu_util) - weights)
-        kv = engine_kv(shape, tp=tp, dtype=dtype, block_size=block_size, kv_cache_bytes=budget,
-                       max_num_seqs=max_num_seqs, seq_len=seq)
-        conc = kv.max_concurrent_seqs or 0
-        out.append(RolloutOption(tp, gpus // tp, weights, budget, conc, conc * (gpus // tp), conc >= 1))
-    out.sort(key=lambda o: (not o.fits, -o.concurrent_total, o.tp))
-    return out
-
-
-def placement(best: TrainOption | None, shape: ModelShape, gpu_mem: int, dtype: str, seq: int, rollout_seqs: int,
-              block_size: int) -> tuple[str, str]:
-    if best is None:
-        return "none", "no training layout fits these GPUs"
-    tp = best.degrees["tp"]
-    weights = engine_weight_bytes(shape, tp, dtype)
-    kv = engine_kv(shape, tp=tp, dtype=dtype, block_size=block_size, kv_cache_bytes=0, seq_len=seq)
-    kv_need = rollout_seqs * kv.blocks_per_seq * kv.bytes_per_block
-    m = best.memory
-    need = m.state + weights + max(m.activations + m.transient, kv_need)
-    rule = (f"trainer state {m.state / GIB:.1f} + engine weights (tp {tp}) {weights / GIB:.1f} + "
-            f"max(trainer activations+transient {(m.activations + m.transient) / GIB:.1f}, KV for {rollout_seqs} "
-            f"x {seq}-token sequences {kv_need / GIB:.1f}) = {need / GIB:.1f} GiB")
-    if need <= gpu_mem:
-        return "colocated", f"{rule} <= {gpu_mem / GIB:.0f} GiB: trainer and engine share the GPUs (engine sleeps)"
-    return "disaggregated", f"{rule} > {gpu_mem / GIB:.0f} GiB: put the engine on GPUs of its own"
-
-
 def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_gib: float, nodes: int = 1,
               intra_bw: float = 450.0, inter_bw: float = 50.0, peak_tflops: float | None = None,
               efficiency: float = 0.5, gpu_util: float = 0.9, max_num_seqs: int = 256, block_size: int = 16,
-              rollout_seqs: int = 64) -> Plan:
+              rollout_seqs: int = 64, lora_sync: str = "separate") -> Plan:
     from relayrl.planner.compute import PEAK_TFLOPS
 
     if gpus < 1 or nodes < 1 or gpus % nodes:
@@ -183,8 +123,9 @@ def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_g
     # throughput, not step time, ranks them: layouts differ in tokens per step (CP and PP shrink dp)
     fit = sorted((o for o in opts if o.fits), key=lambda o: (-o.time.mfu, o.memory.total))
     over = sorted((o for o in opts if not o.fits), key=lambda o: o.over_bytes)
-    roll = rollout_options(shape, gpus, per_node, mem, w.dtype, w.seq, gpu_util, max_num_seqs, block_size)
-    where, why = placement(fit[0] if fit else None, shape, mem, w.dtype, w.seq, rollout_seqs, block_size)
+    eng = Engine(w.dtype, w.seq, gpu_util, max_num_seqs, block_size, adapter_shape(shape, w), lora_sync)
+    roll = rollout_options(shape, gpus, per_node, mem, eng)
+    where = placement(fit[0].memory if fit else None, shape, gpus, per_node, mem, eng, rollout_seqs, roll)
     peak_note = "given" if peak_tflops is not None else f"an H100 SXM's dense {w.dtype} peak (--peak-tflops to change)"
     assumptions = [
         f"state: {w.describe_state()}; torch AdamW's step: 4 B per trained tensor",
@@ -202,5 +143,7 @@ def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_g
     ]
     if w.lora_rank:
         assumptions.append(f"LoRA rank {w.lora_rank} on {', '.join(w.lora_targets)}; frozen base in "
-                           f"{w.base_dtype or w.dtype}")
-    return Plan(name, gpus, mem, assumptions, fit + over, roll, where, why)
+                           f"{w.base_dtype or w.dtype}; engine sync.lora={lora_sync} (" + (
+                               "a second copy of the targeted base weights on the engine)" if lora_sync == "merge"
+                               else "the adapters kept apart: stacked A, per-part B)"))
+    return Plan(name, gpus, mem, assumptions, fit + over, roll, where.where, where.reason, where.engine_tp)

@@ -1,0 +1,125 @@
+"""The rollout side of the plan: the engine's TP degrees, and colocated or disaggregated.
+
+Rollout: engine TP degrees t (dividing the heads, with KV heads dividing or divided by t, and the
+intermediate size; inside a node). Each replica's rank holds the engine's weights (with LoRA: the adapters,
+and under sync.lora = merge a second copy of the targeted base weights: relayrl.planner.kv.engine_weight_terms)
+and a KV cache of what is left of gpu_mem x gpu_util; a degree is useful when it holds at least one sequence of
+--seq tokens. Ranked by concurrent sequences over all replicas.
+
+Colocated (one set of GPUs, the engine asleep while the trainer steps: relayrl's sleep(level=1) frees the KV
+cache, the weights stay) when some engine TP degree t fits beside the best-fitting training layout's rank:
+
+    trainer params + grads + optimizer + engine weights(t) + max(trainer activations + transient,
+                                                                  KV(t) for rollout_seqs sequences) <= gpu_mem
+
+Of the degrees that fit, the plan picks the one whose replicas hold the most sequences at once while the
+engine is awake (per replica min(max_num_seqs, (gpu_mem - trainer state - weights(t)) // KV per sequence),
+x gpus / t; the smaller t on a tie). None fits: disaggregated (trainer and engine on separate GPUs), and the
+engine's degree is the rollout table's first.
+
+It imports the planner's modules, relayrl.models.config and relayrl.sync.adapters only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relayrl.models.config import ModelShape
+from relayrl.planner.kv import engine_kv, engine_weight_bytes
+from relayrl.planner.memory import TrainMemory
+from relayrl.sync.adapters import AdapterShape
+
+GIB = 2**30
+
+
+@dataclass
+class RolloutOption:
+    tp: int
+    replicas: int
+    weight_bytes: int
+    kv_bytes: int
+    concurrent_per_replica: int
+    concurrent_total: int
+    fits: bool
+
+
+@dataclass
+class Engine:
+    """What the rollout side needs besides the shape: dtype, KV settings, LoRA and its sync mode."""
+
+    dtype: str
+    seq: int
+    gpu_util: float = 0.9
+    max_num_seqs: int = 256
+    block_size: int = 16
+    lora: AdapterShape | None = None
+    lora_sync: str = "separate"
+
+    def weights(self, shape: ModelShape, tp: int) -> int:
+        return engine_weight_bytes(shape, tp, self.dtype, self.lora, self.lora_sync)
+
+    def seq_bytes(self, shape: ModelShape, tp: int) -> int:
+        """KV bytes of one --seq sequence at engine TP t (its blocks, the engine's rule)."""
+        kv = engine_kv(shape, tp=tp, dtype=self.dtype, block_size=self.block_size, kv_cache_bytes=0,
+                       seq_len=self.seq)
+        return kv.blocks_per_seq * kv.bytes_per_block
+
+
+def engine_tp_ok(shape: ModelShape, tp: int) -> bool:
+    kv = shape.num_key_value_heads
+    return (shape.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+            and shape.intermediate_size % tp == 0)
+
+
+def engine_tps(shape: ModelShape, gpus: int, gpus_per_node: int) -> list[int]:
+    return [t for t in range(1, gpus + 1) if gpus % t == 0 and t <= gpus_per_node and engine_tp_ok(shape, t)]
+
+
+def rollout_options(shape: ModelShape, gpus: int, gpus_per_node: int, gpu_mem: int, eng: Engine) -> list[RolloutOption]:
+    out = []
+    for tp in engine_tps(shape, gpus, gpus_per_node):
+        weights = eng.weights(shape, tp)
+        budget = max(0, int(gpu_mem * eng.gpu_util) - weights)
+        kv = engine_kv(shape, tp=tp, dtype=eng.dtype, block_size=eng.block_size, kv_cache_bytes=budget,
+                       max_num_seqs=eng.max_num_seqs, seq_len=eng.seq)
+        conc = kv.max_concurrent_seqs or 0
+        out.append(RolloutOption(tp, gpus // tp, weights, budget, conc, conc * (gpus // tp), conc >= 1))
+    out.sort(key=lambda o: (not o.fits, -o.concurrent_total, o.tp))
+    return out
+
+
+@dataclass
+class Placement:
+    where: str  # "colocated" | "disaggregated" | "none"
+    engine_tp: int | None
+    reason: str
+
+
+def placement(m: TrainMemory | None, shape: ModelShape, gpus: int, gpus_per_node: int, gpu_mem: int, eng: Engine,
+              rollout_seqs: int, rollout: list[RolloutOption]) -> Placement:
+    """Colocated or disaggregated, and the engine's TP degree (module docstring). m: the best training
+    layout's largest rank."""
+    if m is None:
+        return Placement("none", None, "no training layout fits these GPUs")
+    tried = []
+    for tp in engine_tps(shape, gpus, gpus_per_node):
+        weights, per_seq = eng.weights(shape, tp), eng.seq_bytes(shape, tp)
+        kv_need = rollout_seqs * per_seq
+        need = m.state + weights + max(m.activations + m.transient, kv_need)
+        awake = min(eng.max_num_seqs, max(0, gpu_mem - m.state - weights) // per_seq) * (gpus // tp)
+        tried.append((need <= gpu_mem, awake, -tp, tp, weights, kv_need, need))
+    if not tried:
+        return Placement("disaggregated", None, "no engine TP degree divides this model's heads on these GPUs")
+    fits = [x for x in tried if x[0]]
+    _, awake, _, tp, weights, kv_need, need = max(fits) if fits else min(tried, key=lambda x: x[6])
+    rule = (f"trainer state {m.state / GIB:.1f} + engine weights (tp {tp}) {weights / GIB:.1f} + "
+            f"max(trainer activations+transient {(m.activations + m.transient) / GIB:.1f}, KV for {rollout_seqs} "
+            f"x {eng.seq}-token sequences {kv_need / GIB:.1f}) = {need / GIB:.1f} GiB")
+    if fits:
+        return Placement("colocated", tp, f"{rule} <= {gpu_mem / GIB:.0f} GiB: trainer and engine share the GPUs "
+                         f"(engine sleeps), engine tp {tp} ({len(fits)} of {len(tried)} engine TP degrees fit; "
+                         f"this one holds {awake} sequences at once over the {gpus} GPUs)")
+    best = rollout[0].tp if rollout else tp
+    return Placement("disaggregated", best, f"{rule} > {gpu_mem / GIB:.0f} GiB (the smallest need of the "
+                     f"{len(tried)} engine TP degrees): put the engine on GPUs of its own, engine tp {best} "
+                     "(the rollout table's first)")
