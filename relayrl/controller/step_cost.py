@@ -3,13 +3,16 @@
     flops/update       ppo_epochs x tokens x (6N + 12 L H d T)   the actor's update (relayrl.models.flops):
                        tokens = rows x T padded (the trainer runs every micro-batch at the batch's width T),
                        or the real tokens with trainer.padding_free (T: the longest sequence, the packed rows'
-                       capacity)
+                       capacity); with trainer.lora, 4N + 6 N_adapters in place of 6N (the frozen base needs
+                       no weight gradient; attention's 12 L H d T is the same)
     flops/old_logp     tokens x (2N + 4 L H d T)                 the proximal logprobs' recompute (decoupled PPO)
     flops/ref_logp     the same, on the reference model          (algo.kl_coef > 0)
-    flops/rollout      sum over the step's samples of 2N x computed tokens + 4 L H d x keys attended, as the
-                       engine counted them (relayrl.engine.outputs.SampleCost: prefix-cache hits are not
-                       computed, preemptions' recomputes are; every generate() of the step, resampled groups
-                       included); absent when the backend does not count (vLLM) or for environment episodes
+    flops/rollout      sum over the step's samples of 2 (N - V h) x computed tokens + 2 V h x logit positions
+                       + 4 L H d x keys attended, as the engine counted them (relayrl.engine.outputs.SampleCost:
+                       the engine runs the lm_head at each sequence's last position of a model run only;
+                       prefix-cache hits are not computed, preemptions' recomputes are; every generate() of
+                       the step, resampled groups included); absent when the backend does not count (vLLM) or
+                       for environment episodes
 
     throughput/mfu_update   flops/update  / (time/update x peak_trainer x trainer ranks)
     throughput/mfu_rollout  flops/rollout / (engine seconds x peak_engine x engine ranks); engine seconds are
@@ -18,10 +21,11 @@
     throughput/peak_gflops_trainer, throughput/peak_gflops_engine: each rank's matmul peak
                             (relayrl.observe.peak, at the rank's threads and dtype)
 
-    rollout/straggler_share = (last finish - median finish) / (last finish - first queued), in engine steps, over
-                            the step's samples: the share of the rollout spent after half of its samples had
-                            finished, waiting on the tail. 0 when every sample ends on the same step; with every
-                            sample queued at once it is (max length - median length) / max length.
+    rollout/straggler_share  the tail's share of the rollout: of the engine steps during which any of the step's
+                            samples was still unfinished (queued or decoding), the fraction during which at most
+                            max(1, 10% of them) were. With a batch of fewer than 20 samples that is the longest
+                            sample's share of the rollout it ran alone: (longest - second longest) / longest when
+                            all are queued at once. Logged in rollout.mode=sync only (see straggler_share).
 
 MFU and the peaks are timing-dependent and sit under throughput/, beside the other rates; the FLOPs and the
 straggler share are functions of the samples and reproduce exactly.
@@ -32,27 +36,44 @@ relayrl.cli.
 
 from __future__ import annotations
 
-import statistics
+import bisect
 
 import torch
 
 from relayrl.controller.config import RunConfig
 from relayrl.engine.outputs import RequestOutput, SampleCost
 from relayrl.models.config import ModelShape
-from relayrl.models.flops import forward_flops, generate_flops, train_flops
+from relayrl.models.flops import forward_flops, generate_flops, lora_train_flops, train_flops
 from relayrl.observe.peak import matmul_peak
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.trainer.batch import TrainBatch
 
+TAIL = 0.10  # the tail: at most this share of the batch's samples still unfinished (and at least one)
+
 
 def straggler_share(costs: list[SampleCost]) -> float | None:
-    """(last finish - median finish) / (last finish - first queued), in engine steps; None without samples."""
+    """The share of the engine steps with any of these samples unfinished during which at most
+    max(1, 10% of them) were; None without finished samples.
+
+    Why this form of "the longest sample's share of rollout time": a sample's own generation steps are no
+    measure (under continuous batching every sample of a batch that fits decodes at every step, so the
+    longest one's steps / the rollout's are ~1 always), while the steps in which only the longest samples are
+    left are the rollout's tail, where a synchronous batch's slots sit idle: at share s, a fraction of at least
+    (1 - k / n) s of the rollout's n x steps batch slots is empty (k = max(1, n / 10)). Sample i is unfinished
+    at engine step t when added_step < t <= finished_step (steps count model runs; a sample queued after k
+    steps can run in step k + 1)."""
     done = [c for c in costs if c.finished_step >= 0]
     if not done:
         return None
-    last = max(c.finished_step for c in done)
-    span = last - min(c.added_step for c in done)
-    return (last - statistics.median(c.finished_step for c in done)) / span if span > 0 else 0.0
+    k = max(1, int(TAIL * len(done)))
+    added, finished = sorted(c.added_step for c in done), sorted(c.finished_step for c in done)
+    busy = tail = 0
+    for t in range(added[0] + 1, finished[-1] + 1):
+        running = bisect.bisect_left(added, t) - bisect.bisect_left(finished, t)
+        if running > 0:
+            busy += 1
+            tail += running <= k
+    return tail / busy if busy else 0.0
 
 
 def role_peaks(cfg: RunConfig) -> dict[str, tuple[float, int]]:
@@ -103,7 +124,10 @@ class StepCost:
         tokens, keys = self.trained_tokens(batch)
         out: dict[str, float] = {}
         if updated:
-            out["flops/update"] = float(cfg.trainer.ppo_epochs * train_flops(shape, tokens, keys))
+            lora = cfg.trainer.lora
+            per_pass = (train_flops(shape, tokens, keys) if lora is None else
+                        lora_train_flops(shape, tokens, keys, rank=lora.rank, targets=lora.target_modules))
+            out["flops/update"] = float(cfg.trainer.ppo_epochs * per_pass)
         if cfg.algo.proximal != "behaviour":
             out["flops/old_logp"] = float(forward_flops(shape, tokens, keys))
         if cfg.algo.kl_coef > 0:
@@ -111,8 +135,12 @@ class StepCost:
         samples, counted = self.samples, self.counted
         self.samples, self.counted = [], True
         if samples and counted:
-            out["flops/rollout"] = float(sum(generate_flops(shape, c.computed_tokens, c.attended) for c in samples))
-        share = straggler_share(samples)
+            out["flops/rollout"] = float(sum(generate_flops(shape, c.computed_tokens, c.attended, c.logit_positions)
+                                             for c in samples))
+        # sync only: an asynchronous engine fills the tail's free slots with the next groups (no idle slots to
+        # report), and when each group is admitted between engine steps depends on timing, so the figure would
+        # differ between two runs of the same seed (tests/test_async.py compares them key by key)
+        share = straggler_share(samples) if cfg.rollout.mode == "sync" else None
         if share is not None:
             out["rollout/straggler_share"] = share
         peak_t, ranks_t = self.peaks["trainer"]

@@ -420,12 +420,13 @@ class LLMEngine:
 
     def _count(self, seqs: list[Sequence], is_prefill: bool) -> None:
         """Add what this batch computed to each sequence's cost: the tokens prepare() ran (a prefill from the
-        first uncached token, a decode its newest) and the keys each attended to (p + 1 at position p, at
-        most the sliding window)."""
+        first uncached token, a decode its newest), the keys each attended to (p + 1 at position p, at
+        most the sliding window) and one logit position (the model's lm_head runs at its last token only)."""
         window = self.config.sliding_window
         for s in seqs:
             start = s.num_cached_tokens if is_prefill else s.num_tokens - 1
             s.cost.computed_tokens += s.num_tokens - start
+            s.cost.logit_positions += 1
             if window is None:  # sum of p + 1 over p in [start, num_tokens)
                 s.cost.attended += (s.num_tokens * (s.num_tokens + 1) - start * (start + 1)) // 2
             else:

@@ -18,6 +18,8 @@ class SampleCost:
                      decode step, and again whatever a preemption or re-prefill recomputed
     attended         keys those tokens attended to, summed (a token at position p attends to p + 1, or
                      to the sliding window): attention's share of the FLOPs
+    logit_positions  positions the lm_head ran at for it: one per model run it took part in (the engine
+                     computes logits at each sequence's last position only), prefill re-runs included
     added_step       the engine's step count when the sample was queued (0: before the first step)
     finished_step    the engine step that produced its last token (-1: not finished, e.g. aborted)
 
@@ -27,6 +29,7 @@ class SampleCost:
 
     computed_tokens: int = 0
     attended: int = 0
+    logit_positions: int = 0
     added_step: int = 0
     finished_step: int = -1
 
