@@ -28,10 +28,10 @@ CASES = {
                 _one(**{"time/step": 5.0, "time/rollout": 3.99})),
     "weight sync": (_one(**{"time/step": 20.0, "time/sync": 1.0}),  # 1 / 20 = 5%
                     _one(**{"time/step": 20.0, "time/sync": 0.99})),
-    "communication": (_one(**{"time/step": 10.0, "time/sync": 0.4, "time/sync_transfer": 0.4, "time/comm_dp": 0.6}),
-                      _one(**{"time/step": 10.0, "time/sync": 0.4, "time/sync_transfer": 0.4, "time/comm_dp": 0.59})),
-    "stragglers": (_one(**{"time/step": 1.0, "rollout/straggler_share": 0.5}),
-                   _one(**{"time/step": 1.0, "rollout/straggler_share": 0.49})),
+    "communication": (_one(**{"time/step": 10.0, "time/update": 2.0, "time/update_comm": 1.0}),  # 1 / 10 = 10%
+                      _one(**{"time/step": 10.0, "time/update": 2.0, "time/update_comm": 0.99})),
+    "stragglers": (_one(**{"time/step": 1.0, "rollout/straggler_share": 0.25}),
+                   _one(**{"time/step": 1.0, "rollout/straggler_share": 0.24})),
     "update MFU": (_one(**{"time/step": 1.0, "time/update": 0.5, "throughput/mfu_update": 0.3}),
                    _one(**{"time/step": 1.0, "time/update": 0.5, "throughput/mfu_update": 0.31})),
     "rollout MFU": (_one(**{"time/step": 1.0, "time/rollout": 0.5, "throughput/mfu_rollout": 0.3}),
@@ -58,6 +58,22 @@ def test_shares_and_nothing_else_for_a_balanced_step():
     assert "No bottleneck over its threshold." in bn.section(rec)
 
 
+def test_a_slow_sync_is_the_sync_finding_only_and_comm_counts_profiled_steps_only():
+    # a sync of 40% of the step, all of it transfer: "weight sync", not "communication" too
+    slow_sync = _one(**{"time/step": 10.0, "time/sync": 4.0, "time/sync_transfer": 4.0, "time/update": 1.0,
+                        "time/update_comm": 0.5})
+    assert _names(slow_sync) == ["weight sync"]
+    # profiled every other step: (1.5 + 0.5) / (10 + 10) = 10% of the steps that were profiled, not of all four
+    rows = [{"step": s, "time/step": 10.0, "time/update": 3.0, **comm}
+            for s, comm in ((2, {"time/update_comm": 1.5}), (3, {}), (4, {"time/update_comm": 0.5}), (5, {}))]
+    assert bn.comm_share(rows) == pytest.approx(0.1)
+    assert "communication" in _names([{"step": 1, "time/step": 10.0}, *rows])
+    assert "10.0% of the step over 2 profiled step(s)" in bn.section([{"step": 1, "time/step": 10.0}, *rows])
+    assert bn.comm_share(rows[1::2]) is None and "no step was profiled" in bn.section(rows[1::2])
+    # time/update_comm is a part of time/update, not a stage of its own: the stages still add up
+    assert bn.time_stages(bn.shares(rows)) == ["time/update"]
+
+
 def test_the_first_step_is_left_out_from_three_steps_on():
     warm = {"step": 1, "time/step": 10.0, "time/rollout": 9.0}  # 90%: one-time costs
     later = [{"step": s, "time/step": 10.0, "time/rollout": 7.0} for s in (2, 3)]
@@ -76,9 +92,9 @@ def test_mfu_is_time_weighted_over_the_steps():
 
 def _all_findings():
     rec = {"step": 1, "time/step": 10.0, "time/rollout": 8.0, "time/sync": 1.5, "time/sync_verify": 1.0,
-           "time/sync_transfer": 0.5, "time/comm_dp": 0.5, "rollout/straggler_share": 0.9,
+           "time/sync_transfer": 0.5, "time/update_comm": 1.0, "rollout/straggler_share": 0.9,
            "throughput/mfu_update": 0.01, "throughput/mfu_rollout": 0.01, "moe/load_max_over_mean": 4.0,
-           "time/update": 0.5}
+           "time/update": 1.5}
     found = bn.findings([rec])
     assert [f.name for f in found] == ["rollout", "weight sync", "communication", "stragglers", "update MFU",
                                        "rollout MFU", "expert imbalance"]
@@ -124,7 +140,7 @@ def test_a_made_up_key_would_be_caught():
 
 
 def test_report_writes_and_returns_the_section(tmp_path):
-    rows = [{"step": 1, "time/step": 5.0, "time/rollout": 4.5, "time/update": 0.5, "rollout/straggler_share": 0.25,
+    rows = [{"step": 1, "time/step": 5.0, "time/rollout": 4.5, "time/update": 0.5, "rollout/straggler_share": 0.2,
              "throughput/mfu_update": 0.4, "throughput/peak_gflops_trainer": 50.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [p.name for p in make_report(tmp_path)] == ["time_share.png"]  # the plots; the section beside them
@@ -133,4 +149,4 @@ def test_report_writes_and_returns_the_section(tmp_path):
     assert "rollout 90.0%" in text and "update 10.0%" in text
     assert "MFU: update 40.0% (peak 50.0 GFLOP/s per rank)" in text and "MFU = flops / (seconds x peak x ranks)" in text
     assert "**rollout**" in text and "`rollout.max_num_seqs`" in text
-    assert "Stragglers: 25.0%" in text and "**stragglers**" not in text
+    assert "Stragglers: 20.0%" in text and "**stragglers**" not in text

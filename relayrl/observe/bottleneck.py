@@ -4,9 +4,9 @@
                   ──> checks against the thresholds of the distributed-RL texts:
 
     rollout          time/rollout                               >= 80% of the step
-    weight sync      time/sync                                  >=  5%
-    communication    time/sync_transfer + time/comm* (measured)  >= 10%
-    stragglers       rollout/straggler_share                    >= 50% of the rollout
+    weight sync      time/sync (its transfer, verify included)  >=  5%
+    communication    time/update_comm (the trainer's collectives) >= 10%, over the profiled steps
+    stragglers       rollout/straggler_share                    >= 25% of the rollout's engine steps
     low MFU          throughput/mfu_update, /mfu_rollout        <= 30%
     expert imbalance moe/load_max_over_mean                     >= 3x (90% busy against 30%)
 
@@ -14,15 +14,16 @@ A finding fires when its figure reaches the threshold. Each comes with advice li
 change, in backticks (`rollout.max_num_seqs`, `sync.wire=float8`); tests/test_bottleneck.py checks that every
 such key is a field of RunConfig.
 
-Communication: what the run times is the weight sync's transfer between processes (time/sync_transfer, a part
-of time/sync) and any time/comm* stage; the trainer's own collectives (FSDP's all-gathers and reduce-scatters,
-DDP's all-reduce) run inside time/update and are not timed apart, so a trainer that waits on them shows up as
-a low update MFU rather than here.
+Communication: the texts' "all-reduce or all-gather" is the trainer's collectives (FSDP's all-gathers and
+reduce-scatters, DDP's all-reduce, TP's), measured on trainer rank 0 by torch.profiler every run.profile_every
+steps (relayrl.observe.comm_profile): time/update_comm, a part of time/update. Its share is taken over the
+steps that were profiled only. The weight sync's transfer (time/sync_transfer) is a part of time/sync and is
+judged there, once: a slow sync is the "weight sync" finding, never this one too.
 
-Stragglers: rollout/straggler_share is (last finish - median finish) / (last finish - first queued) in engine
-steps (relayrl.controller.step_cost). At 50% the rollout spends as long waiting on its slower half as it took
-for the faster half to finish; meanwhile at most half the batch decodes, so at least a quarter of the rollout's
-batch slots are idle (occupancy <= 1 - share / 2), and a decode step on a GPU costs about the same full or not.
+Stragglers: rollout/straggler_share is the share of the rollout's engine steps during which at most max(1, 10%)
+of its samples were still unfinished (relayrl.controller.step_cost; synchronous runs only). At 25% a quarter
+of the rollout's steps run a tenth of the batch or less, so at least ~22% of its batch slots sit idle, and a
+decode step on a GPU costs about the same full or not.
 
 Steps: the first is left out when the run has three or more (it carries one-time costs: allocations, warm-up,
 the matmul peak's measurement); an asynchronous run's waits (time/wait_*) and time/env (inside the rollout)
@@ -48,11 +49,11 @@ ASYNC_WAITS = ("time/wait_rollout", "time/wait_train")
 ROLLOUT_SHARE = 0.80
 SYNC_SHARE = 0.05
 COMM_SHARE = 0.10
-STRAGGLER_SHARE = 0.50
+STRAGGLER_SHARE = 0.25
 LOW_MFU = 0.30
 EXPERT_IMBALANCE = 3.0  # the busiest expert's load over the mean: 90% against 30%
 
-COMM_KEYS = ("time/sync_transfer",)  # and every time/comm* stage
+COMM_TIME = "time/update_comm"  # relayrl.observe.comm_profile.COMM_TIME (observe's modules stay apart)
 STRAGGLER = "rollout/straggler_share"
 MFU_KEYS = {"update": "throughput/mfu_update", "rollout": "throughput/mfu_rollout"}
 PEAK_KEYS = {"update": "throughput/peak_gflops_trainer", "rollout": "throughput/peak_gflops_engine"}
@@ -91,6 +92,13 @@ def shares(rows: list[dict[str, Any]]) -> dict[str, float]:
         return {}
     keys = {k for r in rows for k in r if k.startswith("time/") and k not in (STEP_TIME, *ASYNC_WAITS)}
     return {k: sum(float(r.get(k, 0.0)) for r in rows) / total for k in sorted(keys)}
+
+
+def comm_share(rows: list[dict[str, Any]]) -> float | None:
+    """time/update_comm summed over the steps that were profiled, over their time/step summed; None if none was."""
+    profiled = [r for r in rows if COMM_TIME in r]
+    total = sum(float(r[STEP_TIME]) for r in profiled)
+    return sum(float(r[COMM_TIME]) for r in profiled) / total if profiled and total > 0 else None
 
 
 def _mean(rows, key) -> float | None:
@@ -134,7 +142,6 @@ COMM_ADVICE = [
     "`parallel.dp_mode=ddp` when the model and its optimiser fit on each rank: one all-reduce per optimiser step",
     "fewer optimiser steps per batch: lower `trainer.mini_batches`",
     "another split: lower `parallel.tp`, raise `parallel.dp_shard` or `parallel.dp_replicate`",
-    "the weight sync's transfer: `sync.wire=float8`, or `parallel.placement=colocated`",
 ]
 STRAGGLER_ADVICE = [
     "cap the tail: lower `rollout.max_tokens`",
@@ -176,15 +183,14 @@ def findings(records: list[dict[str, Any]]) -> list[Finding]:
             advice.append(VERIFY_ADVICE)
         out.append(Finding("weight sync", f"the weight sync is {_pct(sync)} of the step (threshold "
                                           f"{_pct(SYNC_SHARE)})", advice))
-    comm_keys = [k for k in share if k in COMM_KEYS or k.startswith("time/comm")]
-    comm = sum(share[k] for k in comm_keys)
-    if comm_keys and comm >= COMM_SHARE:
-        out.append(Finding("communication", f"measured communication ({', '.join(comm_keys)}) is {_pct(comm)} of "
-                                            f"the step (threshold {_pct(COMM_SHARE)})", list(COMM_ADVICE)))
+    comm = comm_share(rows)
+    if comm is not None and comm >= COMM_SHARE:
+        out.append(Finding("communication", f"the trainer's collectives ({COMM_TIME}) are {_pct(comm)} of the step "
+                                            f"(threshold {_pct(COMM_SHARE)})", list(COMM_ADVICE)))
     straggle = _mean(rows, STRAGGLER)
     if straggle is not None and straggle >= STRAGGLER_SHARE:
-        out.append(Finding("stragglers", f"the rollout spends {_pct(straggle)} of its engine steps after the median "
-                                         f"sample finished (threshold {_pct(STRAGGLER_SHARE)})",
+        out.append(Finding("stragglers", f"the rollout spends {_pct(straggle)} of its engine steps with at most a "
+                                         f"tenth of its samples left (threshold {_pct(STRAGGLER_SHARE)})",
                            list(STRAGGLER_ADVICE)))
     for role in ("update", "rollout"):
         value = _mfu(rows, role)
@@ -196,6 +202,17 @@ def findings(records: list[dict[str, Any]]) -> list[Finding]:
         out.append(Finding("expert imbalance", f"the busiest expert carries {load:.2f}x the mean load (threshold "
                                                f"{EXPERT_IMBALANCE:.0f}x: 90% busy against 30%)", list(EXPERT_ADVICE)))
     return out
+
+
+def comm_line(rows: list[dict[str, Any]]) -> str:
+    comm = comm_share(rows)
+    if comm is None:
+        return ("Communication: no step was profiled (run.profile_every); the trainer's collectives are inside "
+                "time/update.")
+    n = len([r for r in rows if COMM_TIME in r])
+    return (f"Communication: the trainer's collectives are {_pct(comm)} of the step over {n} profiled step(s) "
+            f"(torch.profiler on trainer rank 0; {COMM_TIME}, a part of time/update); the weight sync's transfer is "
+            "counted in time/sync.")
 
 
 def section(records: list[dict[str, Any]]) -> str:
@@ -213,8 +230,7 @@ def section(records: list[dict[str, Any]]) -> str:
     parts = [f"{k.removeprefix('time/')} {_pct(share[k])}" for k in stages]
     other = 1.0 - sum(share[k] for k in stages)
     lines += ["", "Share of the step: " + ", ".join(parts + [f"other {_pct(max(other, 0.0))}"]) + ".",
-              "Communication measured: the weight sync's transfer (time/sync_transfer)"
-              + " and time/comm* stages; the trainer's collectives run inside time/update, not timed apart."]
+              comm_line(rows)]
     mfus = [(role, _mfu(rows, role), _mean(rows, PEAK_KEYS[role])) for role in ("update", "rollout")]
     if any(v is not None for _, v, _ in mfus):
         figures = [f"{role} {_pct(v)}" + (f" (peak {peak:.1f} GFLOP/s per rank)" if peak else "")
@@ -222,7 +238,8 @@ def section(records: list[dict[str, Any]]) -> str:
         lines += ["", "MFU: " + ", ".join(figures) + ".", MFU_FORMULA + "."]
     straggle = _mean(rows, STRAGGLER)
     if straggle is not None:
-        lines.append(f"Stragglers: {_pct(straggle)} of the rollout's engine steps after its median sample finished.")
+        lines.append(f"Stragglers: {_pct(straggle)} of the rollout's engine steps with at most a tenth of its samples "
+                     "left (at least one).")
     found = findings(records)
     lines += ["", "### Findings", ""]
     if not found:
