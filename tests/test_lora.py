@@ -158,6 +158,51 @@ def test_bf16_base_fp32_adapters(tmp_path):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora_state(model).values())
 
 
+def test_bf16_base_saves_no_copy_of_the_input():
+    """q, k and v adapters (fp32) over a bf16 base on one input x: what autograd keeps for backward is x itself
+    (the same storage for all three), the parameters, and each target's x A^T [tokens, r]; never another
+    full-size copy of x (an fp32 cast per target would keep 3 x 2 = 6 times x's bytes). The numbers are the
+    fp32 cast-then-linear's: the same output, and the adapters' gradients in fp32."""
+    torch.manual_seed(0)
+    n_tok, d = 256, 64
+    lins = [LoRALinear.from_linear(torch.nn.Linear(d, d, dtype=torch.bfloat16).requires_grad_(False), rank=RANK,
+                                   alpha=ALPHA, adapter_dtype=torch.float32) for _ in range(3)]
+    for m in lins:
+        m.reset_lora_parameters()
+        torch.nn.init.normal_(m.lora_B, std=0.1)
+    x = torch.randn(n_tok, d, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ys = [m(x) for m in lins]
+
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    held = {storage(t) for t in [x, *(p for m in lins for p in m.parameters())]}
+    extra = [t for t in saved if storage(t) not in held]
+    assert any(storage(t) == storage(x) for t in saved)  # x itself is what the adapters keep
+    assert [tuple(t.shape) for t in extra] == [(n_tok, RANK)] * 3, [tuple(t.shape) for t in extra]
+    assert sum(t.numel() * t.element_size() for t in extra) == 3 * 4 * n_tok * RANK  # fp32 x A^T per target
+
+    sum(y.float().square().sum() for y in ys).backward()
+    x_grad = x.grad.clone()
+    x.grad = None
+    refs = []
+    for m in lins:
+        a, b = (t.detach().clone().requires_grad_() for t in (m.lora_A, m.lora_B))
+        h = torch.nn.functional.linear(x.float(), a)
+        refs.append((a, b, torch.nn.functional.linear(x, m.weight, m.bias)
+                     + (torch.nn.functional.linear(h, b) * m.scaling).to(torch.bfloat16)))
+    sum(r.float().square().sum() for _, _, r in refs).backward()
+    # x's gradient sums six bf16 terms (base and adapter of each target), autograd's order differs: bf16 rounding
+    torch.testing.assert_close(x_grad.float(), x.grad.float(), atol=2 ** -7 * float(x.grad.abs().max()), rtol=0)
+    for m, y, (a, b, want) in zip(lins, ys, refs, strict=True):
+        torch.testing.assert_close(y, want, atol=0, rtol=0)
+        assert m.lora_A.grad.dtype == m.lora_B.grad.dtype == torch.float32
+        torch.testing.assert_close(m.lora_A.grad, a.grad, atol=1e-6 * float(a.grad.abs().max()), rtol=0)
+        torch.testing.assert_close(m.lora_B.grad, b.grad, atol=0, rtol=0)
+
+
 def test_config_validation():
     assert LoRAConfig().target_modules == list(LORA_TARGETS)
     with pytest.raises(ConfigError, match=r"target_modules.*qkv_proj.*valid: q_proj"):

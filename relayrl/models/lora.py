@@ -32,6 +32,30 @@ __all__ = [
 ]
 
 
+class _DownProjection(torch.autograd.Function):
+    """x A^T computed in A's dtype (fp32 adapters over a bf16 base), keeping x itself for backward.
+
+    F.linear(x.to(A.dtype), A) would keep the cast: a full-size fp32 copy of x per target (q, k and v read the
+    same x: 6x its bf16 bytes), beside the x every target shares. Here backward casts x again, transiently.
+    The numbers are those of the cast-then-linear (fp32 products, A's gradient in fp32): computing in x's
+    dtype instead would round each rank's partial gradient of A to bf16, and data-parallel ranks would no
+    longer sum to the one-process gradient at fp32 precision."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, a)
+        return F.linear(x.to(a.dtype), a)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, a = ctx.saved_tensors
+        gx = (g @ a).to(x.dtype) if ctx.needs_input_grad[0] else None
+        ga = None
+        if ctx.needs_input_grad[1]:  # dL/dA = g^T x over every token, as linear's backward computes it
+            ga = (x.to(a.dtype).flatten(0, -2).T @ g.flatten(0, -2)).T
+        return gx, ga
+
+
 class LoRALinear(nn.Linear):
     """An nn.Linear (frozen W, b) plus a trainable low-rank update (lora_A, lora_B) scaled by alpha / r."""
 
@@ -72,10 +96,12 @@ class LoRALinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias)
         if not self.lora_enabled:
             return y
-        # adapters may be fp32 over a bf16 base: compute the update in the adapters' dtype (autocast, when
-        # on, picks its own), add it in the base output's dtype
-        h = self.lora_dropout(x).to(self.lora_A.dtype)
-        return y + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling).to(y.dtype)
+        h = self.lora_dropout(x)
+        if h.dtype == self.lora_A.dtype or torch.is_autocast_enabled(h.device.type):
+            xa = F.linear(h, self.lora_A)  # autocast, when on, picks the matmuls' dtype itself
+        else:  # fp32 adapters over a bf16 base: the adapters' math in fp32, without keeping an fp32 copy of x
+            xa = _DownProjection.apply(h, self.lora_A)
+        return y + (F.linear(xa, self.lora_B) * self.scaling).to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
