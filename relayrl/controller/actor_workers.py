@@ -28,6 +28,7 @@ from relayrl.errors import ModelDirError
 from relayrl.models import load_pretrained
 from relayrl.models.lora import apply_lora_config
 from relayrl.models.score import ScoreModel, from_causal_lm, load_score_model
+from relayrl.observe.comm_profile import CommProfile
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
@@ -142,8 +143,10 @@ class ActorWorker(_ParallelModelWorker):
         return DataBatch({"old_logp": self.actor.compute_logprobs(to_train(batch))})
 
     @dispatch(Dispatch.DP_SPLIT)
-    def update(self, batch: DataBatch) -> dict:
-        return self.actor.update(to_train(batch))  # stats already reduced over data-parallel ranks
+    def update(self, batch: DataBatch, profile: bool = False) -> dict:
+        with CommProfile(profile and self.rank == 0) as comm:  # rank 0's collectives (GroupPolicy returns its dict)
+            stats = self.actor.update(to_train(batch))  # stats already reduced over data-parallel ranks
+        return stats | comm.metrics()
 
     @dispatch(Dispatch.RANK_ZERO)
     def full_weights(self) -> dict[str, torch.Tensor]:

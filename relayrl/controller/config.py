@@ -94,6 +94,9 @@ class RunSection(Config):
     # spans of every stage and every worker call, per process, in run_dir/trace/ (`relayrl report RUN --trace`
     # merges them into one Perfetto timeline); a few microseconds per span
     trace: bool = True
+    # every this many steps the update runs under torch.profiler on trainer rank 0, which logs the seconds its
+    # collectives ran (time/update_comm, comm/update_share: relayrl.observe.comm_profile); 0: never
+    profile_every: int = Field(10, ge=0)
 
     @property
     def sinks(self) -> list[str]:

@@ -266,8 +266,10 @@ class Driver:
                 stats.update({f"critic/{k}": v for k, v in self.policy.update_critic(batch).items()})
         updated = cfg.critic is None or self.step >= cfg.critic.warmup_updates  # the critic's warm-up: actor holds
         if updated:
+            every = cfg.run.profile_every  # the update's collectives, timed every `every` steps (0: never)
             with self.timer.stage("update"):
-                stats.update(self.policy.update(batch))
+                stats.update(self.policy.update(batch, profile=True) if every and (self.step + 1) % every == 0
+                             else self.policy.update(batch))
         stages = STAGES + (CRITIC_STAGES if cfg.critic is not None else ())
         times = {f"time/{s}": 0.0 for s in stages} | self.timer.pop()
         times["time/step"] = time.perf_counter() - t0

@@ -87,8 +87,9 @@ class GroupPolicy:
             return None
         return self.ref.call(ReferenceWorker.compute_ref_logprobs, to_data(batch))["ref_logp"]
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        return self.actor.call(ActorWorker.update, to_data(batch))[0]  # one (identical) dict per dp rank
+    def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:
+        # one dict per dp rank, identical but for rank 0's profile
+        return self.actor.call(ActorWorker.update, to_data(batch), profile=profile)[0]
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         return self.critic.call(CriticWorker.compute_values, to_data(batch))["values"]

@@ -21,6 +21,7 @@ from relayrl.engine.model_runner import ModelRunner
 from relayrl.engine.parallel_state import TPInfo
 from relayrl.engine.runner_groups import InProcessRunner
 from relayrl.models.config import ModelConfig
+from relayrl.observe.comm_profile import CommProfile
 from relayrl.parallel.rendezvous import LOCALHOST
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch
@@ -72,8 +73,10 @@ class LocalPolicy:
         return torch.cat([token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature)[0]
                           * mb.response_mask for mb in batch.split(self.micro)])
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        return self.actor.update(batch)
+    def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:
+        with CommProfile(profile) as comm:  # one process: no collectives, time/update_comm is 0
+            stats = self.actor.update(batch)
+        return stats | comm.metrics()
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         return self.critic.compute_values(batch)

@@ -47,8 +47,9 @@ class Policy(Protocol):
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         """The reference model's logprobs [B, T], or None when the run has no reference model."""
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL update over the batch (PPO epochs, mini-batches); its statistics."""
+    def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:
+        """One RL update over the batch (PPO epochs, mini-batches); its statistics. profile: also the seconds
+        trainer rank 0 spent in collectives (relayrl.observe.comm_profile: time/update_comm, comm/update_share)."""
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """The critic's values [B, T] of the batch's tokens (PPO with a critic; no grad)."""
