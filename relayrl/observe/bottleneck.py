@@ -62,7 +62,8 @@ MFU_FORMULA = ("MFU = flops / (seconds x peak x ranks): update = flops/update / 
                "trainer ranks); rollout = flops/rollout / (engine seconds x engine peak x engine ranks), engine "
                "seconds = time/rollout (asynchronous: time/step - time/wait_train); peak = one rank's best "
                "square-matmul GFLOP/s at its threads and dtype (relayrl.observe.peak); flops: 6N per trained "
-               "token + attention, 2N per token the engine computed + attention (relayrl.models.flops)")
+               "token + attention (4N + 6 N_adapters with trainer.lora), 2(N - Vh) per token the engine computed + 2Vh "
+               "per logit position + attention (relayrl.models.flops)")
 
 
 def time_stages(keys) -> list[str]:
