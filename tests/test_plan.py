@@ -109,6 +109,7 @@ def test_korthikanti_formula_and_our_adaptation():
     terms = dict((n, v) for n, v, _ in activation_terms(TINY, Layout(), w, 0))
     sbh = 5 * 2 * 12
     assert terms["norm inputs"] == terms["qkv + mlp inputs"] == 2 * 4 * sbh
+    assert terms["norm outputs"] == 2 * 4 * sbh + 2 * 4 * 5 * 2  # normalised x and the fp32 rsqrt per token
     assert terms["q, k, v"] == 4 * 5 * 2 * (16 + 2 * 8)
     assert terms["attention output"] == 4 * 5 * 2 * 16
     assert terms["swiglu"] == 4 * 4 * 5 * 2 * 20
@@ -130,6 +131,8 @@ def test_sequence_parallel_and_context_parallel_divide_activations():
     sp = dict((n, v) for n, v, _ in activation_terms(shape, Layout(tp=2, sp=True), w, 0))
     cp = dict((n, v) for n, v, _ in activation_terms(shape, Layout(cp=2), w, 0))
     assert tp["norm inputs"] == base["norm inputs"] and sp["norm inputs"] == base["norm inputs"] // 2
+    assert sp["norm outputs"] == base["norm outputs"] // 2
+    assert sp["qkv + mlp inputs"] == base["qkv + mlp inputs"]  # relayrl's SP keeps the all-gathered input
     assert tp["swiglu"] == sp["swiglu"] == base["swiglu"] // 2 == cp["swiglu"]
     assert cp["norm inputs"] == base["norm inputs"] // 2
 

@@ -13,20 +13,33 @@ MLP of 4h, LayerNorm, dropout, attention scores materialised), bytes per layer a
 GeLU input 8, GeLU output 8, dropout mask 1; two LayerNorm inputs 4. 5as/h: softmax output 2,
 dropout mask 1, dropout output 2 per score.) `korthikanti_layer_bytes` is that formula, exactly.
 
-Our adaptation for Llama / Qwen (RMSNorm, SwiGLU of I, GQA with kv heads, RoPE, no dropout), e bytes per
-element (2 for bf16, 4 for fp32), q = a*hd, kv = kv_heads*hd, per layer (TP t, SP: the first two /t too):
+Our adaptation for Llama / Qwen (RMSNorm, SwiGLU of I, GQA with kv heads, RoPE, no dropout) is what
+relayrl's model saves for backward, measured with torch.autograd.graph.saved_tensors_hooks (tests/
+test_plan_activations.py, fp32, one process, TP 2, TP 2 + SP): e bytes per element (2 for bf16, 4 for fp32),
+q = a*hd, kv = kv_heads*hd, per layer:
 
-    two RMSNorm inputs                         2 e s b h
-    QKV input and MLP input                    2 e s b h
-    Q, K, V after RoPE (attention's inputs)    e s b (q + 2 kv) / t
-    attention output (o_proj's input)          e s b q / t
+    two RMSNorm inputs                           2 e s b h            / t with SP
+    two RMSNorm outputs: normalised x (the weight  2 e s b h + 2 x 4 s b   / t with SP
+      multiply keeps it) and the fp32 rsqrt
+    QKV input and MLP input                      2 e s b h            NOT / t with relayrl's SP (below)
+    Q, K, V after RoPE (attention's inputs)      e s b (q + 2 kv) / t
+    attention output (o_proj's input)            e s b q / t
     SwiGLU: gate, up, silu(gate), their product  4 e s b I / t
-    scores: sdpa (flash / memory-efficient)    4 a s b / t (fp32 logsumexp; no s x s kept)
-            eager                               e a s^2 b / t (softmax output; no dropout)
+    scores: sdpa (flash / memory-efficient)      4 a s b / t (fp32 logsumexp; no s x s kept)
+            eager                                e a s^2 b / t (softmax output; no dropout)
+    sdpa's attention mask                        e b s^2 (the boolean mask made additive in the query's dtype,
+                                                 torch's convert_boolean_attn_mask, in every layer)
 
-At e = 2, q = kv = h with the paper's GeLU MLP of 4h (input 2, GeLU in 8, out 8) in place of SwiGLU this
-is s b h (32 + 2 a s / h) against the paper's 34 + 5as/h: the differences are the two dropout masks and
-the scores' dropout mask and output. SwiGLU of I keeps 4 tensors of I (8 s b I at e = 2).
+Sequence parallel: relayrl's SP (relayrl.parallel.tensor_parallel: PrepareModuleInput turns the sequence-
+sharded residual into a replicated one before the colwise q/k/v and gate/up) all-gathers the norm's output and
+the linears keep that gathered input, so "QKV input and MLP input" stay 2 e s b h. Megatron-LM's SP keeps the
+sharded input and all-gathers again in backward, so the paper's 34 / t divides them too:
+`layer_terms(..., sp_gathered_inputs=False)` gives that published variant, for comparison only.
+
+At e = 2, q = kv = h with the paper's GeLU MLP of 4h (input 2, GeLU in 8, out 8) in place of SwiGLU the
+terms the paper counts are s b h (32 + 2 a s / h) against its 34 + 5as/h: the differences are the two dropout
+masks and the scores' dropout mask and output; the paper leaves out the norms' outputs and the mask.
+SwiGLU of I keeps 4 tensors of I (8 s b I at e = 2).
 With CP c each rank keeps s/c of every token term, and its scores cover (s/c) x s. Outside the layers:
 the attention mask relayrl's model builds
 ([b, 1, s, s] bool, once), the final norm's input, and the fp32 log-softmax over the vocabulary
@@ -62,17 +75,27 @@ def in_flight(layout: Layout, m: int, stage: int) -> int:
     return m if layout.pp_schedule == "gpipe" else min(m, layout.pp - stage)
 
 
-def layer_terms(shape: ModelShape, layout: Layout, w: Workload) -> list[tuple[str, float, str]]:
-    """Per-layer, per-micro-batch activation bytes of one rank (no recompute), as (name, bytes, why)."""
+def layer_terms(shape: ModelShape, layout: Layout, w: Workload,
+                sp_gathered_inputs: bool = True) -> list[tuple[str, float, str]]:
+    """Per-layer, per-micro-batch activation bytes of one rank (no recompute), as (name, bytes, why).
+    sp_gathered_inputs=False: Megatron-LM's SP (the linears' inputs / t too), not what relayrl does."""
     e, b, t = w.act_bytes, w.micro_batch, layout.tp
     s = w.seq / layout.cp  # tokens this rank keeps
     h, a, inter = shape.hidden_size, shape.num_attention_heads, shape.intermediate_size
     q, kv = a * shape.head_dim, shape.num_key_value_heads * shape.head_dim
     seq_split = t if layout.sp else 1
     sp_note = " / t (SP)" if layout.sp else ""
+    if not layout.sp:
+        inputs_note = " (replicated over TP)"
+    elif sp_gathered_inputs:
+        inputs_note = " (SP: the all-gathered input, not / t)"
+    else:
+        inputs_note = " / t (Megatron SP)"
+    in_split = seq_split if not sp_gathered_inputs else 1
     out = [("norm inputs", 2 * e * s * b * h / seq_split, "2 RMSNorm inputs: 2 e s b h" + sp_note),
-           ("qkv + mlp inputs", 2 * e * s * b * h / seq_split, "inputs of q/k/v and gate/up: 2 e s b h"
-            + (" / t (SP)" if layout.sp else " (replicated over TP)")),
+           ("norm outputs", (2 * e * s * b * h + 2 * 4 * s * b) / seq_split,
+            "2 RMSNorm normalised outputs and fp32 rsqrt: 2 (e s b h + 4 s b)" + sp_note),
+           ("qkv + mlp inputs", 2 * e * s * b * h / in_split, "inputs of q/k/v and gate/up: 2 e s b h" + inputs_note),
            ("q, k, v", e * s * b * (q + 2 * kv) / t, f"after RoPE: e s b (q + 2 kv) / t, q={q}, kv={kv} (GQA)"),
            ("attention output", e * s * b * q / t, "o_proj input: e s b q / t"),
            ("swiglu", 4 * e * s * b * inter / t, f"gate, up, silu(gate), product: 4 e s b I / t, I={inter}")]
@@ -80,6 +103,8 @@ def layer_terms(shape: ModelShape, layout: Layout, w: Workload) -> list[tuple[st
         out.append(("attention scores", e * a * s * w.seq * b / t, "softmax output e a (s/cp) s b / t"))
     else:
         out.append(("attention scores", 4 * a * s * b / t, "sdpa keeps only the fp32 logsumexp: 4 a s b / t"))
+        out.append(("sdpa mask", e * b * s * w.seq, "sdpa's additive copy of the boolean mask in the query's dtype: "
+                    "e b (s/cp) s"))
     return out
 
 
@@ -134,8 +159,8 @@ def transient_terms(shape: ModelShape, layout: Layout, w: Workload, stage: int) 
     elif layout.dp_mode == "zero2" and n > 1:
         out.append(("zero2 grad bucket", big[1] * sb.grad, "one layer's full gradients before the reduce-scatter"))
     if layout.sp:
-        out.append(("sp all-gather buffer", int(e * w.seq / layout.cp * b * h),
-                    "the sequence-gathered input of a TP region: e s b h"))
+        out.append(("sp all-gather gradient", int(e * w.seq / layout.cp * b * h),
+                    "backward: the gradient of a TP region's all-gathered input before its reduce-scatter: e s b h"))
     if layout.cp > 1:
         kv = shape.num_key_value_heads * shape.head_dim
         if layout.cp_mode == "ring":
