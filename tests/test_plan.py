@@ -228,6 +228,21 @@ def test_flops_match_the_benchmark_formula():
     assert model == hw == 6 * n + 12 * 24 * 14 * 64 * 256
     _, hw_full = flops_per_token(shape, Workload(seq=256, micro_batch=1, recompute="full"))
     assert hw_full == 8 * n + 16 * 24 * 14 * 64 * 256
+    # LoRA rank 8 on the 7 projections: r (in + out) per target, q/o 896+896, k/v 896+128, gate/up/down 896+4864
+    adapters = 24 * 8 * (2 * 1792 + 2 * 1024 + 3 * 5760)  # 4,399,104
+    model, hw = flops_per_token(shape, Workload(seq=256, micro_batch=1, lora_rank=8))
+    assert model == hw == 4 * n + 6 * adapters + 12 * 24 * 14 * 64 * 256
+
+
+def test_flops_are_models_flops():
+    """One count of FLOPs in relayrl: the planner uses relayrl.models.flops (the benchmarks' and the run's MFU)."""
+    from relayrl.models import flops
+    from relayrl.planner import compute
+
+    assert compute.matmul_params is flops.matmul_params and compute.adapter_params is flops.adapter_params
+    shape, w = preset("llama-3.1-8b"), Workload(seq=1024, micro_batch=1, lora_rank=16)
+    assert flops_per_token(shape, w)[0] == flops.lora_train_flops(shape, 1, 1024, rank=16)
+    assert flops_per_token(shape, Workload(seq=1024, micro_batch=1))[0] == flops.train_flops(shape, 1, 1024)
 
 
 def _storage_bytes(tensors, seen: set) -> int:

@@ -18,7 +18,8 @@ attention core's forward). MFU counts model FLOPs only; the step's tokens are dp
 
 Peak: an H100 SXM's dense 989 TFLOP/s for bf16 and 67 for fp32 (non-tensor-core) unless given.
 
-It imports the planner's modules and relayrl.models.config only.
+The counts are relayrl.models.flops' (matmul_params, train_flops, lora_train_flops), the same the benchmarks
+and the run's MFU use. It imports the planner's modules and relayrl.models (config, flops) only.
 """
 
 from __future__ import annotations
@@ -26,39 +27,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relayrl.models.config import ModelShape
+from relayrl.models.flops import (
+    adapter_params,
+    attention_flops_per_key,
+    forward_flops,
+    lora_train_flops,
+    matmul_params,
+    train_flops,
+)
 from relayrl.planner.layout import Layout
 from relayrl.planner.workload import Workload
+
+__all__ = ["KERNEL_EFFICIENCY", "PEAK_TFLOPS", "StepTime", "adapter_params", "bubble", "flops_per_token",
+           "matmul_params", "step_time"]
 
 PEAK_TFLOPS = {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}  # H100 SXM dense
 KERNEL_EFFICIENCY = 0.5  # the fraction of peak a training step's kernels reach (typically 0.4-0.6)
 
 
-def matmul_params(shape: ModelShape) -> int:
-    """N: weights of every matmul (biases and norms left out; the tied embedding counted once)."""
-    s = shape
-    q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-    per_layer = s.hidden_size * (2 * q + 2 * kv) + 3 * s.hidden_size * s.intermediate_size
-    return s.num_hidden_layers * per_layer + s.vocab_size * s.hidden_size
-
-
-def adapter_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
-    s = shape
-    q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-    h, inter = s.hidden_size, s.intermediate_size
-    io = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-          "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-    return s.num_hidden_layers * sum(rank * sum(io[t]) for t in targets)
-
-
 def flops_per_token(shape: ModelShape, w: Workload) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) per trained token."""
-    n = matmul_params(shape)
-    attn = 12 * shape.num_hidden_layers * shape.num_attention_heads * shape.head_dim * w.seq
+    """(model FLOPs, hardware FLOPs) per trained token: relayrl.models.flops' train / LoRA counts (every token
+    attends to the row's seq keys), plus the recomputed forward work."""
     if w.lora_rank:
-        model = 4 * n + 6 * adapter_params(shape, w.lora_rank, tuple(w.lora_targets)) + attn
+        model = lora_train_flops(shape, 1, w.seq, rank=w.lora_rank, targets=tuple(w.lora_targets))
     else:
-        model = 6 * n + attn
-    extra = {"none": 0.0, "selective": attn / 3, "full": 2 * n + attn / 3}[w.recompute]
+        model = train_flops(shape, 1, w.seq)
+    attn_fwd = attention_flops_per_key(shape) * w.seq  # 4 L H d s: one forward of the attention core
+    extra = {"none": 0, "selective": attn_fwd, "full": forward_flops(shape, 1, w.seq)}[w.recompute]
     return float(model), float(model + extra)
 
 
