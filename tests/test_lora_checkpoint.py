@@ -172,3 +172,7 @@ def test_resume_with_other_lora_settings_is_refused(base_dir, tmp_path):
         load_actor(_actor(base_dir, other), ckpt)
     with pytest.raises(CheckpointError, match="this run has None"):
         load_actor(_actor(base_dir, None), ckpt)
+    # a bf16 base from an fp32 checkpoint would round every base weight silently on load
+    bf16 = LoRAConfig(**{**LORA.to_dict(), "base_dtype": "bfloat16"})
+    with pytest.raises(CheckpointError, match="'base_dtype': 'float32'.*this run has.*'base_dtype': 'bfloat16'"):
+        load_actor(_actor(base_dir, bf16), ckpt)

@@ -45,14 +45,15 @@ def load_actor(actor: Actor, path: str | Path) -> dict[str, Any]:
 
 def _check_lora(path, saved: dict | None, lora) -> None:
     """The adapters' shape AND scale must be the run's: a different alpha would load silently and change
-    every output (scaling = alpha / rank)."""
+    every output (scaling = alpha / rank); so must the base's dtype: an fp32 base loaded into a bf16 one would
+    be rounded silently (and a bf16 base widened to fp32 is not the model that was trained)."""
     if saved is None and lora is None:
         return
-    keys = ("rank", "alpha", "target_modules")
-    have = None if saved is None else {k: sorted(v) if k == "target_modules" else v
-                                       for k, v in saved.items() if k in keys}
+    have = None if saved is None else {"rank": saved["rank"], "alpha": saved["alpha"],
+                                       "target_modules": sorted(saved["target_modules"]),
+                                       "base_dtype": saved.get("base_dtype", "float32")}
     want = None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
-                                      "target_modules": sorted(lora.target_modules)}
+                                      "target_modules": sorted(lora.target_modules), "base_dtype": lora.base_dtype}
     if have != want:
         raise CheckpointError(f"checkpoint {path} was trained with trainer.lora={have}, this run has {want}: "
                               "resume with the checkpoint's LoRA settings")
