@@ -223,3 +223,16 @@ def test_lora_refused_where_it_does_not_apply():
         SFTJobConfig.from_dict({"trainer": {"lora": {}}})
     with pytest.raises(ConfigError, match="lora: the critic trains in full"):
         CriticConfig.from_dict({"lora": {}})
+
+
+def test_lora_dropout_refused_under_tensor_parallel():
+    """Each TP rank would draw its own mask on a colwise linear's replicated input: refused in one line."""
+    from relayrl.controller.config import RunConfig
+
+    def run(dropout, tp):
+        return RunConfig.from_dict({"trainer": {"lora": {"dropout": dropout}},
+                                    "parallel": {"backend": "local", "tp": tp}})
+
+    with pytest.raises(ConfigError, match=r"trainer.lora.dropout=0.1 with parallel.tp=2: .*set trainer.lora.dropout=0"):
+        run(0.1, 2)
+    assert run(0.0, 2).parallel.tp == 2 and run(0.1, 1).trainer.lora.dropout == 0.1

@@ -185,6 +185,15 @@ class RunConfig(Config):
         return self
 
     @model_validator(mode="after")
+    def _lora_fits(self) -> RunConfig:
+        lora = self.trainer.lora
+        if lora is not None and lora.dropout > 0 and self.parallel.tp > 1:
+            # each TP rank would draw its own dropout mask on the replicated input of a colwise linear
+            raise ValueError(f"trainer.lora.dropout={lora.dropout} with parallel.tp={self.parallel.tp}: the TP ranks "
+                             "would drop different inputs; set trainer.lora.dropout=0 or parallel.tp=1")
+        return self
+
+    @model_validator(mode="after")
     def _batch_fits(self) -> RunConfig:
         n = self.rollout.prompts_per_step * self.rollout.group_size
         if self.trainer.mini_batches > n:
