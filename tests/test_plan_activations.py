@@ -1,8 +1,9 @@
 """The planner's per-layer activations against what relayrl's model saves for backward, counted with
 torch.autograd.graph.saved_tensors_hooks: one process, TP 2 and TP 2 + SP on 2 gloo ranks (fp32, tiny model).
 
-Counted: every distinct storage a decoder layer's autograd nodes save that no earlier layer saved (RoPE's cos /
-sin are shared by all layers) and that is not a parameter; a DTensor as its local shard."""
+Counted: every distinct storage the last decoder layer's autograd nodes save that the layer before it did not
+save too (RoPE's cos / sin are shared by the layers; the first layer, whose input needs no gradient under LoRA,
+may save none) and that is not a parameter; a DTensor as its local shard."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from relayrl.planner.activations import layer_terms
 
 from dist_harness import run_distributed
 
-CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
 B, S = 2, 6  # S != head_dim, so [b, 1, s, s] and [b, 1, s, hd] differ
 FP32 = Workload(seq=S, micro_batch=B, dtype="float32", mixed_precision=False)
@@ -46,8 +47,8 @@ def saved_bytes_of_last_layer(model: torch.nn.Module, ids: torch.Tensor) -> dict
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(ids)
-    earlier = {p for i in range(len(layers) - 1) for p in seen.get(i, {})}
-    return {"bytes": sum(n for p, n in seen[len(layers) - 1].items() if p not in earlier)}
+    before = seen.get(len(layers) - 2, {})
+    return {"bytes": sum(n for p, n in seen[len(layers) - 1].items() if p not in before)}
 
 
 def _measure_both(rank: int, world: int) -> dict:
@@ -91,3 +92,28 @@ def test_tensor_parallel_with_and_without_sp_saves_what_the_plan_says(tp_runs):
     assert tp[0] - sp[0] == (4 * 12 * 32 * 4 + 2 * 12 * 4) // 2 == 3120
     # Megatron's SP would also halve the q/k/v and gate/up inputs (2 x 12 x 32 x 4 B): not what relayrl keeps
     assert planned(Layout(tp=2, sp=True), sp_gathered_inputs=False) == sp[0] - 2 * 12 * 32 * 4 // 2
+
+
+def _measure_lora(targets: tuple[str, ...], rank: int) -> int:
+    from relayrl.models.lora import apply_lora
+
+    model = CausalLM(CFG)
+    model.reset_parameters(std=0.02, seed=0)
+    apply_lora(model, rank, 2.0 * rank, targets=targets)
+    ids = torch.randint(0, CFG.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    return saved_bytes_of_last_layer(model, ids)["bytes"]
+
+
+@pytest.mark.parametrize(("targets", "by_hand"), [
+    # every projection: no normalised norm outputs (frozen norms), x A^T [12, 4] fp32 for each of 7 targets
+    (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 23616 - 2 * 1536 + 7 * 192),
+    # q and v: the MLP input and the SwiGLU product (down_proj's input) are no longer kept
+    (("q_proj", "v_proj"), 23616 - 2 * 1536 - 1536 - 2304 + 2 * 192),
+    (("down_proj",), 23616 - 2 * 1536 - 2 * 1536 + 192),
+])
+def test_lora_layer_activations_are_what_one_process_saves(targets, by_hand):
+    """fp32, s b = 12, h 32, I 48, r 4; the full model's last layer keeps 23616 B (the test above)."""
+    assert planned(Layout()) == 23616
+    w = Workload(seq=S, micro_batch=B, dtype="float32", mixed_precision=False, lora_rank=4, lora_targets=targets)
+    plan = int(sum(b for _, b, _ in layer_terms(ModelShape.of(CFG), Layout(), w)))
+    assert _measure_lora(targets, 4) == plan == by_hand

@@ -30,6 +30,12 @@ q = a*hd, kv = kv_heads*hd, per layer:
     sdpa's attention mask                        e b s^2 (the boolean mask made additive in the query's dtype,
                                                  torch's convert_boolean_attn_mask, in every layer)
 
+LoRA (relayrl.models.lora, frozen base, fp32 adapters, no LoRA dropout): autograd keeps what a trained
+tensor's gradient needs, so the frozen norms keep only their rsqrt (not the normalised x), a frozen linear's
+input is kept only when its adapter is trained (q/k/v's and gate/up's when one of them is targeted; down_proj's,
+the SwiGLU product, only when it is), and each target adds x A^T [s, b, r] (kept by lora_B's matmul; x itself
+is the linear's input already counted, no copy). The first layer keeps less still (its input needs no gradient).
+
 Sequence parallel: relayrl's SP (relayrl.parallel.tensor_parallel: PrepareModuleInput turns the sequence-
 sharded residual into a replicated one before the colwise q/k/v and gate/up) all-gathers the norm's output and
 the linears keep that gathered input, so "QKV input and MLP input" stay 2 e s b h. Megatron-LM's SP keeps the
@@ -92,13 +98,27 @@ def layer_terms(shape: ModelShape, layout: Layout, w: Workload,
     else:
         inputs_note = " / t (Megatron SP)"
     in_split = seq_split if not sp_gathered_inputs else 1
-    out = [("norm inputs", 2 * e * s * b * h / seq_split, "2 RMSNorm inputs: 2 e s b h" + sp_note),
-           ("norm outputs", (2 * e * s * b * h + 2 * 4 * s * b) / seq_split,
-            "2 RMSNorm normalised outputs and fp32 rsqrt: 2 (e s b h + 4 s b)" + sp_note),
-           ("qkv + mlp inputs", 2 * e * s * b * h / in_split, "inputs of q/k/v and gate/up: 2 e s b h" + inputs_note),
+    lora = set(w.lora_targets) if w.lora_rank else None
+    if lora is None:
+        norm_out = ("norm outputs", (2 * e * s * b * h + 2 * 4 * s * b) / seq_split,
+                    "2 RMSNorm normalised outputs and fp32 rsqrt: 2 (e s b h + 4 s b)" + sp_note)
+        n_in, in_why, swiglu = 2, "inputs of q/k/v and gate/up: 2 e s b h", 4
+    else:  # frozen base: a linear keeps its input only for a trained adapter, a norm only its rsqrt
+        norm_out = ("norm outputs", 2 * 4 * s * b / seq_split, "LoRA: the frozen norms keep only the fp32 rsqrt: "
+                    "2 x 4 s b" + sp_note)
+        n_in = bool(lora & {"q_proj", "k_proj", "v_proj"}) + bool(lora & {"gate_proj", "up_proj"})
+        in_why = f"inputs of the targeted q/k/v and gate/up ({n_in} of 2): {n_in} e s b h"
+        swiglu = 4 if "down_proj" in lora else 3
+    out = [("norm inputs", 2 * e * s * b * h / seq_split, "2 RMSNorm inputs: 2 e s b h" + sp_note), norm_out,
+           ("qkv + mlp inputs", n_in * e * s * b * h / in_split, in_why + inputs_note),
            ("q, k, v", e * s * b * (q + 2 * kv) / t, f"after RoPE: e s b (q + 2 kv) / t, q={q}, kv={kv} (GQA)"),
-           ("attention output", e * s * b * q / t, "o_proj input: e s b q / t"),
-           ("swiglu", 4 * e * s * b * inter / t, f"gate, up, silu(gate), product: 4 e s b I / t, I={inter}")]
+           ("attention output", e * s * b * q / t, "o_proj input (sdpa's output): e s b q / t"),
+           ("swiglu", swiglu * e * s * b * inter / t, f"gate, up, silu(gate){', product' if swiglu == 4 else ''}: "
+            f"{swiglu} e s b I / t, I={inter}" + ("" if swiglu == 4 else " (down_proj frozen: its input not kept)"))]
+    if lora is not None:
+        out.append(("lora x A^T", len(lora) * e * s * b * w.lora_rank,
+                    f"each of the {len(lora)} targets keeps x A^T for lora_B's gradient: {len(lora)} e s b r, r="
+                    f"{w.lora_rank} (not / t: colwise A is replicated, rowwise x A^T is a partial sum of full size)"))
     if w.attention == "eager":
         out.append(("attention scores", e * a * s * w.seq * b / t, "softmax output e a (s/cp) s b / t"))
     else:
