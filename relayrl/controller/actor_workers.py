@@ -5,7 +5,8 @@ engine's ranks) and the reference model.
                       compute_logprobs and update split over data-parallel ranks; checkpoints;
                       run_on_rank(fn) for the weight sync; colocated, rank r < engine tp also hosts
                       engine rank r (init_engine, engine_call, engine_run: relayrl.controller.engine_host)
-    ReferenceWorker   one rank of the frozen reference model: compute_ref_logprobs
+    ReferenceWorker   one rank of the frozen reference model: compute_ref_logprobs (with trainer.lora
+                      none is built: ActorWorker.compute_ref_logprobs runs the actor's base, adapters off)
     CriticWorker      one rank of PPO's value model (laid out like the actor): compute_values, update,
                       checkpoints beside the actor's
 
@@ -141,6 +142,11 @@ class ActorWorker(_ParallelModelWorker):
     @dispatch(Dispatch.DP_SPLIT)
     def compute_logprobs(self, batch: DataBatch) -> DataBatch:
         return DataBatch({"old_logp": self.actor.compute_logprobs(to_train(batch))})
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def compute_ref_logprobs(self, batch: DataBatch) -> DataBatch:
+        """trainer.lora: the reference is this actor's frozen base (adapters off); no ReferenceWorker is built."""
+        return DataBatch({"ref_logp": self.actor.compute_ref_logprobs(to_train(batch))})
 
     @dispatch(Dispatch.DP_SPLIT)
     def update(self, batch: DataBatch, profile: bool = False) -> dict:

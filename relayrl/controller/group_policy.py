@@ -3,7 +3,8 @@ processes or Ray, SPMD inside, behind the Policy protocol (relayrl.trainer.polic
 
     driver ── GroupPolicy ──> actor group: ActorWorker x (dp_replicate x dp_shard x tp)
                           └─> reference: ReferenceWorker, in the actor's processes (placement
-                              colocated: one ColocatedWorker per process) or a pool of its own
+                              colocated: one ColocatedWorker per process) or a pool of its own;
+                              with trainer.lora none: the actor's base (adapters off) is the reference
                           └─> critic: CriticWorker (PPO's value model), placed like the reference
 
 Every call is declared at the worker (relayrl.controller.actor_workers) and called here by the
@@ -50,7 +51,9 @@ class GroupPolicy:
         placement = {"actor": pool}
         roles = {"actor": RoleSpec(ActorWorker, (str(model_dir), par, trainer_cfg, algo_cfg),
                                    dict(total_steps=total_steps, temperature=temperature, seed=seed))}
-        if with_reference:
+        # trainer.lora: the reference is the actor's frozen base, its logprobs the actor's with adapters off
+        self.ref_in_actor = with_reference and trainer_cfg.lora is not None
+        if with_reference and not self.ref_in_actor:
             # colocated: one group whose processes host both roles; disaggregated: a pool of its own
             placement["reference"] = (pool if par.placement == "colocated"
                                       else ResourcePool([par.world_size], name="reference"))
@@ -64,7 +67,7 @@ class GroupPolicy:
                                        dict(total_steps=total_steps, seed=seed))
         self.roles = spawn_roles(placement, roles, options=group_options(par))
         self.actor = self.roles["actor"]
-        self.ref = self.roles["reference"] if with_reference else None
+        self.ref = self.roles["reference"] if "reference" in roles else None
         self.critic = self.roles["critic"] if critic_cfg is not None else None
         self.address = self.actor.master_addr  # where the workers reach the driver (the sync's rendezvous)
 
@@ -83,6 +86,8 @@ class GroupPolicy:
         return self.actor.call(ActorWorker.compute_logprobs, to_data(batch))["old_logp"]
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.ref_in_actor:
+            return self.actor.call(ActorWorker.compute_ref_logprobs, to_data(batch))["ref_logp"]
         if self.ref is None:
             return None
         return self.ref.call(ReferenceWorker.compute_ref_logprobs, to_data(batch))["ref_logp"]

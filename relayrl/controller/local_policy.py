@@ -43,8 +43,10 @@ class LocalPolicy:
     """The actor (and reference model) in the driver's process."""
 
     def __init__(self, actor: Actor, ref_model: nn.Module | None = None, *, temperature: float = 1.0,
-                 micro_batch_size: int = 32, critic: Critic | None = None):
+                 micro_batch_size: int = 32, critic: Critic | None = None, ref_in_actor: bool = False):
+        """ref_in_actor (trainer.lora): the reference is the actor's frozen base, and ref_model is None."""
         self.actor, self.ref_model, self.critic = actor, ref_model, critic
+        self.ref_in_actor = ref_in_actor
         self.temperature, self.micro = temperature, micro_batch_size
         self.local = LocalRank(actor.model)
         self.address = LOCALHOST
@@ -68,6 +70,8 @@ class LocalPolicy:
 
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.ref_in_actor:
+            return self.actor.compute_ref_logprobs(batch)
         if self.ref_model is None:
             return None
         return torch.cat([token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature)[0]

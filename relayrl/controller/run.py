@@ -216,16 +216,18 @@ def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
     """The trainer in this process (parallel.backend none), or as worker groups (local / ray); with PPO's
     critic (algo.advantage gae) beside the actor, laid out like it."""
     with_ref = cfg.algo.kl_coef > 0
+    # trainer.lora: the reference is the actor's frozen base (its adapters off), not a second model
+    ref_in_actor = with_ref and cfg.trainer.lora is not None
     if cfg.parallel.backend == "none":
         actor = Actor(actor_model(str(src), cfg.trainer.lora, cfg.run.seed), cfg.trainer, cfg.algo,
                       total_steps=cfg.run.steps, temperature=cfg.rollout.temperature, seed=cfg.run.seed)
-        ref = load_pretrained(src).eval().requires_grad_(False) if with_ref else None
+        ref = load_pretrained(src).eval().requires_grad_(False) if with_ref and not ref_in_actor else None
         critic = None
         if cfg.critic is not None:
             critic = Critic(critic_model(str(src), cfg.critic, cfg.run.seed), cfg.critic, cfg.algo,
                             total_steps=cfg.run.steps, seed=cfg.run.seed)
         return LocalPolicy(actor, ref, temperature=cfg.rollout.temperature,
-                           micro_batch_size=cfg.trainer.micro_batch_size, critic=critic)
+                           micro_batch_size=cfg.trainer.micro_batch_size, critic=critic, ref_in_actor=ref_in_actor)
     return GroupPolicy(src, par=cfg.parallel, trainer_cfg=cfg.trainer, algo_cfg=cfg.algo, total_steps=cfg.run.steps,
                        temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=with_ref,
                        critic_cfg=cfg.critic)

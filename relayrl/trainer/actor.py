@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from relayrl.algorithms import AlgoConfig, policy_objective
 from relayrl.models import CausalLM
+from relayrl.models.lora import set_lora_enabled
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.grad_norm import clip_grad_norm
 from relayrl.trainer.batch import TrainBatch
@@ -57,6 +58,18 @@ class Actor:
         return self.per_token(batch, lambda mb: token_logprobs(
             self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
             tp_group=self.tp_group)[0])
+
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """With trainer.lora the reference model IS the frozen base: this model's logprobs with its adapters
+        off (no second model is built). Adapters start at B = 0, so at step 0 they equal compute_logprobs'."""
+        if self.cfg.lora is None:
+            raise ValueError("compute_ref_logprobs on the actor needs trainer.lora (full fine-tuning has no frozen "
+                             "base: its reference is a model of its own)")
+        set_lora_enabled(self.model, False)
+        try:
+            return self.compute_logprobs(batch)
+        finally:
+            set_lora_enabled(self.model, True)
 
     @torch.no_grad()
     def per_token(self, batch: TrainBatch, forward) -> torch.Tensor:

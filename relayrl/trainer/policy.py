@@ -45,7 +45,8 @@ class Policy(Protocol):
         """Logprobs [B, T] of the batch's tokens under the current weights (no grad)."""
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        """The reference model's logprobs [B, T], or None when the run has no reference model."""
+        """The reference model's logprobs [B, T], or None when the run has no reference model. With
+        trainer.lora the reference is the actor's frozen base: the actor's logprobs with its adapters off."""
 
     def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:
         """One RL update over the batch (PPO epochs, mini-batches); its statistics. profile: also the seconds
