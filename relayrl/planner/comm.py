@@ -10,14 +10,18 @@ Ring algorithms; B = the bytes of the full tensor, n = the group's size; what on
     ZeRO-1/2   reduce-scatter of grads + all-gather of updated params over the shard group, once per step
     FSDP       all-gather of params in forward and again in backward + reduce-scatter of grads, per
                micro-batch (FSDP2 reshards after forward and reduces every backward); HSDP adds an
-               all-reduce of the grad shards over dp_replicate
+               all-reduce of the grad shards over dp_replicate (every micro-batch under FSDP, once per step
+               under ZeRO-1/2)
     TP         per layer per micro-batch: 2 all-reduces of e s b h in forward, 2 in backward (one per
                attention and MLP block); SP replaces each by an all-gather + a reduce-scatter: the same
                bytes; full recompute re-runs the forward's 2
     PP         per micro-batch a stage boundary carries e s b h forward and its gradient back
     CP ring    per layer per micro-batch: K, V chunks passed cp-1 times in forward, K, V and dK, dV in
-               backward (3x the forward); Ulysses: all-to-all of q, k, v and out, forward and backward
-    EP         all-to-all of routed tokens: none for dense models
+               backward (3x the forward, 4x with full recompute); Ulysses: all-to-all of q, k, v and out,
+               forward and backward (a third forward's with full recompute)
+    EP         (MoE, ep > 1) per layer per micro-batch: dispatch and combine all-to-alls of the k routed copies,
+               forward and backward, (ep-1)/ep x e s b k h each, over the ep ranks at stride tp; the experts' ZeRO /
+               FSDP traffic runs over the n / ep ranks holding the same experts (stride tp x ep), the rest over n
 
 Which link: ranks are laid out tp fastest, then cp, dp_shard, dp_replicate, pp, on nodes of
 gpus_per_node consecutive ranks. A group of size n at rank stride st stays inside a node when
@@ -71,17 +75,54 @@ def _coll(name, layout, dims, nbytes, net, overlapped, why) -> Collective:
     size = 1
     for d in dims:
         size *= getattr(layout, d)
-    cross = _crosses(layout, dims, net)
-    bw = net.inter_bw if cross else net.intra_bw
     shown = [d for d in dims if getattr(layout, d) > 1] or list(dims[:1])
-    return Collective(name, " x ".join(shown), size, int(nbytes), cross, nbytes / (bw * 1e9), overlapped, why)
+    return _coll_at(name, " x ".join(shown), size, layout.stride(dims[0]), nbytes, net, overlapped, why)
+
+
+def _coll_at(name, group, size, stride, nbytes, net, overlapped, why) -> Collective:
+    """A group of `size` ranks `stride` apart (inside a node when stride x size <= gpus_per_node)."""
+    cross = stride * size > net.gpus_per_node
+    bw = net.inter_bw if cross else net.intra_bw
+    return Collective(name, group, size, int(nbytes), cross, nbytes / (bw * 1e9), overlapped, why)
+
+
+def _expert_collectives(shape: ModelShape, layout: Layout, w: Workload, net: Network, expert_elems: tuple[int, int],
+                        n_layers: int) -> list[Collective]:
+    """EP: the routed tokens' all-to-all, and the experts' own ZeRO / FSDP traffic over the n / ep ranks that hold
+    the same experts (stride tp x ep inside the shard group)."""
+    sb = w.state_bytes()
+    m, ep, n = w.micro_batches(layout.pp), layout.ep, layout.shard_group
+    ne, stride = n // ep, layout.tp * ep
+    e, b, s, h, k = w.act_bytes, w.micro_batch, w.seq / layout.cp, shape.hidden_size, shape.num_experts_per_tok
+    passes = 6 if w.recompute == "full" else 4
+    per = (ep - 1) / ep * e * s * b * k * h
+    out = [_coll_at("ep all-to-all", "ep", ep, layout.tp, n_layers * m * passes * per, net, False,
+                    f"dispatch + combine, forward and backward ({passes} per layer per micro-batch) x {n_layers} "
+                    f"layers x {m}: (ep-1)/ep x e s b k h = {per:,.0f} B")]
+    if ne == 1:
+        return out
+    g_bytes, p_bytes = expert_elems[1] * sb.grad, expert_elems[0] * sb.param
+    if layout.dp_mode == "fsdp":
+        out += [_coll_at("fsdp expert param all-gather", "expert shard", ne, stride, 2 * m * (ne - 1) / ne * p_bytes,
+                         net, True, f"the rank's experts, forward and backward: 2 m (n/ep-1)/(n/ep) x {p_bytes:,} B"),
+                _coll_at("fsdp expert grad reduce-scatter", "expert shard", ne, stride, m * (ne - 1) / ne * g_bytes,
+                         net, True, f"every backward: m (n/ep-1)/(n/ep) x {g_bytes:,} B")]
+    else:
+        out += [_coll_at("zero expert grad reduce-scatter", "expert shard", ne, stride, (ne - 1) / ne * g_bytes, net,
+                         True, f"(n/ep-1)/(n/ep) x {g_bytes:,} B, once per step"),
+                _coll_at("zero expert param all-gather", "expert shard", ne, stride,
+                         (ne - 1) / ne * expert_elems[1] * sb.param, net, True,
+                         "(n/ep-1)/(n/ep) x the updated experts, once per step")]
+    return out
 
 
 def step_collectives(shape: ModelShape, layout: Layout, w: Workload, net: Network,
-                     stage_elems: tuple[int, int], n_layers: int) -> list[Collective]:
-    """stage_elems: (all, trained) TP-local parameter elements of one pipeline stage."""
+                     stage_elems: tuple[int, int], n_layers: int,
+                     expert_elems: tuple[int, int] = (0, 0)) -> list[Collective]:
+    """stage_elems: (all, trained) TP-local parameter elements of one pipeline stage; expert_elems: the part of
+    them that are experts sharded over n / ep ranks (ep > 1), which the shard-group collectives leave out."""
     sb = w.state_bytes()
-    allp, trained = stage_elems
+    allp, trained = stage_elems[0] - expert_elems[0], stage_elems[1] - expert_elems[1]
     m = w.micro_batches(layout.pp)
     e, b, t = w.act_bytes, w.micro_batch, layout.tp
     s = w.seq / layout.cp
@@ -106,7 +147,8 @@ def step_collectives(shape: ModelShape, layout: Layout, w: Workload, net: Networ
     if layout.dp_mode in ("zero1", "zero2", "fsdp") and layout.dp_replicate > 1:
         r = layout.dp_replicate
         times = m if layout.dp_mode == "fsdp" else 1
-        out.append(_coll("replica grad all-reduce", layout, ("dp_replicate",), times * 2 * (r - 1) / r * g_bytes / n,
+        shard = g_bytes / n + (expert_elems[1] * sb.grad / (n // layout.ep) if layout.ep > 1 else 0)
+        out.append(_coll("replica grad all-reduce", layout, ("dp_replicate",), times * 2 * (r - 1) / r * shard,
                          net, True, f"HSDP: the grad shards all-reduced over {r} replicas"))
     if t > 1:
         per = e * s * b * h
@@ -132,4 +174,6 @@ def step_collectives(shape: ModelShape, layout: Layout, w: Workload, net: Networ
             total = n_layers * m * (1 + fwd_passes) * per
             why = f"per layer: q, k, v, out all-to-all (c-1)/c x e (s/c) b (2q + 2kv) / t = {per:,.0f} B, fwd + bwd"
         out.append(_coll(f"cp {layout.cp_mode}", layout, ("cp",), total, net, False, why))
+    if layout.ep > 1:
+        out += _expert_collectives(shape, layout, w, net, expert_elems, n_layers)
     return out
