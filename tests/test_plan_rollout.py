@@ -91,3 +91,23 @@ def test_placement_counts_the_merge_copy():
     mem = 1_000_000 + sep.weights(shape, 2) + 64 * SEQ2  # tp 2 fits exactly when separate
     assert placement(_mem(1_000_000), shape, 2, 2, mem, sep, 64, []).where == "colocated"
     assert placement(_mem(1_000_000), shape, 2, 2, mem, merge, 64, []).where == "disaggregated"
+
+
+# qwen2.5-7b by hand: 28 layers of q 3584^2 + k, v 3584 x 512 + o 3584^2 + gate, up, down 3 x 3584 x 18944
+# = 233,046,016 matmul weights (N_body 6,525,288,448); lm_head 152064 x 3584; 7,615,616,512 parameters in all
+# (15,231,233,024 B in bf16 at engine TP 1); KV 2 x 28 x 4 x 128 x 2 B = 57,344 B per token
+def test_decode_roofline_by_hand():
+    from relayrl.planner.rollout import decode_time
+
+    shape, eng = preset("qwen2.5-7b"), Engine("bfloat16", seq=2048)
+    assert engine_weight_bytes(shape, 1, "bfloat16") == 15_231_233_024
+    # one sequence at 1000 tokens of context: the weights and its KV read once, at half of 3350 GB/s
+    step, bound = decode_time(shape, 1, 1, 1000, eng)
+    assert bound == "memory" and step == pytest.approx((15_231_233_024 + 1000 * 57_344) / (3350e9 * 0.5))
+    # 4096 sequences with no context yet: 2 N_body + 2 V h FLOPs each, at half of 989 TFLOP/s
+    step, bound = decode_time(shape, 1, 4096, 0, eng)
+    per_token = 2 * 6_525_288_448 + 2 * 152064 * 3584
+    assert bound == "compute" and step == pytest.approx(4096 * per_token / (989e12 * 0.5))
+    # TP 2 adds 2 all-reduces per layer of e x batch x h, 2 (t-1)/t of it per rank, at 450 GB/s
+    step2, _ = decode_time(shape, 2, 4096, 0, eng)
+    assert step2 == pytest.approx(step / 2 + 2 * 28 * 2 * 2 * 4096 * 3584 / 2 / 450e9)

@@ -35,6 +35,9 @@ def test_sixteen_bytes_per_parameter_table():
     assert _fig("total with activations").computed == pytest.approx(1.22)  # 1.12 TB + 0.1 TB
     assert _fig("activations").computed == pytest.approx(124.409872384)  # ACT_NONE / 1e9
     assert texts.one_sequence_activations() == ACT_NONE
+    # the paper's GPT formula, no scores: 80 x 34 x 4096 x 8192 B + the fp32 log-softmax 4 x 4096 x 128256 B
+    assert texts.korthikanti_70b() == 80 * 34 * 4096 * 8192 + 4 * 4096 * 128256 == 93_369_401_344
+    assert "gives 93.4 GB" in _fig("activations").assumptions
 
 
 def test_zero_savings_limits_and_at_the_texts_n():

@@ -167,6 +167,26 @@ def _cmd_sync_plan(a) -> int:
     return 0
 
 
+def _plan_model_shape(model_dir: str):
+    """The shape `relayrl plan --model DIR` plans: an MoE config (num_experts / num_local_experts) as
+    relayrl.planner.moe reads it, any other as relayrl loads it. Only config.json is read."""
+    from relayrl.models import load_config
+    from relayrl.models.config import ModelShape
+
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = None  # load_config says what is wrong with the directory, in one line
+    if isinstance(raw, dict) and ("num_experts" in raw or "num_local_experts" in raw):
+        from relayrl.planner.moe import moe_shape_from_hf
+
+        try:
+            return moe_shape_from_hf(raw)
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"{model_dir}/config.json: missing or malformed field {e}") from None
+    return ModelShape.of(load_config(model_dir))
+
+
 def _cmd_plan(a) -> int:
     from relayrl.planner import Workload, make_plan
     from relayrl.planner.table import render
@@ -185,16 +205,14 @@ def _cmd_plan(a) -> int:
         raise ConfigError(f"--gpus must be >= 1, got {a.gpus}")
     if a.lora_sync is not None and not a.lora_rank:
         raise ConfigError("--lora-sync needs --lora-rank (it says how the engine holds LoRA adapters)")
-    from relayrl.models import load_config
-    from relayrl.models.config import ModelShape
-    from relayrl.sync.presets import preset
+    from relayrl.planner.search import preset_shape
 
-    shape = ModelShape.of(load_config(a.model)) if a.model else preset(a.preset)
+    shape = _plan_model_shape(a.model) if a.model else preset_shape(a.preset)
     w = Workload(seq=a.seq, micro_batch=a.micro_batch, dtype=a.dtype, mixed_precision=a.dtype != "float32",
                  recompute=a.recompute, lora_rank=a.lora_rank, num_micro_batches=a.micro_batches)
     plan = make_plan(shape, a.model or a.preset, w, gpus=a.gpus, gpu_mem_gib=a.gpu_mem, nodes=a.nodes,
                      intra_bw=a.intra_bw, inter_bw=a.inter_bw, peak_tflops=a.peak_tflops,
-                     lora_sync=a.lora_sync or "separate")
+                     lora_sync=a.lora_sync or "separate", hbm_gbs=a.hbm_bw)
     print(json.dumps(plan.to_dict(), indent=1) if a.json else render(plan, top=a.top))
     return 0
 
@@ -275,13 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="memory, communication and step time of every layout of N GPUs")
     pl.add_argument("--model", help="Hugging Face model directory (only config.json is read)")
-    pl.add_argument("--preset", help="a model shape from relayrl.sync.presets (e.g. llama-3-70b, qwen2.5-7b)")
+    pl.add_argument("--preset", help="a model shape from relayrl.sync.presets or relayrl.planner.moe (e.g. "
+                    "llama-3-70b, qwen2.5-7b, qwen3-30b-a3b, mixtral-8x7b)")
     pl.add_argument("--gpus", type=int)
     pl.add_argument("--gpu-mem", type=float, help="GiB per GPU")
     pl.add_argument("--nodes", type=int, default=1)
     pl.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU inside a node")
     pl.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU across nodes")
     pl.add_argument("--peak-tflops", type=float, default=None, help="default: H100 dense, 989 bf16 / 67 fp32")
+    pl.add_argument("--hbm-bw", type=float, default=3350.0, help="GB/s of GPU memory bandwidth, for the rollout's "
+                    "decode speed (default: H100 SXM, 3350)")
     pl.add_argument("--seq", type=int, help="tokens per sequence (prompt + response)")
     pl.add_argument("--micro-batch", type=int, help="sequences per micro-batch per data-parallel rank")
     pl.add_argument("--micro-batches", type=int, default=None, help="micro-batches per optimizer step (default 8)")

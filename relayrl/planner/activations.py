@@ -51,6 +51,10 @@ the attention mask relayrl's model builds
 ([b, 1, s, s] bool, once), the final norm's input, and the fp32 log-softmax over the vocabulary
 (b s V / t x 4 B) that the logprob loss keeps for backward.
 
+MoE (relayrl.planner.moe): the router's softmax and top-k weights, the routed copies, each copy's SwiGLU of
+moe_intermediate / t and the experts' outputs take the SwiGLU's place (balanced routing assumed); with ep > 1
+the dispatch's send and receive buffers are transient.
+
 Pipeline: a stage keeps the activations of the micro-batches in flight — 1F1B: min(m, pp - stage)
 (pp on the first stage), GPipe: all m.
 
@@ -61,6 +65,7 @@ from __future__ import annotations
 
 from relayrl.models.config import ModelShape
 from relayrl.planner.layout import Layout
+from relayrl.planner.moe import MoEShape, moe_mlp_terms
 from relayrl.planner.workload import Workload
 
 
@@ -115,6 +120,8 @@ def layer_terms(shape: ModelShape, layout: Layout, w: Workload,
            ("attention output", e * s * b * q / t, "o_proj input (sdpa's output): e s b q / t"),
            ("swiglu", swiglu * e * s * b * inter / t, f"gate, up, silu(gate){', product' if swiglu == 4 else ''}: "
             f"{swiglu} e s b I / t, I={inter}" + ("" if swiglu == 4 else " (down_proj frozen: its input not kept)"))]
+    if isinstance(shape, MoEShape):  # the router and the routed experts in the dense SwiGLU's place
+        out = [x for x in out if x[0] != "swiglu"] + moe_mlp_terms(shape, s, b, t, e)
     if lora is not None:
         out.append(("lora x A^T", len(lora) * e * s * b * w.lora_rank,
                     f"each of the {len(lora)} targets keeps x A^T for lora_B's gradient: {len(lora)} e s b r, r="
@@ -164,7 +171,7 @@ def transient_terms(shape: ModelShape, layout: Layout, w: Workload, stage: int) 
     e, b, t, s = w.act_bytes, w.micro_batch, layout.tp, w.seq / layout.cp
     h = shape.hidden_size
     out: list[tuple[str, int, str]] = []
-    _, big, root = stage_summary(shape, layout, w, stage)
+    _, big, root, _ = stage_summary(shape, layout, w, stage)
     sb = w.state_bytes()
     pb = max(sb.param, w.frozen_bytes) if w.lora_rank else sb.param
     n = layout.shard_group
@@ -181,6 +188,10 @@ def transient_terms(shape: ModelShape, layout: Layout, w: Workload, stage: int) 
     if layout.sp:
         out.append(("sp all-gather gradient", int(e * w.seq / layout.cp * b * h),
                     "backward: the gradient of a TP region's all-gathered input before its reduce-scatter: e s b h"))
+    if layout.ep > 1:
+        k = shape.num_experts_per_tok
+        out.append(("ep all-to-all buffers", int(2 * e * s * b * k * h),
+                    f"the dispatch's send and receive buffers of the {k} routed copies: 2 e s b k h"))
     if layout.cp > 1:
         kv = shape.num_key_value_heads * shape.head_dim
         if layout.cp_mode == "ring":

@@ -7,6 +7,9 @@ Model FLOPs per trained token (PaLM-style, as benchmarks/bench_trainer.py counts
     LoRA                     4 N_base + 6 N_adapters + 12 L q s (the frozen base needs input gradients
                              only: no weight-gradient matmul)
 
+    MoE                      6 N_active + 6 L h E: attention, k experts and the shared expert (the dense count
+                             with an MLP k I + I_s wide), plus the routers (relayrl.planner.moe)
+
 Hardware FLOPs add recomputation: full +2 N + 4 L q s (a second forward), selective +4 L q s (the
 attention core's forward). MFU counts model FLOPs only; the step's tokens are dp x m x b x s.
 
@@ -36,6 +39,7 @@ from relayrl.models.flops import (
     train_flops,
 )
 from relayrl.planner.layout import Layout
+from relayrl.planner.moe import MoEShape, router_flops_per_token
 from relayrl.planner.workload import Workload
 
 __all__ = ["KERNEL_EFFICIENCY", "PEAK_TFLOPS", "StepTime", "adapter_params", "bubble", "flops_per_token",
@@ -48,12 +52,16 @@ KERNEL_EFFICIENCY = 0.5  # the fraction of peak a training step's kernels reach 
 def flops_per_token(shape: ModelShape, w: Workload) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per trained token: relayrl.models.flops' train / LoRA counts (every token
     attends to the row's seq keys), plus the recomputed forward work."""
+    router = 0
+    if isinstance(shape, MoEShape):  # the active experts' FLOPs: a dense MLP k I + I_s wide, plus the routers
+        router = router_flops_per_token(shape)
+        shape = shape.active_shape()
     if w.lora_rank:
         model = lora_train_flops(shape, 1, w.seq, rank=w.lora_rank, targets=tuple(w.lora_targets))
     else:
-        model = train_flops(shape, 1, w.seq)
+        model = train_flops(shape, 1, w.seq) + router
     attn_fwd = attention_flops_per_key(shape) * w.seq  # 4 L H d s: one forward of the attention core
-    extra = {"none": 0, "selective": attn_fwd, "full": forward_flops(shape, 1, w.seq)}[w.recompute]
+    extra = {"none": 0, "selective": attn_fwd, "full": forward_flops(shape, 1, w.seq) + router // 3}[w.recompute]
     return float(model), float(model + extra)
 
 

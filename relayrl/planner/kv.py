@@ -21,7 +21,10 @@ fused qkv / gate_up of its heads, o_proj / down_proj columns, embeddings, lm_hea
 tied lm_head is the embedding). With LoRA, the adapters too, and under sync.lora = merge a second copy of
 every targeted module's base weight (engine_weight_terms).
 
-It imports relayrl.errors, relayrl.models.config and relayrl.sync (layouts, adapters) only.
+An MoE model's engine holds every expert, sharded by its TP like a dense MLP num_experts x moe_intermediate
+(+ the shared expert) wide, and each layer's router (and shared-expert gate) whole (relayrl.planner.moe).
+
+It imports relayrl.errors, relayrl.models.config, relayrl.sync (layouts, adapters) and the planner's moe only.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 from relayrl.errors import ConfigError
 from relayrl.models.config import ModelShape
+from relayrl.planner.moe import MoEShape
 from relayrl.planner.workload import DTYPE_BYTES
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.layout import EngineLayout, engine_heads, engine_param_shapes
@@ -97,8 +101,14 @@ def engine_weight_terms(shape: ModelShape, tp: int, dtype: str, lora: AdapterSha
     if lora_sync not in LORA_SYNC:
         raise ConfigError(f"LoRA sync mode must be one of {', '.join(LORA_SYNC)}, got {lora_sync!r}")
     e = _dtype_bytes(dtype)
-    shapes = engine_param_shapes(ModelShape.of(shape), EngineLayout(tp=tp), 0, lora)
     out = {"base": 0, "adapters": 0, "merge copy": 0}
+    if isinstance(shape, MoEShape):  # experts by the engine's TP, like one MLP E I + I_s wide; routers replicated
+        if lora is not None:
+            raise ConfigError("LoRA on an MoE model is not planned (per-expert adapters)")
+        out["base"] = engine_weight_bytes(shape.total_shape(), tp, dtype) + shape.num_hidden_layers * (
+            shape.num_experts + (1 if shape.shared_width else 0)) * shape.hidden_size * e
+        return out
+    shapes = engine_param_shapes(ModelShape.of(shape), EngineLayout(tp=tp), 0, lora)
     for name, shp in shapes.items():
         out["adapters" if ".lora_" in name else "base"] += _numel(shp) * e
         if lora is not None and lora_sync == "merge" and name.endswith(".lora_A"):

@@ -9,6 +9,8 @@ With cp = pp = 1 this is relayrl.parallel.dims.ParallelDims' order, (replica * d
 so a planned rank is the trainer's rank. A TP group is contiguous ranks (one node's GPUs first); the
 ZeRO / FSDP shard group is dp_shard x cp (torchtitan folds CP into the FSDP mesh: CP ranks hold the same
 parameters, so they shard them too), at stride tp; dp_replicate replicas hold identical shards (HSDP).
+EP (MoE models only) is the shard group's ep innermost ranks (stride tp): each holds num_experts / ep experts,
+and the shard group / ep ranks holding the same experts shard them (relayrl.planner.moe).
 
 dp_mode says what the dp_shard group shards (ZeRO stages; DeepSpeed's names):
 
@@ -60,6 +62,10 @@ class Layout:
             raise ConfigError(f"layout pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}")
         if self.cp_mode not in CP_MODES:
             raise ConfigError(f"layout cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
+        if self.ep > 1 and (self.dp_mode == "ddp" or (self.dp_shard * self.cp) % self.ep):
+            raise ConfigError(f"ep={self.ep} takes its ranks from the shard group (dp_shard x cp = "
+                              f"{self.dp_shard * self.cp}, dp_mode {self.dp_mode}): it needs a sharding dp_mode "
+                              "(zero1, zero2, fsdp) and ep dividing dp_shard x cp")
 
     @property
     def world_size(self) -> int:

@@ -28,6 +28,10 @@ buckets: d0*rest each in total. These are the storage bytes benchmarks/bench_tra
 `_held_bytes` counts, so for relayrl's float32 layouts (single, DDP, FSDP, HSDP, TP, TP x FSDP)
 params / grads / optim are exact.
 
+An MoE model (relayrl.planner.moe) holds, per layer, the router and its EP rank's num_experts / ep experts in
+the dense MLP's place; under ep > 1 an expert tensor is chunked over the n / ep ranks holding the same experts
+(index k // ep), every other tensor over all n.
+
 A frozen tensor (the LoRA base) holds params only, in the base dtype, sharded as the mode shards
 params. ZeRO-1/2 are counted per tensor like FSDP's chunks (DeepSpeed's flat partition differs by
 under one row per tensor).
@@ -43,6 +47,7 @@ from functools import lru_cache
 from relayrl.errors import ConfigError
 from relayrl.models.config import ModelShape
 from relayrl.planner.layout import Layout
+from relayrl.planner.moe import MoEShape, is_expert_tensor, moe_layer_tensors, plan_shape
 from relayrl.planner.workload import Workload
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.layout import TrainerLayout, trainer_holdings
@@ -107,16 +112,20 @@ def stage_tensors(shape: ModelShape, layout: Layout, workload: Workload, stage: 
 
 @lru_cache(maxsize=1024)
 def _stage_tensors(shape: ModelShape, tp: int, pp: int, ep: int, lora: AdapterShape | None, stage: int, t: int):
-    layout = Layout(tp=tp, pp=pp, ep=ep)
-    if layout.pp > shape.num_hidden_layers:
-        raise ConfigError(f"pp={layout.pp} exceeds the model's {shape.num_hidden_layers} layers")
-    if layout.ep > 1:
-        raise ConfigError(f"ep={layout.ep}: this model is dense (no experts to shard); use ep=1")
-    layers = stage_layers(shape.num_hidden_layers, layout.pp, stage)
-    last = stage == layout.pp - 1
+    if pp > shape.num_hidden_layers:
+        raise ConfigError(f"pp={pp} exceeds the model's {shape.num_hidden_layers} layers")
+    moe = isinstance(shape, MoEShape)
+    if ep > 1 and not moe:
+        raise ConfigError(f"ep={ep}: this model is dense (no experts to shard); use ep=1")
+    if moe and lora is not None:
+        raise ConfigError("LoRA on an MoE model is not planned (per-expert adapters): plan it without --lora-rank")
+    layers = stage_layers(shape.num_hidden_layers, pp, stage)
+    last = stage == pp - 1
     out = []
-    for name, shp in tp_local_tensors(shape, layout.tp, t, lora):
+    for name, shp in tp_local_tensors(shape, tp, t, lora):
         i = _layer_index(name)
+        if moe and i is not None and ".mlp." in name:
+            continue  # the dense MLP's place is taken by the router and experts below
         if i is not None:
             keep = i in layers
         elif name == "model.embed_tokens.weight":
@@ -126,6 +135,8 @@ def _stage_tensors(shape: ModelShape, tp: int, pp: int, ep: int, lora: AdapterSh
         if keep:
             trained = lora is None or ".lora_" in name
             out.append((name, shp, trained))
+    if moe:  # EP rank 0's experts: every EP rank holds as many, of the same shapes
+        out += [(name, shp, True) for i in layers for name, shp in moe_layer_tensors(shape, i, tp, ep, 0)]
     return tuple(out)
 
 
@@ -137,30 +148,36 @@ def stage_groups(shape: ModelShape, layout: Layout, workload: Workload, stage: i
 
 @lru_cache(maxsize=1024)
 def _stage_groups(shape, tp, pp, ep, lora, stage, t):
-    counts: dict[tuple[tuple[int, ...], bool], int] = {}
-    for _, shp, trained in _stage_tensors(shape, tp, pp, ep, lora, stage, t):
-        counts[(shp, trained)] = counts.get((shp, trained), 0) + 1
+    """((shape, trained, expert), count): expert tensors are sharded over the expert FSDP group only."""
+    counts: dict[tuple[tuple[int, ...], bool, bool], int] = {}
+    for name, shp, trained in _stage_tensors(shape, tp, pp, ep, lora, stage, t):
+        key = (shp, trained, ep > 1 and is_expert_tensor(name))
+        counts[key] = counts.get(key, 0) + 1
     return tuple(counts.items())
 
 
 def stage_summary(shape: ModelShape, layout: Layout, workload: Workload, stage: int):
     """[all, trained] TP-local elements of: the whole stage, its largest decoder layer, the non-layer
-    tensors (embedding, norm, lm_head) — for FSDP's gathers and the collectives' sizes."""
+    tensors (embedding, norm, lm_head), and the stage's experts (under ep > 1; sharded over the expert FSDP
+    group, not the whole shard group) — for FSDP's gathers and the collectives' sizes."""
     return _stage_summary(shape, layout.tp, layout.pp, layout.ep, adapter_shape(shape, workload), stage)
 
 
 @lru_cache(maxsize=1024)
 def _stage_summary(shape, tp, pp, ep, lora, stage):
-    whole, root = [0, 0], [0, 0]
+    whole, root, experts = [0, 0], [0, 0], [0, 0]
     per_layer: dict[int, list[int]] = {}
     for name, shp, trained in _stage_tensors(shape, tp, pp, ep, lora, stage, 0):
         n = _numel(shp)
         i = _layer_index(name)
-        for acc in (whole, root if i is None else per_layer.setdefault(i, [0, 0])):
+        accs = [whole, root if i is None else per_layer.setdefault(i, [0, 0])]
+        if ep > 1 and is_expert_tensor(name):
+            accs.append(experts)
+        for acc in accs:
             acc[0] += n
             acc[1] += n if trained else 0
     big = max(per_layer.values(), default=[0, 0], key=lambda x: x[0])
-    return tuple(whole), tuple(big), tuple(root)
+    return tuple(whole), tuple(big), tuple(root), tuple(experts)
 
 
 def _numel(shp: tuple[int, ...]) -> int:
@@ -173,12 +190,14 @@ def _numel(shp: tuple[int, ...]) -> int:
 def state_memory(shape: ModelShape, layout: Layout, workload: Workload, rank: int) -> list[tuple[str, int, str]]:
     """The params / grads / optim terms of one rank (table in the module docstring)."""
     co = layout.coords(rank)
-    n = layout.shard_group
-    k = co["shard"] * layout.cp + co["c"] if n > 1 else 0
+    n_all = layout.shard_group
+    k_all = co["shard"] * layout.cp + co["c"] if n_all > 1 else 0
     sb = workload.state_bytes()
     mode = layout.dp_mode
     acc = dict(p_train=0, p_frozen=0, g=0, master=0, m=0, v=0, steps=0, n_train=0, n_frozen=0)
-    for (shp, trained), count in stage_groups(shape, layout, workload, co["stage"], co["t"]):
+    for (shp, trained, expert), count in stage_groups(shape, layout, workload, co["stage"], co["t"]):
+        # experts: the group's ep innermost ranks hold different experts; the n / ep that hold the same shard them
+        n, k = (n_all // layout.ep, k_all // layout.ep) if expert else (n_all, k_all)
         d0, rest = shp[0], _numel(shp[1:])
         full = d0 * rest * count
         c = _cdiv(d0, n)
@@ -197,10 +216,14 @@ def state_memory(shape: ModelShape, layout: Layout, workload: Workload, rank: in
         acc["m"] += opt_elems * sb.adam_m
         acc["v"] += opt_elems * sb.adam_v
         acc["steps"] += STEP_BYTES * count
+    n = n_all
     how = {"ddp": "whole on every rank",
            "zero1": f"params and grads whole, optimizer state in 1/{n} chunks",
            "zero2": f"params whole, grads and optimizer state in 1/{n} chunks",
            "fsdp": f"params and grads in padded 1/{n} chunks (FSDP2 storage), optimizer state exact chunks"}[mode]
+    if layout.ep > 1:
+        how += (f"; experts: {shape.num_experts // layout.ep} of {shape.num_experts} per EP rank (ep {layout.ep}), "
+                f"sharded the same way over the {n // layout.ep} ranks that hold the same experts")
     terms = [("params (trained)", acc["p_train"],
               f"{acc['n_train']:,} TP-local elements on this stage x {sb.param} B, {how}")]
     if acc["n_frozen"]:
@@ -219,7 +242,7 @@ def train_memory(shape: ModelShape, layout: Layout, workload: Workload, rank: in
     """Bytes held by `rank` (None: the rank with the largest total — shard 0 of some pipeline stage)."""
     from relayrl.planner.activations import activation_terms, transient_terms
 
-    shape = ModelShape.of(shape)
+    shape = plan_shape(shape)
     if rank is None:
         candidates = [layout.rank_of(stage=s) for s in range(layout.pp)]
         return max((train_memory(shape, layout, workload, r) for r in candidates), key=lambda m: m.total)

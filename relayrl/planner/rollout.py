@@ -4,7 +4,8 @@ Rollout: engine TP degrees t (dividing the heads, with KV heads dividing or divi
 intermediate size; inside a node). Each replica's rank holds the engine's weights (with LoRA: the adapters,
 and under sync.lora = merge a second copy of the targeted base weights: relayrl.planner.kv.engine_weight_terms)
 and a KV cache of what is left of gpu_mem x gpu_util; a degree is useful when it holds at least one sequence of
---seq tokens. Ranked by concurrent sequences over all replicas.
+--seq tokens. Its speed is a roofline of the decode step (decode_time: weights and KV read from HBM against the
+FLOPs, plus the TP all-reduces); ranked by decode tokens per second over all replicas.
 
 Colocated (one set of GPUs, the engine asleep while the trainer steps: relayrl's sleep(level=1) frees the KV
 cache, the weights stay) when some engine TP degree t fits beside the best-fitting training layout's rank:
@@ -17,7 +18,7 @@ engine is awake (per replica min(max_num_seqs, (gpu_mem - trainer state - weight
 x gpus / t; the smaller t on a tie). None fits: disaggregated (trainer and engine on separate GPUs), and the
 engine's degree is the rollout table's first.
 
-It imports the planner's modules, relayrl.models.config and relayrl.sync.adapters only.
+It imports the planner's modules, relayrl.models (config, flops) and relayrl.sync.adapters only.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relayrl.models.config import ModelShape
+from relayrl.models.flops import generate_flops
 from relayrl.planner.kv import engine_kv, engine_weight_bytes
 from relayrl.planner.memory import TrainMemory
+from relayrl.planner.moe import MoEShape
+from relayrl.planner.workload import DTYPE_BYTES
 from relayrl.sync.adapters import AdapterShape
 
 GIB = 2**30
@@ -41,6 +45,11 @@ class RolloutOption:
     concurrent_per_replica: int
     concurrent_total: int
     fits: bool
+    decode_step_s: float = 0.0  # one decode step of the replica's concurrent batch (decode_time)
+    tokens_per_s: float = 0.0  # over all replicas
+    batch_s: float = 0.0  # the concurrent batch generating --seq tokens each, from empty
+    mfu: float = 0.0
+    bound: str = ""  # "memory" or "compute": which side of the roofline the decode step is on
 
 
 @dataclass
@@ -54,6 +63,10 @@ class Engine:
     block_size: int = 16
     lora: AdapterShape | None = None
     lora_sync: str = "separate"
+    peak_tflops: float = 989.0  # per GPU, the engine's dtype
+    hbm_gbs: float = 3350.0  # GB/s per GPU (H100 SXM HBM3)
+    intra_bw: float = 450.0  # GB/s per GPU inside a node: the engine's TP all-reduces
+    efficiency: float = 0.5  # the fraction of both roofs the kernels reach
 
     def weights(self, shape: ModelShape, tp: int) -> int:
         return engine_weight_bytes(shape, tp, self.dtype, self.lora, self.lora_sync)
@@ -67,15 +80,46 @@ class Engine:
 
 def engine_tp_ok(shape: ModelShape, tp: int) -> bool:
     kv = shape.num_key_value_heads
+    mlp = ((shape.moe_intermediate_size, shape.shared_width) if isinstance(shape, MoEShape)
+           else (shape.intermediate_size,))
     return (shape.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
-            and shape.intermediate_size % tp == 0)
+            and all(x % tp == 0 for x in mlp))
 
 
 def engine_tps(shape: ModelShape, gpus: int, gpus_per_node: int) -> list[int]:
     return [t for t in range(1, gpus + 1) if gpus % t == 0 and t <= gpus_per_node and engine_tp_ok(shape, t)]
 
 
+def decode_time(shape: ModelShape, tp: int, batch: int, context: float, eng: Engine) -> tuple[float, str]:
+    """Seconds of one decode step of `batch` sequences holding `context` KV tokens each, on engine TP tp, and
+    which roof binds. A roofline, per rank:
+
+        memory    (weights per rank + batch x context x KV bytes per token per rank) / (hbm x efficiency)
+        compute   batch x (2 N_body / t + 2 V h / t + 4 L H d x context / t) / (peak x efficiency)
+        step      max(memory, compute) + 2 L TP all-reduces of e x batch x h: 2 (t-1)/t of it each / intra_bw
+
+    N_body: the active decoder weights (an MoE model's k experts; every expert is read, as a large batch touches
+    them all). Launch latency and the all-reduces' latency are not counted: a lower bound on the step."""
+    e = DTYPE_BYTES[eng.dtype]
+    kv = engine_kv(shape, tp=tp, dtype=eng.dtype, block_size=eng.block_size, kv_cache_bytes=0)
+    read = eng.weights(shape, tp) + batch * context * kv.bytes_per_token
+    memory = read / (eng.hbm_gbs * 1e9 * eng.efficiency)
+    flops = batch * decode_flops_per_token(shape, context) / tp
+    compute = flops / (eng.peak_tflops * 1e12 * eng.efficiency)
+    allreduce = 2 * shape.num_hidden_layers * 2 * (tp - 1) / tp * e * batch * shape.hidden_size / (eng.intra_bw * 1e9)
+    return max(memory, compute) + allreduce, "memory" if memory >= compute else "compute"
+
+
+def decode_flops_per_token(shape: ModelShape, context: float) -> float:
+    """2 N_body + 2 V h + 4 L H d x context: one decode token (relayrl.models.flops.generate_flops' count)."""
+    active = shape.active_shape() if isinstance(shape, MoEShape) else shape
+    router = 2 * shape.num_hidden_layers * shape.hidden_size * shape.num_experts if isinstance(shape, MoEShape) else 0
+    return float(generate_flops(active, 1, int(context), 1) + router)
+
+
 def rollout_options(shape: ModelShape, gpus: int, gpus_per_node: int, gpu_mem: int, eng: Engine) -> list[RolloutOption]:
+    """Every engine TP degree: its KV cache, how many --seq sequences it holds, and their decode speed (the
+    concurrent batch decoding from an empty cache to --seq tokens: --seq steps at a mean context of --seq / 2)."""
     out = []
     for tp in engine_tps(shape, gpus, gpus_per_node):
         weights = eng.weights(shape, tp)
@@ -83,8 +127,15 @@ def rollout_options(shape: ModelShape, gpus: int, gpus_per_node: int, gpu_mem: i
         kv = engine_kv(shape, tp=tp, dtype=eng.dtype, block_size=eng.block_size, kv_cache_bytes=budget,
                        max_num_seqs=eng.max_num_seqs, seq_len=eng.seq)
         conc = kv.max_concurrent_seqs or 0
-        out.append(RolloutOption(tp, gpus // tp, weights, budget, conc, conc * (gpus // tp), conc >= 1))
-    out.sort(key=lambda o: (not o.fits, -o.concurrent_total, o.tp))
+        opt = RolloutOption(tp, gpus // tp, weights, budget, conc, conc * (gpus // tp), conc >= 1)
+        if conc:
+            step, opt.bound = decode_time(shape, tp, conc, eng.seq / 2, eng)
+            opt.decode_step_s, opt.batch_s = step, step * eng.seq
+            opt.tokens_per_s = opt.concurrent_total / step
+            opt.mfu = (opt.tokens_per_s * decode_flops_per_token(shape, eng.seq / 2)
+                       / (gpus * eng.peak_tflops * 1e12))
+        out.append(opt)
+    out.sort(key=lambda o: (not o.fits, -o.tokens_per_s, o.tp))
     return out
 
 

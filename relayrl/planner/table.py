@@ -48,11 +48,13 @@ def render(plan: Plan, top: int = 15) -> str:
         t = best.time
         lines.append(f"  compute {t.compute_s:.3f} s for {t.tokens:,} tokens ({t.hardware_flops:.3g} FLOPs), "
                      f"bubble {t.bubble:.1%}, step {t.step_s:.3f} s, MFU {t.mfu:.1%}")
-    lines += ["", "rollout engine (per replica; KV at the planned --seq):",
-              f"  {'tp':>3} {'replicas':>8} {'weights GiB':>11} {'KV GiB':>8} {'seqs/replica':>12} {'seqs total':>10}"]
+    lines += ["", "rollout engine (per replica; KV at the planned --seq; fastest decode first):",
+              f"  {'tp':>3} {'replicas':>8} {'weights GiB':>11} {'KV GiB':>8} {'seqs/replica':>12} {'seqs total':>10} "
+              f"{'tokens/s':>10} {'batch s':>8} {'MFU':>6} {'bound':>7}"]
     for r in plan.rollout:
-        mark = "" if r.fits else "  (no sequence fits)"
+        speed = (f" {r.tokens_per_s:>10,.0f} {r.batch_s:8.2f} {r.mfu:6.1%} {r.bound:>7}" if r.fits
+                 else "  (no sequence fits)")
         lines.append(f"  {r.tp:>3} {r.replicas:>8} {r.weight_bytes / GIB:11.2f} {r.kv_bytes / GIB:8.2f} "
-                     f"{r.concurrent_per_replica:>12} {r.concurrent_total:>10}{mark}")
+                     f"{r.concurrent_per_replica:>12} {r.concurrent_total:>10}{speed}")
     lines += ["", f"placement: {plan.placement} — {plan.placement_reason}"]
     return "\n".join(lines)
