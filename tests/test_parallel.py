@@ -234,11 +234,20 @@ def _vocab_case(world_size, temperature):
     logp, ent = vocab_parallel_logprobs_and_entropy(local, targets, None, temperature)
     ((w_logp * logp).sum() + (w_ent * ent).sum()).backward()
     only = vocab_parallel_logprobs(local.detach(), targets, None, temperature)
+    # the entropy as a statistic (entropy_coef = 0): the same values, no graph; logp's gradient alone
+    ref_only = logits.clone().requires_grad_()
+    (w_logp * (ref_only / temperature).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)).sum().backward()
+    local_stat = logits.chunk(world_size, -1)[rank].clone().requires_grad_()
+    logp_s, ent_s = vocab_parallel_logprobs_and_entropy(local_stat, targets, None, temperature, grad=False)
+    (w_logp * logp_s).sum().backward()
     return dict(
         logp=(logp.detach(), ref_logp.detach()),
         logp_only=(only, ref_logp.detach()),
         entropy=(ent.detach(), ref_ent.detach()),
         grad=(local.grad, ref_logits.grad.chunk(world_size, -1)[rank]),
+        entropy_stat=(ent_s, ref_ent.detach()),
+        entropy_stat_graph=(torch.tensor(float(ent_s.requires_grad)), torch.tensor(0.0)),
+        grad_logp_only=(local_stat.grad, ref_only.grad.chunk(world_size, -1)[rank]),
     )
 
 

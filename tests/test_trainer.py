@@ -129,3 +129,41 @@ def test_pack_rows_first_fit_hand_computed():
 
     # decreasing: 7 -> row0 (room 3); 6 -> row1 (4); 5 -> row2 (5); 4 -> row1 (0); 3 -> row0 (0); 2 -> row2
     assert pack_rows([3, 7, 5, 6, 2, 4], 10) == [[1, 0], [3, 5], [2, 4]]
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while fn runs (parameters excluded)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, seen
+
+
+def test_entropy_as_a_statistic_keeps_no_graph(tiny_model):
+    """entropy_coef = 0: the entropy is reported, with the same values, but backward keeps nothing for it: the
+    saved tensors are those of the logprobs alone (one [B, T, V] fp32 exp(log p) fewer, which the plan counts)."""
+    from relayrl.trainer.logprobs import token_logprobs
+
+    b = _batch(tiny_model)
+    params = {p.untyped_storage().data_ptr() for p in tiny_model.parameters()}
+    run = lambda **kw: token_logprobs(tiny_model, b.input_ids, b.attention_mask, 1.0, **kw)  # noqa: E731
+    (lp_a, ent_a), with_grad = _saved_bytes(lambda: run(with_entropy=True))
+    (lp_s, ent_s), stat = _saved_bytes(lambda: run(with_entropy=True, entropy_grad=False))
+    (lp_0, _), none = _saved_bytes(lambda: run())
+    torch.testing.assert_close(ent_s, ent_a.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(lp_s, lp_0, atol=0, rtol=0)
+    assert ent_a.requires_grad and not ent_s.requires_grad
+    kept = [sum(n for k, n in seen.items() if k not in params) for seen in (with_grad, stat, none)]
+    assert kept[1] == kept[2]
+    B, T = b.input_ids.shape
+    assert kept[0] - kept[1] == B * (T - 1) * tiny_model.config.vocab_size * 4  # exp(log p), fp32, [B, T-1, V]
+    # entropy_coef != 0 still trains the entropy: its gradient reaches the weights
+    m = copy.deepcopy(tiny_model)
+    ent = token_logprobs(m, b.input_ids, b.attention_mask, 1.0, with_entropy=True)[1]
+    ent.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())

@@ -22,13 +22,17 @@ single_controller, the trainer, the engine, ...): they import it.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from relayrl.parallel.collectives import all_reduce_max, reduce_from_group
 
 
-def _parts(local_logits: Tensor, targets: Tensor, group, temperature: float, with_entropy: bool):
+def _parts(local_logits: Tensor, targets: Tensor, group, temperature: float, with_entropy: bool,
+           entropy_grad: bool = True):
     z = local_logits.float() / temperature
     vl = z.shape[-1]
     start = dist.get_rank(group) * vl
@@ -40,7 +44,10 @@ def _parts(local_logits: Tensor, targets: Tensor, group, temperature: float, wit
     mine = (idx >= 0) & (idx < vl)
     z_y_local = z.gather(-1, idx.clamp(0, vl - 1)[..., None]).squeeze(-1) * mine
     logp = reduce_from_group(z_y_local, group) - lse
-    ent = lse - reduce_from_group((e * z).sum(dim=-1), group) / s if with_entropy else None
+    if not with_entropy:
+        return logp, None
+    with nullcontext() if entropy_grad else torch.no_grad():  # a statistic: e * z keeps no z for backward
+        ent = lse - reduce_from_group((e * z).sum(dim=-1), group) / s
     return logp, ent
 
 
@@ -50,7 +57,8 @@ def vocab_parallel_logprobs(local_logits: Tensor, targets: Tensor, group=None, t
 
 
 def vocab_parallel_logprobs_and_entropy(
-    local_logits: Tensor, targets: Tensor, group=None, temperature: float = 1.0
+    local_logits: Tensor, targets: Tensor, group=None, temperature: float = 1.0, grad: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """(logp, entropy) [B, T] of the temperature-scaled full distribution, both differentiable."""
-    return _parts(local_logits, targets, group, temperature, with_entropy=True)
+    """(logp, entropy) [B, T] of the temperature-scaled full distribution, both differentiable (grad=False: the
+    entropy without a graph, a statistic)."""
+    return _parts(local_logits, targets, group, temperature, with_entropy=True, entropy_grad=grad)

@@ -161,12 +161,10 @@ class Actor:
     def loss(self, mb: TrainBatch, num_tokens: torch.Tensor, num_seqs: float) -> tuple[torch.Tensor, dict]:
         """One micro-batch's share of the mini-batch loss (global denominators) and its stats."""
         with self._autocast():
-            # entropy is reported every step; it carries gradient only when entropy_coef != 0
+            # entropy is reported every step; it carries gradient (and a graph) only when entropy_coef != 0
             logp, ent = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
                                        with_entropy=True, padding_free=self.cfg.padding_free,
-                                       tp_group=self.tp_group)
-        if self.algo.entropy_coef == 0:
-            ent = ent.detach()
+                                       tp_group=self.tp_group, entropy_grad=self.algo.entropy_coef != 0)
         return policy_objective(
             logp, mb.old_logp, mb.advantages, mb.response_mask, self.algo,
             rollout_logp=mb.rollout_logp, ref_logp=mb.ref_logp, entropy=ent,

@@ -16,6 +16,8 @@ import the engine, sync, the controller or the CLI. The two sides share the defi
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -23,16 +25,21 @@ from relayrl.models import CausalLM
 from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 
 
-def _from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, tp_group=None):
+def _from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, tp_group=None,
+                 entropy_grad: bool = True):
     if tp_group is not None:
         local = logits.to_local() if isinstance(logits, DTensor) else logits
         if with_entropy:
-            return vocab_parallel_logprobs_and_entropy(local, targets, tp_group, temperature)
+            return vocab_parallel_logprobs_and_entropy(local, targets, tp_group, temperature, grad=entropy_grad)
         return vocab_parallel_logprobs(local, targets, tp_group, temperature), None
     logits = logits.float() / temperature
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    if not with_entropy:
+        return logp, None
+    # a statistic only: no graph, so backward keeps no exp(log p) of [B, T, V] beside log_softmax's output
+    with nullcontext() if entropy_grad else torch.no_grad():
+        ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent
 
 
@@ -48,16 +55,18 @@ def token_logprobs(
     with_entropy: bool = False,
     padding_free: bool = False,
     tp_group=None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp [B, T], entropy [B, T] or None) for right-padded rows; entropy is that of the
-    temperature-scaled distribution at each token's position.
+    temperature-scaled distribution at each token's position. entropy_grad=False: the entropy is a
+    statistic (no gradient, no graph: backward keeps one [B, T, V] fp32 tensor fewer).
 
     tp_group: the model is tensor-parallel and returns vocab-sharded logits; the logprobs are then
     computed shard-wise (relayrl.parallel.vocab_parallel), never gathering the vocabulary."""
     if padding_free:
-        return _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group)
+        return _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group, entropy_grad)
     logits = model(input_ids, attention_mask=attention_mask)[:, :-1]
-    logp, ent = _from_logits(logits, input_ids[:, 1:], temperature, with_entropy, tp_group)
+    logp, ent = _from_logits(logits, input_ids[:, 1:], temperature, with_entropy, tp_group, entropy_grad)
     return _shift_pad(logp), _shift_pad(ent)
 
 
@@ -79,7 +88,7 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group=None):
+def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group=None, entropy_grad=True):
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     rows = pack_rows(lengths, max(lengths))
@@ -98,7 +107,7 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
             where[i] = (r, off)
             off += n
     logits = model(packed, attention_mask=(seg >= 0).long(), position_ids=pos, segment_ids=seg)[:, :-1]
-    logp_p, ent_p = _from_logits(logits, packed[:, 1:], temperature, with_entropy, tp_group)
+    logp_p, ent_p = _from_logits(logits, packed[:, 1:], temperature, with_entropy, tp_group, entropy_grad)
     logp = torch.zeros(B, T, dtype=logp_p.dtype)
     ent = torch.zeros(B, T, dtype=logp_p.dtype) if with_entropy else None
     for i, (r, off) in where.items():
