@@ -114,7 +114,7 @@ def test_korthikanti_formula_and_our_adaptation():
     assert terms["attention output"] == 4 * 5 * 2 * 16
     assert terms["swiglu"] == 4 * 4 * 5 * 2 * 20
     assert terms["attention scores"] == 4 * 4 * 5 * 5 * 2
-    assert terms["log-softmax"] == 4 * 2 * 5 * 33 and terms["attention mask"] == 2 * 5 * 5
+    assert terms["log-softmax"] == 4 * 2 * 4 * 33 and terms["attention mask"] == 2 * 5 * 5  # s - 1 = 4 positions
     sel = dict((n, v) for n, v, _ in activation_terms(TINY, Layout(), Workload(**{**w.__dict__, "recompute":
                                                                                     "selective"}), 0))
     assert "attention scores" not in sel and sel["swiglu"] == terms["swiglu"]

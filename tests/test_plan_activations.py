@@ -117,3 +117,61 @@ def test_lora_layer_activations_are_what_one_process_saves(targets, by_hand):
     w = Workload(seq=S, micro_batch=B, dtype="float32", mixed_precision=False, lora_rank=4, lora_targets=targets)
     plan = int(sum(b for _, b, _ in layer_terms(ModelShape.of(CFG), Layout(), w)))
     assert _measure_lora(targets, 4) == plan == by_hand
+
+
+def _outside_layers_saved(lora_rank: int = 0) -> int:
+    """Bytes the GRPO loss's forward saves for backward outside the decoder layers (one process, fp32)."""
+    from relayrl.algorithms import AlgoConfig
+    from relayrl.models.lora import apply_lora
+    from relayrl.trainer.actor import Actor
+    from relayrl.trainer.batch import TrainBatch
+    from relayrl.trainer.config import TrainerConfig
+
+    model = CausalLM(CFG)
+    model.reset_parameters(std=0.02, seed=0)
+    if lora_rank:
+        apply_lora(model, lora_rank, 2.0 * lora_rank, seed=0)
+    ids = torch.randint(0, CFG.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    resp = torch.zeros(B, S)
+    resp[:, 3:] = 1
+    batch = TrainBatch(ids, torch.ones(B, S, dtype=torch.long), resp, advantages=torch.tensor([1.0, -1.0]))
+    actor = Actor(model, TrainerConfig(micro_batch_size=B), AlgoConfig(), total_steps=1)
+    batch = batch.replace(old_logp=actor.compute_logprobs(batch))
+    params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    inside, seen = [False], {}
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
+        layer.register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))
+
+    def pack(t):
+        st = t.untyped_storage()
+        if not inside[0] and st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        actor.loss(batch, torch.tensor(float(resp.sum())), float(B))
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_planned_outside_the_layers_is_what_the_loss_saves(lora_rank):
+    """Outside the layers the plan counts the final norm's input (and, unless LoRA freezes them, its normalised
+    output and rsqrt and the lm_head's input) and the fp32 log-softmax at the s - 1 predicting positions; the
+    reported entropy keeps nothing (entropy_coef = 0). Not counted: the loss's per-token [b, s] scalars (bounded
+    here by 16 fp32 values per token) and counted but not saved: the [b, 1, s, s] bool mask (72 B)."""
+    from relayrl.planner.activations import activation_terms
+
+    w = Workload(seq=S, micro_batch=B, dtype="float32", mixed_precision=False, lora_rank=lora_rank)
+    outside = {n: b for n, b, _ in activation_terms(ModelShape.of(CFG), Layout(), w, 0)
+               if n in ("attention mask", "log-softmax", "final norm input", "final norm output + lm_head input",
+                        "final norm rsqrt")}
+    # by hand, s b = 12, h 32, V 64: log-softmax 4 x 2 x 5 x 64, final norm input 4 x 12 x 32
+    assert outside["log-softmax"] == 2560 and outside["final norm input"] == 1536
+    if lora_rank:
+        assert outside["final norm rsqrt"] == 4 * 12
+    else:
+        assert outside["final norm output + lm_head input"] == 2 * 1536 + 4 * 12
+    planned = sum(outside.values()) - outside["attention mask"]
+    measured = _outside_layers_saved(lora_rank)
+    assert planned <= measured <= planned + 16 * 4 * B * S

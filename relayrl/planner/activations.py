@@ -48,8 +48,11 @@ masks and the scores' dropout mask and output; the paper leaves out the norms' o
 SwiGLU of I keeps 4 tensors of I (8 s b I at e = 2).
 With CP c each rank keeps s/c of every token term, and its scores cover (s/c) x s. Outside the layers:
 the attention mask relayrl's model builds
-([b, 1, s, s] bool, once), the final norm's input, and the fp32 log-softmax over the vocabulary
-(b s V / t x 4 B) that the logprob loss keeps for backward.
+([b, 1, s, s] bool, once), the final norm's input, its normalised output and rsqrt and the lm_head's input
+(LoRA: the rsqrt only), and the fp32 log-softmax over the vocabulary at the s - 1 positions that predict a
+token (b (s - 1) V / t x 4 B) that the logprob loss keeps for backward. The entropy the trainer reports is
+computed without a graph unless algo.entropy_coef != 0 (relayrl.trainer.logprobs), so it keeps nothing;
+the loss's per-token [b, s] scalars (ratios, masks, advantages: tens of bytes per token) are not counted.
 
 MoE (relayrl.planner.moe): the router's softmax and top-k weights, the routed copies, each copy's SwiGLU of
 moe_intermediate / t and the experts' outputs take the SwiGLU's place (balanced routing assumed); with ep > 1
@@ -159,8 +162,15 @@ def activation_terms(shape: ModelShape, layout: Layout, w: Workload, stage: int)
     out.append(("attention mask", int(b * s * w.seq * fly), "[b, 1, s, s] bool built once per forward"))
     if last:
         v = shape.vocab_size
-        out.append(("log-softmax", int(4 * b * s * v / t * fly), f"fp32 b s V / t kept by the logprob loss, V={v}"))
-        out.append(("final norm input", int(e * s * b * h / seq_split * fly), "e s b h"))
+        out += [("log-softmax", int(4 * b * (w.seq - 1) / layout.cp * v / t * fly),
+                 f"fp32 b (s - 1) V / t kept by the logprob loss (the last position predicts nothing), V={v}"),
+                ("final norm input", int(e * s * b * h / seq_split * fly), "e s b h")]
+        if w.lora_rank:  # frozen final norm and lm_head: only the rsqrt is kept
+            out.append(("final norm rsqrt", int(4 * s * b / seq_split * fly), "LoRA: the frozen norm keeps 4 s b"))
+        else:
+            out.append(("final norm output + lm_head input", int(((e * s * b * h + 4 * s * b) / seq_split
+                                                                  + e * s * b * h) * fly),
+                        "the normalised x and fp32 rsqrt (e s b h + 4 s b), and the lm_head's input x w (e s b h)"))
     return out
 
 
