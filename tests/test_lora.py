@@ -97,6 +97,36 @@ def test_logits_and_adapter_grads_equal_peft(family, tmp_path):
     assert all(p.grad is None for n, p in ours.named_parameters() if not p.requires_grad)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_dropout_in_training_equals_peft_under_the_same_seed(family, tmp_path):
+    """trainer.lora.dropout > 0: each target drops its adapter's input (peft's dropout(x) A^T B^T, the base path
+    undropped), in the modules' call order, so one seed gives peft's masks: logits and adapter grads equal."""
+    hf = hf_model(FAMILIES[family]())
+    hf.save_pretrained(tmp_path / "hf")
+    ours = apply_lora(load_pretrained(tmp_path / "hf"), RANK, ALPHA, 0.3, LORA_TARGETS, seed=0).train()
+    randomize_adapters(ours)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.3,
+                                                 target_modules=list(LORA_TARGETS))).train()
+    copy_into_peft(ours, pm)
+    ids = inputs()
+    torch.manual_seed(7)
+    got = ours(ids)
+    torch.manual_seed(7)
+    ref = pm(input_ids=ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        torch.manual_seed(8)  # another seed, other masks: the dropout is live
+        assert (ours(ids) - got).abs().max() > 1e-2
+        assert (ours.eval()(ids) - got).abs().max() > 1e-2  # and off in eval mode
+    (got.float().log_softmax(-1)[..., 5].sum()).backward()
+    (ref.float().log_softmax(-1)[..., 5].sum()).backward()
+    peft_params = dict(pm.named_parameters())
+    for name, m in lora_modules(ours).items():
+        for ab in ("A", "B"):
+            ref_g = peft_params[f"base_model.model.{name}.lora_{ab}.default.weight"].grad
+            torch.testing.assert_close(getattr(m, f"lora_{ab}").grad, ref_g, atol=1e-5, rtol=1e-4)
+
+
 def test_init_matches_peft_and_leaves_output_unchanged(tmp_path):
     hf = hf_model(FAMILIES["qwen2"]())
     hf.save_pretrained(tmp_path / "hf")
