@@ -62,6 +62,17 @@ def copy_into_peft(ours, pm):
     pm.load_state_dict(sd, strict=False)
 
 
+def assert_adapter_grads_equal_peft(ours, pm, got, ref):
+    """Backward one logprob column through both models; every adapter's gradient equals peft's."""
+    (got.float().log_softmax(-1)[..., 5].sum()).backward()
+    (ref.float().log_softmax(-1)[..., 5].sum()).backward()
+    peft_params = dict(pm.named_parameters())
+    for name, m in lora_modules(ours).items():
+        for ab in ("A", "B"):
+            ref_g = peft_params[f"base_model.model.{name}.lora_{ab}.default.weight"].grad
+            torch.testing.assert_close(getattr(m, f"lora_{ab}").grad, ref_g, atol=1e-5, rtol=1e-4)
+
+
 def inputs():
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 97, (3, 12), generator=g)
@@ -84,13 +95,7 @@ def test_logits_and_adapter_grads_equal_peft(family, tmp_path):
     # the adapters change the output (B != 0): the test compares something LoRA computes
     with torch.no_grad(), pm.disable_adapter():
         assert (pm(input_ids=ids).logits - ref).abs().max() > 1e-3
-    (got.float().log_softmax(-1)[..., 5].sum()).backward()
-    (ref.float().log_softmax(-1)[..., 5].sum()).backward()
-    peft_params = dict(pm.named_parameters())
-    for name, m in lora_modules(ours).items():
-        for ab in ("A", "B"):
-            ref_g = peft_params[f"base_model.model.{name}.lora_{ab}.default.weight"].grad
-            torch.testing.assert_close(getattr(m, f"lora_{ab}").grad, ref_g, atol=1e-5, rtol=1e-4)
+    assert_adapter_grads_equal_peft(ours, pm, got, ref)
     # only adapters train, and the base weight gets no gradient
     trainable = {n for n, p in ours.named_parameters() if p.requires_grad}
     assert trainable == set(lora_state(ours))
@@ -118,13 +123,7 @@ def test_dropout_in_training_equals_peft_under_the_same_seed(family, tmp_path):
         torch.manual_seed(8)  # another seed, other masks: the dropout is live
         assert (ours(ids) - got).abs().max() > 1e-2
         assert (ours.eval()(ids) - got).abs().max() > 1e-2  # and off in eval mode
-    (got.float().log_softmax(-1)[..., 5].sum()).backward()
-    (ref.float().log_softmax(-1)[..., 5].sum()).backward()
-    peft_params = dict(pm.named_parameters())
-    for name, m in lora_modules(ours).items():
-        for ab in ("A", "B"):
-            ref_g = peft_params[f"base_model.model.{name}.lora_{ab}.default.weight"].grad
-            torch.testing.assert_close(getattr(m, f"lora_{ab}").grad, ref_g, atol=1e-5, rtol=1e-4)
+    assert_adapter_grads_equal_peft(ours, pm, got, ref)
 
 
 def test_init_matches_peft_and_leaves_output_unchanged(tmp_path):
