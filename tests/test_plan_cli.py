@@ -76,6 +76,7 @@ def test_cli_text_prints_every_assumption(capsys):
     (["--model", "/nonexistent/dir"], "model directory not found"),
     (["--preset", "tiny-gqa", "--gpus", "0"], "--gpus must be >= 1"),
     (["--preset", "tiny-gqa", "--lora-sync", "merge"], "--lora-sync needs --lora-rank"),
+    (["--preset", "tiny-gqa", "--efficiency", "0"], "--efficiency must be in (0, 1]"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(capsys, argv, msg):
     base = {"--gpus": "2", "--gpu-mem": "80", "--seq": "64", "--micro-batch": "1"}
@@ -86,3 +87,11 @@ def test_cli_bad_input_is_one_line_exit_2(capsys, argv, msg):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and "\n" not in err
+
+
+def test_cli_efficiency_scales_step_times(capsys):
+    """--efficiency is the fraction of the peak the kernels reach: halving it doubles a compute-bound step."""
+    half, full = _plan(capsys, "--efficiency", "0.5"), _plan(capsys, "--efficiency", "1")
+    a, b = half["train"][0]["time"], {o["layout"]: o["time"] for o in full["train"]}[half["train"][0]["layout"]]
+    assert a["compute_s"] == pytest.approx(2 * b["compute_s"])
+    assert any("kernel efficiency 0.5" in x for x in half["assumptions"])
