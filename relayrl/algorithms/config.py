@@ -71,6 +71,13 @@ class AlgoConfig(Config):
     # (pi_prox of decoupled PPO), with TIS / MIS weighting pi_prox / pi_behaviour; behaviour: the engine's
     # sampling logprobs themselves (plain PPO: no recompute, no correction for stale or mismatched samples)
     proximal: Literal["recompute", "behaviour"] = "recompute"
+    # where the proximal logprobs come from (proximal=recompute). auto: an update that is one optimiser step on
+    # the batch (one PPO epoch, one mini-batch, no LoRA dropout, nothing reading them before the update) takes the
+    # logprobs of its own forward, detached: the same weights, so provably the recompute's numbers, without its
+    # forward pass; any other update recomputes. recompute: always the extra forward (the former behaviour).
+    # engine: the engine's own sampling logprobs, for an fp32 engine synced and verified every step (sync mode):
+    # equal to the trainer's within the canary's bound, not exactly (relayrl.controller.config.old_logp_source)
+    old_logp: Literal["auto", "recompute", "engine"] = "auto"
     # PPO with a critic (advantage: gae): GAE's discount and lambda (verl's algorithm.gamma / algorithm.lam),
     # the critic's value clip (None: none), whitening of the advantages over the batch's model tokens, and
     # the KL put in the reward (kl_coef then penalises each token's reward instead of adding a loss term).

@@ -185,6 +185,42 @@ class RunConfig(Config):
         return self
 
     @model_validator(mode="after")
+    def _old_logp_fits(self) -> RunConfig:
+        if self.algo.old_logp != "engine":
+            return self
+        why = "algo.old_logp=engine trains against the engine's logprobs, equal to the trainer's only for an"
+        if self.algo.proximal != "recompute":
+            raise ValueError("algo.old_logp chooses how the proximal policy is computed; with algo.proximal="
+                             f"{self.algo.proximal} there is none: drop algo.old_logp")
+        if self.rollout.mode != "sync":
+            raise ValueError(f"{why} engine synced before every batch: set rollout.mode=sync or algo.old_logp=auto")
+        if self.rollout.engine_dtype != "float32" or self.rollout.backend != "relayrl":
+            raise ValueError(f"{why} fp32 relayrl engine (the canary's tight bound): set rollout.engine_dtype="
+                             "float32 and rollout.backend=relayrl, or algo.old_logp=auto")
+        return self
+
+    def old_logp_source(self) -> str:
+        """Where a step's proximal logprobs (old_logp) come from:
+
+            behaviour   algo.proximal=behaviour: the engine's sampling logprobs (plain PPO)
+            engine      algo.old_logp=engine: the same tensors, from an fp32 engine verified at every sync
+            update      the update's own forward, detached (algo.old_logp=auto on a one-step update: trainer
+                        ppo_epochs 1 and mini_batches 1, so the weights are those of the recompute; no LoRA
+                        dropout, so the forward is the same function in train mode; no kl_in_reward and no
+                        critic, so nothing needs them before the update)
+            recompute   a no-grad forward before the update (any other case, or algo.old_logp=recompute)"""
+        a, t = self.algo, self.trainer
+        if a.proximal == "behaviour":
+            return "behaviour"
+        if a.old_logp == "engine":
+            return "engine"
+        one_step = t.ppo_epochs == 1 and t.mini_batches == 1
+        dropout = t.lora is not None and t.lora.dropout > 0
+        if a.old_logp == "auto" and one_step and not dropout and not a.kl_in_reward and self.critic is None:
+            return "update"
+        return "recompute"
+
+    @model_validator(mode="after")
     def _lora_fits(self) -> RunConfig:
         lora = self.trainer.lora
         if lora is not None and lora.dropout > 0 and self.parallel.tp > 1:

@@ -5,6 +5,10 @@
     weights   G samples   rewards,   normalised    on its own weights;       IS-corrected
     → engine  per prompt  accuracy   (GRPO/RLOO)   gap to engine = mismatch  with engine logprobs
 
+old_logp is recomputed only where it must be: an update that is one optimiser step on the batch (the default:
+one PPO epoch, one mini-batch) takes it from its own forward, detached, and reports the mismatch from there
+(RunConfig.old_logp_source).
+
 With an `env:` section a sample is an episode (relayrl.controller.agent_loop): rollout and reward are one
 stage, the environment's, and the loss mask keeps the observations between turns out of the update.
 
@@ -142,6 +146,7 @@ class Driver:
         self.cfg, self.policy, self.engine, self.scorer, self.sampler = cfg, policy, engine, scorer, sampler
         # the model's shape gives the step's FLOPs and MFU (relayrl.controller.step_cost); None: not counted
         self.cost = StepCost(cfg, model) if model is not None else None
+        self.old_logp_source = cfg.old_logp_source()
         self.weight_sync, self.agent = weight_sync, agent
         self.step = 0
         self.timer = StageTimer()
@@ -248,17 +253,19 @@ class Driver:
         ids, attn, resp = build_rows(ro.prompt_ids, ro.response_ids, pad_id=self.engine.pad_id, masks=ro.response_mask)
         rollout_logp = scatter_per_token(ro.rollout_logp, ro.prompt_ids, ids.shape[1])
         batch = TrainBatch(ids, attn, resp, rollout_logp=rollout_logp)
-        if cfg.algo.proximal == "behaviour":  # plain PPO: the ratio against the sampling policy itself
+        source = self.old_logp_source  # RunConfig.old_logp_source: behaviour | engine | update | recompute
+        if source in ("behaviour", "engine"):  # plain PPO, or a verified fp32 engine's own logprobs
             batch.old_logp = rollout_logp
-        else:  # decoupled PPO: the trainer's weights before the update are the proximal policy
+        elif source == "recompute":  # decoupled PPO: the trainer's weights before the update are the proximal policy
             with self.timer.stage("old_logp"):
                 batch.old_logp = self.policy.compute_logprobs(batch)
+        # "update": left None; the one optimiser step takes its own forward's logprobs (and reports the mismatch)
         if cfg.algo.kl_coef > 0:
             with self.timer.stage("ref_logp"):
                 batch.ref_logp = self.policy.compute_ref_logprobs(batch)
         batch.advantages, adv_stats = compute_advantages(cfg.algo, self.policy, batch, ro.rewards, G, self.timer,
                                                          baseline=ro.baseline)
-        mismatch = mismatch_stats(batch.old_logp, rollout_logp, resp)
+        mismatch = mismatch_stats(batch.old_logp, rollout_logp, resp) if batch.old_logp is not None else {}
         staleness = self.staleness_metrics(ro)
         stats: dict[str, float] = {}
         if batch.values is not None:  # PPO's critic learns from this batch's returns

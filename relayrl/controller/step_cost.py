@@ -5,7 +5,8 @@
                        or the real tokens with trainer.padding_free (T: the longest sequence, the packed rows'
                        capacity); with trainer.lora, 4N + 6 N_adapters in place of 6N (the frozen base needs
                        no weight gradient; attention's 12 L H d T is the same)
-    flops/old_logp     tokens x (2N + 4 L H d T)                 the proximal logprobs' recompute (decoupled PPO)
+    flops/old_logp     tokens x (2N + 4 L H d T)                 the proximal logprobs' recompute (decoupled PPO,
+                                                                 when RunConfig.old_logp_source is recompute)
     flops/ref_logp     the same, on the reference model          (algo.kl_coef > 0)
     flops/rollout      sum over the step's samples of 2 (N - V h) x computed tokens + 2 V h x logit positions
                        + 4 L H d x keys attended, as the engine counted them (relayrl.engine.outputs.SampleCost:
@@ -128,7 +129,7 @@ class StepCost:
             per_pass = (train_flops(shape, tokens, keys) if lora is None else
                         lora_train_flops(shape, tokens, keys, rank=lora.rank, targets=lora.target_modules))
             out["flops/update"] = float(cfg.trainer.ppo_epochs * per_pass)
-        if cfg.algo.proximal != "behaviour":
+        if cfg.old_logp_source() == "recompute":  # the update's own forward or the engine's logprobs cost nothing
             out["flops/old_logp"] = float(forward_flops(shape, tokens, keys))
         if cfg.algo.kl_coef > 0:
             out["flops/ref_logp"] = float(forward_flops(shape, tokens, keys))

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from relayrl.algorithms import AlgoConfig, policy_objective
+from relayrl.algorithms import AlgoConfig, mismatch_stats, policy_objective
 from relayrl.models import CausalLM
 from relayrl.models.lora import set_lora_enabled
 from relayrl.parallel.dims import ParallelDims
@@ -165,11 +165,17 @@ class Actor:
             logp, ent = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
                                        with_entropy=True, padding_free=self.cfg.padding_free,
                                        tp_group=self.tp_group, entropy_grad=self.algo.entropy_coef != 0)
-        return policy_objective(
-            logp, mb.old_logp, mb.advantages, mb.response_mask, self.algo,
+        # no old_logp: this is the batch's only optimiser step (the driver's "update" source), so the proximal
+        # policy is these very weights: its logprobs are this forward's, detached
+        old = mb.old_logp if mb.old_logp is not None else logp.detach()
+        loss, stats = policy_objective(
+            logp, old, mb.advantages, mb.response_mask, self.algo,
             rollout_logp=mb.rollout_logp, ref_logp=mb.ref_logp, entropy=ent,
             num_tokens=num_tokens, num_seqs=num_seqs,
         )
+        if mb.old_logp is None and mb.rollout_logp is not None:  # the trainer-engine gap, from the same numbers
+            stats |= mismatch_stats(old, mb.rollout_logp, mb.response_mask)
+        return loss, stats
 
 
 class _Tally:
@@ -178,11 +184,12 @@ class _Tally:
     per-token stats (clip_frac, entropy, kl, ...) are token means of each micro-batch, so they are
     summed weighted by tokens and divided by the total; `loss` is summed (each micro-batch's loss
     is its share of the mini-batch loss, each rank's its share of the global one) and averaged over
-    optimiser steps; ratio_max is a max; grad_norm, already global, is averaged over steps."""
+    optimiser steps; ratio_max (every *_max) is a max; grad_norm, already global, is averaged over steps."""
 
     def __init__(self):
         self.weighted: dict[str, float] = defaultdict(float)
-        self.tokens = self.loss = self.ratio_max = 0.0
+        self.maxima: dict[str, float] = {"ratio_max": 0.0}  # every stat named *_max is a max, not a mean
+        self.tokens = self.loss = 0.0
         self.loss_steps = 0
         self.grad_norms: list[float] = []
 
@@ -190,25 +197,25 @@ class _Tally:
         self.loss += loss
         self.tokens += tokens
         for k, v in stats.items():
-            if k == "ratio_max":
-                self.ratio_max = max(self.ratio_max, float(v))
+            if k.endswith("_max"):
+                self.maxima[k] = max(self.maxima.get(k, 0.0), float(v))
             else:
                 self.weighted[k] += float(v) * tokens
 
     def all_reduce(self, group) -> None:
-        keys = sorted(self.weighted)
+        keys, peaks = sorted(self.weighted), sorted(self.maxima)
         sums = torch.tensor([self.tokens, self.loss] + [self.weighted[k] for k in keys], dtype=torch.float64)
-        peak = torch.tensor([self.ratio_max], dtype=torch.float64)
+        peak = torch.tensor([self.maxima[k] for k in peaks], dtype=torch.float64)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         self.tokens, self.loss = float(sums[0]), float(sums[1])
         self.weighted = {k: float(v) for k, v in zip(keys, sums[2:], strict=True)}
-        self.ratio_max = float(peak)
+        self.maxima = {k: float(v) for k, v in zip(peaks, peak, strict=True)}
 
     def result(self) -> dict[str, float]:
         out = {k: v / max(self.tokens, 1.0) for k, v in self.weighted.items()}
         out["loss"] = self.loss / max(self.loss_steps, 1)
-        out["ratio_max"] = self.ratio_max
+        out |= self.maxima
         if self.grad_norms:
             out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
         return out
