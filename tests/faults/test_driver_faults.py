@@ -54,12 +54,15 @@ def test_killed_driver_resumes_to_the_same_weights(tmp_path, uninterrupted, poin
     config = merged(TINY, STEPS, LOCAL if backend == "local" else {})
     killed = TrainRun(tmp_path / "killed", config, kill_at=(point, n))
     try:
-        killed.wait_for_step(1, timeout=180)
-        tree = descendants(killed.pid)
-        while killed.proc.poll() is None:  # snapshot the tree as it grows, until the kill
+        # snapshot the process tree from the start as it grows, until the kill: a run can reach its kill point
+        # within one poll of its first step's metrics, so waiting for them first could miss every child
+        tree: dict[int, str] = {}
+        deadline = time.monotonic() + 180
+        while killed.proc.poll() is None and time.monotonic() < deadline:
             tree |= descendants(killed.pid)
             time.sleep(0.05)
         assert killed.proc.returncode == -9, killed.stderr()
+        assert any(s >= 1 for s in killed.steps()), killed.stderr()  # it trained a step before it was killed
         assert leftovers(tree) == [], {p: tree[p] for p in leftovers(tree, 0)}
         if backend == "local":
             assert "rl-actor-0" in tree.values()
