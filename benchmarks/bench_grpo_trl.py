@@ -11,7 +11,9 @@ max completion length, temperature 1, top-k/top-p off, lr (constant, no warm-up:
 at 0, relayrl's at lr/warmup, so neither warms up), clip [1-0.2, 1+0.28], no KL (beta=0),
 token-mean loss (TRL "dapo" == relayrl "token-mean"), group-std-normalised advantages, grad clip 1,
 AdamW(0.9, 0.999, 1e-8, wd 0), one rollout of P x G completions per RL step split into
---mini-batches optimiser steps (TRL: steps_per_generation; both then recompute old logprobs).
+--mini-batches optimiser steps (TRL: steps_per_generation; with more than one, both recompute old logprobs;
+with one, neither does: TRL skips them on-policy, relayrl's algo.old_logp=auto takes the update's own, and
+--old-logp recompute forces relayrl's extra forward back, for comparison).
 relayrl's TIS correction is off (TRL has none without vLLM). Reward: relayrl's task scorer
 (exact match of the first line) for both.
 
@@ -71,7 +73,7 @@ def relayrl_driver(model_dir: Path, args, run_dir: Path):
         "model": {"path": str(model_dir)},
         "rollout": {**GRPO["rollout"], "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
                     "max_tokens": args.max_tokens, "temperature": 1.0},
-        "algo": {**GRPO["algo"], "tis_cap": None, "kl_coef": 0.0},
+        "algo": {**GRPO["algo"], "tis_cap": None, "kl_coef": 0.0, "old_logp": args.old_logp},
         "trainer": {**GRPO["trainer"], "lr": args.lr, "warmup_steps": 0, "schedule": "constant",
                     "micro_batch_size": args.prompts_per_step * args.group_size, "mini_batches": args.mini_batches},
         "run": {"steps": args.steps, "seed": args.seed, "out_dir": str(run_dir), "tensorboard": False},
@@ -126,6 +128,8 @@ def main() -> None:
     ap.add_argument("--mini-batches", type=int, default=GRPO["trainer"]["mini_batches"],
                     help="optimiser steps per rollout (TRL: steps_per_generation)")
     ap.add_argument("--lr", type=float, default=GRPO["trainer"]["lr"])
+    ap.add_argument("--old-logp", choices=["auto", "recompute", "engine"], default="auto",
+                    help="relayrl's algo.old_logp (auto: no recompute when --mini-batches 1, as TRL)")
     ap.add_argument("--last-k", type=int, default=20, help="training reward: mean over the last K steps")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both (see bench_rollout.py)")
     ap.add_argument("--seed", type=int, default=0)
