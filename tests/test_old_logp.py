@@ -83,6 +83,7 @@ def test_old_logp_source(sections, source):
 @pytest.mark.parametrize(("sections", "msg"), [
     ({"algo": {"old_logp": "engine"}, "rollout": {"mode": "async"}}, "synced before every batch"),
     ({"algo": {"old_logp": "engine"}, "rollout": {"engine_dtype": "bfloat16"}}, "fp32 relayrl engine"),
+    ({"algo": {"old_logp": "engine"}, "trainer": {"bf16": True}}, "an fp32 trainer"),
     ({"algo": {"old_logp": "engine", "proximal": "behaviour"}}, "drop algo.old_logp"),
     ({"algo": {"old_logp": "sometimes"}}, "old_logp"),
 ])
@@ -122,3 +123,16 @@ def test_worker_groups_take_the_update_logprobs_like_one_process(tmp_path):
     for x, y in zip(a, b, strict=True):
         for k in ("mismatch/k3", "mismatch/logp_abs_max"):
             assert x[k] == pytest.approx(y[k], rel=1e-4), k
+
+
+def test_old_logp_engine_trains_against_the_verified_fp32_engine(tmp_path):
+    """Two mini-batches (the recompute's case): the engine's fp32 logprobs stand in for it. They differ from the
+    trainer's only by rounding (the canary checks every sync), so the run is the recomputing one to rounding."""
+    rec = train(cfg_for(tmp_path, "rec", run={"steps": 3, "save_every": 0}), show_progress=False)
+    eng = train(cfg_for(tmp_path, "eng", run={"steps": 3, "save_every": 0}, algo={"old_logp": "engine"}),
+                show_progress=False)
+    a, b = step_metrics(eng["run_dir"]), step_metrics(rec["run_dir"])
+    assert_same_metrics(a, b)
+    for x, y in zip(a, b, strict=True):
+        assert x["time/old_logp"] == 0.0 < y["time/old_logp"] and "flops/old_logp" not in x
+        assert x["mismatch/logp_abs_max"] == 0.0 < y["mismatch/logp_abs_max"] < 1e-5  # old_logp is the engine's

@@ -194,9 +194,10 @@ class RunConfig(Config):
                              f"{self.algo.proximal} there is none: drop algo.old_logp")
         if self.rollout.mode != "sync":
             raise ValueError(f"{why} engine synced before every batch: set rollout.mode=sync or algo.old_logp=auto")
-        if self.rollout.engine_dtype != "float32" or self.rollout.backend != "relayrl":
-            raise ValueError(f"{why} fp32 relayrl engine (the canary's tight bound): set rollout.engine_dtype="
-                             "float32 and rollout.backend=relayrl, or algo.old_logp=auto")
+        if self.rollout.engine_dtype != "float32" or self.rollout.backend != "relayrl" or self.trainer.bf16:
+            raise ValueError(f"{why} fp32 relayrl engine and an fp32 trainer (the canary's tight bound): set "
+                             "rollout.engine_dtype=float32, rollout.backend=relayrl and trainer.bf16=false, or "
+                             "algo.old_logp=auto")
         return self
 
     def old_logp_source(self) -> str:
