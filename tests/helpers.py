@@ -73,6 +73,21 @@ def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
                 assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), k
 
 
+# ---------------------------------------------------------------------------- training batches
+def random_train_batch(n: int = 8, seed: int = 0, generator: torch.Generator | None = None):
+    """n right-padded rows of 2-5 prompt and 1-8 response tokens (ids 3-59) with random advantages, drawn
+    from `generator` (a caller may go on drawing from it) or one seeded with `seed`."""
+    from relayrl.trainer.batch import TrainBatch, build_rows
+
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    resps = [torch.randint(3, 60, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(n)]
+    ids, attn, resp = build_rows(prompts, resps)
+    return TrainBatch(ids, attn, resp, advantages=torch.randn(n, generator=g))
+
+
 # ---------------------------------------------------------------------------- tiny models
 def small_config(**kw) -> ModelConfig:
     """A 2-layer, 4-head (2 KV heads) model; `kw` overrides any field."""

@@ -14,20 +14,9 @@ from relayrl.controller.config import RunConfig
 from relayrl.controller.run import train
 from relayrl.errors import ConfigError
 from relayrl.trainer.actor import Actor
-from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
 
-from helpers import assert_same_metrics, cfg_for, step_metrics
-
-
-def _batch(n=8, seed=0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    resps = [torch.randint(3, 60, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-             for _ in range(n)]
-    ids, attn, resp = build_rows(prompts, resps)
-    return TrainBatch(ids, attn, resp, advantages=torch.randn(n, generator=g))
+from helpers import assert_same_metrics, cfg_for, random_train_batch, step_metrics
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
@@ -36,7 +25,7 @@ def test_a_one_step_update_on_its_own_logprobs_equals_the_recomputed_one(tiny_mo
     recompute's, so equal means to fp32 rounding; TIS is live (rollout logprobs off the trainer's)."""
     cfg = TrainerConfig(micro_batch_size=3, padding_free=padding_free, lr=1e-2)
     algo = AlgoConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=1.5)
-    b = _batch()
+    b = random_train_batch()
     runs = {}
     for source in ("recompute", "update"):
         m = copy.deepcopy(tiny_model)

@@ -12,16 +12,13 @@ from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.optim import lr_factor
 
+from helpers import random_train_batch
+
 
 def _batch(model, n=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    resps = [torch.randint(3, 60, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-             for _ in range(n)]
-    ids, attn, resp = build_rows(prompts, resps)
-    adv = torch.randn(n, generator=g)
-    b = TrainBatch(ids, attn, resp, advantages=adv)
+    b = random_train_batch(n, generator=g)
+    resp = b.response_mask
     actor = Actor(model, TrainerConfig(micro_batch_size=n), AlgoConfig(), total_steps=1)
     old = actor.compute_logprobs(b)
     # a rollout policy slightly off the trainer's, so the TIS weights are not all 1
