@@ -85,8 +85,13 @@ def test_train_report_generate_eval_roundtrip(tmp_path, cfg_file, capsys):
     assert code == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 2, 3, 3]  # eval@0, train 1, train 2, eval@2, then resumed: train 3, eval@3
-    code, _ = run_cli(capsys, "report", str(out))
-    assert code == 0 and (out / "report" / "reward.png").stat().st_size > 1000
+    assert main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (out / "report" / "reward.png").stat().st_size > 1000
+    # the bottleneck section: printed after the plots' paths, and written beside them
+    section = (out / "report" / "bottleneck.md").read_text()
+    assert section.startswith("## Bottleneck") and "Share of the step:" in section and "### Findings" in section
+    assert printed.endswith(section)
     code = main(["generate", "--model", str(out / "final_model"), "12+3=", "--max-tokens", "3"])
     assert code == 0 and capsys.readouterr().out.startswith("12+3=")
     code = main(["eval", "--model", str(out / "final_model"), "--task", "arith", "--n", "4", "--max-tokens", "3"])
