@@ -37,11 +37,13 @@ def _assert_same(sync_lines, async_lines) -> None:
                 == {k: v for k, v in y.items() if k not in ASYNC_ONLY})
 
 
-def test_async_staleness_zero_equals_sync_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("mini_batches", [2, 1])  # old_logp recomputed; taken from the one-step update's forward
+def test_async_staleness_zero_equals_sync_bit_for_bit(tmp_path, mini_batches):
     run = {"steps": 5, "save_every": 0}
     reward = {"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]}
-    sync = train(cfg_for(tmp_path, "sync", run=run, reward=reward), show_progress=False)
-    asy = train(cfg_for(tmp_path, "async", run=run, reward=reward,
+    trainer = {"mini_batches": mini_batches}
+    sync = train(cfg_for(tmp_path, "sync", run=run, reward=reward, trainer=trainer), show_progress=False)
+    asy = train(cfg_for(tmp_path, "async", run=run, reward=reward, trainer=trainer,
                         rollout={"mode": "async", "max_staleness": 0}), show_progress=False)
     a, b = _lines(sync["run_dir"]), _lines(asy["run_dir"])
     assert len(a) == len(b) == 5 + 2  # five steps and two evaluations
