@@ -206,3 +206,13 @@ def test_cli_plans_an_moe_model_directory(tmp_path, capsys):
     assert main(["plan", "--model", str(d), "--gpus", "4", "--gpu-mem", "1", "--seq", "128",
                  "--micro-batch", "1"]) != 0
     assert "num_experts_per_tok" in capsys.readouterr().err
+
+
+def test_the_unused_dense_width_of_an_moe_config_does_not_constrain_tp():
+    """Qwen-MoE configs keep an intermediate_size no layer uses; TP need only divide the experts' width."""
+    import dataclasses
+
+    odd = dataclasses.replace(TINY, intermediate_size=49)  # 49 % 2 != 0; the experts' 16 and shared 24 divide
+    w = Workload(seq=6, micro_batch=2, dtype="float32", mixed_precision=False)
+    assert train_memory(odd, Layout(tp=2), w, rank=0).params == train_memory(TINY, Layout(tp=2), w, rank=0).params
+    assert any(lay.tp == 2 for lay in layouts(odd, 2, 2, 128))

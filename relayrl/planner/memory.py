@@ -41,6 +41,7 @@ It imports the planner's modules, relayrl.models.config and relayrl.sync (layout
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -122,7 +123,10 @@ def _stage_tensors(shape: ModelShape, tp: int, pp: int, ep: int, lora: AdapterSh
     layers = stage_layers(shape.num_hidden_layers, pp, stage)
     last = stage == pp - 1
     out = []
-    for name, shp in tp_local_tensors(shape, tp, t, lora):
+    # an MoE model's attention, norms and embeddings are the dense model's; its (unused) dense MLP width need
+    # not divide by tp, so the dense tensors come from the shape with the experts' width
+    dense = dataclasses.replace(ModelShape.of(shape), intermediate_size=shape.moe_intermediate_size) if moe else shape
+    for name, shp in tp_local_tensors(dense, tp, t, lora):
         i = _layer_index(name)
         if moe and i is not None and ".mlp." in name:
             continue  # the dense MLP's place is taken by the router and experts below
