@@ -288,3 +288,20 @@ def test_fsdp2_held_bytes_are_what_the_planner_counts():
     for r, h in enumerate(held):
         m = train_memory(TINY, Layout(dp_shard=2), FP32, rank=r)
         assert (m.params, m.grads, m.optim) == (h["params"], h["grads"], h["optim"])
+
+
+def test_pp_tp_fsdp_and_cp_in_the_shard_group_by_hand():
+    """qwen2.5-7b on pp 2 x dp_shard 2 x tp 2: stage 1 holds layers 14-27, the final norm and the untied lm_head;
+    each TP-local tensor (every dim even here) halved again by FSDP. CP ranks shard the parameters as FSDP ranks
+    do (torchtitan folds CP into the FSDP mesh): dp_shard 2 x cp 2 holds what dp_shard 4 holds."""
+    shape, w = preset("qwen2.5-7b"), Workload(seq=1024, micro_batch=1)
+    lay = Layout(pp=2, tp=2, dp_shard=2)
+    # one layer at TP 2: q 1792 x 3584 + bias, k, v 256 x 3584 + bias, o 3584 x 1792, gate, up 9472 x 3584,
+    # down 3584 x 9472, two norms of 3584 (replicated)
+    layer = 1792 * 3584 + 1792 + 2 * (256 * 3584 + 256) + 3584 * 1792 + 2 * 9472 * 3584 + 3584 * 9472 + 2 * 3584
+    stage1 = 14 * layer + 3584 + 152064 // 2 * 3584  # + final norm + the lm_head's vocabulary half
+    m = train_memory(shape, lay, w, rank=lay.rank_of(stage=1, shard=1, t=1))
+    assert m.params == m.grads == stage1 // 2 * 2 == 1_903_956_992  # bf16, padded chunks = halves
+    a = train_memory(shape, Layout(dp_shard=2, cp=2), w, rank=3)
+    b = train_memory(shape, Layout(dp_shard=4), w, rank=3)
+    assert (a.params, a.grads, a.optim) == (b.params, b.grads, b.optim)
