@@ -39,7 +39,7 @@ from relayrl.models.flops import (
     train_flops,
 )
 from relayrl.planner.layout import Layout
-from relayrl.planner.moe import MoEShape, router_flops_per_token
+from relayrl.planner.moe import MoEShape, router_params
 from relayrl.planner.workload import Workload
 
 __all__ = ["KERNEL_EFFICIENCY", "PEAK_TFLOPS", "StepTime", "adapter_params", "bubble", "flops_per_token",
@@ -52,16 +52,15 @@ KERNEL_EFFICIENCY = 0.5  # the fraction of peak a training step's kernels reach 
 def flops_per_token(shape: ModelShape, w: Workload) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per trained token: relayrl.models.flops' train / LoRA counts (every token
     attends to the row's seq keys), plus the recomputed forward work."""
-    router = 0
+    router = router_params(shape)  # forward 2x, training 6x per token, like any other matmul
     if isinstance(shape, MoEShape):  # the active experts' FLOPs: a dense MLP k I + I_s wide, plus the routers
-        router = router_flops_per_token(shape)
         shape = shape.active_shape()
     if w.lora_rank:
         model = lora_train_flops(shape, 1, w.seq, rank=w.lora_rank, targets=tuple(w.lora_targets))
     else:
-        model = train_flops(shape, 1, w.seq) + router
+        model = train_flops(shape, 1, w.seq) + 6 * router
     attn_fwd = attention_flops_per_key(shape) * w.seq  # 4 L H d s: one forward of the attention core
-    extra = {"none": 0, "selective": attn_fwd, "full": forward_flops(shape, 1, w.seq) + router // 3}[w.recompute]
+    extra = {"none": 0, "selective": attn_fwd, "full": forward_flops(shape, 1, w.seq) + 2 * router}[w.recompute]
     return float(model), float(model + extra)
 
 

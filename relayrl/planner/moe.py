@@ -152,9 +152,16 @@ def moe_mlp_terms(shape: MoEShape, s: float, b: int, t: int, e: int) -> list[tup
     return out
 
 
-def router_flops_per_token(shape: MoEShape) -> int:
-    """Training FLOPs of the routers per token (6 h E per layer: the router is a matmul like any other)."""
-    return 6 * shape.num_hidden_layers * shape.hidden_size * shape.num_experts
+def router_params(shape: ModelShape) -> int:
+    """L h E: the routers' matmul weights (0 for a dense model); 2x per token forward, 6x in training."""
+    return shape.num_hidden_layers * shape.hidden_size * shape.num_experts if isinstance(shape, MoEShape) else 0
+
+
+def mlp_widths(shape: ModelShape) -> tuple[int, ...]:
+    """The MLP widths a TP degree must divide: the experts' and the shared expert's, or the dense MLP's."""
+    if isinstance(shape, MoEShape):
+        return (shape.moe_intermediate_size, shape.shared_width)
+    return (shape.intermediate_size,)
 
 
 # Public config.json shapes of MoE models (relayrl plan --preset)

@@ -29,7 +29,7 @@ from relayrl.models.config import ModelShape
 from relayrl.models.flops import generate_flops
 from relayrl.planner.kv import engine_kv, engine_weight_bytes
 from relayrl.planner.memory import TrainMemory
-from relayrl.planner.moe import MoEShape
+from relayrl.planner.moe import MoEShape, mlp_widths, router_params
 from relayrl.planner.workload import DTYPE_BYTES
 from relayrl.sync.adapters import AdapterShape
 
@@ -80,10 +80,8 @@ class Engine:
 
 def engine_tp_ok(shape: ModelShape, tp: int) -> bool:
     kv = shape.num_key_value_heads
-    mlp = ((shape.moe_intermediate_size, shape.shared_width) if isinstance(shape, MoEShape)
-           else (shape.intermediate_size,))
     return (shape.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
-            and all(x % tp == 0 for x in mlp))
+            and all(x % tp == 0 for x in mlp_widths(shape)))
 
 
 def engine_tps(shape: ModelShape, gpus: int, gpus_per_node: int) -> list[int]:
@@ -113,8 +111,7 @@ def decode_time(shape: ModelShape, tp: int, batch: int, context: float, eng: Eng
 def decode_flops_per_token(shape: ModelShape, context: float) -> float:
     """2 N_body + 2 V h + 4 L H d x context: one decode token (relayrl.models.flops.generate_flops' count)."""
     active = shape.active_shape() if isinstance(shape, MoEShape) else shape
-    router = 2 * shape.num_hidden_layers * shape.hidden_size * shape.num_experts if isinstance(shape, MoEShape) else 0
-    return float(generate_flops(active, 1, int(context), 1) + router)
+    return float(generate_flops(active, 1, int(context), 1) + 2 * router_params(shape))
 
 
 def rollout_options(shape: ModelShape, gpus: int, gpus_per_node: int, gpu_mem: int, eng: Engine) -> list[RolloutOption]:

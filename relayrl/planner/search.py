@@ -23,7 +23,7 @@ from relayrl.planner.comm import Collective, Network, step_collectives
 from relayrl.planner.compute import StepTime, step_time
 from relayrl.planner.layout import Layout
 from relayrl.planner.memory import TrainMemory, adapter_shape, stage_layers, stage_summary, train_memory
-from relayrl.planner.moe import MOE_PRESETS, MoEShape, plan_shape
+from relayrl.planner.moe import MOE_PRESETS, MoEShape, mlp_widths, plan_shape
 from relayrl.planner.rollout import GIB, Engine, RolloutOption, placement, rollout_options
 from relayrl.planner.workload import Workload
 from relayrl.sync.presets import PRESETS
@@ -64,9 +64,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def tp_ok(shape: ModelShape, tp: int) -> bool:
-    mlp = ((shape.moe_intermediate_size, shape.shared_width) if isinstance(shape, MoEShape)
-           else (shape.intermediate_size,))
-    return all(x % tp == 0 for x in (shape.num_attention_heads, shape.num_key_value_heads, shape.vocab_size, *mlp))
+    return all(x % tp == 0 for x in (shape.num_attention_heads, shape.num_key_value_heads, shape.vocab_size,
+                                     *mlp_widths(shape)))
 
 
 def ep_degrees(shape: ModelShape, shard_group: int) -> list[int]:
