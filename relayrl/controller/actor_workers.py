@@ -41,7 +41,7 @@ from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.checkpointing import load_actor, load_critic, save_actor, save_critic
 from relayrl.trainer.config import CriticConfig
 from relayrl.trainer.critic import Critic
-from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.logprobs import frozen_logprobs
 
 FIELDS = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logp", "rollout_logp", "ref_logp",
           "values", "returns")
@@ -205,18 +205,17 @@ class CriticWorker(_ParallelModelWorker):
 
 class ReferenceWorker(_ParallelModelWorker):
     def __init__(self, model_dir: str, par: ParallelConfig, *, temperature: float, micro_batch_size: int,
-                 seed: int):
+                 seed: int, padding_free: bool = False, shared_prefix: bool = False):
         self.model = self._build_model(model_dir, par, seed, trains=False).eval().requires_grad_(False)
         self.temperature, self.micro = temperature, micro_batch_size
+        self.packing = dict(padding_free=padding_free, shared_prefix=shared_prefix)
         self.tp_group = self.dims.tp_mesh.get_group() if self.dims.tp > 1 else None
 
     @dispatch(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: DataBatch) -> DataBatch:
-        tb = to_train(batch)
-        parts = [token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                tp_group=self.tp_group)[0] * mb.response_mask for mb in tb.split(self.micro)]
-        return DataBatch({"ref_logp": torch.cat(parts)})
+        return DataBatch({"ref_logp": frozen_logprobs(self.model, to_train(batch), self.temperature, self.micro,
+                                                      tp_group=self.tp_group, **self.packing)})
 
     def teardown(self) -> None:
         del self.model

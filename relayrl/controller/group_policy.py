@@ -59,7 +59,8 @@ class GroupPolicy:
                                       else ResourcePool([par.world_size], name="reference"))
             roles["reference"] = RoleSpec(ReferenceWorker, (str(model_dir), par),
                                           dict(temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
-                                               seed=seed))
+                                               seed=seed, padding_free=trainer_cfg.padding_free,
+                                               shared_prefix=trainer_cfg.shared_prefix))
         if critic_cfg is not None:  # laid out like the actor: in its processes, or a pool of its own
             placement["critic"] = pool if par.placement == "colocated" else ResourcePool([par.world_size],
                                                                                          name="critic")

@@ -27,7 +27,7 @@ from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.checkpointing import load_actor, load_critic, save_actor, save_critic
 from relayrl.trainer.critic import Critic
-from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.logprobs import frozen_logprobs
 
 
 class LocalRank:
@@ -74,8 +74,9 @@ class LocalPolicy:
             return self.actor.compute_ref_logprobs(batch)
         if self.ref_model is None:
             return None
-        return torch.cat([token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature)[0]
-                          * mb.response_mask for mb in batch.split(self.micro)])
+        cfg = self.actor.cfg
+        return frozen_logprobs(self.ref_model, batch, self.temperature, self.micro, padding_free=cfg.padding_free,
+                               shared_prefix=cfg.shared_prefix)
 
     def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:
         with CommProfile(profile) as comm:  # one process: no collectives, time/update_comm is 0

@@ -3,8 +3,10 @@
     flops/update       ppo_epochs x tokens x (6N + 12 L H d T)   the actor's update (relayrl.models.flops):
                        tokens = rows x T padded (the trainer runs every micro-batch at the batch's width T),
                        or the real tokens with trainer.padding_free (T: the longest sequence, the packed rows'
-                       capacity); with trainer.lora, 4N + 6 N_adapters in place of 6N (the frozen base needs
-                       no weight gradient; attention's 12 L H d T is the same)
+                       capacity), each shared prompt once with trainer.shared_prefix (batch/trained_tokens;
+                       batch/real_tokens: every row's own tokens, what the unshared form computes); with
+                       trainer.lora, 4N + 6 N_adapters in place of 6N (the frozen base needs no weight gradient;
+                       attention's 12 L H d T is the same)
     flops/old_logp     tokens x (2N + 4 L H d T)                 the proximal logprobs' recompute (decoupled PPO,
                                                                  when RunConfig.old_logp_source is recompute)
     flops/ref_logp     the same, on the reference model          (algo.kl_coef > 0)
@@ -48,6 +50,7 @@ from relayrl.models.flops import forward_flops, generate_flops, lora_train_flops
 from relayrl.observe.peak import matmul_peak
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.logprobs import computed_tokens, prompt_lens
 
 TAIL = 0.10  # the tail: at most this share of the batch's samples still unfinished (and at least one)
 
@@ -113,9 +116,11 @@ class StepCost:
 
     def trained_tokens(self, batch: TrainBatch) -> tuple[int, int]:
         """(tokens one pass over the batch computes, keys each attends to)."""
-        if self.cfg.trainer.padding_free:
+        tc = self.cfg.trainer
+        if tc.padding_free:
             lengths = batch.attention_mask.sum(-1)
-            return int(lengths.sum()), int(lengths.max())
+            prefix = prompt_lens(batch.response_mask, batch.attention_mask) if tc.shared_prefix else None
+            return computed_tokens(batch.input_ids, batch.attention_mask, prefix), int(lengths.max())
         B, T = batch.input_ids.shape
         return B * T, T
 
@@ -123,7 +128,8 @@ class StepCost:
         """flops/*, rollout/straggler_share and throughput/mfu_* of the step; `times` holds its time/* keys."""
         cfg, shape = self.cfg, self.shape
         tokens, keys = self.trained_tokens(batch)
-        out: dict[str, float] = {}
+        out: dict[str, float] = {"batch/trained_tokens": float(tokens),
+                                 "batch/real_tokens": float(batch.attention_mask.sum())}
         if updated:
             lora = cfg.trainer.lora
             per_pass = (train_flops(shape, tokens, keys) if lora is None else

@@ -39,9 +39,10 @@ class ScoreModel(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
-                **_) -> torch.Tensor:
+                parent_ids: torch.Tensor | None = None, **_) -> torch.Tensor:
         """Scores [B, T, num_labels] at every position (a position sees only the tokens up to it)."""
-        h = super().forward(input_ids, attention_mask, position_ids, return_hidden=True, segment_ids=segment_ids)
+        h = super().forward(input_ids, attention_mask, position_ids, return_hidden=True, segment_ids=segment_ids,
+                              parent_ids=parent_ids)
         return self.score(h)
 
 

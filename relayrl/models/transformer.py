@@ -121,21 +121,34 @@ def build_attention_mask(
     past_len: int,
     sliding_window: int | None,
     segment_ids: torch.Tensor | None = None,
+    parent_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean [B, 1, q_len, past_len + q_len] mask (True = may attend); see the module docstring.
 
     segment_ids [B, q_len] (no cache): several sequences packed in one row attend only within
     their own segment — the padding-free layout of the trainer.
+    parent_ids [B, q_len] (with segment_ids): a token also attends to the earlier tokens of its
+    parent segment — the trainer's shared-prefix layout, where the G responses of a prompt are
+    segments whose parent is the prompt's one segment (a value matching no segment, e.g. -2: none).
+    position_ids [B, q_len] (with segment_ids): the sliding window counts these positions, not row slots
+    (a response's prompt lies before its siblings in the row).
     """
     kv_len = past_len + q_len
     q_pos = torch.arange(past_len, kv_len, device=attention_mask.device)[:, None]
     k_pos = torch.arange(kv_len, device=attention_mask.device)[None, :]
     allowed = k_pos <= q_pos
-    if sliding_window is not None:
-        allowed = allowed & (k_pos > q_pos - sliding_window)
     allowed = allowed[None] & attention_mask[:, None, :kv_len].bool()
+    if sliding_window is not None:
+        if segment_ids is not None and position_ids is not None:
+            allowed = allowed & (position_ids[:, None, :] > position_ids[:, :, None] - sliding_window)
+        else:
+            allowed = allowed & (k_pos > q_pos - sliding_window)[None]
     if segment_ids is not None:
-        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        if parent_ids is not None:
+            same = same | (parent_ids[:, :, None] == segment_ids[:, None, :])
+        allowed = allowed & same
     allowed = allowed | (k_pos == q_pos)[None]
     return allowed[:, None]
 
@@ -160,6 +173,7 @@ class CausalLM(nn.Module):
         kv_cache: KVCacheLike | None = None,
         return_hidden: bool = False,
         segment_ids: torch.Tensor | None = None,
+        parent_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, q, V] for `input_ids` [B, q].
 
@@ -167,6 +181,7 @@ class CausalLM(nn.Module):
         position_ids: [B, q]; default = number of real tokens before each slot.
         return_hidden: return the final normed hidden states instead of logits.
         segment_ids: [B, q] packed sequences (give position_ids restarting at each segment).
+        parent_ids: [B, q] with segment_ids: each token also sees its parent segment (see build_attention_mask).
         """
         B, q_len = input_ids.shape
         past_len = kv_cache.past_len if kv_cache is not None else 0
@@ -174,7 +189,8 @@ class CausalLM(nn.Module):
             attention_mask = torch.ones(B, past_len + q_len, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-        mask = build_attention_mask(attention_mask, q_len, past_len, self.config.sliding_window, segment_ids)
+        mask = build_attention_mask(attention_mask, q_len, past_len, self.config.sliding_window, segment_ids,
+                                    parent_ids, position_ids if segment_ids is not None else None)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, h.dtype)
         for layer in self.model.layers:

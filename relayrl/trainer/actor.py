@@ -30,7 +30,7 @@ from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.grad_norm import clip_grad_norm
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
-from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.logprobs import prompt_lens, prompt_order, token_logprobs
 from relayrl.trainer.optim import build_optimizer
 
 
@@ -55,9 +55,15 @@ class Actor:
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs [B, T] under the current weights, in micro-batches (no grad)."""
-        return self.per_token(batch, lambda mb: token_logprobs(
+        order = prompt_order(batch) if self.cfg.shared_prefix else None
+        logp = self.per_token(batch if order is None else batch.select(order), lambda mb: token_logprobs(
             self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
-            tp_group=self.tp_group)[0])
+            tp_group=self.tp_group, prefix_lens=self._prefix_lens(mb))[0])
+        return logp if order is None else logp[order.argsort()]
+
+    def _prefix_lens(self, mb: TrainBatch) -> list[int] | None:
+        """trainer.shared_prefix: each row's prompt, computed once for the rows that share it."""
+        return prompt_lens(mb.response_mask, mb.attention_mask) if self.cfg.shared_prefix else None
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """With trainer.lora the reference model IS the frozen base: this model's logprobs with its adapters
@@ -120,6 +126,8 @@ class Actor:
             for start in range(0, n, mini_size):
                 glob = order[start:start + mini_size]
                 mine = glob[(glob >= offset) & (glob < offset + len(batch))] - offset
+                if self.cfg.shared_prefix:  # a prompt's samples in the same micro-batches (a mini-batch is a set)
+                    mine = mine[prompt_order(batch.select(mine))]
                 self.step_on(batch.select(mine), tally, batch)
         self.scheduler.step()
         if self.dp_group is not None:
@@ -164,7 +172,8 @@ class Actor:
             # entropy is reported every step; it carries gradient (and a graph) only when entropy_coef != 0
             logp, ent = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
                                        with_entropy=True, padding_free=self.cfg.padding_free,
-                                       tp_group=self.tp_group, entropy_grad=self.algo.entropy_coef != 0)
+                                       tp_group=self.tp_group, entropy_grad=self.algo.entropy_coef != 0,
+                                       prefix_lens=self._prefix_lens(mb))
         # no old_logp: this is the batch's only optimiser step (the driver's "update" source), so the proximal
         # policy is these very weights: its logprobs are this forward's, detached
         old = mb.old_logp if mb.old_logp is not None else logp.detach()

@@ -34,9 +34,18 @@ class TrainerConfig(Config):
     shuffle: bool = True  # shuffle sequences between mini-batches (seeded)
     bf16: bool = False  # autocast the forward to bf16; master weights and optimiser stay fp32
     padding_free: bool = False  # pack sequences into one row instead of padding
+    # with padding_free: the samples of a prompt compute its tokens once (exact: the same losses and gradients)
+    shared_prefix: bool = False
     # low-rank adapters on the decoder's linears (relayrl.models.lora); only the adapters train, the base
     # stays frozen (optionally in bf16). None: full fine-tuning
     lora: LoRAConfig | None = None
+
+
+    @model_validator(mode="after")
+    def _shared_prefix_is_packed(self) -> TrainerConfig:
+        if self.shared_prefix and not self.padding_free:
+            raise ValueError("shared_prefix: the shared prompt is a packed layout; set padding_free=true as well")
+        return self
 
 
 class CriticConfig(TrainerConfig):

@@ -10,6 +10,11 @@ sequence) with segment ids (attention stays within a sequence) and positions res
 sequence, so the linear layers spend nothing on padding; the result is unpacked to the padded
 [B, T] layout and equals the padded computation.
 
+Shared prefix (padding-free with prefix_lens): the G samples of a prompt hold the same prompt tokens; they are
+computed once, and each sample's response attends to them (parent segments, relayrl.models.transformer). A
+step then computes about P + G R tokens per prompt instead of G (P + R), with the same logprobs, losses and
+gradients.
+
 It imports torch, relayrl.models and relayrl.parallel only; like all of the trainer, it must never
 import the engine, sync, the controller or the CLI. The two sides share the definition, not code.
 """
@@ -23,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from relayrl.models import CausalLM
 from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
+from relayrl.trainer.batch import TrainBatch
 
 
 def _from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, tp_group=None,
@@ -56,18 +62,41 @@ def token_logprobs(
     padding_free: bool = False,
     tp_group=None,
     entropy_grad: bool = True,
+    prefix_lens: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp [B, T], entropy [B, T] or None) for right-padded rows; entropy is that of the
     temperature-scaled distribution at each token's position. entropy_grad=False: the entropy is a
     statistic (no gradient, no graph: backward keeps one [B, T, V] fp32 tensor fewer).
 
     tp_group: the model is tensor-parallel and returns vocab-sharded logits; the logprobs are then
-    computed shard-wise (relayrl.parallel.vocab_parallel), never gathering the vocabulary."""
+    computed shard-wise (relayrl.parallel.vocab_parallel), never gathering the vocabulary.
+
+    prefix_lens (padding-free only): row i's first prefix_lens[i] tokens may be shared; rows whose prefixes are
+    equal (the samples of one prompt) compute them once (see _packed_logprobs). The result is the same."""
     if padding_free:
-        return _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group, entropy_grad)
+        return _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group, entropy_grad,
+                                prefix_lens)
+    if prefix_lens is not None:
+        raise ValueError("prefix_lens needs padding_free=True (shared prefixes are a packed layout)")
     logits = model(input_ids, attention_mask=attention_mask)[:, :-1]
     logp, ent = _from_logits(logits, input_ids[:, 1:], temperature, with_entropy, tp_group, entropy_grad)
     return _shift_pad(logp), _shift_pad(ent)
+
+
+@torch.no_grad()
+def frozen_logprobs(model: CausalLM, batch: TrainBatch, temperature: float, micro_batch_size: int, *,
+                    padding_free: bool = False, shared_prefix: bool = False, tp_group=None) -> torch.Tensor:
+    """A frozen model's logprobs [B, T] of the batch's response tokens (0 elsewhere), in micro-batches of rows
+    (the reference model's pass; padding_free and shared_prefix as the trainer's settings)."""
+    order = prompt_order(batch) if shared_prefix else None
+    parts = []
+    for mb in (batch if order is None else batch.select(order)).split(micro_batch_size):
+        prefix = prompt_lens(mb.response_mask, mb.attention_mask) if shared_prefix else None
+        logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, padding_free=padding_free,
+                                 tp_group=tp_group, prefix_lens=prefix)
+        parts.append(logp * mb.response_mask)
+    out = torch.cat(parts)
+    return out if order is None else out[order.argsort()]
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -88,32 +117,113 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group=None, entropy_grad=True):
+def prompt_lens(response_mask: torch.Tensor, attention_mask: torch.Tensor) -> list[int]:
+    """Each row's tokens before its first loss token: what its prompt's samples share (a row without loss
+    tokens, all of its tokens)."""
+    has = response_mask.sum(-1) > 0
+    first = (response_mask > 0).float().argmax(-1)
+    return torch.where(has, first, attention_mask.sum(-1)).tolist()
+
+
+def computed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lens: list[int] | None) -> int:
+    """Tokens a padding-free forward computes: every row's real tokens, each shared prefix once."""
+    lengths = attention_mask.sum(-1).tolist()
+    if prefix_lens is None:
+        return int(sum(lengths))
+    prefix_lens = [min(p, n) for p, n in zip(prefix_lens, lengths, strict=True)]
+    return sum(p + sum(lengths[i] - p for i in rows) for p, rows in shared_prefix_groups(input_ids, prefix_lens))
+
+
+def prompt_order(batch: TrainBatch) -> torch.Tensor:
+    """A permutation of the batch's rows that puts the rows of each prompt next to each other (prompts in order
+    of first appearance), so that micro-batches of consecutive rows hold whole groups and share their prompts."""
+    groups = shared_prefix_groups(batch.input_ids, prompt_lens(batch.response_mask, batch.attention_mask))
+    return torch.tensor([i for _, rows in groups for i in rows], dtype=torch.long)
+
+
+def shared_prefix_groups(input_ids: torch.Tensor, prefix_lens: list[int]) -> list[tuple[int, list[int]]]:
+    """[(prefix length, rows)]: rows whose first prefix_lens[i] tokens are equal (the G samples of a prompt)
+    share one computation of them. A row whose prefix_lens is 0 is a group of its own with no prefix."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prefix_lens):
+        key = (p, *input_ids[i, :p].tolist()) if p > 0 else ("row", i)
+        groups.setdefault(key, []).append(i)
+    return [(key[0] if key[0] != "row" else 0, rows) for key, rows in groups.items()]
+
+
+def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group=None, entropy_grad=True,
+                     prefix_lens: list[int] | None = None):
+    """The padding-free forward; with prefix_lens, the shared-prefix one.
+
+    A unit is a group's prefix followed by every member's remaining tokens (without a prefix: one row's tokens),
+
+        tokens     [ p p p p | a a a | b b | c c c c ]   segments: the prefix's, then one per member whose
+        positions    0 1 2 3   4 5 6   4 5   4 5 6 7     parent is the prefix's (it attends to the prefix too)
+
+    so the prefix is computed once. Units are packed into rows first-fit (pack_rows). Each slot's logprob is
+    taken for the next token of its segment; the prefix's last slot predicts every member's first own token,
+    so the members after the first read it again with their own targets (one vocabulary row each). Token t of
+    row i is read at the slot holding its token t - 1."""
+    device, input_ids = input_ids.device, input_ids.cpu()  # the layout is built on the host, then moved
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
-    rows = pack_rows(lengths, max(lengths))
-    L = max(sum(lengths[i] for i in row) for row in rows)
-    packed = torch.zeros(len(rows), L, dtype=input_ids.dtype)
-    seg = torch.full((len(rows), L), -1)  # -1: the padding at the end of a row
-    pos = torch.zeros(len(rows), L, dtype=torch.long)
-    where = {}  # sequence -> (row, offset)
-    for r, row in enumerate(rows):
-        off = 0
-        for i in row:
-            n = lengths[i]
-            packed[r, off:off + n] = input_ids[i, :n]
-            seg[r, off:off + n] = i
-            pos[r, off:off + n] = torch.arange(n)
-            where[i] = (r, off)
-            off += n
-    logits = model(packed, attention_mask=(seg >= 0).long(), position_ids=pos, segment_ids=seg)[:, :-1]
-    logp_p, ent_p = _from_logits(logits, packed[:, 1:], temperature, with_entropy, tp_group, entropy_grad)
-    logp = torch.zeros(B, T, dtype=logp_p.dtype)
-    ent = torch.zeros(B, T, dtype=logp_p.dtype) if with_entropy else None
-    for i, (r, off) in where.items():
-        n = lengths[i]
-        # packed position off + t - 1 predicts token t of sequence i (t >= 1)
-        logp[i, 1:n] = logp_p[r, off:off + n - 1]
-        if with_entropy:
-            ent[i, 1:n] = ent_p[r, off:off + n - 1]
-    return logp, ent
+    prefix_lens = [0] * B if prefix_lens is None else [min(p, n) for p, n in zip(prefix_lens, lengths, strict=True)]
+    groups = shared_prefix_groups(input_ids, prefix_lens)
+    units = [p + sum(lengths[i] - p for i in rows) for p, rows in groups]  # what computed_tokens sums
+    placed = pack_rows(units, max(units))
+    L = max(sum(units[u] for u in row) for row in placed)
+    R = len(placed)
+    packed = torch.zeros(R * L, dtype=input_ids.dtype)
+    target = torch.zeros(R * L, dtype=input_ids.dtype)  # the next token of each slot's segment
+    seg = torch.full((R * L,), -1)  # -1: the padding at the end of a row
+    parent = torch.full((R * L,), -2)  # -2: no parent segment
+    pos = torch.zeros(R * L, dtype=torch.long)
+    src = torch.full((B, T), -1, dtype=torch.long)  # the slot whose logprob is token t's (-1: none)
+    extra_slot, extra_tgt, extra_of = [], [], []  # re-reads of a prefix's last slot: slot, target, (row, t)
+    for r, row in enumerate(placed):
+        off = r * L
+        for u in row:
+            p, members = groups[u]
+            g = B + u  # the prefix's segment id; a member's is its row index
+            if p > 0:
+                first = members[0]
+                packed[off:off + p] = input_ids[first, :p]
+                target[off:off + p - 1] = input_ids[first, 1:p]
+                seg[off:off + p], pos[off:off + p] = g, torch.arange(p)
+                src[members, 1:p] = torch.arange(off, off + p - 1)
+                last, off = off + p - 1, off + p
+                with_own = [i for i in members if lengths[i] > p]
+                if with_own:
+                    target[last] = input_ids[with_own[0], p]
+                    src[with_own[0], p] = last
+                for i in with_own[1:]:
+                    src[i, p] = last  # its entropy is the slot's; its logprob is re-read below
+                    extra_slot.append(last)
+                    extra_tgt.append(int(input_ids[i, p]))
+                    extra_of.append((i, p))
+            for i in members:
+                n, k = lengths[i], lengths[i] - p
+                packed[off:off + k] = input_ids[i, p:n]
+                target[off:off + k - 1] = input_ids[i, p + 1:n]
+                seg[off:off + k], parent[off:off + k], pos[off:off + k] = i, g, torch.arange(p, n)
+                if k > 1:
+                    src[i, p + 1:n] = torch.arange(off, off + k - 1)
+                off += k
+    packed, target, seg, parent, pos, src = (t.to(device) for t in (packed, target, seg, parent, pos, src))
+    logits = model(packed.view(R, L), attention_mask=(seg >= 0).long().view(R, L), position_ids=pos.view(R, L),
+                   segment_ids=seg.view(R, L), parent_ids=parent.view(R, L) if any(prefix_lens) else None)
+    logp_s, ent_s = _from_logits(logits, target.view(R, L), temperature, with_entropy, tp_group, entropy_grad)
+    logp_s = logp_s.reshape(-1)
+    has = src >= 0
+    ent = None
+    if with_entropy:
+        ent = torch.where(has, ent_s.reshape(-1)[src.clamp(min=0)], 0.0)
+    if extra_of:
+        local = logits.to_local() if isinstance(logits, DTensor) else logits
+        extra, _ = _from_logits(local.reshape(R * L, -1)[torch.tensor(extra_slot, device=device)],
+                                torch.tensor(extra_tgt, device=device), temperature, False, tp_group)
+        rows, cols = zip(*extra_of, strict=True)
+        src = src.clone()
+        src[list(rows), list(cols)] = torch.arange(R * L, R * L + len(extra_of), device=device)
+        logp_s = torch.cat([logp_s, extra])
+    return torch.where(has, logp_s[src.clamp(min=0)], 0.0), ent
