@@ -30,6 +30,7 @@ from relayrl.models import load_pretrained
 from relayrl.models.lora import apply_lora_config
 from relayrl.models.score import ScoreModel, from_causal_lm, load_score_model
 from relayrl.observe.comm_profile import CommProfile
+from relayrl.observe.device_memory import device_memory_metrics
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
@@ -86,7 +87,8 @@ class _ParallelModelWorker(Worker):
         self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
                                  world_size=self.world_size)
         mesh = self.dims.build_mesh(self.device.split(":")[0])
-        model = loader() if loader is not None else load_pretrained(model_dir)
+        # on this worker's device before any parallelism (TP / FSDP shard it there) and before the optimiser
+        model = (loader() if loader is not None else load_pretrained(model_dir)).to(self.device)
         if not trains and par.dp_mode == "ddp":
             return model  # DDP only syncs gradients: a frozen model is simply replicated
         return parallelize_model(model, self.dims, mesh, dp_mode=par.dp_mode,
@@ -152,7 +154,7 @@ class ActorWorker(_ParallelModelWorker):
     def update(self, batch: DataBatch, profile: bool = False) -> dict:
         with CommProfile(profile and self.rank == 0) as comm:  # rank 0's collectives (GroupPolicy returns its dict)
             stats = self.actor.update(to_train(batch))  # stats already reduced over data-parallel ranks
-        return stats | comm.metrics()
+        return stats | comm.metrics() | device_memory_metrics(self.device)  # CUDA: memory/* (rank 0's reported)
 
     @dispatch(Dispatch.RANK_ZERO)
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -214,8 +216,10 @@ class ReferenceWorker(_ParallelModelWorker):
     @dispatch(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: DataBatch) -> DataBatch:
-        return DataBatch({"ref_logp": frozen_logprobs(self.model, to_train(batch), self.temperature, self.micro,
-                                                      tp_group=self.tp_group, **self.packing)})
+        # the rows on this rank's device for the forward, the logprobs back on the host to travel
+        logp = frozen_logprobs(self.model, to_train(batch).to(self.device), self.temperature, self.micro,
+                               tp_group=self.tp_group, **self.packing)
+        return DataBatch({"ref_logp": logp.cpu()})
 
     def teardown(self) -> None:
         del self.model

@@ -27,6 +27,7 @@ from relayrl.controller.actor_workers import ActorWorker, CriticWorker, Referenc
 from relayrl.controller.engine_host import ActorHostedRanks
 from relayrl.models.config import ModelConfig
 from relayrl.parallel.config import ParallelConfig
+from relayrl.parallel.device import resolve_device
 from relayrl.single_controller.liveness import Deadlines, GroupOptions
 from relayrl.single_controller.placement import spawn_roles
 from relayrl.single_controller.resource_pool import ResourcePool
@@ -47,7 +48,8 @@ class GroupPolicy:
 
     def __init__(self, model_dir: str | Path, *, par: ParallelConfig, trainer_cfg, algo_cfg, total_steps: int,
                  temperature: float, seed: int, with_reference: bool, critic_cfg: CriticConfig | None = None):
-        pool = ResourcePool([par.world_size], name="actor")
+        device = resolve_device(par.device)  # worker r computes on <device>:r (cpu: every one on the host)
+        pool = ResourcePool([par.world_size], device=device, name="actor")
         placement = {"actor": pool}
         roles = {"actor": RoleSpec(ActorWorker, (str(model_dir), par, trainer_cfg, algo_cfg),
                                    dict(total_steps=total_steps, temperature=temperature, seed=seed))}
@@ -56,14 +58,14 @@ class GroupPolicy:
         if with_reference and not self.ref_in_actor:
             # colocated: one group whose processes host both roles; disaggregated: a pool of its own
             placement["reference"] = (pool if par.placement == "colocated"
-                                      else ResourcePool([par.world_size], name="reference"))
+                                      else ResourcePool([par.world_size], device=device, name="reference"))
             roles["reference"] = RoleSpec(ReferenceWorker, (str(model_dir), par),
                                           dict(temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
                                                seed=seed, padding_free=trainer_cfg.padding_free,
                                                shared_prefix=trainer_cfg.shared_prefix))
         if critic_cfg is not None:  # laid out like the actor: in its processes, or a pool of its own
-            placement["critic"] = pool if par.placement == "colocated" else ResourcePool([par.world_size],
-                                                                                         name="critic")
+            placement["critic"] = (pool if par.placement == "colocated"
+                                   else ResourcePool([par.world_size], device=device, name="critic"))
             roles["critic"] = RoleSpec(CriticWorker, (str(model_dir), par, critic_cfg, algo_cfg),
                                        dict(total_steps=total_steps, seed=seed))
         self.roles = spawn_roles(placement, roles, options=group_options(par))

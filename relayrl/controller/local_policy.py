@@ -22,6 +22,8 @@ from relayrl.engine.parallel_state import TPInfo
 from relayrl.engine.runner_groups import InProcessRunner
 from relayrl.models.config import ModelConfig
 from relayrl.observe.comm_profile import CommProfile
+from relayrl.observe.device_memory import device_memory_metrics
+from relayrl.parallel.device import module_device
 from relayrl.parallel.rendezvous import LOCALHOST
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch
@@ -75,13 +77,14 @@ class LocalPolicy:
         if self.ref_model is None:
             return None
         cfg = self.actor.cfg
-        return frozen_logprobs(self.ref_model, batch, self.temperature, self.micro, padding_free=cfg.padding_free,
-                               shared_prefix=cfg.shared_prefix)
+        logp = frozen_logprobs(self.ref_model, batch.to(module_device(self.ref_model)), self.temperature, self.micro,
+                               padding_free=cfg.padding_free, shared_prefix=cfg.shared_prefix)
+        return logp.to(batch.response_mask.device)  # the reference's device (a GPU) and back
 
     def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:
         with CommProfile(profile) as comm:  # one process: no collectives, time/update_comm is 0
             stats = self.actor.update(batch)
-        return stats | comm.metrics()
+        return stats | comm.metrics() | device_memory_metrics(self.actor.device)  # CUDA: memory/*
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         return self.critic.compute_values(batch)

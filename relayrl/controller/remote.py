@@ -38,7 +38,7 @@ from relayrl.single_controller.worker_group import WorkerGroup
 
 class RolloutWorker(Worker):
     def __init__(self, model_dir: str, engine_kwargs: dict):
-        self.engine = LLMEngine.from_pretrained(model_dir, **engine_kwargs)
+        self.engine = LLMEngine.from_pretrained(model_dir, device=self.device, **engine_kwargs)  # its pool's device
         self.agent: AgentLoop | None = None
 
     @dispatch(Dispatch.RANK_ZERO)
@@ -89,9 +89,9 @@ class RewardWorker(Worker):
 class RemoteEngine:
     """The engine in a rollout worker of its own (a RolloutEngine)."""
 
-    def __init__(self, model_dir, engine_kwargs: dict, options: GroupOptions):
-        self.group = WorkerGroup(ResourcePool([1], name="rollout"), RolloutWorker, str(model_dir), engine_kwargs,
-                                 options=options)
+    def __init__(self, model_dir, engine_kwargs: dict, options: GroupOptions, device: str = "cpu"):
+        self.group = WorkerGroup(ResourcePool([1], device=device, name="rollout"), RolloutWorker, str(model_dir),
+                                 engine_kwargs, options=options)
         self.tokenizer = load_tokenizer(model_dir)  # prompts are encoded by the driver
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.weights_version = 0

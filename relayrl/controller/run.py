@@ -56,6 +56,7 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.observe.loggers import LoggerOptions, require_loggers
 from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
+from relayrl.parallel.device import resolve_device
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
@@ -92,11 +93,13 @@ def build_engine(cfg: RunConfig, src: Path, policy: LocalPolicy | GroupPolicy) -
         return VLLMEngine(src, **kwargs)
     kwargs.update(max_num_seqs=r.max_num_seqs, block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes,
                   tensor_parallel_size=r.tp)
+    device = resolve_device(par.device)  # colocated ranks take the actor's device instead
     if par.rollout_worker:
-        return RemoteEngine(src, kwargs, group_options(par))
+        return RemoteEngine(src, kwargs, group_options(par), device=device)
     config, tokenizer = load_config(src), load_tokenizer(src)
     if par.placement == "disaggregated":
-        return LLMEngine(config, tokenizer, own_processes=True, group_options=group_options(par), **kwargs)
+        return LLMEngine(config, tokenizer, own_processes=True, group_options=group_options(par), device=device,
+                         **kwargs)
     return LLMEngine(config, tokenizer, runner_group=policy.host_engine(config, kwargs["dtype"], r.tp), **kwargs)
 
 
@@ -219,12 +222,13 @@ def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
     # trainer.lora: the reference is the actor's frozen base (its adapters off), not a second model
     ref_in_actor = with_ref and cfg.trainer.lora is not None
     if cfg.parallel.backend == "none":
-        actor = Actor(actor_model(str(src), cfg.trainer.lora, cfg.run.seed), cfg.trainer, cfg.algo,
+        device = resolve_device(cfg.parallel.device)  # every model on it before its optimiser is built
+        actor = Actor(actor_model(str(src), cfg.trainer.lora, cfg.run.seed).to(device), cfg.trainer, cfg.algo,
                       total_steps=cfg.run.steps, temperature=cfg.rollout.temperature, seed=cfg.run.seed)
-        ref = load_pretrained(src).eval().requires_grad_(False) if with_ref and not ref_in_actor else None
+        ref = load_pretrained(src).to(device).eval().requires_grad_(False) if with_ref and not ref_in_actor else None
         critic = None
         if cfg.critic is not None:
-            critic = Critic(critic_model(str(src), cfg.critic, cfg.run.seed), cfg.critic, cfg.algo,
+            critic = Critic(critic_model(str(src), cfg.critic, cfg.run.seed).to(device), cfg.critic, cfg.algo,
                             total_steps=cfg.run.steps, seed=cfg.run.seed)
         return LocalPolicy(actor, ref, temperature=cfg.rollout.temperature,
                            micro_batch_size=cfg.trainer.micro_batch_size, critic=critic, ref_in_actor=ref_in_actor)
@@ -272,6 +276,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
         raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a "
                         "new directory")
     require_loggers(cfg.run.sinks)  # a missing wandb / mlflow package: one line, before any process starts
+    resolve_device(cfg.parallel.device)  # parallel.device=cuda without a GPU: one line, before anything is written
     ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 import yaml
@@ -32,6 +33,7 @@ from relayrl.errors import DataError, UserError
 from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
+from relayrl.parallel.device import resolve_device
 from relayrl.rewards import RewardConfig, build_scorer
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
@@ -44,6 +46,7 @@ class SFTSection(Config):
     seed: int = 0
     out_dir: str = "runs/sft"
     tensorboard: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # as parallel.device: auto is cuda when torch sees a GPU
 
 
 class SFTJobConfig(Config):
@@ -85,6 +88,7 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     run_dir = Path(cfg.sft.out_dir)
     if (run_dir / "metrics.jsonl").exists():
         raise UserError(f"{run_dir} already holds a run; set sft.out_dir to a new directory")
+    device = resolve_device(cfg.sft.device, "sft.device")  # cuda without a GPU: one line, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
@@ -93,7 +97,7 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     train_set, eval_set = build_datasets(cfg.data)
     if any(ex.answer is None for ex in train_set):
         raise DataError("SFT needs an answer for every training example; set data.answer_field")
-    model = load_pretrained(src)
+    model = load_pretrained(src).to(device)
     trainer = SFTTrainer(model, cfg.trainer, cfg.sft.steps)
     sampler = PromptSampler(train_set, cfg.sft.seed)
     trace = demonstrations(cfg.env, tok) if cfg.env is not None else None
@@ -104,7 +108,7 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
         logger = MetricsLogger(run_dir, use_tensorboard=cfg.sft.tensorboard)
 
         def run_eval(step: int) -> dict:
-            engine = LLMEngine.from_model(model, tok, max_num_seqs=len(eval_set))
+            engine = LLMEngine.from_model(model, tok, max_num_seqs=len(eval_set), device=device)
             if cfg.env is not None:
                 agent = AgentLoop(engine, cfg.env)
                 try:

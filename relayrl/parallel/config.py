@@ -28,6 +28,10 @@ class ParallelConfig(Config):
     """How the trainer runs: in the driver's process, or as a worker group of dp x tp ranks."""
 
     backend: Literal["none", "local", "ray"] = "none"  # none: one process, the driver's own
+    # where the trainer's models (actor, reference, critic) and relayrl's engine compute: auto is cuda when torch
+    # sees a GPU, else cpu (relayrl.parallel.device.resolve_device; cuda without one is refused in one line).
+    # Worker process r takes cuda:r of its pool; the driver's own process (backend none) cuda:0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     dp_replicate: int = Field(1, ge=1)
     dp_shard: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)

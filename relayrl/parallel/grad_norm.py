@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
     grads = [p.grad for p in params if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float64)
+    # summed on the gradients' device (one host sync at the end, not one per parameter)
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
     for g in grads:
         n = torch.linalg.vector_norm(g, 2)
         sq += (n.full_tensor() if isinstance(n, DTensor) else n).double() ** 2

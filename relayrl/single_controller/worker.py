@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relayrl.parallel import launch
-from relayrl.parallel.dims import ParallelDims, backend_for
+from relayrl.parallel.device import process_group_backend
+from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.rendezvous import LOCALHOST, StoreAddress
 from relayrl.single_controller.dispatch import DPInfo
 
@@ -83,7 +84,8 @@ class Worker:
         return self._info.store.host if self._info.store is not None else LOCALHOST
 
     def init_distributed(self, backend: str | None = None, timeout_s: float = 300.0) -> None:
-        """Join the group's default process group (gloo on CPU, nccl on CUDA unless `backend` says).
+        """Join the group's default process group (gloo on CPU; on CUDA nccl, with gloo for CPU tensors:
+        relayrl.parallel.device.process_group_backend), unless `backend` says.
 
         Collective: every worker of the group must call it (typically in __init__). A no-op when
         the process already joined, so colocated roles may each call it."""
@@ -95,7 +97,7 @@ class Worker:
             raise RuntimeError(f"{type(self).__name__} was not created by a WorkerGroup (no rendezvous "
                                "address); build it through WorkerGroup, or skip init_distributed when running it "
                                "in one process")
-        launch.init_process_group(self.rank, self.world_size, backend=backend or backend_for(self.device),
+        launch.init_process_group(self.rank, self.world_size, backend=backend or process_group_backend(self.device),
                                   store=self._info.store, timeout_s=timeout_s)
 
     def dp_info(self) -> DPInfo:

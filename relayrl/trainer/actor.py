@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from relayrl.algorithms import AlgoConfig, mismatch_stats, policy_objective
 from relayrl.models import CausalLM
 from relayrl.models.lora import set_lora_enabled
+from relayrl.parallel.device import module_device
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.grad_norm import clip_grad_norm
 from relayrl.trainer.batch import TrainBatch
@@ -43,6 +44,7 @@ class Actor:
     def __init__(self, model: CausalLM, cfg: TrainerConfig, algo: AlgoConfig, *, total_steps: int,
                  temperature: float = 1.0, seed: int = 0, dims: ParallelDims | None = None):
         self.model = model
+        self.device = module_device(model)  # micro-batches go here; autocast takes its type
         self.cfg, self.algo = cfg, algo
         self.temperature = temperature
         self.dp_group = dims.dp_mesh.get_group() if dims is not None and dims.dp > 1 else None
@@ -51,7 +53,7 @@ class Actor:
         self.shuffle_gen = torch.Generator().manual_seed(seed)
 
     def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.bf16 else contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else contextlib.nullcontext()
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs [B, T] under the current weights, in micro-batches (no grad)."""
@@ -88,13 +90,13 @@ class Actor:
                 out = forward(mb).float()
             if real:
                 parts.append(out * mb.response_mask)
-        return torch.cat(parts) if parts else torch.zeros_like(batch.response_mask)
+        return torch.cat(parts).to(batch.response_mask.device) if parts else torch.zeros_like(batch.response_mask)
 
     def _micro_batches(self, rows: TrainBatch, template: TrainBatch):
         """Split `rows` into the SAME number of micro-batches on every data-parallel rank (FSDP and
         DDP run collectives in each forward / backward, so all ranks must run as many); a rank with
         too few rows runs a stand-in row whose mask is zero (no loss, no gradient, no stats).
-        Yields (micro-batch, is_real)."""
+        Yields (micro-batch on the model's device, is_real)."""
         k = max(1, -(-len(rows) // self.cfg.micro_batch_size))
         if self.dp_group is not None:
             t = torch.tensor([k])
@@ -103,10 +105,10 @@ class Actor:
         bounds = [len(rows) * i // k for i in range(k + 1)]
         for a, b in itertools.pairwise(bounds):
             if b > a:
-                yield rows.select(slice(a, b)), True
+                yield rows.select(slice(a, b)).to(self.device), True
             else:
                 stand_in = template.select(slice(0, 1))
-                yield stand_in.replace(response_mask=torch.zeros_like(stand_in.response_mask)), False
+                yield stand_in.replace(response_mask=torch.zeros_like(stand_in.response_mask)).to(self.device), False
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over the batch in mini-batches. Under data parallelism every rank draws the

@@ -47,6 +47,14 @@ class TrainBatch:
             for f in dataclasses.fields(self)
         })
 
+    def to(self, device: str | torch.device) -> TrainBatch:
+        """Every tensor field on `device` (no copy where one already is): the one place a micro-batch goes to
+        its model's device before the forward."""
+        return TrainBatch(**{
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+            for f in dataclasses.fields(self)
+        })
+
     def split(self, size: int) -> list[TrainBatch]:
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
 

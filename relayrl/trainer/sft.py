@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from relayrl.models import CausalLM
+from relayrl.parallel.device import module_device
 from relayrl.parallel.grad_norm import clip_grad_norm
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
@@ -24,6 +25,7 @@ from relayrl.trainer.optim import build_optimizer
 class SFTTrainer:
     def __init__(self, model: CausalLM, cfg: TrainerConfig, total_steps: int):
         self.model, self.cfg = model, cfg
+        self.device = module_device(model)  # micro-batches go here; autocast takes its type
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
@@ -32,8 +34,8 @@ class SFTTrainer:
         num_tokens = batch.response_mask.sum().clamp(min=1)
         total = 0.0
         for mb in batch.split(self.cfg.micro_batch_size):
-            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.bf16 else torch.autocast("cpu", enabled=False)
-            with ctx:
+            mb = mb.to(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 logp, _ = token_logprobs(self.model, mb.input_ids, mb.attention_mask,
                                          padding_free=self.cfg.padding_free)
             loss = -(logp * mb.response_mask).sum() / num_tokens
