@@ -8,7 +8,7 @@ import json
 import pytest
 
 from relayrl.errors import ConfigError
-from relayrl.models.config import ModelShape
+from relayrl.models.config import ModelShape, MoEShape
 from relayrl.models.flops import train_flops
 from relayrl.planner import Layout, Workload, make_plan, train_memory
 from relayrl.planner.activations import layer_terms
@@ -16,7 +16,7 @@ from relayrl.planner.comm import Network, step_collectives
 from relayrl.planner.compute import flops_per_token
 from relayrl.planner.kv import engine_weight_bytes
 from relayrl.planner.memory import stage_summary, stage_tensors
-from relayrl.planner.moe import MOE_PRESETS, MoEShape, moe_shape_from_hf
+from relayrl.planner.moe import MOE_PRESETS, moe_shape_from_hf
 from relayrl.planner.search import layouts, preset_shape
 from relayrl.sync.presets import preset
 

@@ -66,9 +66,9 @@ It imports the planner's modules and relayrl.models.config only.
 
 from __future__ import annotations
 
-from relayrl.models.config import ModelShape
+from relayrl.models.config import ModelShape, MoEShape
 from relayrl.planner.layout import Layout
-from relayrl.planner.moe import MoEShape, moe_mlp_terms
+from relayrl.planner.moe import moe_mlp_terms
 from relayrl.planner.workload import Workload
 
 

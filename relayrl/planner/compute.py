@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relayrl.models.config import ModelShape
+from relayrl.models.config import ModelShape, MoEShape
 from relayrl.models.flops import (
     adapter_params,
     attention_flops_per_key,
@@ -39,7 +39,7 @@ from relayrl.models.flops import (
     train_flops,
 )
 from relayrl.planner.layout import Layout
-from relayrl.planner.moe import MoEShape, router_params
+from relayrl.planner.moe import router_params
 from relayrl.planner.workload import Workload
 
 __all__ = ["KERNEL_EFFICIENCY", "PEAK_TFLOPS", "StepTime", "adapter_params", "bubble", "flops_per_token",

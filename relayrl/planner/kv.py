@@ -32,8 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relayrl.errors import ConfigError
-from relayrl.models.config import ModelShape
-from relayrl.planner.moe import MoEShape
+from relayrl.models.config import ModelShape, MoEShape
 from relayrl.planner.workload import DTYPE_BYTES
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.layout import EngineLayout, engine_heads, engine_param_shapes

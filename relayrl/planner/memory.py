@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from relayrl.errors import ConfigError
-from relayrl.models.config import ModelShape
+from relayrl.models.config import ModelShape, MoEShape
 from relayrl.planner.layout import Layout
-from relayrl.planner.moe import MoEShape, is_expert_tensor, moe_layer_tensors, plan_shape
+from relayrl.planner.moe import is_expert_tensor, moe_layer_tensors, plan_shape
 from relayrl.planner.workload import Workload
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.layout import TrainerLayout, trainer_holdings

@@ -1,8 +1,9 @@
 """Mixture-of-experts shapes for the plan, and what expert parallelism (EP) does to a rank's share.
 
-relayrl's trainer has no MoE model yet; the plan counts one from its config alone, the way the dense
-decoder is counted, so that a cluster can be sized before the model runs. Every decoder layer is an MoE
-layer (Qwen3-MoE, Qwen2-MoE with decoder_sparse_step 1, Mixtral): attention as in the dense model, then
+The plan counts an MoE model (relayrl.models.moe) from its config alone, the way the dense decoder is
+counted, so that a cluster can be sized before the model runs. Every decoder layer is an MoE layer (Qwen3-MoE,
+Qwen2-MoE with decoder_sparse_step 1, Mixtral, whose tensors are named block_sparse_moe.experts.{j}.w1/w3/w2 in
+its checkpoints; the plan counts them under the Qwen names): attention as in the dense model, then
 
     router       mlp.gate.weight [E, h]                         every token: softmax over E, top-k
     experts      mlp.experts.{j}.{gate,up}_proj.weight [I, h], .down_proj.weight [h, I]   (I = moe_intermediate)
@@ -27,50 +28,16 @@ dropless, no capacity factor; the profiler's moe/load_max_over_mean says how far
                    (relayrl.models.flops on the dense shape whose MLP is k I + I_s wide, plus 6 h E per layer)
     engine         experts sharded by the engine's TP like a dense MLP E I + I_s wide, the router replicated
 
-It imports relayrl.errors and relayrl.models.config only.
+It imports relayrl.errors and relayrl.models.config (where MoEShape lives) only.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 from relayrl.errors import ConfigError
-from relayrl.models.config import ModelShape
+from relayrl.models.config import ModelShape, MoEShape
 
-
-@dataclass(kw_only=True, unsafe_hash=True)
-class MoEShape(ModelShape):
-    """A ModelShape whose every layer's MLP is a router over num_experts SwiGLU experts (HF config names)."""
-
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int = 0
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
-                              f"{self.num_experts}")
-        if self.moe_intermediate_size < 1:
-            raise ConfigError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
-
-    def active_shape(self) -> ModelShape:
-        """The dense shape whose FLOPs per token are this model's (router aside): an MLP k I + I_s wide."""
-        return dataclasses.replace(ModelShape.of(self), intermediate_size=self.routed_width + self.shared_width)
-
-    def total_shape(self) -> ModelShape:
-        """The dense shape holding every expert: an MLP E I + I_s wide (the engine's weights, router aside)."""
-        return dataclasses.replace(ModelShape.of(self),
-                                   intermediate_size=self.num_experts * self.moe_intermediate_size + self.shared_width)
-
-    @property
-    def routed_width(self) -> int:
-        return self.num_experts_per_tok * self.moe_intermediate_size
-
-    @property
-    def shared_width(self) -> int:
-        return self.shared_expert_intermediate_size
+DENSE_LAYERS_REFUSED = ("relayrl plan models MoE checkpoints whose every layer is MoE; this config has dense layers "
+                        "between them (decoder_sparse_step / mlp_only_layers / first_k_dense_replace)")
 
 
 def is_moe(shape: ModelShape) -> bool:
@@ -78,8 +45,13 @@ def is_moe(shape: ModelShape) -> bool:
 
 
 def plan_shape(shape: ModelShape) -> ModelShape:
-    """What the planner's cached tables take: an MoEShape as it is, anything else as its ModelShape."""
-    return shape if isinstance(shape, MoEShape) else ModelShape.of(shape)
+    """What the planner's cached tables take: an MoEShape (of an MoEConfig too), anything else as its ModelShape.
+    Dense layers between MoE ones are refused, as in moe_shape_from_hf."""
+    if not isinstance(shape, MoEShape):
+        return ModelShape.of(shape)
+    if not shape.every_layer_moe:
+        raise ConfigError(DENSE_LAYERS_REFUSED)
+    return MoEShape.of(shape)
 
 
 def moe_shape_from_hf(d: dict) -> MoEShape:
@@ -90,8 +62,7 @@ def moe_shape_from_hf(d: dict) -> MoEShape:
         raise ConfigError("config.json has no num_experts / num_local_experts: not an MoE model")
     step = d.get("decoder_sparse_step", 1)
     if step != 1 or d.get("mlp_only_layers") or d.get("first_k_dense_replace"):
-        raise ConfigError("relayrl plan models MoE checkpoints whose every layer is MoE; this config has dense "
-                          "layers between them (decoder_sparse_step / mlp_only_layers / first_k_dense_replace)")
+        raise ConfigError(DENSE_LAYERS_REFUSED)
     heads = d["num_attention_heads"]
     hidden = d["hidden_size"]
     # Mixtral's experts are intermediate_size wide; Qwen's MoE layers use moe_intermediate_size

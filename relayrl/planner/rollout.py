@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relayrl.models.config import ModelShape
+from relayrl.models.config import ModelShape, MoEShape
 from relayrl.models.flops import generate_flops
 from relayrl.planner.kv import engine_kv, engine_weight_bytes
 from relayrl.planner.memory import TrainMemory
-from relayrl.planner.moe import MoEShape, mlp_widths, router_params
+from relayrl.planner.moe import mlp_widths, router_params
 from relayrl.planner.workload import DTYPE_BYTES
 from relayrl.sync.adapters import AdapterShape
 

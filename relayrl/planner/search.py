@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from relayrl.errors import ConfigError
-from relayrl.models.config import ModelShape
+from relayrl.models.config import ModelShape, MoEShape
 from relayrl.planner.comm import Collective, Network, step_collectives
 from relayrl.planner.compute import StepTime, step_time
 from relayrl.planner.layout import Layout
 from relayrl.planner.memory import TrainMemory, adapter_shape, stage_layers, stage_summary, train_memory
-from relayrl.planner.moe import MOE_PRESETS, MoEShape, mlp_widths, plan_shape
+from relayrl.planner.moe import MOE_PRESETS, mlp_widths, plan_shape
 from relayrl.planner.rollout import GIB, Engine, RolloutOption, placement, rollout_options
 from relayrl.planner.workload import Workload
 from relayrl.sync.presets import PRESETS
