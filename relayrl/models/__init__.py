@@ -14,17 +14,21 @@ from relayrl.lazy import lazy_exports
 
 _EXPORTS = {
     "ModelConfig": "relayrl.models.config",
+    "MoEConfig": "relayrl.models.config",
+    "Routing": "relayrl.models.moe",
     "CausalLM": "relayrl.models.transformer",
     "load_config": "relayrl.models.hf_io",
     "load_pretrained": "relayrl.models.hf_io",
     "load_state_dict": "relayrl.models.hf_io",
     "save_pretrained": "relayrl.models.hf_io",
 }
-__all__ = ["CausalLM", "ModelConfig", "load_config", "load_pretrained", "load_state_dict", "save_pretrained"]
+__all__ = ["CausalLM", "ModelConfig", "MoEConfig", "Routing", "load_config", "load_pretrained", "load_state_dict",
+           "save_pretrained"]
 
 if TYPE_CHECKING:
-    from relayrl.models.config import ModelConfig
+    from relayrl.models.config import ModelConfig, MoEConfig
     from relayrl.models.hf_io import load_config, load_pretrained, load_state_dict, save_pretrained
+    from relayrl.models.moe import Routing
     from relayrl.models.transformer import CausalLM
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,5 +1,7 @@
 """This module reads and writes Hugging Face model directories (config.json + safetensors, one file or
-sharded with `model.safetensors.index.json`), so the same code path serves tiny and real models.
+sharded with `model.safetensors.index.json`), so the same code path serves tiny and real models. MoE experts
+are written one tensor per expert, as the published checkpoints are; transformers 5's stacked layout
+(`save_original_format=False`) is read too (relayrl.models.moe.unstack_experts).
 
 It imports torch, safetensors, the models' own modules and relayrl.errors only; it must never import
 another relayrl layer: models hold no parallelism, and every layer above imports them.
@@ -17,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from relayrl.errors import ModelDirError
-from relayrl.models.config import ModelConfig
+from relayrl.models.config import ModelConfig, MoEConfig
+from relayrl.models.moe import unstack_experts
 from relayrl.models.rope import rope_inv_freq
 from relayrl.models.transformer import CausalLM
 
@@ -87,6 +90,8 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     # built on the meta device (no wasted random init); the rope buffer is not in the checkpoint
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     sd = load_state_dict(path)
+    if isinstance(cfg, MoEConfig):
+        sd = unstack_experts(sd, cfg)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
         model.lm_head.weight = model.model.embed_tokens.weight

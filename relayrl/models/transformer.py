@@ -1,4 +1,5 @@
-"""This module defines a plain decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
+"""This module defines a plain decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families, and
+with relayrl.models.moe's block in place of the MLP for the Qwen2-MoE / Qwen3-MoE / Mixtral families.
 
 Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj.weight`), so a
 checkpoint loads by name and the sync layer can speak of logical tensors. No parallelism lives here:
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relayrl.models.config import ModelConfig
+from relayrl.models.config import ModelConfig, MoEShape
+from relayrl.models.moe import Routing, SparseMoeBlock, moe_block_name
 from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -100,11 +102,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        # an MoE layer's block sits where the MLP would, under its family's checkpoint name (relayrl.models.moe)
+        self.moe = isinstance(cfg, MoEShape) and cfg.is_moe_layer(layer)
+        self.ffn_name = moe_block_name(cfg) if self.moe else "mlp"
+        if self.moe:
+            self.add_module(self.ffn_name, SparseMoeBlock(cfg, cfg.moe_layers.index(layer)))
+        else:
+            self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, kv_cache):
+    def forward(self, x, cos, sin, mask, kv_cache, routing: Routing | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ffn = getattr(self, self.ffn_name)
+        h = self.post_attention_layernorm(x)
+        return x + (ffn(h, routing) if self.moe else ffn(h))
 
 
 class DecoderModel(nn.Module):
@@ -174,6 +184,7 @@ class CausalLM(nn.Module):
         return_hidden: bool = False,
         segment_ids: torch.Tensor | None = None,
         parent_ids: torch.Tensor | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """Logits [B, q, V] for `input_ids` [B, q].
 
@@ -182,6 +193,7 @@ class CausalLM(nn.Module):
         return_hidden: return the final normed hidden states instead of logits.
         segment_ids: [B, q] packed sequences (give position_ids restarting at each segment).
         parent_ids: [B, q] with segment_ids: each token also sees its parent segment (see build_attention_mask).
+        routing: MoE models only: experts to replay and/or the routers' record (relayrl.models.moe.Routing).
         """
         B, q_len = input_ids.shape
         past_len = kv_cache.past_len if kv_cache is not None else 0
@@ -194,7 +206,7 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, h.dtype)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, mask, kv_cache)
+            h = layer(h, cos, sin, mask, kv_cache, routing)
         h = self.model.norm(h)
         return h if return_hidden else self.lm_head(h)
 
