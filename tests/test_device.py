@@ -153,3 +153,16 @@ def test_a_run_on_parallel_device_cpu_equals_the_default_run(tmp_path, monkeypat
         figures = {k for k in x if not k.startswith(("time/", "throughput/", "comm/", "flops/", "rollout/straggler"))}
         assert {k: x[k] for k in figures} == {k: y[k] for k in figures}  # bit for bit: loss, grad_norm, rewards
         assert not any(k.startswith("memory/") for k in x)  # CUDA figures only
+
+
+def test_mfu_peaks_are_those_of_the_device_the_roles_compute_on(tmp_path, monkeypatch):
+    from relayrl.controller import step_cost
+
+    asked = []
+    monkeypatch.setattr(step_cost, "matmul_peak", lambda device, dtype, threads: asked.append((device, dtype)) or 1.0)
+    monkeypatch.setattr(step_cost, "resolve_device", lambda setting: {"auto": "cuda", "cpu": "cpu"}[setting])
+    step_cost.role_peaks(cfg_for(tmp_path, "gpu", trainer={"bf16": True}, rollout={"engine_dtype": "bfloat16"}))
+    assert asked == [("cuda", "bfloat16"), ("cuda", "bfloat16")]  # not the host's peak under a GPU's FLOPs
+    asked.clear()
+    step_cost.role_peaks(cfg_for(tmp_path, "host", parallel={"device": "cpu"}))
+    assert asked == [("cpu", "float32"), ("cpu", "float32")]

@@ -48,6 +48,7 @@ from relayrl.engine.outputs import RequestOutput, SampleCost
 from relayrl.models.config import ModelShape
 from relayrl.models.flops import forward_flops, generate_flops, lora_train_flops, train_flops
 from relayrl.observe.peak import matmul_peak
+from relayrl.parallel.device import resolve_device
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.logprobs import computed_tokens, prompt_lens
@@ -82,10 +83,12 @@ def straggler_share(costs: list[SampleCost]) -> float | None:
 
 def role_peaks(cfg: RunConfig) -> dict[str, tuple[float, int]]:
     """{"trainer" | "engine": (one rank's matmul peak in GFLOP/s, ranks)}. A role in the driver's own process
-    runs torch's threads there; a worker rank runs GroupOptions' threads (the worker groups' setting)."""
+    runs torch's threads there; a worker rank runs GroupOptions' threads (the worker groups' setting). Both
+    of relayrl's roles compute on parallel.device (a GPU's peak on CUDA, where the threads do not matter)."""
     par, r = cfg.parallel, cfg.rollout
     here, worker = torch.get_num_threads(), GroupOptions().threads
-    out = {"trainer": (matmul_peak("cpu", "bfloat16" if cfg.trainer.bf16 else "float32",
+    device = resolve_device(par.device)
+    out = {"trainer": (matmul_peak(device, "bfloat16" if cfg.trainer.bf16 else "float32",
                                    here if par.backend == "none" else worker),
                        1 if par.backend == "none" else par.world_size)}
     if r.backend == "vllm":
@@ -93,7 +96,7 @@ def role_peaks(cfg: RunConfig) -> dict[str, tuple[float, int]]:
         out["engine"] = (matmul_peak(device, r.engine_dtype, here), 1)
     else:
         in_driver = par.backend == "none" and par.placement == "colocated" and not par.rollout_worker
-        out["engine"] = (matmul_peak("cpu", r.engine_dtype, here if in_driver else worker), r.tp)
+        out["engine"] = (matmul_peak(device, r.engine_dtype, here if in_driver else worker), r.tp)
     return out
 
 
