@@ -137,13 +137,18 @@ def test_tensor_parallel_logits_equal_tp1(heads, kv, tp):
         par.close()
 
 
-def test_stats_report_hits_and_peak_block_fill(tiny_model):
-    eng = engine(tiny_model)
+@pytest.mark.parametrize("fork", [False, True])
+def test_stats_report_hits_and_peak_block_fill(tiny_model, fork):
+    eng = engine(tiny_model, fork_samples=fork)
     shared = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # 9 tokens: two full blocks of 4 and one token
     eng.generate([shared], SamplingParams(n=4, temperature=1.0, max_tokens=3, ignore_eos=True, seed=0))
     st = eng.stats()
-    # 4 samples x 9 prompt tokens queried; samples 2-4 reuse the 2 full blocks (8 tokens each)
-    assert st["engine/prefix_hit_rate"] == pytest.approx(3 * 8 / 36)
+    if fork:  # one prefill of 9 tokens, 3 samples forked from it (no lookup: no hit)
+        assert st["engine/prefix_hit_rate"] == 0 and st["engine/prefill_tokens"] == 9
+        assert st["engine/forked_samples"] == 3
+    else:  # 4 samples x 9 prompt tokens queried; samples 2-4 reuse the 2 full blocks (8 tokens each)
+        assert st["engine/prefix_hit_rate"] == pytest.approx(3 * 8 / 36)
+        assert st["engine/prefill_tokens"] == 9 + 3 and st["engine/forked_samples"] == 0
     # at the peak (last decode step) 2 shared full blocks + 4 private blocks holding 3 of 4 slots
     # (token 9 plus two generated; the third is sampled but never written)
     assert st["engine/peak_blocks_used"] == pytest.approx(6 / 512)

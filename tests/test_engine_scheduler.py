@@ -2,7 +2,9 @@
 
 The fake engine stands in for the model runner and postprocess. Its "KV cache" maps a slot to the
 fingerprint of the token it holds (the whole prefix up to that token), so any shared, evicted or
-recycled block that would give attention wrong KV fails an assertion.
+recycled block that would give attention wrong KV fails an assertion — a forked sample writing into
+the block it shares with a sibling included (the copies copy-on-write asks for are done first, as the
+model runner does them).
 """
 
 from types import SimpleNamespace
@@ -36,9 +38,17 @@ class FakeEngine:
 
     def step(self):
         seqs, is_prefill = self.scheduler.schedule()
+        bs = self.scheduler.block_manager.block_size
+        for src, dst in self.scheduler.block_manager.take_copies():
+            for o in range(bs):
+                self.kv[dst * bs + o] = self.kv.get(src * bs + o)
         for s in seqs:
             assert s.status is SequenceStatus.RUNNING
             assert len(s.block_table) == s.num_blocks  # a slot for every token, the newest included
+            if is_prefill and s.fork_parent is not None:  # a fork computes nothing: its parent does, now
+                assert s.fork_parent in seqs and s.fork_parent.fork_parent is None
+                assert s.block_table == s.fork_parent.block_table and s.num_cached_tokens == s.num_tokens
+                continue
             assert s.num_cached_tokens <= s.num_tokens - 1
             start = s.num_cached_tokens if is_prefill else s.num_tokens - 1
             self.prefills_with_completion += is_prefill and s.num_completion_tokens > 0
@@ -82,9 +92,9 @@ def test_prefill_token_budget_and_huge_prompt():
 
 
 def test_group_samples_charge_only_uncached_tokens():
-    # 4 samples of a 9-token prompt, blocks of 4: the first costs 9 new tokens, the others 1 each
-    # (8 are prefix hits); budget 20 admits all 4 (9, 9+9 <= 20 -> 10, 10+9 -> 11, 11+9 -> 12)
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=20)
+    # without forks: 4 samples of a 9-token prompt, blocks of 4: the first costs 9 new tokens, the others
+    # 1 each (8 are prefix hits); budget 20 admits all 4 (9, 9+9 <= 20 -> 10, 10+9 -> 11, 11+9 -> 12)
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=20, fork_samples=False)
     group = [make_seq(i, range(100, 109), sample_index=i) for i in range(4)]
     for s in group:
         sched.add(s)
@@ -92,6 +102,70 @@ def test_group_samples_charge_only_uncached_tokens():
     assert is_prefill and batch == group
     assert [s.num_cached_tokens for s in group] == [0, 8, 8, 8]
     assert sched.block_manager.hit_rate == pytest.approx(24 / 36)
+    assert sched.num_prefill_tokens == 12 and sched.block_manager.num_free_blocks == 64 - 2 - 4
+
+
+def test_forked_samples_share_every_block_and_cost_nothing():
+    # the same 4 samples forked: the first costs 9 tokens and 3 blocks; the others share all 3 (the partial
+    # third too), with all 9 tokens computed; no lookup, so no hit; a budget of 9 still admits them all
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=9)
+    group = [make_seq(i, range(100, 109), sample_index=i) for i in range(4)]
+    other = make_seq(9, range(100, 109), request_id=1)  # the same prompt in another request: not forked
+    for s in group + [other]:
+        sched.add(s)
+    batch, _ = sched.schedule()
+    assert batch == group and list(sched.waiting) == [other]  # 9 + 9 > 9: the next request waits
+    assert [s.num_cached_tokens for s in group] == [0, 9, 9, 9]
+    assert [s.fork_parent for s in group] == [None] + [group[0]] * 3
+    assert all(s.block_table == group[0].block_table for s in group)
+    assert [bm.blocks[b].ref_count for b in group[0].block_table] == [4, 4, 4]
+    assert bm.num_free_blocks == 61 and sched.num_prefill_tokens == 9 and sched.num_forks == 3
+    assert bm.hit_rate == 0 and bm.forked_tokens == 27
+    batch, _ = sched.schedule()  # the other request: its full blocks are prefix hits, not a fork
+    assert batch == [other] and other.fork_parent is None and other.num_cached_tokens == 8
+
+
+@pytest.mark.parametrize("prompt_len", [9, 8])  # a shared partial last block, or only full ones
+def test_copy_on_write_on_the_first_decode(prompt_len):
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    group = [make_seq(i, range(prompt_len), max_tokens=6, sample_index=i) for i in range(3)]
+    for s in group:
+        sched.add(s)
+    engine = FakeEngine(sched)
+    engine.step()                              # one prefill; 3 samples, 3 different first tokens
+    full, last = group[0].block_table[:2], group[0].block_table[-1]
+    batch, is_prefill = sched.schedule()       # decode: each writes its first token's KV
+    assert batch == group and not is_prefill
+    copies = bm.take_copies()
+    if prompt_len == 9:                        # the first two get copies of the shared block, the third keeps it
+        assert [s.block_table[:2] for s in group] == [full] * 3 and group[2].block_table[-1] == last
+        assert copies == [(last, group[0].block_table[-1]), (last, group[1].block_table[-1])]
+        assert len({s.block_table[-1] for s in group}) == 3 and bm.blocks[last].ref_count == 1
+    else:                                      # the newest token opens a block: nothing to copy
+        assert copies == [] and [s.block_table[:2] for s in group] == [group[0].block_table[:2]] * 3
+        assert len({s.block_table[-1] for s in group}) == 3
+    assert bm.may_append(group[0]) is None and bm.take_copies() == []  # idempotent
+    sched.abort({s.seq_id for s in group})
+    assert bm.num_free_blocks == 16 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_copy_on_write_needs_a_free_block_or_preempts():
+    # 3 blocks: a 5-token prompt (2 blocks) forked twice leaves 1 free; the first decode needs 2 copies:
+    # the first sample takes the free block, the last running one (a sibling) is preempted, the middle
+    # one is then its shared block's last holder and writes in place
+    bm = BlockManager(3, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    group = [make_seq(i, range(5), max_tokens=3, sample_index=i) for i in range(3)]
+    for s in group:
+        sched.add(s)
+    engine = FakeEngine(sched)
+    engine.step()
+    assert bm.num_free_blocks == 1 and bm.can_append(group[0])
+    assert engine.step() == (group[:2], False)
+    assert sched.num_preemptions == 1 and list(sched.waiting) == [group[2]]
+    assert engine.run() and all(s.is_finished for s in group) and bm.num_free_blocks == 3
 
 
 def test_max_num_seqs_bounds_running_and_prefill_comes_first():
@@ -159,10 +233,11 @@ def test_preempt_itself_when_batch_mates_hold_the_pool():
     assert sched.num_preemptions == 1 and list(sched.waiting) == [b] and b.block_table == []
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_tiny_pool_preempts_yet_everything_finishes_unchanged(prefix_caching):
+@pytest.mark.parametrize("prefix_caching,fork", [(True, True), (False, True), (True, False)])
+def test_tiny_pool_preempts_yet_everything_finishes_unchanged(prefix_caching, fork):
     def run(num_blocks):
-        sched = Scheduler(BlockManager(num_blocks, 4, prefix_caching), max_num_seqs=4, max_num_batched_tokens=64)
+        sched = Scheduler(BlockManager(num_blocks, 4, prefix_caching), max_num_seqs=4, max_num_batched_tokens=64,
+                          fork_samples=fork)
         # 2 prompts x 3 samples; 5 prompt + 12 completion tokens -> up to 16 with KV = 4 blocks each
         seqs = [
             make_seq(3 * p + g, range(10 * p, 10 * p + 5), max_tokens=12, sample_index=g, request_id=p)

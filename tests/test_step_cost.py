@@ -37,7 +37,7 @@ def test_small_config_by_hand():
 
 def test_engine_counts_each_samples_tokens_keys_and_steps():
     eng = LLMEngine.from_model(perturbed_model(small_config()), num_blocks=64, block_size=4,
-                               enable_prefix_caching=False)
+                               enable_prefix_caching=False, fork_samples=False)  # forks: test_engine_fork.py
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
     budgets = [2, 6]
     params = [SamplingParams(n=2, max_tokens=m, ignore_eos=True, seed=i) for i, m in enumerate(budgets)]
@@ -66,7 +66,7 @@ def test_prefix_cache_hits_are_not_counted():
     # block size 4, a prompt of 9 tokens, two samples: the first computes all 9, the second finds the first's
     # two full blocks (8 tokens) cached and computes the 9th only (the last token's block is never a hit)
     eng = LLMEngine.from_model(perturbed_model(small_config()), num_blocks=64, block_size=4,
-                               enable_prefix_caching=True)
+                               enable_prefix_caching=True, fork_samples=False)  # forks: test_engine_fork.py
     out = eng.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]], SamplingParams(n=2, max_tokens=3, ignore_eos=True, seed=1))
     a, b = (s.cost for s in out[0].samples)
     # 9 prompt tokens + 2 decodes = 11 tokens at positions 0..10: keys 1 + ... + 11 = 66
@@ -214,17 +214,22 @@ def test_a_run_logs_flops_and_stragglers_from_its_own_tokens(tmp_path, monkeypat
     N_body, Vh = 2 * (2048 + 1024 + 6144), 30 * 32
     N, LHd = N_body + Vh, 2 * 4 * 8
     assert (N_body, Vh, N) == (18432, 960, 19392)
-    hits = 0
+    shared = 0
     for m, ro in zip(steps, seen, strict=True):
         P = [len(p) for p in ro.prompt_ids]
         ell = [len(r) for r in ro.response_ids]
-        cached = _hand_cached(ro.prompt_ids[::4], 4, 4)  # group size 4: the group's samples share its prompt
-        hits += sum(cached)
+        # group size 4: a group's first sample looks its prompt up (earlier groups' full blocks are hits), the
+        # other 3 are forked from its prefill (the engine's default), computing from position p on
+        cached = _hand_cached(ro.prompt_ids[::4], 1, 4)
         flops = 0
-        for p, r, k in zip(P, ell, cached, strict=True):
+        for i, (p, r) in enumerate(zip(P, ell, strict=True)):
+            forked = i % 4 > 0
+            shared += p if forked else 0
+            k = p if forked else cached[i // 4]
             ran = p + r - 1 - k  # positions k .. p + r - 2: the last sampled token is never run
             keys = (p + r - 1) * (p + r) // 2 - k * (k + 1) // 2  # position q attends to q + 1 keys
-            flops += 2 * N_body * ran + 2 * Vh * r + 4 * LHd * keys  # r logit positions: 1 prefill + r - 1 decodes
+            logits = r - 1 if forked else r  # 1 prefill (the first sample's) + r - 1 decodes
+            flops += 2 * N_body * ran + 2 * Vh * logits + 4 * LHd * keys
         assert m["flops/rollout"] == flops
         B, T = len(P), max(p + r for p, r in zip(P, ell, strict=True))
         assert m["flops/update"] == 2 * B * T * (6 * N + 12 * LHd * T)
@@ -237,5 +242,5 @@ def test_a_run_logs_flops_and_stragglers_from_its_own_tokens(tmp_path, monkeypat
             m["flops/update"] / (m["time/update"] * m["throughput/peak_gflops_trainer"] * 1e9), rel=1e-9)
         assert m["throughput/mfu_rollout"] == pytest.approx(
             m["flops/rollout"] / (m["time/rollout"] * m["throughput/peak_gflops_engine"] * 1e9), rel=1e-9)
-    assert hits > 0  # prefix caching did hit: those tokens were not counted
+    assert shared > 0  # forks shared their group's prefill: those tokens were not counted
     assert len({len(r) for ro in seen for r in ro.response_ids}) > 1  # lengths differ: the tail is measured

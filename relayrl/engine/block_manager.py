@@ -42,19 +42,49 @@ list). A fresh block is taken from the FRONT (least recently freed); only then i
 dropped from the cache. A sequence frees its blocks last-to-first, so its tail is evicted before
 its head (heads are the most shared).
 
+Forks (n > 1 samples of one prompt). The scheduler allocates the first sample and forks the others
+from it in the same prefill batch: fork(parent, child) gives the child the parent's whole block table,
+every block ref-counted +1, the partly filled last block included, and marks all its tokens computed
+(num_cached_tokens = num_tokens): the batch computes the prompt's KV once and every sample draws its
+first token from the parent's last-position logits.
+
+    parent  [ a b c d ][ e f g h ][ i . . . ]     block table [ 7 ][ 3 ][ 9 ]   7, 3, 9: ref_count 3
+    child   (same table)  child 2 (same table)
+
+Copy-on-write. Every block of a table is read-only while shared, except the last one, into which the
+next decode writes the newest token. may_append sees that that block is shared (ref_count > 1) and
+gives the sequence a fresh block instead: it takes one from the free list, puts it in place of the
+shared one in the sequence's table (ref_count of the shared one -1) and queues the copy (shared block,
+fresh block), which the engine hands to every rank with the next batch (take_copies), to be done
+before anything of that batch is written. The last sibling left holding the block (ref_count 1) writes
+in place. So a decode step in which G forked samples write their first token costs G - 1 fresh blocks
+and G - 1 block copies, and never changes a sibling's KV:
+
+    decode 1:  child 1 [ 7 ][ 3 ][ 12 ] <- copy of 9, then writes its token at slot 1
+               child 2 [ 7 ][ 3 ][ 14 ] <- copy of 9, ...      parent [ 7 ][ 3 ][ 9 ] writes in place
+
+A fork is no prefix-cache lookup (prefix_queries and prefix_hits leave it out: the hit rate stays the
+share of allocated prompt tokens found cached); forked_tokens counts the tokens forks did not compute.
+A partial block is never hashed, whoever holds it; full shared blocks are hashed once (the first
+holder to register one; the others find its hash set).
+
 Who writes when (the protocol with the scheduler and the engine):
 
     prefill:  allocate(seq)     -> blocks for all num_tokens tokens; full blocks are hashed and
                                    registered now (the engine writes all KV of a batch before any
-                                   attention reads it, so the G samples of a prompt in one batch
-                                   can share the first sample's blocks)
+                                   attention reads it, so prompts of one batch sharing a prefix
+                                   can share the first one's blocks)
+              fork(seq, child)  -> child shares all of seq's blocks (seq allocated in this batch);
+                                   nothing of child is computed; it samples from seq's logits
     run:      KV of tokens [num_cached_tokens, num_tokens) written; next token sampled
     post:     seq.append_token(t, lp)   -> the newest token has no KV yet, maybe no slot yet
-    decode:   can_append(seq)   -> a slot for the newest token exists or one free block does
+    decode:   can_append(seq)   -> a slot for the newest token exists in a block seq alone holds, or
+                                   one free block does
               may_append(seq)   -> opens that block if needed; a block is opened exactly when the one
                                    before it became full with all its KV already written, so that
-                                   one is hashed and registered now
-    run:      KV of the newest token written; next token sampled; post: append_token again ...
+                                   one is hashed and registered now; a shared last block is copied
+                                   on write (above)
+    run:      the copies first, then KV of the newest token written; next token sampled; post ...
 
 Hence the cache only ever holds blocks whose KV is written (or written within the current batch).
 
@@ -107,6 +137,8 @@ class BlockManager:
         self._cached: dict[int, int] = {}     # hash -> block id
         self.prefix_queries = 0               # tokens looked up at allocate
         self.prefix_hits = 0                  # of those, tokens served from the cache
+        self.forked_tokens = 0                # tokens forks shared instead of computing (not lookups)
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (shared block, fresh block) not yet run
         self.version = 0                      # weights version new allocations compute their KV under
 
     # -- stats ---------------------------------------------------------------------------------------
@@ -162,6 +194,29 @@ class BlockManager:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += seq.num_cached_tokens
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child (the same tokens as parent, which was allocated in this prefill batch) shares all of
+        parent's blocks, the partly filled last one included; its KV is the parent's (computed in this
+        batch), so nothing of it is computed. Costs no free block now; its first write into the shared
+        last block costs one (copy-on-write, may_append)."""
+        if child.block_table:
+            raise RuntimeError(f"sequence {child.seq_id} already holds blocks {child.block_table}; deallocate first")
+        if child.token_ids != parent.token_ids or len(parent.block_table) != parent.num_blocks:
+            raise RuntimeError(f"sequence {child.seq_id} cannot fork from {parent.seq_id}: a fork has the parent's "
+                               f"tokens, and the parent holds blocks for all of them")
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_cached_tokens = child.num_tokens
+        child.kv_version = parent.kv_version
+        self.forked_tokens += child.num_tokens
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies (shared block, fresh block) may_append queued since the last call,
+        for the next batch to run before it writes anything."""
+        copies, self._copies = self._copies, []
+        return copies
+
     def forget_cached(self) -> None:
         """Drop every cached prefix (the KV they hold was computed by weights that changed). Only with no
         sequence holding blocks: every block is free, and keeps its place in the LRU order."""
@@ -216,14 +271,19 @@ class BlockManager:
     # -- decode --------------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
         """Is there a slot for the KV of seq's newest token (already appended, KV not yet written)?"""
-        return len(seq.block_table) >= seq.num_blocks or len(self._free) >= 1
+        return self._has_own_slot(seq) or len(self._free) >= 1
+
+    def _has_own_slot(self, seq: Sequence) -> bool:
+        """The newest token's slot exists, in a block no other sequence holds (so it may be written)."""
+        return len(seq.block_table) >= seq.num_blocks and self.blocks[seq.block_table[-1]].ref_count == 1
 
     def may_append(self, seq: Sequence) -> None:
         """Make sure the newest token has a slot; called by the scheduler after can_append succeeds.
 
         A new block is needed exactly when the newest token starts one (num_tokens % block_size == 1
         for block_size > 1). The block before it is then full and all its KV was written by earlier
-        steps, so it is hashed and registered here. Idempotent: a second call changes nothing.
+        steps, so it is hashed and registered here. A newest token whose block is shared (forks) gets
+        a copy of it (copy-on-write, see the module docstring). Idempotent: a second call changes nothing.
         """
         missing = seq.num_blocks - len(seq.block_table)
         if missing > 1:
@@ -240,7 +300,13 @@ class BlockManager:
                 self._register(self.blocks[seq.block_table[last]], block_hash(prev, tokens), tokens)
             block = self._take_free_block()
             seq.block_table.append(block.block_id)
-        # the last block is never shared (it is never a prefix hit), so its count is this seq's alone
+        elif self.blocks[seq.block_table[-1]].ref_count > 1:  # a fork's shared last block: copy on write
+            shared = self.blocks[seq.block_table[-1]]
+            block = self._take_free_block()
+            shared.ref_count -= 1
+            seq.block_table[-1] = block.block_id
+            self._copies.append((shared.block_id, block.block_id))
+        # the last block is now this seq's alone (never a prefix hit, copied if forked), so its count is too
         self.blocks[seq.block_table[-1]].num_tokens = seq.last_block_num_tokens
 
     # -- internals -----------------------------------------------------------------------------------

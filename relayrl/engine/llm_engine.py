@@ -1,7 +1,9 @@
 """LLMEngine is the rollout engine: continuous batching over a paged KV cache with prefix caching.
 
     add_request ──> Sequence(s) ──> scheduler.waiting
-    step():  schedule (prefill first, under a token budget; else decode; preempt when out of blocks)
+    step():  schedule (prefill first, under a token budget; the n samples of a prompt: one prefilled,
+             n - 1 forked from it with copy-on-write of the shared last block; else decode; preempt
+             when out of blocks)
              ──> run (model runner, every TP rank) ──> sample (per-sequence settings and seeds)
              ──> postprocess (append token, check stops, free finished sequences' blocks)
 
@@ -65,7 +67,7 @@ from relayrl.engine.runner_groups import InProcessRunner
 from relayrl.engine.sampler import sample
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.engine.scheduler import Scheduler
-from relayrl.engine.sequence import Sequence, SequenceStatus
+from relayrl.engine.sequence import Sequence, SequenceStatus, fork_rows
 from relayrl.errors import ConfigError, KVCacheError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
 from relayrl.models.config import ModelConfig
 
@@ -82,7 +84,8 @@ class LLMEngine:
         num_blocks: int | None = None, kv_cache_bytes: int | None = None, kv_cache_fraction: float = 0.05,
         enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
         seed: int = 0, own_processes: bool = False, runner_group: RunnerGroup | None = None,
-        group_options: GroupOptions | None = None, partial: str | None = None,
+        group_options: GroupOptions | None = None, partial: str | None = None, fork_samples: bool = True,
+        group_prefill: bool = True,
     ):
         """Where the ranks run (a RunnerGroup, relayrl.engine.protocols):
         runner_group given      ranks hosted elsewhere (e.g. in the trainer's processes, colocated);
@@ -91,7 +94,10 @@ class LLMEngine:
                                 disaggregated weight sync); group_options sets its deadlines
         otherwise               one ModelRunner in this process (InProcessRunner).
         The KV budget is checked before any process starts. `partial`: what a weight update does to
-        requests in flight (None, "keep_kv", "reprefill"; see the module docstring)."""
+        requests in flight (None, "keep_kv", "reprefill"; see the module docstring). fork_samples: the n
+        samples of a prompt share one prefill (relayrl.engine.block_manager, forks); group_prefill: a
+        prefill's attention runs in groups by length (relayrl.engine.attention). Both False: the
+        previous engine (every sample prefilled alone, attention padded to the batch's longest)."""
         self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
         self.block_size, self.tp_size = block_size, tensor_parallel_size
         self.eos_ids = set(config.eos_ids)
@@ -120,6 +126,7 @@ class LLMEngine:
         self.num_blocks, self.max_num_seqs = num_blocks, max_num_seqs
         self.max_num_batched_tokens, self.enable_prefix_caching = max_num_batched_tokens, enable_prefix_caching
         self.partial = partial
+        self.fork_samples, self.group_prefill = fork_samples, group_prefill
         self.weights_version = 0
         self._new_scheduler()
         self._call("allocate_kv_cache", num_blocks, block_size)
@@ -193,7 +200,7 @@ class LLMEngine:
         self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    max_model_len=self.config.max_position_embeddings,
-                                   kv_bytes_per_block=self.kv_bytes_per_block)
+                                   kv_bytes_per_block=self.kv_bytes_per_block, fork_samples=self.fork_samples)
 
     @property
     def runner(self) -> ModelRunner | None:
@@ -396,8 +403,12 @@ class LLMEngine:
         if used >= self.peak_used_fraction:  # at the peak: how full are the blocks in use? (the
             # last step at the peak counts: blocks fill up while no new one is needed)
             self.peak_used_fraction, self.utilisation_at_peak = used, self.block_manager.utilisation()
-        input_ids, batch = prepare(seqs, is_prefill, self.block_size, self.config.sliding_window)
+        run, rows = fork_rows(seqs) if is_prefill else (seqs, None)  # forks read their parent's logits
+        input_ids, batch = prepare(run, is_prefill, self.block_size, self.config.sliding_window,
+                                   group=self.group_prefill, copies=self.block_manager.take_copies())
         logits = self._call("run", input_ids, batch)
+        if rows is not None:
+            logits = logits[rows]
         self.num_steps += 1
         self._count(seqs, is_prefill)
         def row(f, dt):  # one sampling parameter per sequence, as a column for the batched sampler
@@ -424,6 +435,8 @@ class LLMEngine:
         most the sliding window) and one logit position (the model's lm_head runs at its last token only)."""
         window = self.config.sliding_window
         for s in seqs:
+            if is_prefill and s.fork_parent is not None:  # its parent computed it all
+                continue
             start = s.num_cached_tokens if is_prefill else s.num_tokens - 1
             s.cost.computed_tokens += s.num_tokens - start
             s.cost.logit_positions += 1
@@ -502,15 +515,20 @@ class LLMEngine:
 
     def reset_stats(self) -> None:
         self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        self.block_manager.forked_tokens = 0
         self.scheduler.num_preemptions = self.scheduler.num_reprefills = 0
+        self.scheduler.num_prefill_tokens = self.scheduler.num_forks = 0
         self.peak_used_fraction = self.utilisation_at_peak = 0.0
 
     def stats(self) -> dict[str, float]:
         """Since construction or the last wake(): prefix-cache hit rate (tokens), the peak share of
         blocks in use and how full those blocks were then (live KV slots / slots), preemptions, and
-        sequences re-prefilled by a weight update (partial="reprefill")."""
+        sequences re-prefilled by a weight update (partial="reprefill"); tokens prefills computed, and
+        samples forked from a sibling's prefill (fork_samples)."""
         return {"engine/prefix_hit_rate": self.block_manager.hit_rate,
                 "engine/peak_blocks_used": self.peak_used_fraction,
                 "engine/block_utilisation_at_peak": self.utilisation_at_peak,
                 "engine/preemptions": float(self.scheduler.num_preemptions),
-                "engine/reprefills": float(self.scheduler.num_reprefills)}
+                "engine/reprefills": float(self.scheduler.num_reprefills),
+                "engine/prefill_tokens": float(self.scheduler.num_prefill_tokens),
+                "engine/forked_samples": float(self.scheduler.num_forks)}

@@ -5,7 +5,9 @@ cache.
               ──run (on every TP rank)──────────────> logits [B, V] at each sequence's last token
 
 The KV cache is one tensor [layers, 2, num_blocks * block_size, local kv heads, head_dim], sized
-from a byte budget; `free_kv_cache` / `allocate_kv_cache` are what sleep and wake do to it.
+from a byte budget; `free_kv_cache` / `allocate_kv_cache` are what sleep and wake do to it. A batch may
+carry copy-on-write copies (whole blocks' slots, every layer, k and v): `run` does them first, on
+every rank, since each rank holds its own heads' slice of every block.
 
 It imports torch, the engine's own modules and relayrl.models only; like the whole engine, it must never
 import the trainer, sync, the controller or the CLI.
@@ -57,11 +59,20 @@ def check_kv_blocks(cfg: ModelConfig, per_block: int, block_size: int, num_block
             f"kv_cache_bytes (rollout.kv_cache_bytes in a run config) to at least that")
 
 
-def prepare(seqs, is_prefill: bool, block_size: int, sliding_window: int | None):
-    """Flatten a scheduled batch: (input_ids [N], PagedBatch)."""
+def prepare(seqs, is_prefill: bool, block_size: int, sliding_window: int | None, *, group: bool = True,
+            copies: list[tuple[int, int]] = ()):
+    """Flatten a scheduled batch: (input_ids [N], PagedBatch). group: attention groups by length in a prefill
+    (relayrl.engine.attention); copies: the (shared block, fresh block) pairs copy-on-write asked for
+    (BlockManager.take_copies), done on every rank before the batch writes anything."""
     starts = [s.num_cached_tokens if is_prefill else s.num_tokens - 1 for s in seqs]
     ids = [t for s, st in zip(seqs, starts, strict=True) for t in s.token_ids[st:]]
-    batch = build_batch(starts, [s.num_tokens for s in seqs], [s.block_table for s in seqs], block_size, sliding_window)
+    batch = build_batch(starts, [s.num_tokens for s in seqs], [s.block_table for s in seqs], block_size, sliding_window,
+                        group=group)
+    if copies:
+        offs = torch.arange(block_size)
+        src, dst = (torch.tensor(list(b), dtype=torch.long) for b in zip(*copies, strict=True))
+        batch.copy_from = (src[:, None] * block_size + offs).reshape(-1)
+        batch.copy_to = (dst[:, None] * block_size + offs).reshape(-1)
     return torch.tensor(ids, dtype=torch.long), batch
 
 
@@ -78,6 +89,7 @@ class ModelRunner:
         # never reads it
         self.sync_state: dict = {}
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._kv_storage: torch.Tensor | None = None  # the one tensor kv_cache's per-layer views live in
         self._weights_freed = False
 
     @property
@@ -87,10 +99,11 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         shape = (self.cfg.num_hidden_layers, 2, num_blocks * block_size, self.kv_heads_local, self.cfg.head_dim)
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._kv_storage = cache
         self.kv_cache = [(cache[i, 0], cache[i, 1]) for i in range(self.cfg.num_hidden_layers)]
 
     def free_kv_cache(self) -> None:
-        self.kv_cache = None
+        self.kv_cache = self._kv_storage = None
 
     def free_weights(self) -> None:
         """Deep sleep: drop parameter storage (and merged LoRA's base copies); their shapes are kept."""
@@ -133,8 +146,10 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("the engine is asleep: call wake() before generating")
         if self.device.type != "cpu":
-            batch = PagedBatch(**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in vars(batch).items()})
-            input_ids = input_ids.to(self.device)
+            batch, input_ids = batch.to(self.device), input_ids.to(self.device)
+        if batch.copy_from is not None:  # copy-on-write: the shared blocks' KV into the fresh ones, all layers
+            kv = self._kv_storage
+            kv.index_copy_(2, batch.copy_to, kv.index_select(2, batch.copy_from))
         # logits come back to the host: the sampler (and any TP pipe) works on CPU tensors
         return self.model(input_ids, batch, self.kv_cache).float().cpu()
 
@@ -158,8 +173,7 @@ class ModelRunner:
         kv = [(cache[i, 0], cache[i, 1]) for i in range(self.cfg.num_hidden_layers)]
         ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
         if self.device.type != "cpu":
-            batch = PagedBatch(**{k: v.to(self.device) if torch.is_tensor(v) else v for k, v in vars(batch).items()})
-            ids = ids.to(self.device)
+            batch, ids = batch.to(self.device), ids.to(self.device)
         logp = torch.log_softmax(self.model(ids, batch, kv).float() / temperature, dim=-1).cpu()
         out = torch.zeros(len(rows), max(lens))
         at = 0

@@ -15,6 +15,10 @@ Each call to `schedule()` returns one batch, either all prefill or all decode:
        for more; the first sequence is always admitted, so a huge prompt cannot starve),
      - the block manager can allocate it.
    The first sequence that does not fit stops the scan (FIFO: no overtaking).
+   Forks (fork_samples, the default): a waiting sequence with the same request and the same tokens as
+   one already allocated in this batch (the n samples of a fresh prompt) is forked from it instead
+   (BlockManager.fork: all its blocks shared, nothing computed, its first token drawn from the same
+   logits); it costs no block and no token of the budget, only its place under max_num_seqs.
 2. Otherwise decode every running sequence (FIFO, at most max_num_seqs). Each needs a slot for the
    KV of its newest token; while the pool has none, the LAST running sequence is preempted (it is
    the most recently admitted, so it has the least work to redo). If that is the sequence itself,
@@ -23,7 +27,9 @@ Each call to `schedule()` returns one batch, either all prefill or all decode:
 The step protocol with the engine (see block_manager for the block side):
 
     schedule() ── prefill: allocate -> blocks for every token; KV of [num_cached_tokens, num_tokens)
-               └─ decode:  can_append + may_append -> block for the newest token
+               │           (or fork -> the parent's blocks, seq.fork_parent set)
+               └─ decode:  can_append + may_append -> block for the newest token (copy-on-write of
+                           a fork's shared last block: BlockManager.take_copies)
                   after either, every scheduled seq has len(block_table) == seq.num_blocks
     run        ── write that KV, sample one token per sequence
     postprocess── seq.append_token(t, lp); if it is done: scheduler.finish(seq, reason)
@@ -60,9 +66,12 @@ from relayrl.errors import KVCacheError
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 max_model_len: int | None = None, kv_bytes_per_block: int | None = None):
+                 max_model_len: int | None = None, kv_bytes_per_block: int | None = None,
+                 fork_samples: bool = True):
         """max_model_len: the model's maximum length (prompt and completion together); a sequence
-        reserves KV for at most that many tokens. kv_bytes_per_block: only for error messages (in bytes)."""
+        reserves KV for at most that many tokens. kv_bytes_per_block: only for error messages (in bytes).
+        fork_samples: fork a request's samples from one prefill (False: each sample is allocated and
+        prefilled on its own, its partly filled last block recomputed)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and {max_num_batched_tokens}"
@@ -74,6 +83,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv_bytes_per_block = kv_bytes_per_block
+        self.fork_samples = fork_samples
+        self.num_prefill_tokens = 0  # tokens prefill batches computed (forks and prefix hits excluded)
+        self.num_forks = 0
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -173,17 +185,29 @@ class Scheduler:
         bm = self.block_manager
         batch: list[Sequence] = []
         new_tokens = 0
+        # (request id, tokens held) -> the first sequence of that request allocated in this batch
+        parents: dict[tuple[int, int], Sequence] = {}
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if batch and new_tokens + seq.num_tokens > self.max_num_batched_tokens:
-                break
-            if not bm.can_allocate(seq):
-                break
-            bm.allocate(seq)
-            new_tokens += seq.num_tokens - seq.num_cached_tokens
+            parent = parents.get((seq.request_id, seq.num_tokens))
+            if parent is not None and parent.token_ids == seq.token_ids:
+                bm.fork(parent, seq)
+                self.num_forks += 1
+            else:
+                if batch and new_tokens + seq.num_tokens > self.max_num_batched_tokens:
+                    break
+                if not bm.can_allocate(seq):
+                    break
+                bm.allocate(seq)
+                parent = None
+                new_tokens += seq.num_tokens - seq.num_cached_tokens
+                if self.fork_samples:
+                    parents.setdefault((seq.request_id, seq.num_tokens), seq)
+            seq.fork_parent = parent
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             batch.append(seq)
+        self.num_prefill_tokens += new_tokens
         return batch
 
     def _schedule_decode(self) -> list[Sequence]:

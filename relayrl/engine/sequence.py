@@ -15,6 +15,10 @@ Policy versions. `versions` holds, per completion token, the engine's weights ve
 in `block_table` was computed under, set by the BlockManager at allocate: a sequence that keeps its KV
 across a weight update (the engine's partial="keep_kv") keeps the old kv_version, so the prefix cache
 never offers its (stale, mixed) blocks to a sequence of the new version.
+Forks. `fork_parent` is set by the scheduler for one prefill batch: None for a sequence the batch
+computes, the sibling whose prefill (and last-position logits) a forked sample shares otherwise
+(relayrl.engine.block_manager); `fork_rows` maps such a batch to the sequences run and the logits row
+of each. It is stale after that batch and read nowhere else.
 The engine owns `params` (a SamplingParams) and `rng`; nothing here reads them except
 `params.max_tokens`, which the scheduler uses to check that the sequence can ever fit in the pool.
 
@@ -79,6 +83,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
+        self.fork_parent: Sequence | None = None  # this prefill's sibling it shares KV and logits with
         self.finish_reason: str | None = None
         self.text: str | None = None
         # per completion token, {token id: logprob} of the params.logprobs most likely tokens (when asked)
@@ -134,3 +139,14 @@ class Sequence:
             f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_prompt_tokens}+"
             f"{self.num_completion_tokens}, blocks={self.block_table}, cached={self.num_cached_tokens})"
         )
+
+
+def fork_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
+    """A prefill batch -> (the sequences it computes, the logits row of every sequence in `seqs`; None
+    when there are no forks). A fork reads its parent's row, so each sample draws its own token from
+    the same logits."""
+    run = [s for s in seqs if s.fork_parent is None]
+    if len(run) == len(seqs):
+        return seqs, None
+    row = {s.seq_id: i for i, s in enumerate(run)}
+    return run, [row[(s.fork_parent or s).seq_id] for s in seqs]
