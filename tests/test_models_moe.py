@@ -90,6 +90,15 @@ def test_hf_to_relayrl_and_back(family, tmp_path):
     assert type(back).__name__ == type(hf).__name__
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=ids).logits, ref, atol=1e-5, rtol=0)
+    # bf16: the first MoE block is bit-equal to transformers' eager experts (Qwen rounds the top-k weights to bf16
+    # before the product, Mixtral keeps them fp32)
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16,
+                                                             experts_implementation="eager")
+    ours16 = load_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    first = ours16.model.layers[0]
+    x = torch.randn(3, 12, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(getattr(first, first.ffn_name)(x), hf16.model.layers[0].mlp(x))
     # the config survives its own round trip (extra: what we do not read, plus the dtype a save records)
     again = load_pretrained(tmp_path / "ours").config
     assert dataclasses.replace(again, extra={}) == dataclasses.replace(ours.config, extra={})
