@@ -13,6 +13,20 @@
 5. weight sync on the device: the planned sync into an in-process engine (fp32 and bf16: canary
    gap, seconds), and trainer -> engine across two processes on the device (gloo staging the
    buckets through host memory): engine logprobs vs the trainer's.
+6. the whole GRPO loop on the device (parallel.device, one process, the engine colocated: its sync is in-place
+   device copies), a few steps of each:
+     grpo_demo   the demo's job on its built-in defaults (relayrl.controller.demo: a few SFT steps of its
+                 warm-start, then its GRPO recipe) with a bf16 engine and the fp32 trainer
+     grpo_0.5b   a random model of Qwen2.5-0.5B's shape (config only, no download: 24 layers, hidden 896,
+                 14 heads / 2 KV heads, vocabulary 151936, tied embeddings) with a bf16 engine and a bf16
+                 (autocast) trainer
+   each printing the stages' seconds (time/*), MFU (throughput/mfu_*), the engine-vs-trainer logprob gap
+   (mismatch/*), CUDA memory (memory/*), reward and loss: the first step (warm-up) apart from the mean of the
+   others. With vllm importable, the same loop with rollout.backend=vllm beside it (parity: the gap, the
+   rollout's time, rewards) and greedy tokens of both engines compared.
+
+--small shrinks every model (the 0.5B shape to 2 layers of width 112, its vocabulary kept) and the loops' work
+so that the CPU smoke test takes a minute or two.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -196,17 +211,172 @@ def _sync_two_processes(rank: int, world: int, store, path: str, device: str, ro
     return runner.score(rows)
 
 
+# ---------------------------------------------------------------------------- 6. the GRPO loop on the device
+QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64, qkv_bias=True,
+                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+# the smoke test's stand-in: the same family, heads and vocabulary (the big lm_head, undecodable samples), 2 thin layers
+QWEN25_05B_SMALL = {**QWEN25_05B, "hidden_size": 112, "intermediate_size": 224, "num_hidden_layers": 2,
+                    "head_dim": 8, "max_position_embeddings": 512}
+REPORTED = ("time/", "throughput/mfu_", "throughput/gen_tokens_per_s", "throughput/peak_gflops", "mismatch/",
+            "memory/", "reward/mean", "loss", "grad_norm", "sync/", "flops/")
+
+
+def random_05b_dir(small: bool) -> str:
+    """A randomly initialised model of Qwen2.5-0.5B's shape with a char tokenizer (its ids are a prefix of the
+    vocabulary; sampled ids beyond it decode to nothing, which rewards 0: the loop's cost is what is measured)."""
+    from relayrl.models import save_pretrained
+    from relayrl.models.config import ModelConfig
+    from relayrl.models.tokenizer import build_char_tokenizer
+    from relayrl.models.transformer import CausalLM
+
+    d = tempfile.mkdtemp()
+    tok = build_char_tokenizer(os.path.join(d, "tok"), "0123456789+-*= ", model_type="qwen2")
+    cfg = ModelConfig(**(QWEN25_05B_SMALL if small else QWEN25_05B), bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = CausalLM(cfg)
+    model.reset_parameters(std=0.02, seed=0)
+    out = os.path.join(d, "qwen2.5-0.5b-shape")
+    save_pretrained(model, out, tokenizer_dir=os.path.join(d, "tok"))
+    return out
+
+
+def run_loop(cfg, steps: int) -> list[dict]:
+    """`steps` steps of the driver's loop (sync, rollout, reward, advantage, update; no eval or checkpoint)."""
+    from relayrl.controller.run import build_driver, close_all
+
+    run_dir = tempfile.mkdtemp()
+    driver, _, _ = build_driver(cfg, Path(run_dir))
+    try:
+        return [driver.train_step() for _ in range(steps)]
+    finally:
+        close_all(driver, driver.agent, driver.weight_sync, driver.scorer, driver.engine, driver.policy)
+
+
+def summarize(steps: list[dict]) -> dict:
+    """The reported figures: step 1 (warm-up: kernels, allocator, peaks) and the mean of the later steps."""
+    def pick(m: dict) -> dict:
+        return {k: round(float(v), 6) for k, v in sorted(m.items()) if k.startswith(REPORTED)}
+
+    later = steps[1:] or steps
+    mean = {k: sum(pick(m)[k] for m in later) / len(later) for k in pick(later[0])}
+    return {"steps": len(steps), "first_step": pick(steps[0]), "mean_after_first": {k: round(v, 6)
+                                                                                     for k, v in mean.items()}}
+
+
+def grpo_config(model: dict, device: str, *, rollout: dict, trainer: dict, data: dict, algo: dict | None = None,
+                backend: str = "relayrl", sync: dict | None = None):
+    from relayrl.controller.config import RunConfig
+
+    return RunConfig.from_dict({
+        "model": model, "data": data, "algo": algo or {},
+        "rollout": {**rollout, "engine_dtype": "bfloat16", "backend": backend},
+        "trainer": trainer, "parallel": {"device": device.split(":")[0]}, "sync": sync or {},
+        "run": {"steps": 1000, "tensorboard": False, "out_dir": tempfile.mkdtemp()},
+    })
+
+
+def with_vllm(make_cfg, steps: int, res: dict) -> None:
+    """The same loop with rollout.backend=vllm beside relayrl's, when vllm imports."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        res["vllm"] = f"skipped: {e}"
+        return
+    v = summarize(run_loop(make_cfg("vllm"), steps))
+    r = res["mean_after_first"]
+    res["vllm"] = v
+    res["parity"] = {k: {"relayrl": r.get(k), "vllm": v["mean_after_first"].get(k)}
+                     for k in ("mismatch/logp_abs_mean", "mismatch/logp_abs_max", "time/rollout", "time/step",
+                               "throughput/gen_tokens_per_s", "reward/mean")}
+
+
+def greedy_parity(path: str, device: str, prompts_: list[list[int]], max_tokens: int) -> dict:
+    """relayrl's bf16 engine vs vLLM's, greedy: the share of each sample's tokens before the two first differ."""
+    try:
+        from relayrl.engine.vllm_backend import VLLMEngine
+
+        v = VLLMEngine(path, dtype=torch.bfloat16, gpu_memory_utilization=0.3)
+    except ImportError as e:
+        return {"skipped": str(e)}
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ours = LLMEngine.from_pretrained(path, device=device, dtype=torch.bfloat16).generate(prompts_, sp)
+    theirs = v.generate(prompts_, sp)
+    agree = []
+    for a, b in zip(ours, theirs, strict=True):
+        x, y = a.samples[0].token_ids, b.samples[0].token_ids
+        n = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+        agree.append(n / max(len(x), 1))
+    return {"greedy_prefix_agreement_mean": sum(agree) / len(agree), "all_equal": sum(a == 1.0 for a in agree)}
+
+
+def check_grpo_demo(device: str, small: bool, steps: int | None) -> dict:
+    """The demo's job: a few steps of its SFT warm-start, then its GRPO recipe, on the device."""
+    from relayrl.controller.demo import GRPO, SFT
+    from relayrl.controller.sft_job import SFTJobConfig, run_sft
+
+    steps = steps or (2 if small else 4)
+    data = {**GRPO["data"], **({"n_train": 256, "n_eval": 8} if small else {})}
+    sft_cfg = SFTJobConfig.from_dict({**SFT, "data": data, "eval": {"max_tokens": 6},
+                                      "sft": {**SFT["sft"], "steps": 2 if small else 30, "out_dir": tempfile.mkdtemp(),
+                                              "tensorboard": False, "device": device.split(":")[0]}})
+    sft = run_sft(sft_cfg, show_progress=False)
+    rollout = {**GRPO["rollout"], **({"prompts_per_step": 4, "group_size": 4} if small else {})}
+    trainer = {**GRPO["trainer"], **({"micro_batch_size": 8} if small else {})}
+
+    def make(backend: str):
+        return grpo_config({"path": sft["model_dir"]}, device, rollout=rollout, trainer=trainer, data=data,
+                           algo=GRPO["algo"], backend=backend)
+
+    res = summarize(run_loop(make("relayrl"), steps))
+    res["sft_eval_accuracy"] = sft["eval_last"]["eval/accuracy"]
+    with_vllm(make, steps, res)
+    return res
+
+
+def check_grpo_05b(device: str, small: bool, steps: int | None) -> dict:
+    """A random model of Qwen2.5-0.5B's shape through the loop: bf16 engine, bf16 autocast trainer."""
+    steps = steps or (2 if small else 4)
+    t = time.perf_counter()
+    path = random_05b_dir(small)
+    built = time.perf_counter() - t
+    data = {"task": "arith", "n_train": 512, "n_eval": 8}
+    rollout = ({"prompts_per_step": 2, "group_size": 2, "max_tokens": 8} if small else
+               {"prompts_per_step": 16, "group_size": 8, "max_tokens": 128})
+    trainer = {"lr": 1e-6, "bf16": True, "micro_batch_size": 4 if small else 16}
+
+    # a random model's near-uniform logits over 151936 tokens: its bf16 canary gap is not the trained demo's
+    # (sync.gap_bound's default comes from those); the gap is reported (sync/canary_gap), the checksums still
+    # place every piece on the first sync
+    def make(backend: str):
+        return grpo_config({"path": path}, device, rollout=rollout, trainer=trainer, data=data, backend=backend,
+                           sync={"gap_bound": 0.25})
+
+    res = {"model_build_s": round(built, 1), **summarize(run_loop(make("relayrl"), steps))}
+    with_vllm(make, steps, res)
+    if "parity" in res:
+        res["greedy"] = greedy_parity(path, device, prompts(16), 64)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="the tiny model instead of the ~25M one")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps of each loop (default: 4; 2 with --small)")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these checks (names as printed)")
     a = ap.parse_args()
     path = model_dir(a.small)
     results = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
                "torch": torch.__version__}
-    for name, fn in (("nccl", check_nccl), ("greedy_fp32", check_greedy), ("bf16", check_bf16),
-                     ("throughput", check_throughput), ("sync", check_sync)):
+    checks = (("nccl", check_nccl), ("greedy_fp32", check_greedy), ("bf16", check_bf16),
+              ("throughput", check_throughput), ("sync", check_sync),
+              ("grpo_demo", lambda p, d: check_grpo_demo(d, a.small, a.steps)),
+              ("grpo_0.5b", lambda p, d: check_grpo_05b(d, a.small, a.steps)))
+    for name, fn in checks:
+        if a.only and name not in a.only:
+            continue
         t = time.perf_counter()
         try:
             results[name] = fn(path, a.device)
