@@ -265,6 +265,13 @@ def test_unchosen_experts_get_zero_gradients():
     e = model.model.layers[1].block_sparse_moe.experts
     assert e[3].w1.weight.grad is not None and e[3].w1.weight.grad.abs().max() == 0
     assert e[0].w1.weight.grad.abs().max() > 0
+    # the load-balancing loss of a replayed forward counts the replayed experts: every token sends a slot to experts
+    # 0 and 1, f = (1, 1, 0, 0) (Σ f = k), so E Σ f P = 4 (P0 + P1)
+    rec = Routing(replay=replay)
+    model(ids, routing=rec)
+    P = torch.cat([lg.reshape(-1, 4) for lg in rec.router_logits()]).softmax(-1).mean(0)
+    torch.testing.assert_close(load_balancing_loss(rec.router_logits(), 2, selected=rec.selections()),
+                               4 * (P[0] + P[1]))
     assert model.model.layers[1].block_sparse_moe.gate.weight.grad.abs().max() > 0  # through the replayed weights
 
 

@@ -63,9 +63,13 @@ class Routing:
         """The recorded router logits [B, q, E], one per MoE layer in order (what the router losses take)."""
         return [self.logits[j] for j in sorted(self.logits)]
 
+    def selections(self) -> list[torch.Tensor]:
+        """The recorded expert ids [B, q, k], one per MoE layer in order (load_balancing_loss's `selected`)."""
+        return [self.selected[j] for j in sorted(self.selected)]
+
     def selected_experts(self) -> torch.Tensor:
         """The recorded selections stacked as [B, q, n_moe, k]: the layout `replay` takes."""
-        return torch.stack([self.selected[j] for j in sorted(self.selected)], dim=2)
+        return torch.stack(self.selections(), dim=2)
 
 
 class SwiGLU(nn.Module):

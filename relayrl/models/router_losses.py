@@ -2,7 +2,7 @@
 records (relayrl.models.moe.Routing), pooled over the MoE layers and the real tokens:
 
     load balancing (Switch Transformer, as transformers computes it for Mixtral and the Qwen MoE families):
-        f_e  = (1/T) Σ_{layers, tokens} [e ∈ top-k]       the share of routed slots, no gradient
+        f_e  = (1/T) Σ_{layers, tokens} [e ∈ top-k]       the tokens sending a slot to e (Σ_e f_e = k), no gradient
         P_e  = (1/T) Σ_{layers, tokens} softmax(logits)_e  the mean router probability
         loss = E Σ_e f_e P_e                              (= k when every expert gets its share)
     router z-loss (ST-MoE): (1/T) Σ_{layers, tokens} logsumexp(logits)²
@@ -42,7 +42,8 @@ def load_balancing_loss(
 ) -> torch.Tensor:
     """E Σ_e f_e P_e over the layers' logits [..., E] (module docstring); attention_mask [...] drops padding.
 
-    selected: the expert ids [..., k] each layer used (a replayed routing), for f; default the logits' top-k."""
+    selected: the expert ids [..., k] each layer used (Routing.selections() of a replayed forward), for f;
+    default the logits' top-k (transformers' choice, the same when nothing was replayed)."""
     flat, mask = _rows(router_logits, attention_mask)
     E = flat[0].shape[-1]
     counts = torch.zeros(E, dtype=torch.float32, device=flat[0].device)
@@ -79,6 +80,9 @@ def moe_aux_loss(
 ) -> torch.Tensor:
     """router_aux_loss_coef · load_balancing_loss + router_z_loss_coef · router_z_loss (a term skipped at coef 0)."""
     _rows(router_logits, attention_mask)  # the same checks whichever terms are on
+    if selected is not None and len(selected) != len(router_logits):
+        raise ValueError(f"{len(selected)} layers of selections for {len(router_logits)} of router logits "
+                         "(pass Routing.selections(), one [B, q, k] per MoE layer)")
     loss = torch.zeros((), dtype=torch.float32, device=router_logits[0].device)
     if cfg.router_aux_loss_coef:
         loss = loss + cfg.router_aux_loss_coef * load_balancing_loss(
