@@ -34,7 +34,8 @@ looks up salt(new) chains only, never hits them. A sequence that recomputes its 
 partial="reprefill") is allocated again under the new version and shares its blocks from then on.
 
 The block holding a sequence's LAST token is never a hit, even when it is full and cached: the engine
-must run at least that token to get the logits of the next one (num_cached_tokens <= num_tokens - 1).
+must run at least that token to get the logits of the next one (num_cached_tokens <= num_tokens - 1;
+only a fork, below, has num_cached_tokens = num_tokens: its parent runs that token in the same batch).
 
 Free list = LRU eviction. A block whose ref_count drops to 0 joins the END of the free list but keeps
 its hash, so a later sequence with the same prefix can still hit it (taking it back out of the free

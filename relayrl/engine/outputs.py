@@ -14,12 +14,14 @@ from dataclasses import KW_ONLY, dataclass, field
 class SampleCost:
     """What the engine spent on one sample, for the FLOP count and the straggler measure.
 
-    computed_tokens  tokens run through the model for it: the prefill past its prefix-cache hits, one per
+    computed_tokens  tokens run through the model for it: the prefill past its prefix-cache hits (none for
+                     a sample forked from a sibling's prefill: the sibling computed them), one per
                      decode step, and again whatever a preemption or re-prefill recomputed
     attended         keys those tokens attended to, summed (a token at position p attends to p + 1, or
                      to the sliding window): attention's share of the FLOPs
     logit_positions  positions the lm_head ran at for it: one per model run it took part in (the engine
-                     computes logits at each sequence's last position only), prefill re-runs included
+                     computes logits at each sequence's last position only; a fork reads its sibling's
+                     prefill row), prefill re-runs included
     added_step       the engine's step count when the sample was queued (0: before the first step)
     finished_step    the engine step that produced its last token (-1: not finished, e.g. aborted)
 
