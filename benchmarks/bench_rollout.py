@@ -1,4 +1,5 @@
-"""Rollout throughput: relayrl's paged engine vs Hugging Face `generate`, on an RL-shaped workload.
+"""Rollout throughput: relayrl's paged engine vs its previous form and Hugging Face `generate`, on an
+RL-shaped workload.
 
     32 prompts x n=8 samples, temperature 1, no top-k/top-p, per-prompt max_tokens from a long tail
     (most short, ~1 in 8 at --max-tokens), ignore_eos / min_new_tokens so both systems generate
@@ -16,10 +17,14 @@ with other jobs, 2 intra-op threads can make every small op wait for a busy core
 linear at 15 ms instead of 0.12 ms), which then measures op count, not work.
 
 relayrl: `LLMEngine.from_pretrained(dir, dtype, block_size, num_blocks, enable_prefix_caching=True,
-max_num_seqs=256)`; the KV pool is sized so every sequence of the workload can hold its full length
-at once (no sharing assumed), so the timed runs never preempt (reported). Before every run the
-engine is put to sleep and woken (untimed), which drops the prefix cache: each run starts cold, as
-a new RL step with new prompts would, instead of hitting the previous repeat's prompts.
+max_num_seqs=256)` (its defaults: the n samples of a prompt fork from one prefill, prefill attention
+grouped by length). relayrl-prev: the same with `fork_samples=False, group_prefill=False`, the engine
+before those two (each sample prefilled alone, its partial last block recomputed; prefill attention
+padded to the batch's longest), timed in the same interleaving (--no-prev leaves it out). The KV pool
+is sized so every sequence of the workload can hold its full length at once (no sharing assumed), so
+the timed runs never preempt (reported). Before every run the engine is put to sleep and woken
+(untimed), which drops the prefix cache: each run starts cold, as a new RL step with new prompts
+would, instead of hitting the previous repeat's prompts.
 
 HF cannot give each row its own length in one `generate` call (without EOS), so it is run two ways
 and compared against its faster one:
@@ -30,14 +35,16 @@ HF logprobs: `output_logits=True` and log_softmax/gather of the sampled tokens i
 region (the engine computes them too). HF's EOS ban from `min_new_tokens` and relayrl's ignore_eos
 differ in distribution, not in cost.
 
-Untimed extras (after the timed runs): one run stepped by hand (add_request + step) that samples the
-block manager right after every schedule() — blocks in use, used_fraction(), utilisation() = live KV
-slots / slots of the blocks in use — and reports utilisation at the step with the most blocks in use.
+Untimed extras (after the timed runs): one run per engine stepped by hand (add_request + step) that
+samples the block manager right after every schedule() — blocks in use, used_fraction(), utilisation()
+= live KV slots / slots of the blocks in use — and reports the blocks in use after the prefill, at the
+peak and the utilisation there, the tokens prefills computed (engine/prefill_tokens) and how many of the
+two engines' samples are identical (same seeds: equal up to rounding of equal math).
 --profile adds, for one run of the first dtype: a per-phase split of step time (schedule, prepare
 [build_batch inside], model run [prefill/decode], sample, the rest of step() in Python), cProfile,
 and torch.profiler's top ops.
 
-    python benchmarks/bench_rollout.py --dtype both [--preset 25m] [--profile]
+    python benchmarks/bench_rollout.py --dtype both [--preset 25m] [--profile] [--no-prev]
 """
 
 from __future__ import annotations
@@ -162,29 +169,37 @@ def run_hf(model, prompts, lens, n: int, mode: str, seed: int, pad_id: int) -> i
     return total
 
 
+ENGINES = {"relayrl": {}, "relayrl-prev": {"fork_samples": False, "group_prefill": False}}
+ABLATIONS = {"fork only": {"group_prefill": False}, "grouped prefill only": {"fork_samples": False}}
+
+
 def bench_dtype(model_dir: Path, dtype_name: str, prompts, lens, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[dtype_name]
     tok = load_tokenizer(model_dir)
     num_blocks = args.num_blocks or kv_blocks_needed(prompts, lens, args.n, args.block_size)
-    engine = LLMEngine.from_pretrained(model_dir, dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,
-                                       enable_prefix_caching=True, max_num_seqs=args.max_num_seqs)
+    engines = {name: LLMEngine.from_pretrained(model_dir, dtype=dtype, block_size=args.block_size,
+                                               num_blocks=num_blocks, enable_prefix_caching=True,
+                                               max_num_seqs=args.max_num_seqs, **kw)
+               for name, kw in ENGINES.items() if name == "relayrl" or args.prev}
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     pad_id = tok.pad_token_id
-    stats: list[dict] = []
+    stats: dict[str, list[dict]] = {name: [] for name in engines}
+    times: dict[str, list[float]] = {}
+    systems = {}
+    for name, engine in engines.items():
+        times[name] = []
 
-    def relayrl_run(seed: int, timed: list | None = None) -> int:
-        fresh(engine)
-        t0 = time.perf_counter()
-        total = run_relayrl(engine, prompts, lens, args.n, seed)
-        if timed is not None:
-            timed.append(time.perf_counter() - t0)
-        stats.append(engine.stats())
-        return total
+        def relayrl_run(seed: int, name=name, engine=engine) -> int:
+            fresh(engine)
+            t0 = time.perf_counter()
+            total = run_relayrl(engine, prompts, lens, args.n, seed)
+            times[name].append(time.perf_counter() - t0)
+            stats[name].append(engine.stats())
+            return total
 
-    times: dict[str, list[float]] = {"relayrl": []}
-    systems = {"relayrl": lambda s: relayrl_run(s, times["relayrl"])}
+        systems[name] = relayrl_run
     for mode in args.hf_modes:
         times[f"hf-{mode}"] = []
 
@@ -203,8 +218,10 @@ def bench_dtype(model_dir: Path, dtype_name: str, prompts, lens, args) -> dict:
     for r in range(args.repeats):
         for f in systems.values():  # interleaved: A, B, C, A, B, C, ...
             f(args.seed + r)
-    return {"tokens": tokens["relayrl"], "times": times, "engine": engine, "stats": stats[-1],
-            "preemptions": [s["engine/preemptions"] for s in stats], "num_blocks": num_blocks}
+    return {"tokens": tokens["relayrl"], "times": times, "engines": engines, "engine": engines["relayrl"],
+            "stats": {k: v[-1] for k, v in stats.items()},
+            "preemptions": {k: [s["engine/preemptions"] for s in v] for k, v in stats.items()},
+            "num_blocks": num_blocks}
 
 
 def block_trace(engine: LLMEngine, prompts, lens, args) -> dict:
@@ -224,14 +241,24 @@ def block_trace(engine: LLMEngine, prompts, lens, args) -> dict:
     sched.schedule = schedule
     rids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params(lens, args.n, args.seed), strict=True)]
     outs = {}
+    after_prefill = None
+    prefill_s = 0.0
     while engine.has_unfinished():
+        t0 = time.perf_counter()
+        n_before = len(trace)
         for o in engine.step():
             outs[o.request_id] = o
+        if len(trace) > n_before and trace[-1][1]:
+            prefill_s += time.perf_counter() - t0
+        if after_prefill is None:  # blocks held once the first prefill (all prompts here) has run
+            after_prefill = bm.num_blocks - bm.num_free_blocks
     check([outs[r] for r in rids], lens)
+    del sched.schedule
     peak = max(trace, key=lambda t: (t[3], -t[0]))  # most blocks in use (first such step)
     slots = sum(t[3] for t in trace)
     return {"stats": engine.stats(), "steps": len(trace), "prefill_steps": sum(t[1] for t in trace), "peak": peak,
-            "min_util": min(t[5] for t in trace),
+            "min_util": min(t[5] for t in trace), "after_prefill": after_prefill, "prefill_s": prefill_s,
+            "samples": [s.token_ids for r in rids for s in outs[r].samples],
             "mean_util": sum(t[3] * t[5] for t in trace) / slots}  # weighted by blocks in use
 
 
@@ -323,6 +350,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both (default 1: see the docstring)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="profile one relayrl run (first dtype)")
+    ap.add_argument("--no-prev", dest="prev", action="store_false", help="leave the previous engine out")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also step (untimed) an engine with only forks and one with only grouped prefill")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -341,7 +371,14 @@ def main() -> None:
         results = {}
         for d in dtypes:
             results[d] = bench_dtype(model_dir, d, prompts, lens, args)
-            results[d]["trace"] = block_trace(results[d]["engine"], prompts, lens, args)
+            results[d]["traces"] = {k: block_trace(e, prompts, lens, args) for k, e in results[d]["engines"].items()}
+            if args.ablate:  # untimed: each change alone, for the prefill columns
+                for k, kw in ABLATIONS.items():
+                    e = LLMEngine.from_pretrained(model_dir, dtype=DTYPES[d], block_size=args.block_size,
+                                                  num_blocks=results[d]["num_blocks"], enable_prefix_caching=True,
+                                                  max_num_seqs=args.max_num_seqs, **kw)
+                    block_trace(e, prompts, lens, args)  # warm-up
+                    results[d]["traces"][k] = block_trace(e, prompts, lens, args)
 
         print("\n| dtype | system | tokens | median s | tokens/s | relayrl / system (ratio of medians) "
               "| median of paired ratios |\n|---|---|---|---|---|---|---|")
@@ -352,20 +389,48 @@ def main() -> None:
                 paired = statistics.median(b / a for a, b in zip(t_ours, ts, strict=True))
                 print(f"| {d} | {name} | {res['tokens']} | {med:.3f} | {res['tokens'] / med:.0f} "
                       f"| {med / statistics.median(t_ours):.2f}x | {paired:.2f}x |")
+        worst = []
         for d, res in results.items():
-            hf_best = min((k for k in res["times"] if k != "relayrl"), key=lambda k: statistics.median(res["times"][k]))
-            ratio = statistics.median(res["times"][hf_best]) / statistics.median(res["times"]["relayrl"])
-            print(f"{d}: relayrl / best HF ({hf_best}) tokens/s = {ratio:.2f}x")
+            med = {k: statistics.median(v) for k, v in res["times"].items()}
+            hf_best = min((k for k in med if k.startswith("hf-")), key=med.__getitem__)
+            line = f"{d}: relayrl / best HF ({hf_best}) tokens/s = {med[hf_best] / med['relayrl']:.2f}x"
+            worst.append((med[hf_best] / med["relayrl"], f"{d} vs {hf_best}"))
+            if "relayrl-prev" in med:
+                line += (f"; relayrl / relayrl-prev = {med['relayrl-prev'] / med['relayrl']:.2f}x; "
+                         f"relayrl-prev / best HF = {med[hf_best] / med['relayrl-prev']:.2f}x")
+                worst.append((med["relayrl-prev"] / med["relayrl"], f"{d} vs relayrl-prev"))
+            print(line)
+        r, what = min(worst)
+        print(f"worst ratio of relayrl (new engine) over the others: {r:.2f}x ({what})")
+        print("\n| dtype | engine | prefill tokens | prefill steps | prefill s (one stepped run) "
+              "| blocks after the prefill | peak blocks | utilisation at peak | hit rate | steps |"
+              "\n|---|---|---|---|---|---|---|---|---|---|")
         for d, res in results.items():
-            st, tr = res["stats"], res["trace"]
-            step, prefill, nseqs, used, frac, util = tr["peak"]
-            print(f"\n{d}: KV pool {res['num_blocks']} blocks of {args.block_size}; preemptions per run "
-                  f"(warm-up + timed) {[int(p) for p in res['preemptions']]}")
-            print(f"{d}: engine.stats() after the last timed run: {st}")
-            print(f"{d}: stepped run: {tr['steps']} steps ({tr['prefill_steps']} prefill); peak {used} blocks in use "
-                  f"({frac:.1%} of the pool) at step {step} ({'prefill' if prefill else 'decode'}, {nseqs} seqs), "
-                  f"utilisation there {util:.1%}; min over steps {tr['min_util']:.1%}, "
-                  f"block-weighted mean {tr['mean_util']:.1%}; hit rate {tr['stats']['engine/prefix_hit_rate']:.1%}")
+            for k, tr in res["traces"].items():
+                step, prefill, nseqs, used, frac, util = tr["peak"]
+                print(f"| {d} | {k} | {int(tr['stats']['engine/prefill_tokens'])} | {tr['prefill_steps']} "
+                      f"| {tr['prefill_s']:.3f} "
+                      f"| {tr['after_prefill']} | {used} ({frac:.1%}) | {util:.1%} "
+                      f"| {tr['stats']['engine/prefix_hit_rate']:.1%} | {tr['steps']} |")
+        for d, res in results.items():
+            tr = res["traces"]
+            if "relayrl-prev" in tr:
+                same = sum(a == b for a, b in zip(tr["relayrl"]["samples"], tr["relayrl-prev"]["samples"], strict=True))
+                print(f"{d}: samples identical between relayrl and relayrl-prev (same seeds): "
+                      f"{same} of {len(tr['relayrl']['samples'])}")
+        for d, res in results.items():
+            for k, tr in res["traces"].items():
+                if k not in res["stats"]:  # an ablation: stepped only
+                    continue
+                st = res["stats"][k]
+                step, prefill, nseqs, used, frac, util = tr["peak"]
+                print(f"\n{d} {k}: KV pool {res['num_blocks']} blocks of {args.block_size}; preemptions per run "
+                      f"(warm-up + timed) {[int(p) for p in res['preemptions'][k]]}")
+                print(f"{d} {k}: engine.stats() after the last timed run: {st}")
+                print(f"{d} {k}: stepped run: {tr['steps']} steps ({tr['prefill_steps']} prefill); peak {used} blocks "
+                      f"in use ({frac:.1%} of the pool) at step {step} ({'prefill' if prefill else 'decode'}, "
+                      f"{nseqs} seqs), utilisation there {util:.1%}; min over steps {tr['min_util']:.1%}, "
+                      f"block-weighted mean {tr['mean_util']:.1%}")
         if args.profile:
             profile_engine(results[dtypes[0]]["engine"], prompts, lens, args)
 
