@@ -1,4 +1,4 @@
-"""Shared-prefix training (trainer.shared_prefix): the samples of a prompt compute its tokens once and their
+"""Shared-prefix training (trainer.shared_prefix, on by default with trainer.padding_free): the samples of a prompt compute its tokens once and their
 responses attend to them. Logprobs, entropies and gradients equal the padded and the padding-free forward; the
 update, the reference pass and a whole run equal the unshared ones; under tensor parallelism (vocab-parallel
 logprobs) it equals one process; and the tokens computed fall from G (P + R) to P + G R per prompt."""
@@ -91,8 +91,8 @@ def test_the_update_equals_the_unshared_one(tiny_model):
     b = b.replace(old_logp=base, rollout_logp=base + 0.05 * torch.randn(base.shape, generator=g) * b.response_mask,
                   ref_logp=base - 0.1 * b.response_mask)
     runs = {}
-    for name, kw in {"padded": {}, "packed": dict(padding_free=True),
-                     "shared": dict(padding_free=True, shared_prefix=True)}.items():
+    for name, kw in {"padded": dict(padding_free=False), "packed": dict(shared_prefix=False),
+                     "shared": {}}.items():  # the default: padding-free, prefixes shared
         m = copy.deepcopy(tiny_model)
         cfg = TrainerConfig(lr=1e-3, adam_eps=1e-3, micro_batch_size=5, mini_batches=2, ppo_epochs=2, **kw)
         actor = Actor(m, cfg, algo, total_steps=1)
@@ -125,8 +125,7 @@ def test_micro_batches_hold_whole_prompts_whatever_the_row_order(tiny_model):
     assert want < int(b.attention_mask.sum())
     m = copy.deepcopy(tiny_model)
     seen = _embedded_tokens(m)
-    actor = Actor(m, TrainerConfig(micro_batch_size=4, padding_free=True, shared_prefix=True), AlgoConfig(),
-                  total_steps=1)
+    actor = Actor(m, TrainerConfig(micro_batch_size=4), AlgoConfig(), total_steps=1)
     actor.compute_logprobs(b)
     assert sum(seen) == want and len(seen) == 3
     seen.clear()
@@ -146,8 +145,10 @@ def test_reference_logprobs_equal_the_unshared_ones(tiny_model):
 
 
 def test_shared_prefix_needs_the_packed_layout():
+    assert TrainerConfig().shares_prefix and not TrainerConfig(padding_free=False).shares_prefix
+    assert not TrainerConfig(shared_prefix=False).shares_prefix
     with pytest.raises(ValueError, match="padding_free=true"):
-        TrainerConfig(shared_prefix=True)
+        TrainerConfig(shared_prefix=True, padding_free=False)
     with pytest.raises(ValueError, match="padding_free"):
         token_logprobs(perturbed_model(small_config()), torch.ones(1, 3, dtype=torch.long),
                        torch.ones(1, 3, dtype=torch.long), prefix_lens=[1])
@@ -159,9 +160,8 @@ def test_a_run_with_shared_prefixes_equals_one_without(tmp_path):
     each of its prompts (every arith prompt is longer than 4 tokens)."""
     sections = dict(algo={"kl_coef": 0.05}, run={"steps": 2, "save_every": 0},
                     reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]})
-    shared = train(cfg_for(tmp_path, "shared", trainer={"padding_free": True, "shared_prefix": True}, **sections),
-                   show_progress=False)
-    packed = train(cfg_for(tmp_path, "packed", trainer={"padding_free": True}, **sections), show_progress=False)
+    shared = train(cfg_for(tmp_path, "shared", **sections), show_progress=False)  # the default
+    packed = train(cfg_for(tmp_path, "packed", trainer={"shared_prefix": False}, **sections), show_progress=False)
     a, b = step_metrics(shared["run_dir"]), step_metrics(packed["run_dir"])
     assert_same_metrics(a, b)
     for x, y in zip(a, b, strict=True):
@@ -173,7 +173,7 @@ def test_a_run_with_shared_prefixes_equals_one_without(tmp_path):
 
 def test_a_bad_setting_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="shared_prefix"):
-        cfg_for(tmp_path, "bad", trainer={"shared_prefix": True})
+        cfg_for(tmp_path, "bad", trainer={"shared_prefix": True, "padding_free": False})
 
 
 def _tp_rank(rank, world, batch):

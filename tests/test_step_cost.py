@@ -99,7 +99,7 @@ def _batch():
 
 
 def test_flops_and_mfu_by_hand():
-    cfg = cfg_for_model(trainer={"ppo_epochs": 2}, algo={"kl_coef": 0.1})
+    cfg = cfg_for_model(trainer={"ppo_epochs": 2, "padding_free": False}, algo={"kl_coef": 0.1})
     shape = small_config()
     N, LHd = 20480, 2 * 4 * 8  # matmul weights (test_small_config_by_hand); layers x heads x head_dim
     Vh = 64 * 32  # the lm_head: the engine runs it at 2 + 1 logit positions, not at every computed token
@@ -135,7 +135,8 @@ def test_lora_update_flops_by_hand():
     # the frozen base: forward 2N and the input gradient 2N, no weight gradient; the adapters all three
     assert lora_train_flops(shape, 10, 6, rank=2, targets=["q_proj", "v_proj"]) == 10 * (4 * 20480 + 6 * 448
                                                                                           + 12 * 64 * 6)
-    cfg = cfg_for_model(trainer={"ppo_epochs": 2, "lora": {"rank": 2, "target_modules": ["q_proj", "v_proj"]}},
+    cfg = cfg_for_model(trainer={"ppo_epochs": 2, "padding_free": False,
+                                 "lora": {"rank": 2, "target_modules": ["q_proj", "v_proj"]}},
                         algo={"proximal": "behaviour"})
     cost = StepCost(cfg, shape, peaks={"trainer": (1.0, 1), "engine": (1.0, 1)})
     m = cost.metrics(_batch(), {"time/update": 1.0}, updated=True)
@@ -145,7 +146,7 @@ def test_lora_update_flops_by_hand():
 
 
 def test_padding_free_counts_real_tokens_and_async_uses_the_engines_busy_time():
-    cfg = cfg_for_model(trainer={"padding_free": True}, algo={"proximal": "behaviour"},
+    cfg = cfg_for_model(trainer={"shared_prefix": False}, algo={"proximal": "behaviour"},
                         rollout={"mode": "async"}, parallel={"placement": "disaggregated"})
     cost = StepCost(cfg, small_config(), peaks={"trainer": (50.0, 1), "engine": (40.0, 2)})
     cost.add([RequestOutput(0, [1], [CompletionSample([1], [0.0], "", finish_reason="stop",
@@ -155,6 +156,10 @@ def test_padding_free_counts_real_tokens_and_async_uses_the_engines_busy_time():
                      updated=True)
     N, LHd = 20480, 64
     assert m["flops/update"] == 14 * (6 * N + 12 * LHd * 6)  # 6 + 4 + 4 real tokens, rows of at most 6
+    assert m["batch/trained_tokens"] == m["batch/real_tokens"] == 14
+    shared = StepCost(cfg_for_model(algo={"proximal": "behaviour"}), small_config(), peaks=cost.peaks)
+    s = shared.metrics(_batch(), {"time/update": 1.0}, updated=True)  # rows 0 and 2 share their prompt [3, 4]
+    assert s["batch/trained_tokens"] == 12 and s["flops/update"] == 12 * (6 * N + 12 * LHd * 6)
     assert "flops/old_logp" not in m and "flops/ref_logp" not in m  # plain PPO, no KL: neither is computed
     assert "rollout/straggler_share" not in m  # asynchronous: the tail's slots go to the next groups
     assert m["throughput/mfu_rollout"] == pytest.approx(m["flops/rollout"] / ((2.0 - 0.5) * 40e9 * 2), rel=1e-12)
@@ -231,9 +236,13 @@ def test_a_run_logs_flops_and_stragglers_from_its_own_tokens(tmp_path, monkeypat
             logits = r - 1 if forked else r  # 1 prefill (the first sample's) + r - 1 decodes
             flops += 2 * N_body * ran + 2 * Vh * logits + 4 * LHd * keys
         assert m["flops/rollout"] == flops
-        B, T = len(P), max(p + r for p, r in zip(P, ell, strict=True))
-        assert m["flops/update"] == 2 * B * T * (6 * N + 12 * LHd * T)
-        assert m["flops/old_logp"] == m["flops/ref_logp"] == B * T * (2 * N + 4 * LHd * T)
+        # the trainer (padding-free, prefixes shared: the defaults) computes each group's prompt once, then its
+        # 4 samples' responses; attention counted over the longest sequence T
+        T = max(p + r for p, r in zip(P, ell, strict=True))
+        tokens = sum(P[g] + sum(ell[g:g + 4]) for g in range(0, len(P), 4))
+        assert m["batch/trained_tokens"] == tokens < m["batch/real_tokens"] == sum(P) + sum(ell)
+        assert m["flops/update"] == 2 * tokens * (6 * N + 12 * LHd * T)
+        assert m["flops/old_logp"] == m["flops/ref_logp"] == tokens * (2 * N + 4 * LHd * T)
         # every sample queued at once and prefilled in one engine step: sample i ends on step len_i; 16 samples,
         # so the tail is 1 sample: the steps after the second longest ended, of the longest's
         first, second = sorted(ell)[-1], sorted(ell)[-2]

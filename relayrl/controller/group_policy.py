@@ -62,7 +62,7 @@ class GroupPolicy:
             roles["reference"] = RoleSpec(ReferenceWorker, (str(model_dir), par),
                                           dict(temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
                                                seed=seed, padding_free=trainer_cfg.padding_free,
-                                               shared_prefix=trainer_cfg.shared_prefix))
+                                               shared_prefix=trainer_cfg.shares_prefix))
         if critic_cfg is not None:  # laid out like the actor: in its processes, or a pool of its own
             placement["critic"] = (pool if par.placement == "colocated"
                                    else ResourcePool([par.world_size], device=device, name="critic"))

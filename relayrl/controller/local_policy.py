@@ -78,7 +78,7 @@ class LocalPolicy:
             return None
         cfg = self.actor.cfg
         logp = frozen_logprobs(self.ref_model, batch.to(module_device(self.ref_model)), self.temperature, self.micro,
-                               padding_free=cfg.padding_free, shared_prefix=cfg.shared_prefix)
+                               padding_free=cfg.padding_free, shared_prefix=cfg.shares_prefix)
         return logp.to(batch.response_mask.device)  # the reference's device (a GPU) and back
 
     def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:

@@ -122,7 +122,7 @@ class StepCost:
         tc = self.cfg.trainer
         if tc.padding_free:
             lengths = batch.attention_mask.sum(-1)
-            prefix = prompt_lens(batch.response_mask, batch.attention_mask) if tc.shared_prefix else None
+            prefix = prompt_lens(batch.response_mask, batch.attention_mask) if tc.shares_prefix else None
             return computed_tokens(batch.input_ids, batch.attention_mask, prefix), int(lengths.max())
         B, T = batch.input_ids.shape
         return B * T, T

@@ -57,7 +57,7 @@ class Actor:
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs [B, T] under the current weights, in micro-batches (no grad)."""
-        order = prompt_order(batch) if self.cfg.shared_prefix else None
+        order = prompt_order(batch) if self.cfg.shares_prefix else None
         logp = self.per_token(batch if order is None else batch.select(order), lambda mb: token_logprobs(
             self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
             tp_group=self.tp_group, prefix_lens=self._prefix_lens(mb))[0])
@@ -65,7 +65,7 @@ class Actor:
 
     def _prefix_lens(self, mb: TrainBatch) -> list[int] | None:
         """trainer.shared_prefix: each row's prompt, computed once for the rows that share it."""
-        return prompt_lens(mb.response_mask, mb.attention_mask) if self.cfg.shared_prefix else None
+        return prompt_lens(mb.response_mask, mb.attention_mask) if self.cfg.shares_prefix else None
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """With trainer.lora the reference model IS the frozen base: this model's logprobs with its adapters
@@ -128,7 +128,7 @@ class Actor:
             for start in range(0, n, mini_size):
                 glob = order[start:start + mini_size]
                 mine = glob[(glob >= offset) & (glob < offset + len(batch))] - offset
-                if self.cfg.shared_prefix:  # a prompt's samples in the same micro-batches (a mini-batch is a set)
+                if self.cfg.shares_prefix:  # a prompt's samples in the same micro-batches (a mini-batch is a set)
                     mine = mine[prompt_order(batch.select(mine))]
                 self.step_on(batch.select(mine), tally, batch)
         self.scheduler.step()

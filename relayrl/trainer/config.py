@@ -33,9 +33,10 @@ class TrainerConfig(Config):
     micro_batch_size: int = Field(32, ge=1)
     shuffle: bool = True  # shuffle sequences between mini-batches (seeded)
     bf16: bool = False  # autocast the forward to bf16; master weights and optimiser stay fp32
-    padding_free: bool = False  # pack sequences into one row instead of padding
-    # with padding_free: the samples of a prompt compute its tokens once (exact: the same losses and gradients)
-    shared_prefix: bool = False
+    # pack sequences into rows without padding; the samples of a prompt compute its tokens once (shared_prefix,
+    # None: on with padding_free). Both exact: the same losses and gradients as padded rows
+    padding_free: bool = True
+    shared_prefix: bool | None = None
     # low-rank adapters on the decoder's linears (relayrl.models.lora); only the adapters train, the base
     # stays frozen (optionally in bf16). None: full fine-tuning
     lora: LoRAConfig | None = None
@@ -47,12 +48,19 @@ class TrainerConfig(Config):
             raise ValueError("shared_prefix: the shared prompt is a packed layout; set padding_free=true as well")
         return self
 
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether the samples of a prompt compute it once (shared_prefix, or by default padding_free)."""
+        return self.padding_free if self.shared_prefix is None else self.shared_prefix
+
 
 class CriticConfig(TrainerConfig):
     """The `critic:` section (PPO with a critic, `algo.advantage: gae`): the value model's own optimiser,
     schedule and batching (every `trainer.*` key, with their defaults), where it starts, and how many RL
     steps it trains alone before the actor moves (its values start from nothing; early advantages are noise)."""
 
+    padding_free: bool = False  # the critic runs on padded rows
+    shared_prefix: bool | None = None
     path: str | None = None  # a sequence-classification directory (one label); None: the policy with a fresh head
     head_std: float = Field(0.0, ge=0)  # the fresh head's init std (0: every value starts at 0)
     warmup_updates: int = Field(0, ge=0)
