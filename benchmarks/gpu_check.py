@@ -11,8 +11,9 @@
 4. throughput: relayrl's engine vs the vLLM backend (when vllm imports) on an RL-shaped workload,
    tokens/s and their ratio.
 5. weight sync on the device: the planned sync into an in-process engine (fp32 and bf16: canary
-   gap, seconds), and trainer -> engine across two processes on the device (gloo staging the
-   buckets through host memory): engine logprobs vs the trainer's.
+   gap, seconds), and trainer -> engine across two processes on the device, once with gloo staging the
+   buckets through host memory and once with CUDA IPC handles (sync.transport=ipc): engine logprobs vs
+   the trainer's, seconds.
 6. the whole GRPO loop on the device (parallel.device, one process, the engine colocated: its sync is in-place
    device copies), a few steps of each:
      grpo_demo   the demo's job on its built-in defaults (relayrl.controller.demo: a few SFT steps of its
@@ -183,15 +184,20 @@ def check_sync(path: str, device: str) -> dict:
         gap = (runner.score(ids.cpu().tolist()) - ref)[:, 1:].abs()
         res[f"in_process_{name}"] = {"seconds": round(took, 4), "canary_gap_mean": float(gap.mean()),
                                      "canary_gap_max": float(gap.max())}
-    store = serve_store()
-    got = launch(_sync_two_processes, 2, store.address, path, device, ids.cpu().tolist(), timeout=300)
-    store.close()
-    res["two_processes_fp32"] = {"canary_gap_max": float((got[1] - ref)[:, 1:].abs().max())}
+    for name, ipc in (("two_processes_fp32", False), ("two_processes_fp32_cuda_ipc", True)):
+        if ipc and not device.startswith("cuda"):
+            res[name] = {"skipped": "needs cuda"}
+            continue
+        store = serve_store()
+        got = launch(_sync_two_processes, 2, store.address, path, device, ids.cpu().tolist(), ipc, timeout=300)
+        store.close()
+        res[name] = {"canary_gap_max": float((got[1][0] - ref)[:, 1:].abs().max()), "seconds": round(got[1][1], 4)}
     return res
 
 
-def _sync_two_processes(rank: int, world: int, store, path: str, device: str, rows) -> torch.Tensor | None:
-    """Process 0: the trainer (its tensors on the device); process 1: the engine (on the device)."""
+def _sync_two_processes(rank: int, world: int, store, path: str, device: str, rows, ipc: bool = False):
+    """Process 0: the trainer (its tensors on the device); process 1: the engine (on the device). ipc: the buckets
+    cross as CUDA IPC handles (sync.transport=ipc), else staged through host memory over gloo."""
     from relayrl.engine.model_runner import ModelRunner
     from relayrl.models.config import ModelShape
     from relayrl.sync import EngineLayout, Members, SyncComm, SyncSpec, TrainerLayout, sync_step
@@ -199,16 +205,18 @@ def _sync_two_processes(rank: int, world: int, store, path: str, device: str, ro
 
     model = load_pretrained(path).to(device)
     spec = SyncSpec(shape=ModelShape.of(model.config), trainer=TrainerLayout(), engine=EngineLayout(1),
-                    members=Members(1, 1, colocated=False), dtype=torch.float32)
+                    members=Members(1, 1, colocated=False), dtype=torch.float32, ipc=ipc)
     comm = SyncComm(store, rank, 2)
     if rank == 0:
         sync_step(spec, comm=comm, trainer_rank=0, local=trainer_locals(model))
         comm.close()
         return None
     runner = ModelRunner(model.config, torch.float32, device=device)
+    t = time.perf_counter()
     sync_step(spec, comm=comm, engine_rank=0, params=runner.params())
+    took = time.perf_counter() - t
     comm.close()
-    return runner.score(rows)
+    return runner.score(rows), took
 
 
 # ---------------------------------------------------------------------------- 6. the GRPO loop on the device

@@ -111,11 +111,26 @@ def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: Rollout
     layout = TrainerLayout() if par.backend == "none" else TrainerLayout(par.tp, par.dp_shard, par.dp_replicate)
     bf16_base = cfg.trainer.lora is not None and cfg.trainer.lora.base_dtype == "bfloat16"  # the trainer's compute
     return PlannedWeightSync(policy, engine, shape=ModelShape.of(load_config(src)), trainer_layout=layout,
-                             engine_tp=cfg.rollout.tp,
+                             engine_tp=cfg.rollout.tp, ipc=sync_transport(cfg) == "ipc",
                              colocated=par.placement == "colocated" and not par.rollout_worker,
                              engine_dtype=DTYPES[cfg.rollout.engine_dtype],
                              trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 or bf16_base else torch.float32,
                              temperature=cfg.rollout.temperature, cfg=cfg.sync, **lora_options(cfg.trainer.lora))
+
+
+def sync_transport(cfg: RunConfig) -> str:
+    """gloo or ipc: how the sync's buckets cross between processes (sync.transport; auto is ipc on CUDA with local
+    processes, which see the same devices under the same numbers; Ray gives each worker a view of its own)."""
+    transport, device = cfg.sync.transport, resolve_device(cfg.parallel.device)
+    if transport == "ipc" and device != "cuda":
+        raise ConfigError(f"sync.transport=ipc shares CUDA memory between processes; with parallel.device={device} "
+                          "set sync.transport=gloo or auto")
+    if transport == "ipc" and cfg.parallel.backend == "ray":
+        raise ConfigError("sync.transport=ipc needs the processes of one machine (parallel.backend local or none); "
+                          "with parallel.backend=ray set sync.transport=gloo or auto")
+    if transport == "auto":
+        return "ipc" if device == "cuda" and cfg.parallel.backend != "ray" else "gloo"
+    return transport
 
 
 def build_scorer_for(cfg: RunConfig) -> Scorer | None:
@@ -276,7 +291,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
         raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a "
                         "new directory")
     require_loggers(cfg.run.sinks)  # a missing wandb / mlflow package: one line, before any process starts
-    resolve_device(cfg.parallel.device)  # parallel.device=cuda without a GPU: one line, before anything is written
+    sync_transport(cfg)  # parallel.device=cuda without a GPU, ipc off CUDA: one line, before anything is written
     ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -28,6 +28,10 @@ class SyncConfig(Config):
     # float8: each piece crosses as float8 e4m3 with a scale of its own, recomputed every sync (a
     # quarter of fp32's bytes, half of bf16's); the engine holds the dequantised values
     wire: Literal["engine", "float8"] = "engine"
+    # how buckets cross between processes: gloo (their bytes, GPU buckets staged through host memory) or ipc
+    # (CUDA IPC handles to the sender's packed bucket, copied device to device, acked: relayrl.sync.ipc; needs
+    # CUDA and one machine's processes). auto: ipc with parallel.device cuda and local processes, else gloo
+    transport: Literal["auto", "gloo", "ipc"] = "auto"
     # how long a member waits on a message (a peer that died mid-sync surfaces as an error after this)
     timeout_s: float = Field(300.0, gt=0)
     # with LoRA (trainer.lora) every sync after the first sends the adapters only; the engine then keeps

@@ -10,7 +10,10 @@ Who is where (a `Members` map: trainer rank / engine rank -> rank in the sync gr
 The sync group is a gloo process group of its own (`SyncComm`: it meets at a store the driver hosts,
 behind the run's token: relayrl.parallel.rendezvous), made beside whatever default group the trainer
 or the engine's TP workers already have.
-Buckets of GPU tensors are staged through host memory; an nccl sync group is not wired yet.
+Buckets of GPU tensors are staged through host memory, unless `SyncSpec.ipc`: then each bucket's message
+is a CUDA IPC handle to the sender's packed bucket, the receiver copies from it device to device and acks
+(relayrl.sync.ipc; the sender frees the bucket on the ack, so the window still bounds its memory). An nccl
+sync group (between machines) is not wired yet.
 
 One sync, on every member (`sync_send` / `post_receives` + `finish_receives`, or `sync_step` for both):
 
@@ -49,6 +52,7 @@ import torch.distributed as dist
 
 from relayrl.models.config import ModelShape
 from relayrl.parallel.rendezvous import StoreAddress, join_store
+from relayrl.sync import ipc
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.plan import SyncPlan, Transfer, plan_sync
@@ -92,6 +96,7 @@ class SyncSpec:
     fp8: bool = False  # float8 e4m3 on the wire, a scale per piece
     lora: AdapterShape | None = None  # LoRA adapters move too (relayrl.sync.adapters)
     base: bool = True  # False: the adapters alone (the engine already holds the frozen base)
+    ipc: bool = False  # buckets cross as handles to the sender's memory, acked (relayrl.sync.ipc): one machine
 
     @property
     def plan(self) -> SyncPlan:
@@ -233,16 +238,20 @@ class PendingReceives:
     dtype: torch.dtype
     fp8: bool
     window: int
-    posted: list = field(default_factory=list)  # (works, buffers, transfers), oldest first
+    ipc: bool = False  # each message a handle to the sender's bucket (relayrl.sync.ipc), acked once copied
+    posted: list = field(default_factory=list)  # (works, buffers, transfers, peer, bucket), oldest first
+    acks: list = field(default_factory=list)  # ack sends in flight (ipc)
     stats: SyncStats = field(default_factory=SyncStats)
 
     def post_more(self) -> None:
         while self.todo and len(self.posted) < self.window:
             peer, b, ts = self.todo.pop(0)
-            bufs = receive_buffers(ts, self.dtype, self.fp8, self.comm.wire_device)
+            payload = receive_buffers(ts, self.dtype, self.fp8, "meta")  # shapes only: what arrives
+            bufs = ipc.handle_buffers(len(payload)) if self.ipc else receive_buffers(ts, self.dtype, self.fp8,
+                                                                                      self.comm.wire_device)
             works = [self.comm.irecv(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)]
-            self.posted.append((works, bufs, ts))
-            self.stats.bytes_received += nbytes(bufs)
+            self.posted.append((works, bufs, ts, peer, b))
+            self.stats.bytes_received += nbytes(payload)
             self.stats.messages += len(bufs)
 
 
@@ -260,26 +269,36 @@ def post_receives(spec: SyncSpec, engine_rank: int, params: dict[str, torch.Tens
         for b, ts in enumerate(buckets(plan.between(src, engine_rank), 1 if fp8 else dtype.itemsize,
                                        spec.bucket_bytes)):
             todo.append((peer, b, ts))
-    pending = PendingReceives(todo, comm=comm, dtype=dtype, fp8=fp8, window=spec.window)
+    pending = PendingReceives(todo, comm=comm, dtype=dtype, fp8=fp8, window=spec.window, ipc=spec.ipc)
     pending.post_more()
     return pending
 
 
 @torch.no_grad()
 def finish_receives(pending: PendingReceives, params: dict[str, torch.Tensor]) -> SyncStats:
-    """Engine side, step 2: unpack each bucket as it lands and post the next one in its place."""
+    """Engine side, step 2: unpack each bucket as it lands and post the next one in its place (ipc: from the
+    sender's memory, then ack it)."""
     while pending.posted:
-        works, bufs, ts = pending.posted.pop(0)
+        works, bufs, ts, peer, b = pending.posted.pop(0)
         for w in works:
             w.wait()
-        decode(ts, bufs, params, pending.fp8)
+        if pending.ipc:
+            decode(ts, [ipc.open_shared(m) for m in bufs], params, pending.fp8)
+            ipc.wait_for_copies(params)  # the sender may reuse its bucket once acked
+            pending.acks.append(pending.comm.isend(ipc.ack_buffer(), peer, ipc.ACK_TAG + b))
+        else:
+            decode(ts, bufs, params, pending.fp8)
         pending.post_more()
+    for w in pending.acks:
+        w.wait()
+    pending.acks.clear()
     return pending.stats
 
 
 @torch.no_grad()
 def sync_send(spec: SyncSpec, trainer_rank: int, local: dict[str, torch.Tensor], comm: SyncComm) -> SyncStats:
-    """Trainer side: send every bucket this rank sources to other processes, `window` in flight."""
+    """Trainer side: send every bucket this rank sources to other processes, `window` in flight (ipc: a bucket
+    is in flight until its receiver acks)."""
     plan, members, dtype, fp8, window = spec.plan, spec.members, spec.dtype, spec.fp8, spec.window
     me = members.of_trainer(trainer_rank)
     stats, inflight = SyncStats(), []
@@ -291,9 +310,16 @@ def sync_send(spec: SyncSpec, trainer_rank: int, local: dict[str, torch.Tensor],
             while len(inflight) >= window:  # at most `window` buckets of this rank in flight
                 for w in inflight.pop(0)[0]:
                     w.wait()
-            bufs = [buf.to(comm.wire_device) for buf in encode(ts, local, dtype, fp8)]
-            # the buffers live until their sends complete
-            inflight.append(([comm.isend(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)], bufs))
+            if spec.ipc:  # the packed bucket stays on the device; its handles travel, an ack comes back
+                bufs = encode(ts, local, dtype, fp8)
+                msgs, ack = [ipc.share(buf) for buf in bufs], ipc.ack_buffer()
+                works = [comm.isend(m, peer, 2 * b + k) for k, m in enumerate(msgs)]
+                works.append(comm.irecv(ack, peer, ipc.ACK_TAG + b))
+                inflight.append((works, (bufs, msgs, ack)))
+            else:
+                bufs = [buf.to(comm.wire_device) for buf in encode(ts, local, dtype, fp8)]
+                # the buffers live until their sends complete
+                inflight.append(([comm.isend(buf, peer, 2 * b + k) for k, buf in enumerate(bufs)], bufs))
             stats.bytes_sent += nbytes(bufs)
             stats.messages += len(bufs)
     for works, _ in inflight:
