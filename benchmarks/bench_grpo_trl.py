@@ -24,7 +24,16 @@ Reported: median seconds per RL step over steps 2..N, completions/s, mean traini
 last K steps, and held-out greedy accuracy after N steps (relayrl's evaluate() for both; TRL's
 model is saved with save_pretrained and loaded back into relayrl's engine).
 
-    python benchmarks/bench_grpo_trl.py [--steps 100] [--threads 1] [--skip-sft-dir DIR]
+    python benchmarks/bench_grpo_trl.py [--workload demo|sort|25m] [--steps N] [--threads 1] [--skip-sft-dir DIR]
+
+Workloads (--workload; each sets the defaults of the size flags, which still override):
+    demo   the demo's task and SFT warm-start (arith, ~2.6-token answers), 32 prompts x 8, 2 optimiser steps
+    sort   longer answers: the sort task with 32-63 digits (answers of 32-64 tokens with EOS), an SFT warm-start
+           on it, 16 prompts x 8, max 64 tokens, one optimiser step per rollout
+    25m    compute-bound: a random 25.2M-parameter Qwen2 (hidden 512, 8 layers, 8 heads / 4 KV, MLP 1536, tied)
+           built as an HF directory, the arith prompts, 16 prompts x 8 up to 32 tokens, one optimiser step per
+           rollout, no SFT. Also reported: each system's step against its FLOP floor at the measured fp32 matmul
+           peak (see flop_floor).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.config import RunConfig
 from relayrl.controller.demo import DATA, GRPO, SFT
 from relayrl.controller.evaluate import evaluate
@@ -51,14 +61,48 @@ from relayrl.controller.sft_job import SFTJobConfig, run_sft
 from relayrl.data import DataConfig, PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.models import load_pretrained
+from relayrl.models.config import ModelShape, TinyModelConfig
+from relayrl.models.flops import matmul_params
 from relayrl.models.tokenizer import load_tokenizer
+from relayrl.observe.peak import matmul_peak
 from relayrl.rewards import RewardConfig, build_scorer
 
 STAGES = ("sync", "rollout", "reward", "old_logp", "update")
+SORT_DATA = {"task": "sort", "task_params": {"min_len": 32, "max_len": 63}, "n_train": 3000, "n_eval": 100, "seed": 0}
+WORKLOADS = {  # data, SFT steps (0: a random model of the given shape), flag defaults
+    "demo": dict(data=DATA, sft_steps=SFT["sft"]["steps"], tiny=None, prompts_per_step=32, group_size=8,
+                 max_tokens=6, mini_batches=2, steps=100),
+    "sort": dict(data=SORT_DATA, sft_steps=300, tiny=None, prompts_per_step=16, group_size=8, max_tokens=64,
+                 mini_batches=1, steps=30),
+    "25m": dict(data=DATA, sft_steps=0, tiny=TinyModelConfig(hidden_size=512, intermediate_size=1536,
+                                                             num_hidden_layers=8, num_attention_heads=8,
+                                                             num_key_value_heads=4, init_std=0.02),
+                prompts_per_step=16, group_size=8, max_tokens=32, mini_batches=1, steps=8),
+}
 
 
-def sft_model(tmp: Path, threads: int) -> Path:
-    cfg = SFTJobConfig.from_dict({**SFT, "sft": {**SFT["sft"], "out_dir": str(tmp / "sft"), "tensorboard": False}})
+def start_model(tmp: Path, args, data: dict) -> Path:
+    """The workload's start: an SFT warm-start on its task, or (sft_steps 0) a random model of its shape."""
+    w = WORKLOADS[args.workload]
+    if w["sft_steps"] == 0:
+        return base_model_dir(None, w["tiny"], DataConfig.from_dict(data), tmp)
+    return sft_model(tmp, args.threads, data, w["sft_steps"], args.max_tokens)
+
+
+def flop_floor(shape: ModelShape, peak_gflops: float, rollout_tokens: int, trained_tokens: int) -> float:
+    """Seconds a step needs at least: 2N FLOPs per token the rollout computes (each prompt once, then every
+    sample's sampled tokens but the last) and 6N per token the update trains (each prompt once, then every
+    sample's response: P + G R), at the matmul peak. N = the matmul weights (the lm_head once); attention and
+    everything else counted as free, so no real step reaches it."""
+    N = matmul_params(shape)
+    return (2 * N * rollout_tokens + 6 * N * trained_tokens) / (peak_gflops * 1e9)
+
+
+def sft_model(tmp: Path, threads: int, data: dict = DATA, steps: int = SFT["sft"]["steps"],
+              max_tokens: int = SFT["eval"]["max_tokens"]) -> Path:
+    cfg = SFTJobConfig.from_dict({**SFT, "data": data, "eval": {**SFT["eval"], "max_tokens": max_tokens},
+                                  "sft": {**SFT["sft"], "steps": steps, "out_dir": str(tmp / "sft"),
+                                          "tensorboard": False}})
     t0 = time.perf_counter()
     res = run_sft(cfg, show_progress=False)
     print(f"SFT warm-start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f} s, "
@@ -70,6 +114,7 @@ def sft_model(tmp: Path, threads: int) -> Path:
 def relayrl_driver(model_dir: Path, args, run_dir: Path):
     cfg = RunConfig.from_dict({
         **GRPO,
+        "data": args.data,
         "model": {"path": str(model_dir)},
         "rollout": {**GRPO["rollout"], "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
                     "max_tokens": args.max_tokens, "temperature": 1.0},
@@ -121,12 +166,12 @@ def greedy_accuracy(model_dir: Path, eval_set, data_cfg, scorer, max_tokens: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=100, help="RL steps (rollouts) per system")
-    ap.add_argument("--prompts-per-step", type=int, default=GRPO["rollout"]["prompts_per_step"])
-    ap.add_argument("--group-size", type=int, default=GRPO["rollout"]["group_size"])
-    ap.add_argument("--max-tokens", type=int, default=GRPO["rollout"]["max_tokens"])
-    ap.add_argument("--mini-batches", type=int, default=GRPO["trainer"]["mini_batches"],
-                    help="optimiser steps per rollout (TRL: steps_per_generation)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="demo")
+    ap.add_argument("--steps", type=int, help="RL steps (rollouts) per system (default: the workload's)")
+    ap.add_argument("--prompts-per-step", type=int)
+    ap.add_argument("--group-size", type=int)
+    ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--mini-batches", type=int, help="optimiser steps per rollout (TRL: steps_per_generation)")
     ap.add_argument("--lr", type=float, default=GRPO["trainer"]["lr"])
     ap.add_argument("--old-logp", choices=["auto", "recompute", "engine"], default="auto",
                     help="relayrl's algo.old_logp (auto: no recompute when --mini-batches 1, as TRL)")
@@ -135,6 +180,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-sft-dir", type=Path, help="reuse this HF model directory instead of the SFT warm-start")
     args = ap.parse_args()
+    w = WORKLOADS[args.workload]
+    for key in ("steps", "prompts_per_step", "group_size", "max_tokens", "mini_batches"):
+        if getattr(args, key) is None:
+            setattr(args, key, w[key])
+    args.data = w["data"]
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 renames used inside TRL
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
@@ -145,8 +195,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp_s, contextlib.ExitStack() as stack:
         tmp = Path(tmp_s)
-        model_dir = args.skip_sft_dir or sft_model(tmp, args.threads)
-        data_cfg = DataConfig.from_dict(DATA)
+        model_dir = args.skip_sft_dir or start_model(tmp, args, args.data)
+        data_cfg = DataConfig.from_dict(args.data)
+        shape = ModelShape.of(load_pretrained(model_dir).config)
         train_set, eval_set = build_datasets(data_cfg)
         scorer = stack.enter_context(build_scorer(RewardConfig()))  # its reward pool stops with the run
         tok = load_tokenizer(model_dir)
@@ -235,6 +286,21 @@ def main() -> None:
     print("relayrl median stage times (s): " + ", ".join(f"{s} {v:.3f}" for s, v in stage.items())
           + f"; rest {med_rl - sum(stage.values()):.3f}")
     print(f"TRL: generate {rows['trl'][4]:.3f} s, everything else {med_trl - rows['trl'][4]:.3f} s per step")
+    # the FLOP floor of each system's own steps (its own response lengths), at this process's fp32 matmul peak
+    peak = matmul_peak("cpu", "float32", args.threads)
+    prompt_tokens = [sum(len(p) for p in ours[i * args.prompts_per_step:(i + 1) * args.prompts_per_step])
+                     for i in range(args.steps)]
+    floors = {}
+    for name, lens in (("relayrl", [m["response_length/mean"] for m in rl_metrics]), ("trl", trl_log["length"])):
+        gen = [n * x for x in lens]
+        floors[name] = [flop_floor(shape, peak, P + g - n, P + g) for P, g in zip(prompt_tokens, gen, strict=True)]
+    ratio = {name: statistics.median(t / f for t, f in zip(steps[1:] or steps, floors[name][1:] or floors[name],
+                                                           strict=True))
+             for name, steps in (("relayrl", [m["time/step"] for m in rl_metrics]), ("trl", trl_log["step"]))}
+    print(f"FLOP floor (2N per rollout token, 6N per trained token, N = {matmul_params(shape) / 1e6:.2f}M matmul "
+          f"weights, fp32 peak {peak:.1f} GFLOP/s at {args.threads} thread(s)): median floor "
+          f"{statistics.median(floors['relayrl']):.3f} s/step; step / floor: relayrl {ratio['relayrl']:.2f}x, "
+          f"TRL {ratio['trl']:.2f}x")
     print(f"total wall time {time.perf_counter() - t_start:.0f} s")
 
 
