@@ -166,3 +166,14 @@ def test_mfu_peaks_are_those_of_the_device_the_roles_compute_on(tmp_path, monkey
     asked.clear()
     step_cost.role_peaks(cfg_for(tmp_path, "host", parallel={"device": "cpu"}))
     assert asked == [("cpu", "float32"), ("cpu", "float32")]
+
+
+def test_sft_refuses_cuda_before_writing_anything(tmp_path, monkeypatch):
+    from relayrl.controller.sft_job import SFTJobConfig, run_sft
+
+    _cuda(monkeypatch, False)
+    cfg = SFTJobConfig.from_dict({"data": {"task": "arith", "n_train": 16, "n_eval": 4},
+                                  "sft": {"steps": 1, "out_dir": str(tmp_path / "sft"), "device": "cuda"}})
+    with pytest.raises(ConfigError, match=r"^sft\.device=cuda, but torch sees no CUDA device"):
+        run_sft(cfg, show_progress=False)
+    assert not (tmp_path / "sft").exists()
