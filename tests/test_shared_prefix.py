@@ -1,7 +1,8 @@
-"""Shared-prefix training (trainer.shared_prefix, on by default with trainer.padding_free): the samples of a prompt compute its tokens once and their
-responses attend to them. Logprobs, entropies and gradients equal the padded and the padding-free forward; the
-update, the reference pass and a whole run equal the unshared ones; under tensor parallelism (vocab-parallel
-logprobs) it equals one process; and the tokens computed fall from G (P + R) to P + G R per prompt."""
+"""Shared-prefix training (trainer.shared_prefix, on by default with trainer.padding_free): the samples of a
+prompt compute its tokens once and their responses attend to them. Logprobs, entropies and gradients equal the
+padded and the padding-free forward; the update, the reference pass and a whole run equal the unshared ones;
+under tensor parallelism (vocab-parallel logprobs) it equals one process; and the tokens computed fall from
+G (P + R) to P + G R per prompt (a prompt copy per samples_per_prefix samples)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from relayrl.parallel.parallelize import parallelize_model
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
-from relayrl.trainer.logprobs import computed_tokens, frozen_logprobs, prompt_lens, token_logprobs
+from relayrl.trainer.logprobs import computed_tokens, frozen_logprobs, prompt_lens, samples_per_prefix, token_logprobs
 
 from dist_harness import run_distributed
 from helpers import assert_same_metrics, cfg_for, perturbed_model, small_config, step_metrics
@@ -77,8 +78,14 @@ def test_prompt_lengths_and_tokens_computed_by_hand():
                                  [[10, 11], [12], [13, 14, 15, 16], [7, 17], []])
     plens = prompt_lens(resp, attn)
     assert plens == [3, 2, 3, 2, 3]
-    assert computed_tokens(ids, attn, None) == 5 + 3 + 7 + 4 + 3
-    assert computed_tokens(ids, attn, plens) == (3 + 2 + 4 + 0) + (2 + 1) + (2 + 2)  # P + G R per prompt
+    assert computed_tokens(ids, attn, None, 32) == 5 + 3 + 7 + 4 + 3
+    assert computed_tokens(ids, attn, plens, 32) == (3 + 2 + 4 + 0) + (2 + 1) + (2 + 2)  # P + G R per prompt
+    # 4 samples of 6 tokens: one copy of the prompt serves k = sqrt(3 (6 h + 3)) / 6 of them (rounded), so the
+    # narrower the model, the more the responses' attention to each other costs beside the prompt they share
+    ids, attn, resp = build_rows([[5, 6, 7]] * 4, [[10 + i] * 6 for i in range(4)])
+    plens = prompt_lens(resp, attn)
+    assert [samples_per_prefix(3, 6.0, h) for h in (1, 8, 32)] == [1, 2, 4]  # sqrt 27, 153, 585 over 6
+    assert [computed_tokens(ids, attn, plens, h) for h in (1, 8, 32)] == [4 * 9, 2 * 3 + 24, 3 + 24]
 
 
 def test_the_update_equals_the_unshared_one(tiny_model):
@@ -121,7 +128,8 @@ def test_micro_batches_hold_whole_prompts_whatever_the_row_order(tiny_model):
     """Rows of the 3 prompts interleaved, micro-batches of 4 = G: the recompute, the update and the reference
     pass each regroup the rows, so every micro-batch is one prompt's samples and its prompt is computed once."""
     b = _grouped(seed=3)
-    want = computed_tokens(b.input_ids, b.attention_mask, prompt_lens(b.response_mask, b.attention_mask))
+    want = computed_tokens(b.input_ids, b.attention_mask, prompt_lens(b.response_mask, b.attention_mask),
+                           tiny_model.config.hidden_size)
     assert want < int(b.attention_mask.sum())
     m = copy.deepcopy(tiny_model)
     seen = _embedded_tokens(m)

@@ -21,6 +21,7 @@ import the engine, sync, the controller or the CLI. The two sides share the defi
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import torch
@@ -125,13 +126,40 @@ def prompt_lens(response_mask: torch.Tensor, attention_mask: torch.Tensor) -> li
     return torch.where(has, first, attention_mask.sum(-1)).tolist()
 
 
-def computed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lens: list[int] | None) -> int:
-    """Tokens a padding-free forward computes: every row's real tokens, each shared prefix once."""
+def computed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lens: list[int] | None,
+                    hidden_size: int) -> int:
+    """Tokens a padding-free forward computes: every row's real tokens, each shared prefix once per unit."""
     lengths = attention_mask.sum(-1).tolist()
     if prefix_lens is None:
         return int(sum(lengths))
-    prefix_lens = [min(p, n) for p, n in zip(prefix_lens, lengths, strict=True)]
-    return sum(p + sum(lengths[i] - p for i in rows) for p, rows in shared_prefix_groups(input_ids, prefix_lens))
+    units = prefix_units(input_ids, [min(p, n) for p, n in zip(prefix_lens, lengths, strict=True)], lengths,
+                         hidden_size)
+    return sum(p + sum(lengths[i] - p for i in rows) for p, rows in units)
+
+
+def samples_per_prefix(prefix: int, response: float, hidden_size: int) -> int:
+    """How many samples one copy of a prefix serves, at the least cost of a packed unit under dense attention
+    (a boolean mask: every query-key pair of the unit is computed, the masked ones too).
+
+    Per layer, a token costs about 24 h^2 FLOPs in the linear layers and a query-key pair 4 h in attention, so
+    in units of one token's linear cost a unit of P + k R tokens costs (P + k R) + (P + k R)^2 / (6 h). Per
+    sample that is minimal at k = sqrt(P (6 h + P)) / R: many samples per prompt when responses are short
+    beside it, one (no sharing) when they are long, where the responses' attention to each other outweighs
+    the prompt's tokens saved."""
+    if response <= 0:
+        return 1 << 30
+    return max(1, round(math.sqrt(prefix * (6 * hidden_size + prefix)) / response))
+
+
+def prefix_units(input_ids: torch.Tensor, prefix_lens: list[int], lengths: list[int],
+                 hidden_size: int) -> list[tuple[int, list[int]]]:
+    """[(prefix length, rows)]: the packed units, each a group's prefix with up to samples_per_prefix of its
+    rows (a group of one row, or without a prefix, is one unit)."""
+    units = []
+    for p, rows in shared_prefix_groups(input_ids, prefix_lens):
+        k = samples_per_prefix(p, sum(lengths[i] - p for i in rows) / len(rows), hidden_size) if p else 1
+        units += [(p, rows[j:j + k]) for j in range(0, len(rows), k)]
+    return units
 
 
 def prompt_order(batch: TrainBatch) -> torch.Tensor:
@@ -160,7 +188,8 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
         tokens     [ p p p p | a a a | b b | c c c c ]   segments: the prefix's, then one per member whose
         positions    0 1 2 3   4 5 6   4 5   4 5 6 7     parent is the prefix's (it attends to the prefix too)
 
-    so the prefix is computed once. Units are packed into rows first-fit (pack_rows). Each slot's logprob is
+    so the prefix is computed once per unit (a group's rows split into units by samples_per_prefix). Units are
+    packed into rows first-fit (pack_rows). Each slot's logprob is
     taken for the next token of its segment; the prefix's last slot predicts every member's first own token,
     so the members after the first read it again with their own targets (one vocabulary row each). Token t of
     row i is read at the slot holding its token t - 1."""
@@ -168,7 +197,7 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     prefix_lens = [0] * B if prefix_lens is None else [min(p, n) for p, n in zip(prefix_lens, lengths, strict=True)]
-    groups = shared_prefix_groups(input_ids, prefix_lens)
+    groups = prefix_units(input_ids, prefix_lens, lengths, model.config.hidden_size)
     units = [p + sum(lengths[i] - p for i in rows) for p, rows in groups]  # what computed_tokens sums
     placed = pack_rows(units, max(units))
     L = max(sum(units[u] for u in row) for row in placed)
