@@ -212,3 +212,42 @@ def test_build_batch_of_decode_is_one_group_in_order():
     b = build_batch([5, 2, 8], [6, 3, 9], [[0, 1], [2], [3, 4, 5]], 4)
     assert b.decode and len(b.groups) == 1 and b.groups[0].out_index is None
     assert b.slot_mapping.tolist() == [1 * 4 + 1, 2 * 4 + 2, 5 * 4 + 0] and b.positions.tolist() == [5, 2, 8]
+
+
+def _slots(runner, slots):
+    """This rank's k and v of every layer at `slots` (its own KV heads)."""
+    return runner._kv_storage.index_select(2, torch.tensor(slots)).clone()
+
+
+def test_copy_on_write_copies_every_tensor_parallel_ranks_cache():
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_size=32))
+    model.reset_parameters(std=0.3, seed=1)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=6, ignore_eos=True, seed=2)
+    par = engine(model, tensor_parallel_size=2)
+    try:
+        rid = par.add_request(PROMPTS[0], params)  # 9 tokens: position 8 opens the third block, shared
+        par.step()
+        par.step()  # the first decode: two samples copy the shared block, the third writes in place
+        seqs = list(par.scheduler.running)
+        third = [s.block_table[2] for s in seqs]
+        assert len(set(third)) == 3 and par.block_manager.blocks[third[2]].ref_count == 1
+        assert len({s.token_ids[9] for s in seqs}) > 1  # the samples drew different first tokens
+        ranks = par.run_on_ranks(_slots, [b * 4 + o for b in third for o in (0, 1)])  # positions 8 and 9
+        assert len(ranks) == 2 and not torch.equal(ranks[0], ranks[1])  # each rank holds its own KV head
+        for kv in ranks:
+            at8, at9 = kv[:, :, 0::2], kv[:, :, 1::2]
+            assert torch.equal(at8[:, :, 0], at8[:, :, 1]) and torch.equal(at8[:, :, 0], at8[:, :, 2])
+            for i in range(3):  # a different first token: different KV at position 9, never a sibling's
+                for j in range(i):
+                    if seqs[i].token_ids[9] != seqs[j].token_ids[9]:
+                        assert not torch.equal(at9[:, :, i], at9[:, :, j])
+        done = {}
+        while par.has_unfinished():
+            done.update((o.request_id, o) for o in par.step())
+        ref = engine(model, **PREVIOUS).generate([PROMPTS[0]], params)[0]
+        assert [s.token_ids for s in done[rid].samples] == [s.token_ids for s in ref.samples]
+        torch.testing.assert_close(torch.tensor([s.logprobs for s in done[rid].samples]),
+                                   torch.tensor([s.logprobs for s in ref.samples]), atol=1e-5, rtol=1e-5)
+    finally:
+        par.close()
