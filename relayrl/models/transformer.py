@@ -53,7 +53,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def sdpa_attention(q, k, v, mask, enable_gqa: bool) -> torch.Tensor:
+    """The attention computation: q [B, H, q, D], k / v [B, KV, kv, D], mask bool [B, 1, q, kv] (True = may
+    attend) → [B, H, q, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
+    # The attention computation, swappable per module from outside with the same signature: context
+    # parallelism (relayrl.parallel.context_parallel) sets one that attends over the whole sequence while
+    # this rank holds a shard of it (it then ignores `mask`, which the model built for the local shard).
+    attention_fn = staticmethod(sdpa_attention)
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -80,7 +91,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        out = self.attention_fn(q, k, v, mask, self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 

@@ -1,0 +1,262 @@
+"""Context parallelism (Ulysses and zigzag ring attention) against one process: logits and gradients.
+
+Two gloo ranks are launched once (cached) and compute every case; the comparisons happen here against the
+plain model run in this process. Each case's loss is a token-mean NLL over response tokens divided by the
+GLOBAL token count, so the cp ranks' gradients summed over the cp group equal the single-process gradient.
+
+Activation memory: the bytes autograd saves for backward during the forward (parameters excluded, each
+storage counted once), on one rank of cp = 2 against the same code on a cp = 1 group, and against the plain model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from relayrl.errors import ConfigError
+from relayrl.parallel.context_parallel import (
+    apply_context_parallel,
+    check_ulysses_heads,
+    shard_sequence,
+    shard_slots,
+    shard_spans,
+    unshard_sequence,
+)
+from relayrl.parallel.parallelize import apply_activation_checkpointing
+from relayrl.parallel.ring_attention import _pairs
+
+from dist_harness import run_distributed
+from helpers import perturbed_model, small_config
+
+CP = 2
+REL = 1e-5  # max |a - b| <= REL * max |b|, fp32
+MEM_RATIO_BOUND = 1 / CP * 1.05  # saved bytes at cp=2 over cp=1, per rank
+
+CONFIGS = {
+    "gqa": dict(),  # 4 query heads, 2 KV heads
+    "kv1": dict(num_key_value_heads=1),  # fewer KV heads than cp ranks: Ulysses replicates them
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, qk_norm=True, qkv_bias=True),
+    "window": dict(model_type="mistral", sliding_window=5),
+}
+
+# name: (mode, layout (None: the mode's default), config, batch, activation checkpointing, loss on gathered logits)
+CASES = {
+    "ring_zigzag_padded": ("ring", None, "gqa", "padded", False, False),
+    "ulysses_padded": ("ulysses", None, "gqa", "padded", False, False),
+    "ulysses_zigzag_padded": ("ulysses", "zigzag", "gqa", "padded", False, False),
+    "ring_contiguous_full": ("ring", "contiguous", "gqa", "full", False, False),
+    "ulysses_full": ("ulysses", None, "gqa", "full", False, False),
+    "ring_kv1": ("ring", None, "kv1", "padded", False, False),
+    "ulysses_kv1": ("ulysses", None, "kv1", "padded", False, False),
+    "ring_qwen3_ac_gathered": ("ring", None, "qwen3", "padded", True, True),
+    "ring_window_packed": ("ring", None, "window", "packed", False, False),
+    "ulysses_window_packed": ("ulysses", "zigzag", "window", "packed", False, False),
+}
+
+
+def batch(kind: str):
+    """ids [3, 16], attention_mask, position_ids or None, segment_ids or None, loss mask on 'responses'."""
+    g = torch.Generator().manual_seed(5)
+    B, T = 3, 16
+    ids = torch.randint(0, 64, (B, T), generator=g)
+    pos = torch.arange(T)[None].expand(B, T)
+    if kind == "full":
+        return ids, torch.ones(B, T, dtype=torch.long), None, None, (pos >= 3).float()
+    if kind == "padded":  # right padding, none, left padding
+        attn = torch.ones(B, T, dtype=torch.long)
+        attn[0, 11:] = 0
+        attn[2, :6] = 0
+        return ids, attn, None, None, ((pos >= 7) & attn.bool()).float()
+    # packed: segments of lengths 5 + 7 + 4, 9 + 7, 16; positions restart at each segment
+    lengths = [[5, 7, 4], [9, 7], [16]]
+    seg = torch.cat([torch.cat([torch.full((n,), i) for i, n in enumerate(row)])[None] for row in lengths])
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
+    return ids, torch.ones(B, T, dtype=torch.long), positions, seg, (positions >= 2).float()
+
+
+def build(config: str):
+    torch.manual_seed(0)
+    return perturbed_model(small_config(**CONFIGS[config]))
+
+
+def next_token(ids, loss_mask):
+    """Labels and their mask aligned with the logits: slot t predicts ids[t + 1] (the last slot nothing)."""
+    labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)
+    return labels, torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], 1)
+
+
+def nll(logits, labels, mask, count):
+    logp = logits.float().log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1)
+    return -(logp * mask).sum() / count
+
+
+@functools.cache
+def reference(config: str, kind: str):
+    model = build(config)
+    ids, attn, pos, seg, loss_mask = batch(kind)
+    labels, mask = next_token(ids, loss_mask)
+    logits = model(ids, attention_mask=attn, position_ids=pos, segment_ids=seg)
+    nll(logits, labels, mask, mask.sum()).backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def saved_bytes(fn, params) -> tuple[int, object]:
+    """Bytes autograd saves for backward while fn() runs, parameters excluded, each storage once."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+# ---------------------------------------------------------------- rank side
+def _case(mode, layout, config, kind, ac, gathered, group):
+    model = build(config)
+    if ac:
+        apply_activation_checkpointing(model)
+    cp = apply_context_parallel(model, group, mode, layout)
+    ids, attn, pos, seg, loss_mask = batch(kind)
+    labels, mask = next_token(ids, loss_mask)
+    logits = cp(ids, attention_mask=attn, position_ids=pos, segment_ids=seg)
+    if gathered:  # the loss on the full logits, the same on every rank
+        loss = nll(cp.gather(logits), labels, mask, mask.sum())
+    else:
+        loss = nll(logits, cp.shard(labels), cp.shard(mask), mask.sum())
+    loss.backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        dist.all_reduce(p.grad, group=group)
+        grads[n] = p.grad
+    return cp.gather(logits.detach()), grads
+
+
+def _memory(group, single):
+    """Saved bytes of one forward (no padding, 2 x 64 tokens): plain model, ring / ulysses on cp=1 and cp=2."""
+    ids = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    out = {}
+    model = build("gqa")
+    out["plain"] = saved_bytes(lambda: model(ids), list(model.parameters()))[0]
+    for mode in ("ring", "ulysses"):
+        for name, g in (("cp1", single), ("cp2", group)):
+            cp = apply_context_parallel(model, g, mode)
+            out[mode, name] = saved_bytes(lambda cp=cp: cp(ids), list(model.parameters()))[0]
+            cp.remove()
+    return out
+
+
+def _errors(group):
+    """Ulysses refusing heads that do not split over cp = 2; ring taking the same model."""
+    model = build("gqa")
+    model3 = perturbed_model(small_config(num_attention_heads=3, num_key_value_heads=3, head_dim=8))
+    out = {}
+    try:
+        apply_context_parallel(model3, group, "ulysses")
+    except ConfigError as e:
+        out["heads3"] = str(e)
+    ring = apply_context_parallel(model3, group, "ring")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    out["ring_heads3"] = ring.gather(ring(ids)).detach()
+    ring.remove()
+    out["ring_heads3_ref"] = model3(ids).detach()
+    try:
+        apply_context_parallel(model, group, "ring")(ids[:, :6])
+    except ValueError as e:
+        out["seq6"] = str(e)
+    return out
+
+
+def _rank(rank, world_size):
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    group = dist.group.WORLD
+    results = {name: _case(*spec, group) for name, spec in CASES.items()}
+    results["memory"] = _memory(group, singles[rank])
+    results["errors"] = _errors(group)
+    return results
+
+
+@functools.cache
+def distributed():
+    return run_distributed(_rank, CP, timeout=180.0)
+
+
+# ---------------------------------------------------------------- tests
+def assert_close(a, b, what):
+    err = (a - b).abs().max().item()
+    assert err <= REL * b.abs().max().item(), f"{what}: max |diff| {err:.3g} vs max |ref| {b.abs().max():.3g}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_equals_one_process(case):
+    mode, layout, config, kind, ac, gathered = CASES[case]
+    ref_logits, ref_grads = reference(config, kind)
+    for rank, results in enumerate(distributed()):
+        logits, grads = results[case]
+        assert logits.shape == ref_logits.shape
+        assert_close(logits, ref_logits, f"{case} rank {rank} logits")
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            assert_close(g, ref_grads[name], f"{case} rank {rank} grad {name}")
+
+
+def test_activation_memory_falls_to_one_over_cp():
+    for rank, results in enumerate(distributed()):
+        mem = results["memory"]
+        for mode in ("ring", "ulysses"):
+            ratio = mem[mode, "cp2"] / mem[mode, "cp1"]
+            print(f"rank {rank} {mode}: saved {mem[mode, 'cp2']} B at cp=2, {mem[mode, 'cp1']} B at cp=1 (ratio "
+                  f"{ratio:.3f}), plain model {mem['plain']} B (cp=2 / plain {mem[mode, 'cp2'] / mem['plain']:.3f})")
+            assert 1 / CP * 0.95 <= ratio <= MEM_RATIO_BOUND, (mode, rank, ratio)
+            # the swapped attention at cp = 1 keeps no more than the plain model (which also keeps its mask)
+            assert mem[mode, "cp1"] <= mem["plain"], (mode, mem)
+
+
+def test_errors_heads_and_length():
+    errors = distributed()[0]["errors"]
+    assert "3 query heads (not divisible by 2)" in errors["heads3"] and "cp_mode='ring'" in errors["heads3"]
+    assert_close(errors["ring_heads3"], errors["ring_heads3_ref"], "ring with 3 heads on cp=2")
+    assert "pad the batch to a multiple of 4" in errors["seq6"]
+
+
+def test_ulysses_head_checks():
+    check_ulysses_heads(8, 2, 4)  # KV 2 divides cp 4: replicated twice
+    check_ulysses_heads(8, 8, 4)
+    with pytest.raises(ConfigError, match="6 query heads"):
+        check_ulysses_heads(6, 2, 4)
+    with pytest.raises(ConfigError, match=r"key/value heads \(3 in"):
+        check_ulysses_heads(12, 3, 2)
+
+
+def test_zigzag_by_hand():
+    assert shard_spans(8, 2, 0) == [(0, 2), (6, 8)]
+    assert shard_spans(8, 2, 1) == [(2, 4), (4, 6)]
+    assert shard_slots(16, 4, 1).tolist() == [2, 3, 12, 13]
+    assert shard_slots(16, 4, 3, "contiguous").tolist() == [12, 13, 14, 15]
+    x = torch.arange(2 * 16).view(2, 16)
+    parts = [shard_sequence(x, 4, r) for r in range(4)]
+    assert parts[0][1].tolist() == [16, 17, 30, 31]
+    assert torch.equal(unshard_sequence(parts), x)
+    assert torch.equal(unshard_sequence([shard_sequence(x, 4, r, "contiguous") for r in range(4)], "contiguous"), x)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        shard_spans(12, 4, 0)
+
+
+def test_zigzag_balances_causal_work():
+    """Query x key elements of the blocks each rank computes over the ring's steps (causal skipping), T = 32,
+    cp = 4. Zigzag: rank r's chunks r and 7 - r meet (r + 1) + (8 - r) = 9 key chunks of 4, 9 x 16 each;
+    contiguous: rank r's one chunk of 8 meets r + 1 chunks, (r + 1) x 64."""
+    def work(layout):
+        spans = [shard_spans(32, 4, r, layout) for r in range(4)]
+        return [sum((qs[1] - qs[0]) * (ks[1] - ks[0]) for s in range(4) for _, qs, _, ks in _pairs(spans[r], spans[s]))
+                for r in range(4)]
+    assert work("zigzag") == [144] * 4
+    assert work("contiguous") == [64, 128, 192, 256]
