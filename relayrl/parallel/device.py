@@ -12,7 +12,8 @@ none) uses the current one ("cuda" = cuda:0 unless CUDA_VISIBLE_DEVICES says oth
 Why two backends on CUDA: the model's tensors (FSDP's all-gathers and reduce-scatters, TP's all-reduces, DTensor
 norms) live on the GPU and go over nccl, while the trainer's control tensors (global token counts, the number of
 micro-batches, the reduced stats) are small CPU tensors: a process group made with "cuda:nccl,cpu:gloo" sends each
-tensor by its device, and every sub-group of the device mesh inherits both (torchtitan does the same).
+tensor by its device, and every sub-group of the device mesh inherits both (torchtitan makes the same pair
+for CPU offload). Object collectives and barriers then run on gloo (torch picks cpu when it is in the pairs).
 
 It imports torch and relayrl.errors only; it must never import another relayrl layer.
 """

@@ -15,7 +15,9 @@ relayrl uses this transport for CUDA tensors only.
     message    HANDLE_BYTES of uint8 on the host: an 8-byte length, then the ForkingPickler bytes
 
 Both ends must see the same devices under the same numbers (one machine, the same CUDA_VISIBLE_DEVICES: the
-local backend's processes; Ray gives each worker its own view, so it stays on gloo).
+local backend's processes; Ray gives each worker its own view, so it stays on gloo). A receiver maps a sender's
+memory through a CUDA context on the sender's device: a process that receives from ranks on k other GPUs holds k
+more contexts (a few hundred MB each), the price of copying without the host.
 
 It imports torch only; like all of sync, it must never import the trainer, the engine or the controller.
 """
