@@ -177,3 +177,23 @@ def test_sft_refuses_cuda_before_writing_anything(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^sft\.device=cuda, but torch sees no CUDA device"):
         run_sft(cfg, show_progress=False)
     assert not (tmp_path / "sft").exists()
+
+
+def test_reward_models_are_built_on_the_resolved_device(tmp_path, monkeypatch):
+    """In the driver (backend none) and in their worker group (local): the device the trainer computes on."""
+    built = []
+
+    class Recorder:
+        def __init__(self, entries, *options, device: str = "cpu"):
+            built.append((type(self).__name__, device))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(run_module, "resolve_device", lambda setting, key="parallel.device": "cuda")
+    monkeypatch.setattr(run_module, "model_entries", lambda reward_cfg: ["an entry"])
+    monkeypatch.setattr(run_module, "ModelScorer", type("ModelScorer", (Recorder,), {}))
+    monkeypatch.setattr(run_module, "RemoteModelScorer", type("RemoteModelScorer", (Recorder,), {}))
+    for backend in ("none", "local"):
+        run_module.build_scorer_for(cfg_for(tmp_path, backend, parallel={"backend": backend})).close()
+    assert built == [("ModelScorer", "cuda"), ("RemoteModelScorer", "cuda")]

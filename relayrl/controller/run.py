@@ -147,11 +147,12 @@ def build_scorer_for(cfg: RunConfig) -> Scorer | None:
         rules = build_scorer(rule_cfg)
     if not entries:
         return rules
+    device = resolve_device(cfg.parallel.device)  # reward models compute where the trainer does
     try:
         if cfg.parallel.backend == "none":
-            models: ModelScorer | RemoteModelScorer = ModelScorer(entries)
+            models: ModelScorer | RemoteModelScorer = ModelScorer(entries, device=device)
         else:
-            models = RemoteModelScorer(entries, group_options(cfg.parallel))
+            models = RemoteModelScorer(entries, group_options(cfg.parallel), device=device)
     except BaseException:
         rules.close()
         raise
