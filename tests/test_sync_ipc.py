@@ -89,10 +89,26 @@ def _disaggregated(rank: int, world: int, store) -> list[tuple]:
     return out
 
 
-def test_ipc_disaggregated_equals_the_plan_and_the_gloo_transport():
-    store = serve_store()
-    results = run_distributed(_disaggregated, 4, store.address, timeout=180)
-    store.close()
+def _both(rank: int, world: int, store, pair_store) -> tuple:
+    """The disaggregated syncs on all four processes, then the colocated ones on processes 0 and 1 (one launch)."""
+    disaggregated = _disaggregated(rank, world, store)
+    pair = dist.new_group([0, 1])  # collective: every rank takes part
+    return disaggregated, _colocated(rank, pair_store, pair) if rank < 2 else None
+
+
+@pytest.fixture(scope="module")
+def runs():
+    stores = serve_store(), serve_store()
+    try:
+        results = run_distributed(_both, 4, stores[0].address, stores[1].address, timeout=240)
+    finally:
+        for s in stores:
+            s.close()
+    return [r[0] for r in results], [r[1] for r in results[:2]]
+
+
+def test_ipc_disaggregated_equals_the_plan_and_the_gloo_transport(runs):
+    results = runs[0]
     plan = plan_sync(ModelConfig(**CONFIGS["gqa8x2"]), TrainerLayout(tp=2), EngineLayout(2))
     for run, fp8 in ((0, False), (1, True)):  # the two ipc syncs
         trainers, engines = [r[run] for r in results[:2]], [r[run] for r in results[2:]]
@@ -111,7 +127,7 @@ def test_ipc_disaggregated_equals_the_plan_and_the_gloo_transport():
         assert torch.equal(r[0][1], r[2][1]) and r[0][3] == r[2][3] and r[0][4] == r[2][4]
 
 
-def _colocated(rank: int, world: int, store) -> list[tuple]:
+def _colocated(rank: int, store, group) -> list[tuple]:
     """Trainer FSDP 2 -> engine TP 2, engine rank r in trainer rank r's process: each process sends to the other
     and receives from it (a receiving thread beside the sender; acks cross both ways). ipc, then gloo."""
     torch.multiprocessing.set_sharing_strategy("file_system")
@@ -119,7 +135,7 @@ def _colocated(rank: int, world: int, store) -> list[tuple]:
     layout, members = TrainerLayout(dp_shard=2), Members(2, 2, colocated=True)
     comm = SyncComm(store, rank, 2)
     local = shard_state_dict({k: v.detach() for k, v in model.state_dict().items()}, model.config, layout, rank)
-    runner = ModelRunner(model.config, torch.float32, TPInfo(rank, 2, dist.group.WORLD))
+    runner = ModelRunner(model.config, torch.float32, TPInfo(rank, 2, group))
     out = []
     for use_ipc in (True, False):
         for p in runner.params().values():
@@ -132,10 +148,8 @@ def _colocated(rank: int, world: int, store) -> list[tuple]:
     return out
 
 
-def test_ipc_colocated_acks_both_ways_and_equals_gloo():
-    store = serve_store()
-    results = run_distributed(_colocated, 2, store.address, timeout=180)
-    store.close()
+def test_ipc_colocated_acks_both_ways_and_equals_gloo(runs):
+    results = runs[1]
     plan = plan_sync(ModelConfig(**CONFIGS["gqa8x2"]), TrainerLayout(dp_shard=2), EngineLayout(2))
     for r, ((got, gap, received, copied), (g_got, _, g_received, g_copied)) in enumerate(results):
         assert gap < 1e-6 and torch.equal(got, g_got)
