@@ -15,8 +15,10 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from relayrl.errors import ConfigError
+from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.context_parallel import (
     apply_context_parallel,
     check_ulysses_heads,
@@ -25,7 +27,8 @@ from relayrl.parallel.context_parallel import (
     shard_spans,
     unshard_sequence,
 )
-from relayrl.parallel.parallelize import apply_activation_checkpointing
+from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.parallelize import apply_activation_checkpointing, parallelize_model
 from relayrl.parallel.ring_attention import _pairs
 
 from dist_harness import run_distributed
@@ -58,20 +61,21 @@ CASES = {
 
 
 def batch(kind: str):
-    """ids [3, 16], attention_mask, position_ids or None, segment_ids or None, loss mask on 'responses'."""
+    """ids [4, 16], attention_mask, position_ids or None, segment_ids or None, loss mask on 'responses'."""
     g = torch.Generator().manual_seed(5)
-    B, T = 3, 16
+    B, T = 4, 16
     ids = torch.randint(0, 64, (B, T), generator=g)
     pos = torch.arange(T)[None].expand(B, T)
     if kind == "full":
         return ids, torch.ones(B, T, dtype=torch.long), None, None, (pos >= 3).float()
-    if kind == "padded":  # right padding, none, left padding
+    if kind == "padded":  # right padding, none, left padding, right padding past the first half
         attn = torch.ones(B, T, dtype=torch.long)
         attn[0, 11:] = 0
         attn[2, :6] = 0
+        attn[3, 5:] = 0
         return ids, attn, None, None, ((pos >= 7) & attn.bool()).float()
-    # packed: segments of lengths 5 + 7 + 4, 9 + 7, 16; positions restart at each segment
-    lengths = [[5, 7, 4], [9, 7], [16]]
+    # packed: segments of lengths 5 + 7 + 4, 9 + 7, 16, 2 + 14; positions restart at each segment
+    lengths = [[5, 7, 4], [9, 7], [16], [2, 14]]
     seg = torch.cat([torch.cat([torch.full((n,), i) for i, n in enumerate(row)])[None] for row in lengths])
     positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
     return ids, torch.ones(B, T, dtype=torch.long), positions, seg, (positions >= 2).float()
@@ -181,12 +185,47 @@ def _rank(rank, world_size):
     results = {name: _case(*spec, group) for name, spec in CASES.items()}
     results["memory"] = _memory(group, singles[rank])
     results["errors"] = _errors(group)
+    results.update({name: _composed_case(*spec) for name, spec in COMPOSED.items() if spec[0] == world_size})
     return results
 
 
 @functools.cache
 def distributed():
     return run_distributed(_rank, CP, timeout=180.0)
+
+
+# name: world size, ParallelDims degrees, cp mode, config, activation checkpointing; through parallelize_model,
+# whose FSDP shards (and sums the gradients) over dp_shard x cp. The 4-rank ones are slow (one more launch).
+COMPOSED = {
+    "fsdp_cp2_ring_ac": (2, dict(cp=2), "ring", "qwen3", True),  # FSDP over the cp ranks alone
+    "fsdp2_cp2_ring": (4, dict(dp_shard=2, cp=2), "ring", "gqa", False),
+    "hsdp2_cp2_ring": (4, dict(dp_replicate=2, cp=2), "ring", "qwen3", False),  # HSDP (dp_replicate, dp_shard x cp)
+    "tp2_cp2_ulysses": (4, dict(tp=2, cp=2), "ulysses", "gqa", False),  # 1 KV head per TP rank, replicated over cp
+}
+
+
+def _composed_case(world_size, degrees, mode, config, ac):
+    dims = ParallelDims(world_size=world_size, **degrees)
+    mesh = dims.build_mesh("cpu")
+    model = parallelize_model(build(config), dims, mesh, gather_logits=True, activation_checkpointing=ac)
+    cp = apply_context_parallel(model, dims.cp_mesh.get_group(), mode)
+    ids, attn, _, _, loss_mask = batch("padded")
+    labels, mask = next_token(ids, loss_mask)
+    rows = ids.shape[0] // dims.dp
+    mine = slice(dims.dp_rank * rows, (dims.dp_rank + 1) * rows)
+    logits = cp(ids[mine], attention_mask=attn[mine])
+    nll(logits, cp.shard(labels[mine]), cp.shard(mask[mine]), mask.sum()).backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+    return dims.dp_rank, cp.gather(logits.detach()), grads
+
+
+def _rank4(rank, world_size):
+    return {name: _composed_case(*spec) for name, spec in COMPOSED.items() if spec[0] == world_size}
+
+
+@functools.cache
+def composed():
+    return run_distributed(_rank4, 4, timeout=180.0)
 
 
 # ---------------------------------------------------------------- tests
@@ -206,6 +245,28 @@ def test_equals_one_process(case):
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
             assert_close(g, ref_grads[name], f"{case} rank {rank} grad {name}")
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, marks=[pytest.mark.slow] if spec[0] == 4 else [])
+                                  for name, spec in COMPOSED.items()])
+def test_composes_with_fsdp_and_tp(case):
+    ref_logits, ref_grads = reference(COMPOSED[case][3], "padded")
+    for rank, results in enumerate(composed() if COMPOSED[case][0] == 4 else distributed()):
+        dp_rank, logits, grads = results[case]
+        rows = logits.shape[0]
+        assert_close(logits, ref_logits[dp_rank * rows:(dp_rank + 1) * rows], f"{case} rank {rank} logits")
+        for name, g in grads.items():
+            assert_close(g, ref_grads[name], f"{case} rank {rank} grad {name}")
+
+
+def test_parallel_dims_cp():
+    dims = ParallelDims(dp_shard=-1, cp=2, tp=2, world_size=8)
+    assert dims.dp_shard == 2 and dims.dp == 2 and dims.cp_enabled
+    with pytest.raises(ConfigError, match=r"dp_shard \(1\) x cp \(2\) x tp \(1\) = 2, but world_size is 4"):
+        ParallelDims(cp=2, world_size=4)
+    with pytest.raises(ConfigError, match="cp=1"):
+        ParallelConfig.from_dict({"cp": 2})  # the trainer does not shard its batches over cp yet
+    assert ParallelConfig.from_dict({"cp": 1, "cp_mode": "ulysses"}).cp_mode == "ulysses"
 
 
 def test_activation_memory_falls_to_one_over_cp():

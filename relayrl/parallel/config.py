@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from relayrl.config import Config
 
@@ -35,6 +35,12 @@ class ParallelConfig(Config):
     dp_replicate: int = Field(1, ge=1)
     dp_shard: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    # context parallelism (relayrl.parallel.context_parallel, the planner's cp / cp_mode): each sequence split
+    # over cp ranks, attending by ring (zigzag ring attention) or ulysses (all-to-all over heads). The model side
+    # exists and is tested against one process; the trainer does not shard its batches over cp yet, so a run
+    # refuses cp > 1
+    cp: int = Field(1, ge=1)
+    cp_mode: Literal["ring", "ulysses"] = "ring"
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
     activation_checkpointing: bool = False
     # colocated: the rollout engine's ranks and the reference model run in the actor's processes
@@ -47,6 +53,14 @@ class ParallelConfig(Config):
     call_timeout_s: CallTimeouts = Field(default_factory=CallTimeouts)
     heartbeat_timeout_s: float | None = Field(30.0, ge=2)
 
+    @field_validator("cp")
+    @classmethod
+    def _cp_not_in_runs(cls, cp: int) -> int:
+        if cp > 1:
+            raise ValueError("context parallelism is not wired into the trainer yet (the model side is "
+                             "relayrl.parallel.context_parallel); set parallel.cp=1")
+        return cp
+
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp

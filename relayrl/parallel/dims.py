@@ -1,17 +1,24 @@
 """ParallelDims is the one object that owns a role's topology; it is passed explicitly, never global.
 
-    world = dp_replicate x dp_shard x tp         (rank order: tp fastest, so a TP group is
-                                                  contiguous ranks, e.g. one node's GPUs)
-    mesh dims, always all three (size 1 allowed):  ("dp_replicate", "dp_shard", "tp")
+    world = dp_replicate x dp_shard x cp x tp    (rank order: tp fastest, then cp, so a TP group is
+                                                  contiguous ranks, e.g. one node's GPUs; the planner's
+                                                  order, relayrl.planner.layout)
+    mesh dims, always all four (size 1 allowed):   ("dp_replicate", "dp_shard", "cp", "tp")
     plus ParallelDims.dp_mesh, the flattened dp_replicate x dp_shard (data-parallel rank / size,
     global loss counts, DDP)
 
-Why all three dims even when some are 1: sub-mesh names never depend on the layout, so callers
+Why all four dims even when some are 1: sub-mesh names never depend on the layout, so callers
 write `mesh["tp"]` without branching, and a size-1 dim costs one trivial process group.
+
+Context parallelism (cp > 1, relayrl.parallel.context_parallel on mesh["cp"]): the cp ranks of one
+data-parallel rank share its batch rows and split their sequences. They hold the same parameters, so
+FSDP shards over dp_shard x cp (torchtitan's "dp_shard_cp"), and the sum of the gradients over that
+group is the gradient of the global loss.
 
     dp_replicate > 1, dp_shard = 1  → DDP (or HSDP with nothing to shard)
     dp_shard > 1                    → FSDP; with dp_replicate > 1 → HSDP on (dp_replicate, dp_shard)
     tp > 1                          → tensor parallel inside each data-parallel replica
+    cp > 1                          → FSDP on dp_shard x cp (HSDP on (dp_replicate, dp_shard x cp))
 
 It imports torch and relayrl.errors only; it must never import another relayrl layer (models,
 single_controller, the trainer, the engine, ...): they import it.
@@ -26,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from relayrl.errors import ConfigError
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -46,27 +53,31 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    cp: int = 1
     world_size: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _fsdp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "world_size"):
+        for name in ("dp_replicate", "tp", "cp", "world_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel degree {name} must be an integer >= 1, got {value!r}")
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.tp
+            rest = self.dp_replicate * self.cp * self.tp
             if self.world_size % rest:
+                cp = f" x cp ({self.cp})" if self.cp > 1 else ""
                 raise ConfigError(f"dp_shard=-1: world_size {self.world_size} is not divisible by "
-                                  f"dp_replicate ({self.dp_replicate}) x tp ({self.tp}) = {rest}")
+                                  f"dp_replicate ({self.dp_replicate}){cp} x tp ({self.tp}) = {rest}")
             self.dp_shard = self.world_size // rest
         if not isinstance(self.dp_shard, int) or self.dp_shard < 1:
             raise ConfigError(f"parallel degree dp_shard must be an integer >= 1 or -1, got {self.dp_shard!r}")
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
+            cp = f" x cp ({self.cp})" if self.cp > 1 else ""
             raise ConfigError(
-                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x tp ({self.tp}) = {product}, "
+                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}){cp} x tp ({self.tp}) = {product}, "
                 f"but world_size is {self.world_size}: the degrees must multiply to the number of ranks"
             )
 
@@ -83,14 +94,26 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the (dp_replicate, dp_shard, tp) mesh and its flattened "dp" dim; once per dims."""
+        """Create the (dp_replicate, dp_shard, cp, tp) mesh and its flattened "dp" dim (with cp > 1 also
+        FSDP's dp_shard x cp); once per dims."""
         if self._mesh is not None:
             raise RuntimeError("ParallelDims.build_mesh was already called; pass the mesh it returned around")
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                mesh_dim_names=MESH_DIMS)
         # private but the established way (torchtitan does the same) to get one group over both dp
         # dims; kept here because slicing a flattened dim out of the root mesh is being deprecated
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.cp > 1:  # FSDP's group: dp_shard x cp, 2-D under dp_replicate for HSDP (bookkept, not sliced)
+            if self.dp_replicate > 1:
+                self._fsdp_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")._unflatten(
+                    0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+            else:
+                self._fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         self._mesh = mesh
         return mesh
 
@@ -105,6 +128,11 @@ class ParallelDims:
         return self.mesh["tp"]
 
     @property
+    def cp_mesh(self) -> DeviceMesh:
+        """1-D mesh over the cp ranks that split one batch row's sequence (relayrl.parallel.context_parallel)."""
+        return self.mesh["cp"]
+
+    @property
     def dp_mesh(self) -> DeviceMesh:
         """1-D mesh over all data-parallel ranks (batch sharding, global token counts, DDP)."""
         self.mesh  # noqa: B018 - the property raises the helpful error when the mesh is not built
@@ -112,8 +140,9 @@ class ParallelDims:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh fully_shard takes: 1-D over dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP."""
-        return fsdp_mesh_of(self.mesh)
+        """The mesh fully_shard takes: 1-D over dp_shard (x cp), or 2-D (dp_replicate, dp_shard (x cp)) for HSDP."""
+        self.mesh  # noqa: B018 - the property raises the helpful error when the mesh is not built
+        return self._fsdp_mesh if self._fsdp_mesh is not None else fsdp_mesh_of(self.mesh)
 
     @property
     def dp_rank(self) -> int:
@@ -121,7 +150,10 @@ class ParallelDims:
 
 
 def fsdp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
-    """1-D dp_shard mesh, or the 2-D (dp_replicate, dp_shard) one when dp_replicate > 1 (HSDP)."""
+    """1-D dp_shard mesh, or the 2-D (dp_replicate, dp_shard) one when dp_replicate > 1 (HSDP); without cp
+    (with cp > 1 it is ParallelDims.fsdp_mesh)."""
+    if "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
+        raise ConfigError("with cp > 1 FSDP shards over dp_shard x cp: take ParallelDims.fsdp_mesh")
     if mesh["dp_replicate"].size() > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]

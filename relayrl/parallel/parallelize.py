@@ -3,8 +3,14 @@
     plain model (same weights on every rank)
       1. tensor parallel      plan as data → DTensor shards on mesh["tp"]          (tp > 1)
       2. activation ckpt      each decoder layer recomputes its forward in backward (optional)
-      3. data parallel        fsdp: fully_shard per layer + root on dp_shard (HSDP with dp_replicate)
+      3. data parallel        fsdp: fully_shard per layer + root on dp_shard (HSDP with dp_replicate;
+                                    dp_shard x cp with context parallelism, whose ranks hold the same
+                                    parameters: dims.fsdp_mesh)
                               ddp:  replicate over dims.dp_mesh (all data-parallel ranks)
+
+Context parallelism is not one of these steps: it swaps each attention module's computation
+(relayrl.parallel.context_parallel.apply_context_parallel on dims.cp_mesh), which no step above touches, so
+it may be applied before or after; the caller keeps the object it returns to run the model.
 
 The order matters: FSDP shards the DTensors TP produced (2-D parameters), and checkpointing sits
 inside the FSDP unit so recompute happens while the layer's parameters are gathered.
@@ -25,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from relayrl.errors import ConfigError
 from relayrl.parallel.data_parallel import apply_ddp, apply_fsdp
-from relayrl.parallel.dims import ParallelDims, fsdp_mesh_of
+from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.tensor_parallel import apply_tensor_parallel
 
 DP_MODES = ("fsdp", "ddp")
@@ -74,6 +80,9 @@ def parallelize_model(
     if dp_mode == "ddp" and dims.dp_shard > 1:
         raise ConfigError(f"dp_mode='ddp' replicates the model, but dp_shard={dims.dp_shard}: "
                           "use dp_replicate for DDP, or dp_mode='fsdp' to shard")
+    if dp_mode == "ddp" and dims.cp > 1:
+        raise ConfigError("dp_mode='ddp' with cp > 1 is not supported; use dp_mode='fsdp' (the cp ranks shard the "
+                          "parameters with dp_shard, as in torchtitan)")
     if dp_mode == "ddp" and dims.tp > 1:
         raise ConfigError("dp_mode='ddp' with tp > 1 is not supported; use dp_mode='fsdp' (FSDP / HSDP + TP)")
     if mesh is not dims.mesh:
@@ -89,9 +98,9 @@ def parallelize_model(
                 p.requires_grad_(False)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if dims.dp > 1:
+    if dims.dp * dims.cp > 1:
         if dp_mode == "fsdp":
-            apply_fsdp(model, fsdp_mesh_of(mesh), reshard_after_forward=reshard_after_forward,
+            apply_fsdp(model, dims.fsdp_mesh, reshard_after_forward=reshard_after_forward,
                        mp_policy=mp_policy, grad_reduce=grad_reduce)
         else:
             apply_ddp(model, dims.dp_mesh, grad_reduce=grad_reduce)
