@@ -286,6 +286,10 @@ def main() -> None:
     print("relayrl median stage times (s): " + ", ".join(f"{s} {v:.3f}" for s, v in stage.items())
           + f"; rest {med_rl - sum(stage.values()):.3f}")
     print(f"TRL: generate {rows['trl'][4]:.3f} s, everything else {med_trl - rows['trl'][4]:.3f} s per step")
+    trained = statistics.median(m["batch/trained_tokens"] for m in rl_metrics)
+    real = statistics.median(m["batch/real_tokens"] for m in rl_metrics)
+    print(f"relayrl training tokens per step (median): {trained:.0f} computed of {real:.0f} in the rows "
+          f"({trained / real:.2f}; prompts shared by the G samples)")
     # the FLOP floor of each system's own steps (its own response lengths), at this process's fp32 matmul peak
     peak = matmul_peak("cpu", "float32", args.threads)
     prompt_tokens = [sum(len(p) for p in ours[i * args.prompts_per_step:(i + 1) * args.prompts_per_step])
