@@ -3,7 +3,8 @@ with relayrl.models.moe's block in place of the MLP for the Qwen2-MoE / Qwen3-Mo
 
 Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj.weight`), so a
 checkpoint loads by name and the sync layer can speak of logical tensors. No parallelism lives here:
-tensor / data parallelism is applied to this module from outside.
+tensor / data parallelism is applied to this module from outside, and context parallelism replaces each
+Attention's `attention_fn` (SDPA by default) from outside too.
 
 One forward serves training (full sequences) and generation (a KV cache):
 

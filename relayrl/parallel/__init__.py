@@ -1,7 +1,9 @@
 """This package applies parallelism to plain models from outside (the models hold none).
 
-    dims            ParallelDims: degrees, validation, the (dp_replicate, dp_shard, tp) DeviceMesh
+    dims            ParallelDims: degrees, validation, the (dp_replicate, dp_shard, cp, tp) DeviceMesh
     parallelize     parallelize_model: TP plan → activation checkpointing → FSDP / HSDP / DDP
+    context_parallel  sequences sharded over cp ranks (contiguous / zigzag), Ulysses (all-to-all over heads)
+    ring_attention  K, V blocks around the cp ring, online-softmax merge, causal block skipping
     tensor_parallel the TP plan as data (HF module-name patterns → styles), applied with DTensor
     data_parallel   apply_fsdp (fully_shard per layer + root), apply_ddp (replicate); grads summed
     vocab_parallel  logprobs / entropy from vocab-sharded logits, without gathering the vocab

@@ -208,7 +208,10 @@ class ContextParallel:
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
                  segment_ids: Tensor | None = None, parent_ids: Tensor | None = None, **kwargs) -> Tensor:
-        """The model's output for this rank's shard of the full batch `input_ids` [B, T]: [B, T/cp, ...]."""
+        """The model's output for this rank's shard of the full batch `input_ids` [B, T]: [B, T/cp, ...].
+
+        The masks' metadata (attention_mask, position_ids, segment_ids, parent_ids) is given whole; any other
+        per-token input in kwargs (an MoE Routing's replayed selections) must already be this rank's shard."""
         if kwargs.get("kv_cache") is not None:
             raise ConfigError("context parallelism is for training forwards over whole sequences, not a KV cache")
         B, T = input_ids.shape
