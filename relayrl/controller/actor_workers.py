@@ -87,12 +87,22 @@ class _ParallelModelWorker(Worker):
         self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
                                  world_size=self.world_size)
         mesh = self.dims.build_mesh(self.device.split(":")[0])
-        # on this worker's device before any parallelism (TP / FSDP shard it there) and before the optimiser
-        model = (loader() if loader is not None else load_pretrained(model_dir)).to(self.device)
+        model = loader() if loader is not None else load_pretrained(model_dir)
+        # on this worker's device before the optimiser is built. FSDP2 (parallelize_model's data-parallel step
+        # with dp_mode fsdp over more than one rank) moves each block to the mesh's device as it shards it, so a
+        # sharded model is never whole on one GPU; any other model goes over whole, before TP / DDP
+        sharded = par.dp_mode == "fsdp" and self.dims.dp * self.dims.cp > 1
+        if not sharded:
+            model = model.to(self.device)
         if not trains and par.dp_mode == "ddp":
             return model  # DDP only syncs gradients: a frozen model is simply replicated
-        return parallelize_model(model, self.dims, mesh, dp_mode=par.dp_mode,
-                                 activation_checkpointing=par.activation_checkpointing and trains)
+        model = parallelize_model(model, self.dims, mesh, dp_mode=par.dp_mode,
+                                  activation_checkpointing=par.activation_checkpointing and trains)
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != mesh.device_type]
+        if left:
+            raise RuntimeError(f"after parallelize_model, {len(left)} tensors are not on {self.device} "
+                               f"(first: {left[0]}): relayrl.controller.actor_workers expected FSDP to move them")
+        return model
 
     def dp_info(self) -> DPInfo:
         return dp_info_from_dims(self.rank, self.dims)
