@@ -113,9 +113,11 @@ def test_fsdp2_reference_in_the_actor_equals_one_process(base_dir, tmp_path):
         ref_after = policy.compute_ref_logprobs(batch)
     finally:
         policy.close()
-    torch.testing.assert_close(ref, want_ref, atol=0, rtol=0)
+    # to fp32 rounding, not bit for bit: each rank packs its own rows (padding-free, prompts shared), so the
+    # matmuls see other row groupings than one process's; within each layout the reference is exact (KL 0)
+    torch.testing.assert_close(ref, want_ref, atol=1e-6, rtol=1e-6)
     assert stats["kl"] == 0.0
     assert stats["loss"] == pytest.approx(want_stats["loss"], rel=1e-5)
-    torch.testing.assert_close(ref_after, want_ref, atol=0, rtol=0)  # the base never moved, adapters back on
+    torch.testing.assert_close(ref_after, ref, atol=0, rtol=0)  # the base never moved, adapters back on
     torch.testing.assert_close(moved, single.compute_logprobs(batch), atol=1e-5, rtol=0)
     assert (moved - ref).abs().max() > 1e-4
