@@ -21,8 +21,8 @@ every sequence pay for 50). A prefill batch is therefore split by length (`group
         q_i * c_i >= GROUP_FILL * Qg * Lg    for every member i   (real scores fill >= half of each row)
     else it opens the next group
 
-so every sequence's padded rectangle is at most 1 / GROUP_FILL times its real q x c; the group count grows
-with the log of the spread of lengths, not with B. Decode (one query each) stays one group: its
+so every sequence's padded rectangle is at most 1 / GROUP_FILL times its real q x c; with contexts alike,
+the group count grows with log2 of the spread of query counts, not with B. Decode (one query each) stays one group: its
 padding is keys only, and a decode step is too short to pay for more kernels. `group=False` is the
 previous, padded form: one group in batch order (kept for comparison and the benchmark's baseline).
 
