@@ -87,7 +87,11 @@ class RolloutStream:
         self.draw_states: dict[int, dict] = {}  # batch -> the sampler's state before drawing it
         self.waiting: deque[Group] = deque()  # admitted, not yet submitted (max_inflight)
         self.running: dict[Any, Group] = {}  # request id (single-turn) or tag (episodes) -> group
-        self.inflight = 0  # submitted and not yet scored
+        self.inflight = 0  # submitted and not yet scored (what a drain waits for)
+        # submitted and not yet returned by the engine (what max_inflight bounds). Counted down by the rollout
+        # thread itself, between two engine steps, never by the scorer: which groups the next step admits must
+        # not depend on how far the scorer thread has got, or a run would depend on timing
+        self.generating = 0
         self.ready: dict[tuple[int, int], Group] = {}
         self.pauses = self.drains = 0
         self.idle_s = 0.0  # the engine had nothing admissible to do: it waited for the trainer
@@ -191,7 +195,7 @@ class RolloutStream:
             self.waiting.clear()
             self.running.clear()
             self.ready.clear()
-            self.inflight = 0
+            self.inflight = self.generating = 0
         if self.engine_lock.acquire(timeout=30):  # a thread stuck in a step keeps it: leave the engine be
             try:
                 if self.agent is not None:
@@ -246,6 +250,7 @@ class RolloutStream:
                 self._submit(self._admit())
                 done = self._advance()
             with self.cv:
+                self.generating -= len(done)
                 for g in done:
                     if self.scorer is not None:
                         self._to_score.put(g)
@@ -267,7 +272,7 @@ class RolloutStream:
         return self.next_batch < self.total and self.next_batch <= self.version + self.staleness
 
     def _capacity(self) -> bool:  # under cv
-        return self.max_inflight is None or self.inflight < self.max_inflight
+        return self.max_inflight is None or self.generating < self.max_inflight
 
     def _admissible(self) -> bool:  # under cv
         return self._open() and self._capacity() and (bool(self.waiting) or self._drawable())
@@ -287,6 +292,7 @@ class RolloutStream:
             while self.waiting and self._capacity():
                 out.append(self.waiting.popleft())
                 self.inflight += 1
+                self.generating += 1
             return out
 
     def _submit(self, groups: list[Group]) -> None:  # under engine_lock
