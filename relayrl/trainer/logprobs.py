@@ -189,10 +189,9 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
         positions    0 1 2 3   4 5 6   4 5   4 5 6 7     parent is the prefix's (it attends to the prefix too)
 
     so the prefix is computed once per unit (a group's rows split into units by samples_per_prefix). Units are
-    packed into rows first-fit (pack_rows). Each slot's logprob is
-    taken for the next token of its segment; the prefix's last slot predicts every member's first own token,
-    so the members after the first read it again with their own targets (one vocabulary row each). Token t of
-    row i is read at the slot holding its token t - 1."""
+    packed into rows first-fit (pack_rows). Token t of row i is read at the slot holding its token t - 1: a
+    (slot, token) pair, which the prefix's rows share, except at its last slot, which predicts each member's
+    first own token (one pair per member)."""
     device, input_ids = input_ids.device, input_ids.cpu()  # the layout is built on the host, then moved
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
@@ -203,12 +202,20 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
     L = max(sum(units[u] for u in row) for row in placed)
     R = len(placed)
     packed = torch.zeros(R * L, dtype=input_ids.dtype)
-    target = torch.zeros(R * L, dtype=input_ids.dtype)  # the next token of each slot's segment
     seg = torch.full((R * L,), -1)  # -1: the padding at the end of a row
     parent = torch.full((R * L,), -2)  # -2: no parent segment
     pos = torch.zeros(R * L, dtype=torch.long)
-    src = torch.full((B, T), -1, dtype=torch.long)  # the slot whose logprob is token t's (-1: none)
-    extra_slot, extra_tgt, extra_of = [], [], []  # re-reads of a prefix's last slot: slot, target, (row, t)
+    # the (slot, next token) pairs whose logprobs are read, and for each row's token t the pair that is its
+    # logprob (-1: none); a prefix's pairs serve all its rows, its last slot one pair per row
+    pair_slots, pair_tokens, count = [], [], [0]
+    src = torch.full((B, T), -1, dtype=torch.long)
+
+    def pairs(slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        pair_slots.append(slots)
+        pair_tokens.append(tokens)
+        count[0] += len(slots)
+        return torch.arange(count[0] - len(slots), count[0])
+
     for r, row in enumerate(placed):
         off = r * L
         for u in row:
@@ -217,42 +224,30 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
             if p > 0:
                 first = members[0]
                 packed[off:off + p] = input_ids[first, :p]
-                target[off:off + p - 1] = input_ids[first, 1:p]
                 seg[off:off + p], pos[off:off + p] = g, torch.arange(p)
-                src[members, 1:p] = torch.arange(off, off + p - 1)
+                if p > 1:
+                    src[members, 1:p] = pairs(torch.arange(off, off + p - 1), input_ids[first, 1:p])
                 last, off = off + p - 1, off + p
-                with_own = [i for i in members if lengths[i] > p]
-                if with_own:
-                    target[last] = input_ids[with_own[0], p]
-                    src[with_own[0], p] = last
-                for i in with_own[1:]:
-                    src[i, p] = last  # its entropy is the slot's; its logprob is re-read below
-                    extra_slot.append(last)
-                    extra_tgt.append(int(input_ids[i, p]))
-                    extra_of.append((i, p))
+                for i in members:  # each own first token is predicted by the prefix's last slot
+                    if lengths[i] > p:
+                        src[i, p] = pairs(torch.tensor([last]), input_ids[i, p:p + 1])
             for i in members:
                 n, k = lengths[i], lengths[i] - p
                 packed[off:off + k] = input_ids[i, p:n]
-                target[off:off + k - 1] = input_ids[i, p + 1:n]
                 seg[off:off + k], parent[off:off + k], pos[off:off + k] = i, g, torch.arange(p, n)
                 if k > 1:
-                    src[i, p + 1:n] = torch.arange(off, off + k - 1)
+                    src[i, p + 1:n] = pairs(torch.arange(off, off + k - 1), input_ids[i, p + 1:n])
                 off += k
-    packed, target, seg, parent, pos, src = (t.to(device) for t in (packed, target, seg, parent, pos, src))
+    empty = torch.zeros(0, dtype=torch.long)
+    slots, tokens = torch.cat(pair_slots or [empty]), torch.cat(pair_tokens or [empty])
+    packed, seg, parent, pos, src, slots, tokens = (
+        t.to(device) for t in (packed, seg, parent, pos, src, slots, tokens))
     logits = model(packed.view(R, L), attention_mask=(seg >= 0).long().view(R, L), position_ids=pos.view(R, L),
                    segment_ids=seg.view(R, L), parent_ids=parent.view(R, L) if any(prefix_lens) else None)
-    logp_s, ent_s = _from_logits(logits, target.view(R, L), temperature, with_entropy, tp_group, entropy_grad)
-    logp_s = logp_s.reshape(-1)
-    has = src >= 0
-    ent = None
-    if with_entropy:
-        ent = torch.where(has, ent_s.reshape(-1)[src.clamp(min=0)], 0.0)
-    if extra_of:
-        local = logits.to_local() if isinstance(logits, DTensor) else logits
-        extra, _ = _from_logits(local.reshape(R * L, -1)[torch.tensor(extra_slot, device=device)],
-                                torch.tensor(extra_tgt, device=device), temperature, False, tp_group)
-        rows, cols = zip(*extra_of, strict=True)
-        src = src.clone()
-        src[list(rows), list(cols)] = torch.arange(R * L, R * L + len(extra_of), device=device)
-        logp_s = torch.cat([logp_s, extra])
-    return torch.where(has, logp_s[src.clamp(min=0)], 0.0), ent
+    # only the read slots reach the log-softmax (what backward keeps: one row per pair, as padded rows keep s - 1)
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    logp_p, ent_p = _from_logits(local.reshape(R * L, -1)[slots], tokens, temperature, with_entropy, tp_group,
+                                 entropy_grad)
+    has, at = src >= 0, src.clamp(min=0)
+    ent = torch.where(has, ent_p[at], 0.0) if with_entropy else None
+    return torch.where(has, logp_p[at], 0.0), ent
