@@ -14,6 +14,9 @@ from pydantic import Field, field_validator
 
 from relayrl.config import Config
 
+# relayrl.parallel.pipeline's schedules (torch.distributed.pipelining), named as the planner names 1f1b / gpipe
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+
 
 class CallTimeouts(Config):
     """Seconds a worker-group call of each kind may take (`parallel.call_timeout_s.<kind>`)."""
@@ -41,6 +44,11 @@ class ParallelConfig(Config):
     # refuses cp > 1
     cp: int = Field(1, ge=1)
     cp_mode: Literal["ring", "ulysses"] = "ring"
+    # pipeline parallelism (relayrl.parallel.pipeline, the planner's pp / pp_schedule): the decoder layers split
+    # into pp stages, micro-batches run by the schedule. The model side exists and is tested against one
+    # process; the Actor does not run its update through a pipeline yet, so a run refuses pp > 1
+    pp: int = Field(1, ge=1)
+    pp_schedule: str = "1f1b"
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
     activation_checkpointing: bool = False
     # colocated: the rollout engine's ranks and the reference model run in the actor's processes
@@ -61,6 +69,21 @@ class ParallelConfig(Config):
                              "relayrl.parallel.context_parallel); set parallel.cp=1")
         return cp
 
+    @field_validator("pp_schedule")
+    @classmethod
+    def _known_schedule(cls, name: str) -> str:
+        if name not in PP_SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(PP_SCHEDULES)}")
+        return name
+
+    @field_validator("pp")
+    @classmethod
+    def _pp_not_in_runs(cls, pp: int) -> int:
+        if pp > 1:
+            raise ValueError("pipeline parallelism is not wired into the trainer yet (the model side is "
+                             "relayrl.parallel.pipeline); set parallel.pp=1")
+        return pp
+
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp

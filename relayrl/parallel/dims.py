@@ -1,13 +1,13 @@
 """ParallelDims is the one object that owns a role's topology; it is passed explicitly, never global.
 
-    world = dp_replicate x dp_shard x cp x tp    (rank order: tp fastest, then cp, so a TP group is
-                                                  contiguous ranks, e.g. one node's GPUs; the planner's
-                                                  order, relayrl.planner.layout)
-    mesh dims, always all four (size 1 allowed):   ("dp_replicate", "dp_shard", "cp", "tp")
+    world = pp x dp_replicate x dp_shard x cp x tp    (rank order: tp fastest, then cp, ..., pp slowest,
+                                                       so a TP group is contiguous ranks, e.g. one node's
+                                                       GPUs; the planner's order, relayrl.planner.layout)
+    mesh dims, always all five (size 1 allowed):   ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     plus ParallelDims.dp_mesh, the flattened dp_replicate x dp_shard (data-parallel rank / size,
     global loss counts, DDP)
 
-Why all four dims even when some are 1: sub-mesh names never depend on the layout, so callers
+Why all five dims even when some are 1: sub-mesh names never depend on the layout, so callers
 write `mesh["tp"]` without branching, and a size-1 dim costs one trivial process group.
 
 Context parallelism (cp > 1, relayrl.parallel.context_parallel on mesh["cp"]): the cp ranks of one
@@ -19,6 +19,13 @@ group is the gradient of the global loss.
     dp_shard > 1                    → FSDP; with dp_replicate > 1 → HSDP on (dp_replicate, dp_shard)
     tp > 1                          → tensor parallel inside each data-parallel replica
     cp > 1                          → FSDP on dp_shard x cp (HSDP on (dp_replicate, dp_shard x cp))
+    pp > 1                          → the layers split into stages over mesh["pp"] (relayrl.parallel.pipeline);
+                                      every sub-mesh above is then the one inside this rank's stage
+
+Pipeline parallelism (pp, outermost as in torchtitan and the planner): the ranks of one stage are a whole
+(dp_replicate, dp_shard, cp, tp) layout of their own; ranks at the same coordinates in consecutive stages pass
+activations forward and their gradients back. Data-parallel ranks (and global loss counts) are those of one
+stage: each pipeline trains the same rows on all its stages.
 
 It imports torch and relayrl.errors only; it must never import another relayrl layer (models,
 single_controller, the trainer, the engine, ...): they import it.
@@ -33,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from relayrl.errors import ConfigError
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -54,30 +61,34 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     cp: int = 1
+    pp: int = 1
     world_size: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _fsdp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "cp", "world_size"):
+        for name in ("dp_replicate", "tp", "cp", "pp", "world_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel degree {name} must be an integer >= 1, got {value!r}")
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.cp * self.tp
+            rest = self.pp * self.dp_replicate * self.cp * self.tp
             if self.world_size % rest:
+                pp = f"pp ({self.pp}) x " if self.pp > 1 else ""
                 cp = f" x cp ({self.cp})" if self.cp > 1 else ""
                 raise ConfigError(f"dp_shard=-1: world_size {self.world_size} is not divisible by "
-                                  f"dp_replicate ({self.dp_replicate}){cp} x tp ({self.tp}) = {rest}")
+                                  f"{pp}dp_replicate ({self.dp_replicate}){cp} x tp ({self.tp}) = {rest}")
             self.dp_shard = self.world_size // rest
         if not isinstance(self.dp_shard, int) or self.dp_shard < 1:
             raise ConfigError(f"parallel degree dp_shard must be an integer >= 1 or -1, got {self.dp_shard!r}")
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
+            pp = f"pp ({self.pp}) x " if self.pp > 1 else ""
             cp = f" x cp ({self.cp})" if self.cp > 1 else ""
             raise ConfigError(
-                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}){cp} x tp ({self.tp}) = {product}, "
+                f"{pp}dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}){cp} x tp ({self.tp}) = "
+                f"{product}, "
                 f"but world_size is {self.world_size}: the degrees must multiply to the number of ranks"
             )
 
@@ -98,12 +109,16 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the (dp_replicate, dp_shard, cp, tp) mesh and its flattened "dp" dim (with cp > 1 also
+        """Create the (pp, dp_replicate, dp_shard, cp, tp) mesh and its flattened "dp" dim (with cp > 1 also
         FSDP's dp_shard x cp); once per dims."""
         if self._mesh is not None:
             raise RuntimeError("ParallelDims.build_mesh was already called; pass the mesh it returned around")
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                 mesh_dim_names=MESH_DIMS)
         # private but the established way (torchtitan does the same) to get one group over both dp
         # dims; kept here because slicing a flattened dim out of the root mesh is being deprecated
@@ -126,6 +141,11 @@ class ParallelDims:
     @property
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh["tp"]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        """1-D mesh over the pp ranks of this rank's pipeline (one per stage; relayrl.parallel.pipeline)."""
+        return self.mesh["pp"]
 
     @property
     def cp_mesh(self) -> DeviceMesh:

@@ -188,8 +188,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
     tp = tp_mesh.size()
     cfg = model.config
     check_tp_divisibility(cfg, tp)
-    # a model without a language-model head (a critic's or reward model's score head) has nothing to tie
-    tied = cfg.tie_word_embeddings and hasattr(model, "lm_head")
+    # a model without a language-model head (a critic's or reward model's score head) has nothing to tie, nor has
+    # a pipeline stage holding one of the two (relayrl.parallel.pipeline_split: the last holds its own copy)
+    tied = cfg.tie_word_embeddings and hasattr(model, "lm_head") and hasattr(model.model, "embed_tokens")
     for name, module in model.named_modules():
         styles = [s for pattern, s in plan.items() if fnmatch(name, pattern)]
         if len(styles) > 1:

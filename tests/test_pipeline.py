@@ -1,0 +1,252 @@
+"""Pipeline parallelism against one process: the GRPO loss and every parameter's gradient.
+
+Two gloo ranks are launched once (cached) and run every schedule; the comparisons happen here against the
+plain model in this process. The loss is the GRPO objective (clipped ratio, TIS, k3 KL, entropy bonus,
+token-mean) over padded rows, in several micro-batches, each dividing by the GLOBAL token count: the
+micro-batch losses sum to the single-process loss and their gradients to its gradient (fp32, REL).
+The 4-rank compositions (pp 2 x FSDP 2, pp 2 x TP 2) are slow: one more launch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from relayrl.algorithms import AlgoConfig, policy_objective
+from relayrl.errors import ConfigError
+from relayrl.models.stage import split_model, stage_layers
+from relayrl.parallel.config import PP_SCHEDULES, ParallelConfig
+from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.parallelize import parallelize_model
+from relayrl.parallel.pipeline import SCHEDULES, Pipeline, TokenLoss, check_schedule, rank_stages, stage_ids_this_rank
+from relayrl.trainer.logprobs import token_logprobs
+
+from dist_harness import run_distributed
+from helpers import perturbed_model, small_config
+
+PP = 2
+REL = 1e-5  # max |a - b| <= REL * max |b|, fp32
+# with TP: TP alone (pp = 1) leaves qwen3's q_norm / k_norm grads 1.05e-5 off one process here (their per-head
+# grads summed over the TP ranks in another order); pp x TP measured the same 1.05e-5, so the pipeline adds none
+REL_TP = 2e-5
+ALGO = AlgoConfig(kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0)
+CONFIGS = {
+    "llama4": dict(num_hidden_layers=4),
+    "qwen3_tied5": dict(model_type="qwen3", num_hidden_layers=5, tie_word_embeddings=True, qk_norm=True,
+                        qkv_bias=True),  # 5 layers: 3 + 2 over 2 stages
+}
+# name: (schedule, config, micro-batches)
+CASES = {name: (name, "llama4", 4) for name in SCHEDULES}
+CASES |= {
+    "1f1b_tied_uneven": ("1f1b", "qwen3_tied5", 4),
+    "gpipe_m2": ("gpipe", "llama4", 2),
+    "interleaved_1f1b_m8": ("interleaved_1f1b", "llama4", 8),
+    "zbv_tied": ("zbv", "qwen3_tied5", 4),  # V placement: embed_tokens and lm_head both on rank 0
+}
+
+
+def batch():
+    """ids [8, 12], right and left padding, a response mask, advantages, old / rollout / reference logprobs."""
+    g = torch.Generator().manual_seed(7)
+    B, T = 8, 12
+    ids = torch.randint(0, 64, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, 9:] = 0
+    attn[3, :4] = 0  # left padding
+    attn[4, 6:] = 0
+    attn[6, 10:] = 0
+    pos = torch.arange(T)[None].expand(B, T)
+    mask = ((pos >= 5) & attn.bool()).float()
+    adv = torch.randn(B, generator=g)[:, None].expand(B, T).contiguous()
+    old = -torch.rand(B, T, generator=g) * 4
+    rollout = old + 0.2 * torch.randn(B, T, generator=g)
+    ref = old + 0.3 * torch.randn(B, T, generator=g)
+    return ids, attn, mask, adv, old, rollout, ref
+
+
+def build(config: str):
+    torch.manual_seed(0)
+    return perturbed_model(small_config(**CONFIGS[config]))
+
+
+def objective(rows, logp, ent, num_tokens=None, num_seqs=None):
+    _, _, mask, adv, old, rollout, ref = batch()
+    return policy_objective(logp, old[rows], adv[rows], mask[rows], ALGO, rollout_logp=rollout[rows],
+                            ref_logp=ref[rows], entropy=ent, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+@functools.cache
+def reference(config: str):
+    model = build(config)
+    ids, attn, mask, *_ = batch()
+    logp, ent = token_logprobs(model, ids, attn, with_entropy=True)
+    loss, _ = objective(torch.arange(len(ids)), logp, ent)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------- rank side
+# ---------------------------------------------------------------- rank side
+def _local(grad):
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _run(dims, mesh, schedule, config, m, rows=None):
+    pipe = Pipeline(split_model(build(config), *rank_stages(dims, schedule)), dims, schedule)
+    for module in pipe.modules:
+        parallelize_model(module, dims, mesh, gather_logits=True)
+    ids, attn, mask, *_ = batch()
+    rows = torch.arange(len(ids)) if rows is None else rows(dims)
+    n_tok, n_seq = mask.sum(), float(len(ids))  # global counts: every data-parallel rank divides by them
+
+    def mine(rows_mb, logp, ent):  # the pipeline's micro-batch rows index this rank's rows
+        return objective(rows[rows_mb], logp, ent, num_tokens=n_tok, num_seqs=n_seq)
+
+    loss = pipe.step(ids[rows], TokenLoss(ids[rows], mine, with_entropy=True), m, attention_mask=attn[rows])
+    grads = {n: _local(p.grad) for n, p in pipe.named_parameters()}
+    return dims.dp_rank, loss, grads
+
+
+def _rank(rank, world_size):
+    dims = ParallelDims(pp=PP, world_size=world_size)
+    mesh = dims.build_mesh("cpu")
+    return {name: _run(dims, mesh, *spec) for name, spec in CASES.items()}
+
+
+@functools.cache
+def distributed():
+    return run_distributed(_rank, PP, timeout=240.0)
+
+
+def _half_rows(dims):  # data parallelism: dp rank d trains rows [4d, 4d + 4) of the 8
+    return torch.arange(4) + 4 * dims.dp_rank
+
+
+# name: (ParallelDims degrees beside pp = 2, schedule, config, micro-batches); 4 ranks, one launch (slow)
+COMPOSED = {
+    "pp2_fsdp2_1f1b": (dict(dp_shard=2), "1f1b", "llama4", 2),
+    "pp2_fsdp2_interleaved_tied": (dict(dp_shard=2), "interleaved_1f1b", "qwen3_tied5", 2),
+    "pp2_tp2_gpipe": (dict(tp=2), "gpipe", "llama4", 4),
+    "pp2_tp2_zbv_tied": (dict(tp=2), "zbv", "qwen3_tied5", 4),
+}
+
+
+def _rank4(rank, world_size):
+    meshes, out = {}, {}
+    for name, (degrees, schedule, config, m) in COMPOSED.items():
+        key = tuple(sorted(degrees.items()))
+        if key not in meshes:
+            dims = ParallelDims(pp=PP, world_size=world_size, **degrees)
+            meshes[key] = dims, dims.build_mesh("cpu")
+        dims, mesh = meshes[key]
+        out[name] = _run(dims, mesh, schedule, config, m, rows=_half_rows if dims.dp > 1 else None)
+    return out
+
+
+@functools.cache
+def composed():
+    return run_distributed(_rank4, 4, timeout=300.0)
+
+
+# ---------------------------------------------------------------- tests
+def assert_close(a, b, what, rel=REL):
+    err = (a - b).abs().max().item()
+    assert err <= rel * b.abs().max().item(), f"{what}: max |diff| {err:.3g} vs max |ref| {b.abs().max():.3g}"
+
+
+def _check(results, config, what, dp=1, rel=REL):
+    """Every rank's gradients equal one process's; each pipeline holds every parameter; the pipelines'
+    losses (one per data-parallel rank, the same on all its pp ranks) sum to the single-process loss."""
+    ref_loss, ref_grads = reference(config)
+    # tied: the last stage's lm_head.weight is its copy of embed_tokens.weight and takes the same gradient
+    alias = {"lm_head.weight": "model.embed_tokens.weight"} if "lm_head.weight" not in ref_grads else {}
+    held: dict[int, set] = {}
+    losses: dict[int, torch.Tensor] = {}
+    for rank, (dp_rank, loss, grads) in enumerate(results):
+        for name, g in grads.items():
+            assert_close(g, ref_grads[alias.get(name, name)], f"{what} rank {rank} grad {name}", rel)
+        held.setdefault(dp_rank, set()).update(alias.get(n, n) for n in grads)
+        losses.setdefault(dp_rank, loss)
+        assert torch.equal(loss, losses[dp_rank]), f"{what}: every pp rank reports its pipeline's loss"
+    for dp_rank, names in held.items():
+        assert names == set(ref_grads), f"{what}: dp rank {dp_rank}'s pipeline holds {sorted(names)}"
+    assert len(losses) == dp
+    total = float(sum(losses.values()))
+    assert abs(total - float(ref_loss)) <= REL * abs(float(ref_loss)), (what, total, float(ref_loss))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_and_grads_equal_one_process(case):
+    _check([r[case] for r in distributed()], CASES[case][1], case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(COMPOSED))
+def test_composes_with_fsdp_and_tp(case):
+    degrees, _, config, _ = COMPOSED[case]
+    _check([r[case] for r in composed()], config, case, dp=2 if "dp_shard" in degrees else 1,
+           rel=REL_TP if "tp" in degrees else REL)
+
+
+def _held(stages):
+    """Parameter names of stages, layers shown by their q_proj only."""
+    return sorted(n for s in stages for n, _ in s.named_parameters() if "layers" not in n or "q_proj.w" in n)
+
+
+def test_split_by_hand():
+    model = build("llama4")
+    q = "model.layers.{}.self_attn.q_proj.weight".format
+    # 1f1b, pp 2: rank 0 holds embed_tokens + layers 0, 1; rank 1 layers 2, 3 + norm + lm_head
+    assert stage_ids_this_rank(0, 2, 1) == (0,) and stage_ids_this_rank(1, 2, 1) == (1,)
+    r0, r1 = split_model(model, (0,), 2), split_model(model, (1,), 2)
+    assert _held(r0) == ["model.embed_tokens.weight", q(0), q(1)]
+    assert _held(r1) == ["lm_head.weight", q(2), q(3), "model.norm.weight"]
+    # the stage modules take the model's own parameters, under the model's names
+    full = dict(model.named_parameters())
+    assert all(p is full[n] for s in r0 + r1 for n, p in s.named_parameters())
+    assert sorted([*r0[0].state_dict(), *r1[0].state_dict()]) == sorted(model.state_dict())
+    # interleaved (loop placement): rank 0 holds stages 0 and 2 of 4 (layers 0 and 2), rank 1 stages 1 and 3
+    assert stage_ids_this_rank(0, 2, 2) == (0, 2) and stage_ids_this_rank(1, 2, 2) == (1, 3)
+    assert _held(split_model(model, (0, 2), 4)) == ["model.embed_tokens.weight", q(0), q(2)]
+    # V placement: rank 0 holds the first and the last stage
+    assert stage_ids_this_rank(0, 2, 2, "v") == (0, 3) and stage_ids_this_rank(1, 2, 2, "v") == (1, 2)
+    assert _held(split_model(model, (0, 3), 4)) == ["lm_head.weight", "model.embed_tokens.weight", q(0), q(3),
+                                                    "model.norm.weight"]
+    # tied: the last stage holds its own copy of embed_tokens.weight as lm_head.weight (the pipeline sums their grads)
+    tied = build("qwen3_tied5")
+    first, last = split_model(tied, (0, 1), 2)
+    assert last.lm_head.weight is not first.model.embed_tokens.weight is tied.model.embed_tokens.weight
+    assert torch.equal(last.lm_head.weight, tied.lm_head.weight)
+    # uneven: the first (L % S) stages take one more layer (the planner's split)
+    assert [list(stage_layers(3, 2, s)) for s in range(2)] == [[0, 1], [2]]
+    assert [list(stage_layers(10, 4, s)) for s in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+
+
+def test_stages_chained_give_the_models_logits():
+    """Each stage builds its mask and rotary tables from the keyword inputs; chained they are the model."""
+    model = build("qwen3_tied5")
+    ids, attn, *_ = batch()
+    h = ids
+    for stage in split_model(model, (0, 1, 2), 3):  # 2 + 2 + 1 layers
+        h = stage(h, attention_mask=attn)
+    assert torch.equal(h, model(ids, attention_mask=attn))
+
+
+def test_refusals():
+    assert tuple(SCHEDULES) == PP_SCHEDULES  # the config's names are the schedules there are
+    with pytest.raises(ConfigError, match="unknown pipeline schedule 'zb'; choose one of gpipe, 1f1b"):
+        check_schedule("zb")
+    with pytest.raises(ConfigError, match="pp_schedule: .*unknown pipeline schedule .ZB1P."):
+        ParallelConfig.from_dict({"pp_schedule": "ZB1P"})
+    with pytest.raises(ConfigError, match="parallel.pp=1"):
+        ParallelConfig.from_dict({"pp": 2})  # the Actor does not run its update through a pipeline yet
+    assert ParallelConfig.from_dict({"pp_schedule": "zbv"}).pp_schedule == "zbv"
+    with pytest.raises(ConfigError, match="5 pipeline stages for 4 decoder layers"):
+        split_model(build("llama4"), (0,), 5)
+    with pytest.raises(ConfigError, match=r"pp \(2\) x dp_replicate \(1\) x dp_shard \(1\) x tp \(1\) = 2, but"):
+        ParallelDims(pp=2, world_size=4)
+    dims = ParallelDims(pp=2, dp_shard=-1, tp=2, world_size=8)
+    assert dims.dp_shard == 2 and dims.pp_enabled and dims.dp == 2
