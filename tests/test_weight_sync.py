@@ -240,3 +240,58 @@ def test_a_sender_that_dies_fails_the_sync_within_the_timeout(monkeypatch):
     finally:
         ws.close()
         engine.close()
+
+
+class _Side:
+    """A sync side whose run_on_ranks raises `error` for the transfer step `fails` and for the liveness probe."""
+
+    def __init__(self, fails, error, probe_error=None):
+        self.fails, self.error, self.probe_error = fails, error, probe_error
+        self.calls = []
+
+    def run_on_ranks(self, fn, *args):
+        self.calls.append(fn.__name__)
+        if fn.__name__ == "alive":
+            if self.probe_error is not None:
+                raise self.probe_error
+            return [None]
+        if fn.__name__ == self.fails:
+            raise self.error
+        return []
+
+
+def test_a_rank_killed_during_a_transfer_is_named_not_the_survivors_socket_error():
+    """The trainer rank dies mid-transfer: the engine's receive fails first, with gloo's "connection reset by
+    peer"; the sync then asks both sides, and the dead rank's own fault (role, rank, pid) is what it raises."""
+    from types import SimpleNamespace
+
+    from relayrl.controller import sync_steps as steps
+    from relayrl.errors import RunFault
+    from relayrl.single_controller.liveness import WorkerLostError
+
+    class _Engine(_Side):
+        asleep = 0
+
+        def begin_weight_update(self):
+            pass
+
+    def disaggregated(policy, engine):
+        sync = PlannedWeightSync.__new__(PlannedWeightSync)  # only what transfer() reads
+        sync.broken, sync.lora, sync.syncs = False, None, 0
+        sync.spec = SimpleNamespace(members=SimpleNamespace(colocated=False))
+        sync.policy, sync.engine = policy, engine
+        return sync
+
+    dead = WorkerLostError("actor worker rank 0 (pid 1234) died (killed by SIGKILL) during 'run_on_ranks'")
+    sync = disaggregated(_Side("trainer_finish_send", RuntimeError("never reached"), probe_error=dead),
+                         _Engine("engine_receive", RuntimeError("Read error: Connection reset by peer")))
+    with pytest.raises(RunFault, match="actor worker rank 0 .*SIGKILL") as info:
+        sync.transfer()
+    assert isinstance(info.value.__cause__, RuntimeError) and sync.broken
+    assert sync.policy.calls == ["trainer_start_send", "alive"] and steps.alive(None) is None
+    # both sides alive: the original error stands
+    sync = disaggregated(_Side("trainer_finish_send", RuntimeError("never reached")),
+                         _Engine("engine_receive", RuntimeError("a real receive bug")))
+    with pytest.raises(RuntimeError, match="a real receive bug"):
+        sync.transfer()
+    assert sync.engine.calls == ["engine_receive", "alive"] and sync.policy.calls == ["trainer_start_send", "alive"]

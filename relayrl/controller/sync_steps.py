@@ -114,6 +114,10 @@ def engine_merge_lora(runner) -> None:
     runner.merge_lora()
 
 
+def alive(_rank) -> None:
+    """Nothing: a call that only a live rank answers (a failed sync asks each side whether a rank died)."""
+
+
 def total(parts: list[SyncStats]) -> SyncStats:
     out = SyncStats()
     for p in parts:

@@ -41,7 +41,7 @@ import torch
 
 from relayrl.controller import sync_steps as steps
 from relayrl.engine.protocols import RolloutEngine
-from relayrl.errors import UserError
+from relayrl.errors import RunFault, UserError
 from relayrl.models.config import ModelShape
 from relayrl.models.lora import merge_lora_state_dict
 from relayrl.models.lora_config import LoRAConfig
@@ -124,6 +124,18 @@ class PlannedWeightSync:
         """What `spec`'s plan moves into the largest engine shard (in the engine's dtype)."""
         return max(spec.plan.bytes_per_dst_rank(self.spec.dtype).values())
 
+    def _name_a_dead_rank(self, error: Exception) -> None:
+        """A rank killed part way through a transfer shows on the other side as a socket error of the survivor
+        (gloo: connection reset by peer); ask both sides for a live answer, so that the dead rank's own one-line
+        fault (its role, rank, pid and exit) is what the run reports."""
+        for side in (self.policy, self.engine):
+            try:
+                side.run_on_ranks(steps.alive)
+            except RunFault as fault:
+                raise fault from error
+            except Exception:  # this side answers, if with an error of its own: not the cause
+                pass
+
     def transfer(self) -> dict[str, float]:
         """One planned transfer (verify() next). Returns its figures: bytes per engine rank (what
         the plan moves into the largest engine shard), bytes moved between processes, bytes copied
@@ -144,8 +156,10 @@ class PlannedWeightSync:
                 stats = steps.total(self.policy.run_on_ranks(steps.trainer_finish_send) + received)
             if self.lora is not None and self.cfg.lora == "merge":
                 self.engine.run_on_ranks(steps.engine_merge_lora)
-        except BaseException:
+        except BaseException as e:
             self.broken = True  # sends or receives may still be posted: no later sync may reuse the group
+            if isinstance(e, Exception) and not isinstance(e, RunFault):
+                self._name_a_dead_rank(e)
             raise
         self.engine.end_weight_update()
         self.syncs += 1
