@@ -40,7 +40,7 @@ from relayrl.algorithms import AlgoConfig, policy_objective
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.models.stage import split_model
 from relayrl.parallel.dims import ParallelDims
-from relayrl.parallel.launch import launch
+from relayrl.parallel.launch import WorkerError, launch
 from relayrl.parallel.pipeline import SCHEDULES, Pipeline, TokenLoss, rank_stages
 
 _BUSY = [0.0]
@@ -138,7 +138,12 @@ def main(argv=None) -> None:
     for p in args.pp:
         for m in args.micro:
             for schedule in args.schedules:
-                per_rank = launch(_rank, p, args, schedule, m, backend="gloo", timeout=600.0, threads=1)
+                try:
+                    per_rank = launch(_rank, p, args, schedule, m, backend="gloo", timeout=600.0, threads=1)
+                except WorkerError as e:  # a schedule refusing this (p, m), e.g. DualPipeV needs m >= 2p
+                    reason = [line for line in str(e).splitlines() if "Error:" in line]
+                    print(f"{p:>2} {m:>3}  {schedule:<17} refused: {reason[0].strip() if reason else e}")
+                    continue
                 idle = sum(r[0] for r in per_rank) / p
                 step = max(r[1] for r in per_rank)
                 print(f"{p:>2} {m:>3}  {schedule:<17} {idle:>13.3f} {(p - 1) / (m + p - 1):>14.3f} "

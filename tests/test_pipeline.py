@@ -1,4 +1,5 @@
-"""Pipeline parallelism against one process: the GRPO loss and every parameter's gradient.
+"""Pipeline parallelism against one process: the GRPO loss, every parameter's gradient, the global gradient
+norm, and the forward-only token logprobs.
 
 Two gloo ranks are launched once (cached) and run every schedule; the comparisons happen here against the
 plain model in this process. The loss is the GRPO objective (clipped ratio, TIS, k3 KL, entropy bonus,
@@ -20,6 +21,7 @@ from relayrl.errors import ConfigError
 from relayrl.models.stage import split_model, stage_layers
 from relayrl.parallel.config import PP_SCHEDULES, ParallelConfig
 from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.grad_norm import grad_norm
 from relayrl.parallel.parallelize import parallelize_model
 from relayrl.parallel.pipeline import SCHEDULES, Pipeline, TokenLoss, check_schedule, rank_stages, stage_ids_this_rank
 from relayrl.trainer.logprobs import token_logprobs
@@ -85,7 +87,8 @@ def reference(config: str):
     logp, ent = token_logprobs(model, ids, attn, with_entropy=True)
     loss, _ = objective(torch.arange(len(ids)), logp, ent)
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in model.named_parameters()}  # a tied weight once
+    return loss.detach(), grads, logp.detach() * attn, grad_norm(p for _, p in model.named_parameters())
 
 
 # ---------------------------------------------------------------- rank side
@@ -107,13 +110,34 @@ def _run(dims, mesh, schedule, config, m, rows=None):
 
     loss = pipe.step(ids[rows], TokenLoss(ids[rows], mine, with_entropy=True), m, attention_mask=attn[rows])
     grads = {n: _local(p.grad) for n, p in pipe.named_parameters()}
-    return dims.dp_rank, loss, grads
+    norm = pipe.clip_grad_norm(float("inf"))
+    logp = pipe.logprobs(ids[rows], m, attention_mask=attn[rows]) * attn[rows]  # the weights before any step
+    return dims.dp_rank, loss, grads, norm, rows, logp
+
+
+def _errors(dims):
+    """Refusals raised before any message is sent (every rank raises the same)."""
+    out = {}
+    ids, attn, *_ = batch()
+    for name, schedule, m in (("dualpipev_m2", "dualpipev", 2), ("rows_8_m3", "1f1b", 3)):
+        pipe = Pipeline(split_model(build("llama4"), *rank_stages(dims, schedule)), dims, schedule)
+        try:
+            pipe.step(ids, TokenLoss(ids, objective), m, attention_mask=attn)
+        except ConfigError as e:
+            out[name] = str(e)
+    try:
+        Pipeline(split_model(build("llama4"), (0,), 2), dims, "interleaved_1f1b")
+    except ConfigError as e:
+        out["wrong_stages"] = str(e)
+    return out
 
 
 def _rank(rank, world_size):
     dims = ParallelDims(pp=PP, world_size=world_size)
     mesh = dims.build_mesh("cpu")
-    return {name: _run(dims, mesh, *spec) for name, spec in CASES.items()}
+    out = {name: _run(dims, mesh, *spec) for name, spec in CASES.items()}
+    out["errors"] = _errors(dims)
+    return out
 
 
 @functools.cache
@@ -160,12 +184,15 @@ def assert_close(a, b, what, rel=REL):
 def _check(results, config, what, dp=1, rel=REL):
     """Every rank's gradients equal one process's; each pipeline holds every parameter; the pipelines'
     losses (one per data-parallel rank, the same on all its pp ranks) sum to the single-process loss."""
-    ref_loss, ref_grads = reference(config)
+    ref_loss, ref_grads, ref_logp, ref_norm = reference(config)
     # tied: the last stage's lm_head.weight is its copy of embed_tokens.weight and takes the same gradient
     alias = {"lm_head.weight": "model.embed_tokens.weight"} if "lm_head.weight" not in ref_grads else {}
     held: dict[int, set] = {}
     losses: dict[int, torch.Tensor] = {}
-    for rank, (dp_rank, loss, grads) in enumerate(results):
+    for rank, (dp_rank, loss, grads, norm, rows, logp) in enumerate(results):
+        # the global gradient norm over all stages (clipping's), and the forward-only logprobs on every pp rank
+        assert abs(norm - ref_norm) <= REL * ref_norm, (what, rank, norm, ref_norm)
+        assert_close(logp, ref_logp[rows], f"{what} rank {rank} logprobs")
         for name, g in grads.items():
             assert_close(g, ref_grads[alias.get(name, name)], f"{what} rank {rank} grad {name}", rel)
         held.setdefault(dp_rank, set()).update(alias.get(n, n) for n in grads)
@@ -233,6 +260,29 @@ def test_stages_chained_give_the_models_logits():
     for stage in split_model(model, (0, 1, 2), 3):  # 2 + 2 + 1 layers
         h = stage(h, attention_mask=attn)
     assert torch.equal(h, model(ids, attention_mask=attn))
+
+
+def test_stages_pass_packed_rows_through():
+    """segment_ids / position_ids reach every stage: packed rows chained through stages equal the model."""
+    model = build("llama4")
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    seg = torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
+    pos = torch.tensor([list(range(4)) + list(range(6)), list(range(7)) + list(range(3))])
+    h = ids
+    for stage in split_model(model, (0, 1), 2):
+        h = stage(h, position_ids=pos, segment_ids=seg)
+    assert torch.equal(h, model(ids, position_ids=pos, segment_ids=seg))
+
+
+def test_refusals_on_ranks():
+    for rank, results in enumerate(distributed()):
+        errors = results["errors"]
+        assert errors["dualpipev_m2"] == ("pipeline schedule dualpipev with 2 micro-batches: DualPipeV requires at "
+                                          "least as many microbatches as stages, but got 2 microbatches and 4 stages.")
+        assert errors["rows_8_m3"].startswith("8 rows do not split into 3 equal micro-batches")
+        expected = [0, 2] if rank == 0 else [1, 3]
+        assert errors["wrong_stages"] == (f"schedule interleaved_1f1b on pp rank {rank} runs stages {expected}, got "
+                                          f"modules of stages [0]")
 
 
 def test_refusals():

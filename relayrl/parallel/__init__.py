@@ -1,7 +1,9 @@
 """This package applies parallelism to plain models from outside (the models hold none).
 
-    dims            ParallelDims: degrees, validation, the (dp_replicate, dp_shard, cp, tp) DeviceMesh
+    dims            ParallelDims: degrees, validation, the (pp, dp_replicate, dp_shard, cp, tp) DeviceMesh
     parallelize     parallelize_model: TP plan → activation checkpointing → FSDP / HSDP / DDP
+    pipeline        pipeline stages run by torch's schedules (GPipe, 1F1B, interleaved, zero bubble, DualPipeV),
+                    the last stage's loss per micro-batch with global denominators (stages: relayrl.models.stage)
     context_parallel  sequences sharded over cp ranks (contiguous / zigzag), Ulysses (all-to-all over heads)
     ring_attention  K, V blocks around the cp ring, online-softmax merge, causal block skipping
     tensor_parallel the TP plan as data (HF module-name patterns → styles), applied with DTensor

@@ -12,6 +12,10 @@ Context parallelism is not one of these steps: it swaps each attention module's 
 (relayrl.parallel.context_parallel.apply_context_parallel on dims.cp_mesh), which no step above touches, so
 it may be applied before or after; the caller keeps the object it returns to run the model.
 
+Pipeline parallelism comes before all of them: the model is cut into this rank's stages first
+(relayrl.models.stage.split_model on relayrl.parallel.pipeline.rank_stages), and each stage module, which keeps
+the Hugging Face names, goes through this function as a whole model would.
+
 The order matters: FSDP shards the DTensors TP produced (2-D parameters), and checkpointing sits
 inside the FSDP unit so recompute happens while the layer's parameters are gathered.
 Everything is in place; module and parameter names stay the Hugging Face ones.

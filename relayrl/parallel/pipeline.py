@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from relayrl.errors import ConfigError
 from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.grad_norm import grad_norm, scale_grads
 from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 
 # name: (torch schedule, stages per rank, placement); the names are relayrl.parallel.config.PP_SCHEDULES
@@ -92,6 +93,8 @@ def rank_stages(dims: ParallelDims, schedule: str) -> tuple[tuple[int, ...], int
     return stage_ids_this_rank(dims.pp_mesh.get_local_rank(), dims.pp, per_rank, style), dims.pp * per_rank
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # hidden states between stages, by index in a header
+
 # objective(rows [b], logp [b, T], entropy [b, T] or None) -> (loss, stats): the micro-batch's share
 Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
 
@@ -107,8 +110,11 @@ def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, 
     cls, per_rank, _ = SCHEDULES[name]
     if len(stages) != per_rank:
         raise ConfigError(f"schedule {name} runs {per_rank} stage(s) per rank, got {len(stages)}")
-    return cls(stages[0] if per_rank == 1 else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-               scale_grads=False)
+    try:
+        return cls(stages[0] if per_rank == 1 else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                   scale_grads=False)
+    except ValueError as e:  # torch's own refusals (DualPipeV: m >= stages, ...), named as relayrl's setting
+        raise ConfigError(f"pipeline schedule {name} with {n_microbatches} micro-batches: {e}") from None
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
@@ -214,6 +220,12 @@ class Pipeline:
         skip = {id(m.lm_head.weight) for m in self.modules if m.is_last} if self._tied else set()
         return [p for p in self.parameters() if id(p) not in skip]
 
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The global gradient norm over every stage (a tied weight once), every gradient scaled to max_norm."""
+        total = grad_norm(self.norm_parameters(), group=self.pp_group)
+        scale_grads(self.parameters(), max_norm, total)
+        return total
+
     def _schedule(self, input_ids: torch.Tensor, n_microbatches: int, kwargs: dict):
         key = (tuple(input_ids.shape), n_microbatches, tuple((k, tuple(v.shape)) for k, v in kwargs.items()))
         if key not in self._schedules:
@@ -247,6 +259,65 @@ class Pipeline:
         total = total.to(input_ids.device)
         dist.broadcast(total, group=self.pp_group, group_src=self._last_rank)
         return total
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, n_microbatches: int, temperature: float = 1.0, tp_group=None,
+                 **model_kwargs) -> torch.Tensor:
+        """Token logprobs [B, T] of the rows (logprobs_from_logits' definition) on every pp rank, forward only
+        (the old-logprob and reference passes).
+
+        Not the training schedule (torch's multi-stage runtimes expect a backward): micro-batches go through
+        the stages in (micro-batch, stage) order, GPipe's forward; sends are asynchronous, so an earlier stage
+        runs ahead on the next micro-batch while a later one computes. Each hop sends a small header (shape,
+        dtype) before the hidden states. The last stage's logprobs are then broadcast."""
+        B, T = input_ids.shape
+        if B % n_microbatches:
+            raise ConfigError(f"{B} rows do not split into {n_microbatches} equal micro-batches")
+        kwargs = {k: v for k, v in model_kwargs.items() if v is not None}
+        out = torch.zeros(B, T, dtype=torch.float32, device=input_ids.device)
+        held = dict(zip(self.stage_ids, self.modules, strict=True))
+        pending: list = []
+        for mb, rows in enumerate(torch.arange(B, device=input_ids.device).tensor_split(n_microbatches)):
+            mb_kwargs = {k: v[rows] for k, v in kwargs.items()}
+            h = None
+            for s in range(self.num_stages):
+                if s not in held:
+                    continue
+                if s == 0:
+                    h = input_ids[rows]
+                elif s - 1 not in held:  # from the rank holding the previous stage
+                    h = self._recv_hidden(s - 1, tag=mb * self.num_stages + s, device=input_ids.device)
+                h = held[s](h, **mb_kwargs)
+                if held[s].is_last:
+                    logp, _ = logprobs_from_logits(h, input_ids[rows], temperature, tp_group=tp_group)
+                    out[rows] = logp.float()
+                elif s + 1 not in held:
+                    pending += self._send_hidden(h, s + 1, tag=mb * self.num_stages + s + 1)
+        for work in pending:
+            work.wait()
+        dist.broadcast(out, group=self.pp_group, group_src=self._last_rank)
+        return out
+
+    def _stage_rank(self, stage: int) -> int:
+        """The pp rank holding `stage` (loop: stage mod p; v: the mirror for the second half)."""
+        if SCHEDULES[self.schedule_name][2] == "v" and stage >= self.pp:
+            return 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def _send_hidden(self, h: torch.Tensor, stage: int, tag: int) -> list:
+        h = h.to_local() if isinstance(h, DTensor) else h
+        header = torch.tensor([*h.shape, _DTYPES.index(h.dtype)], dtype=torch.long, device=h.device)
+        peer = self._stage_rank(stage)
+        return [dist.isend(header, group=self.pp_group, group_dst=peer, tag=tag),
+                dist.isend(h.contiguous(), group=self.pp_group, group_dst=peer, tag=tag)]
+
+    def _recv_hidden(self, stage: int, tag: int, device) -> torch.Tensor:
+        header = torch.empty(4, dtype=torch.long, device=device)
+        peer = self._stage_rank(stage)
+        dist.recv(header, group=self.pp_group, group_src=peer, tag=tag)
+        h = torch.empty(*header[:3].tolist(), dtype=_DTYPES[int(header[3])], device=device)
+        dist.recv(h, group=self.pp_group, group_src=peer, tag=tag)
+        return h
 
     def _sum_tied_grads(self) -> None:
         """Both copies of a tied weight take the sum of their gradients (summed here when one rank holds both)."""
