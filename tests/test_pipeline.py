@@ -6,24 +6,34 @@ plain model in this process. The loss is the GRPO objective (clipped ratio, TIS,
 token-mean) over padded rows, in several micro-batches, each dividing by the GLOBAL token count: the
 micro-batch losses sum to the single-process loss and their gradients to its gradient (fp32, REL).
 The 4-rank compositions (pp 2 x FSDP 2, pp 2 x TP 2) are slow: one more launch.
+
+Beside the numerics: the split by hand (which names on which rank), a sharded checkpoint saved on pp = 2 loaded
+on one process and one saved on one process loaded on pp = 2 (bit for bit), the weight-sync plan reading each
+tensor from the pipeline rank that holds it, and the refusals.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
 from relayrl.algorithms import AlgoConfig, policy_objective
+from relayrl.checkpoint import load_distributed, save_distributed
 from relayrl.errors import ConfigError
-from relayrl.models.stage import split_model, stage_layers
+from relayrl.models.stage import merge_stages, split_model, stage_layers
 from relayrl.parallel.config import PP_SCHEDULES, ParallelConfig
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.grad_norm import grad_norm
 from relayrl.parallel.parallelize import parallelize_model
-from relayrl.parallel.pipeline import SCHEDULES, Pipeline, TokenLoss, check_schedule, rank_stages, stage_ids_this_rank
+from relayrl.parallel.pipeline import SCHEDULES, Pipeline, TokenLoss, rank_stages
+from relayrl.parallel.pipeline_stages import check_schedule, schedule_stages, stage_ids_this_rank
+from relayrl.sync.layout import EngineLayout, TrainerLayout
+from relayrl.sync.plan import plan_sync
 from relayrl.trainer.logprobs import token_logprobs
 
 from dist_harness import run_distributed
@@ -145,6 +155,49 @@ def distributed():
     return run_distributed(_rank, PP, timeout=240.0)
 
 
+# ---------------------------------------------------------------- checkpoints across pp degrees
+CKPT_SCHEDULES = ("1f1b", "interleaved_1f1b")  # one stage per rank, and two (merged for the state dict)
+
+
+def _trained(model_or_pipe, step_fn):
+    """One GRPO step and one AdamW step; the full (gathered) model and optimizer state by name."""
+    opt = torch.optim.AdamW(model_or_pipe.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.1)
+    step_fn()
+    opt.step()
+    return opt
+
+
+def _full_state(module, opt):
+    msd, osd = get_state_dict(module, opt, options=StateDictOptions(full_state_dict=True))
+    return ({n: t.detach().clone() for n, t in msd.items()},
+            {n: {f: v.detach().clone() for f, v in st.items()} for n, st in osd["state"].items()})
+
+
+def _pipeline_step(pipe):
+    ids, attn, mask, *_ = batch()
+    mine = functools.partial(objective, num_tokens=mask.sum(), num_seqs=float(len(ids)))
+    pipe.step(ids, TokenLoss(ids, mine, with_entropy=True), 4, attention_mask=attn)
+
+
+def _ckpt_rank(rank, world_size, root, pp1_ckpt):
+    dims = ParallelDims(pp=PP, world_size=world_size)
+    dims.build_mesh("cpu")
+    out = {}
+    for schedule in CKPT_SCHEDULES:
+        pipe = Pipeline(split_model(build("llama4"), *rank_stages(dims, schedule)), dims, schedule)
+        opt = _trained(pipe, lambda pipe=pipe: _pipeline_step(pipe))
+        merged = merge_stages(pipe.modules)
+        path = save_distributed(f"{root}/pp2_{schedule}", 1, merged, opt)
+        # a pp = 1 checkpoint loaded onto this layout (other weights until loaded)
+        fresh = Pipeline(split_model(perturbed_model(small_config(**CONFIGS["llama4"]), seed=3),
+                                     *rank_stages(dims, schedule)), dims, schedule)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        load_distributed(pp1_ckpt, merge_stages(fresh.modules), fresh_opt)
+        out[schedule] = dict(path=str(path), saved=_full_state(merged, opt),
+                             loaded=_full_state(merge_stages(fresh.modules), fresh_opt))
+    return out
+
+
 def _half_rows(dims):  # data parallelism: dp rank d trains rows [4d, 4d + 4) of the 8
     return torch.arange(4) + 4 * dims.dp_rank
 
@@ -216,6 +269,72 @@ def test_composes_with_fsdp_and_tp(case):
     degrees, _, config, _ = COMPOSED[case]
     _check([r[case] for r in composed()], config, case, dp=2 if "dp_shard" in degrees else 1,
            rel=REL_TP if "tp" in degrees else REL)
+
+
+def test_checkpoint_saved_on_one_pp_degree_loads_on_another(tmp_path):
+    """pp = 1 → pp = 2 (one stage per rank, and two) and pp = 2 → pp = 1: model and AdamW state by name, bit for bit."""
+    model = build("llama4")
+    ids, attn, *_ = batch()
+
+    def single_step():
+        logp, ent = token_logprobs(model, ids, attn, with_entropy=True)
+        objective(torch.arange(len(ids)), logp, ent)[0].backward()
+
+    opt = _trained(model, single_step)
+    pp1 = save_distributed(tmp_path / "pp1", 1, model, opt)
+    params1, optim1 = _full_state(model, opt)
+    results = run_distributed(_ckpt_rank, PP, str(tmp_path), str(pp1), timeout=240.0)
+    for schedule in CKPT_SCHEDULES:
+        held = set()
+        for rank, r in enumerate(results):
+            params, optim = r[schedule]["loaded"]  # pp 1 → this rank's stages
+            held |= set(params)
+            assert optim.keys() == params.keys()
+            for n, t in params.items():
+                assert torch.equal(t, params1[n]), (schedule, rank, n)
+                for f, v in optim[n].items():
+                    assert torch.equal(v, optim1[n][f]), (schedule, rank, n, f)
+        assert held == set(params1)
+        # pp 2 → one process: every tensor as the rank that held it had it
+        single = perturbed_model(small_config(**CONFIGS["llama4"]), seed=3)
+        single_opt = torch.optim.AdamW(single.parameters(), lr=1e-2)
+        load_distributed(results[0][schedule]["path"], single, single_opt)
+        params, optim = _full_state(single, single_opt)
+        saved = [r[schedule]["saved"] for r in results]
+        for n, t in params.items():
+            (p_r, o_r), = [(p, o) for p, o in saved if n in p]
+            assert torch.equal(t, p_r[n]), (schedule, n)
+            assert all(torch.equal(v, o_r[n][f]) for f, v in optim[n].items()), (schedule, n)
+        # and the pipeline's step is the single process's (to Adam's rounding of equal-to-1e-5 gradients)
+        for n, t in params.items():
+            assert (t - params1[n]).abs().max() <= 1e-4, (schedule, n)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zbv"])
+def test_sync_plan_reads_each_tensor_from_the_stage_holding_it(schedule):
+    """pp 2 x dp_shard 2 trainer → engine TP 2: every transfer reads a tensor its source rank's stage modules hold
+    (split as the pipeline splits), in a box of that tensor; each engine rank receives exactly its shard."""
+    cfg = small_config(**CONFIGS["qwen3_tied5"])
+    layout = TrainerLayout(pp=PP, dp_shard=2, pp_schedule=schedule)
+    plan = plan_sync(cfg, layout, EngineLayout(tp=2))
+    model = perturbed_model(cfg)
+    held = {q: dict(merge_stages(split_model(model, *schedule_stages(schedule, q, PP))).named_parameters())
+            for q in range(PP)}
+    for t in plan.transfers:
+        tensors = held[layout.pp_rank(t.src_rank)]
+        assert t.name in tensors, (t.name, t.src_rank)
+        assert all(o + n <= d for o, n, d in zip(t.logical.offset, t.shape, tensors[t.name].shape, strict=True))
+    for dst, shapes in enumerate(plan.param_shapes):
+        got = sum(math.prod(t.shape) for t in plan.transfers if t.dst_rank == dst)
+        assert got == sum(math.prod(shp) for _, shp in shapes)  # bytes per engine rank = its shard (ratio 1.00)
+    # the last layer and the norm come from the pp rank holding the last stage: 1 (loop), 0 (V)
+    last = ("model.layers.4.", "model.norm")
+    sources = {layout.pp_rank(t.src_rank) for t in plan.transfers if t.name.startswith(last)}
+    assert sources == {0 if schedule == "zbv" else 1}
+    # by hand for 1f1b: layers 0-2 and embed_tokens from pp rank 0, layers 3-4 and the norm from pp rank 1
+    if schedule == "1f1b":
+        assert {t.name.split(".")[2] for t in plan.transfers if layout.pp_rank(t.src_rank) == 1
+                and t.name.startswith("model.layers.")} == {"3", "4"}
 
 
 def _held(stages):

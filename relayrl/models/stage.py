@@ -139,3 +139,24 @@ def split_model(model: CausalLM, stage_ids: tuple[int, ...], num_stages: int) ->
         raise ConfigError("pipeline parallelism is for dense models so far (an MoE layer's routing record and "
                           "auxiliary losses do not cross stages yet); use pp=1")
     return [StageModule(model, s, num_stages) for s in stage_ids]
+
+
+def merge_stages(stages: list[StageModule]) -> nn.Module:
+    """One module over all of a rank's stages (interleaved and V schedules hold two), named as the full model:
+    for the checkpoint's state dict, which is keyed by those names whatever the layout. It shares the stages'
+    (possibly sharded) submodules and is not run."""
+    if len(stages) == 1:
+        return stages[0]
+    root, body = nn.Module(), _StageBody()
+    layers: dict[int, nn.Module] = {}
+    for s in sorted(stages, key=lambda s: s.stage_index):
+        layers |= dict(zip(s.model.layers.indices(), s.model.layers, strict=True))
+        for name in ("embed_tokens", "norm"):
+            if hasattr(s.model, name):
+                body.add_module(name, getattr(s.model, name))
+    body.layers = HeldLayers(dict(sorted(layers.items())))
+    root.model = body
+    for s in stages:
+        if s.is_last:
+            root.lm_head = s.lm_head
+    return root

@@ -57,51 +57,31 @@ from torch.distributed.tensor import DTensor
 from relayrl.errors import ConfigError
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.grad_norm import grad_norm, scale_grads
+from relayrl.parallel.pipeline_stages import SCHEDULE_STAGES, check_schedule, schedule_stages
 from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 
-# name: (torch schedule, stages per rank, placement); the names are relayrl.parallel.config.PP_SCHEDULES
-SCHEDULES = {
-    "gpipe": (ScheduleGPipe, 1, "loop"),
-    "1f1b": (Schedule1F1B, 1, "loop"),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2, "loop"),
-    "interleaved_zb": (ScheduleInterleavedZeroBubble, 2, "loop"),
-    "zbv": (ScheduleZBVZeroBubble, 2, "v"),
-    "dualpipev": (ScheduleDualPipeV, 2, "v"),
-}
-
-STAGE_STYLES = ("loop", "v")
-
-
-def stage_ids_this_rank(pp_rank: int, pp: int, stages_per_rank: int, style: str = "loop") -> tuple[int, ...]:
-    """The global stage indices pp rank `pp_rank` holds, in the order its schedule runs them (torchtitan's):
-    loop: r, r + p, ... (interleaved schedules); v: r and 2p - 1 - r (ZBV, DualPipeV: rank 0 holds the first
-    stage and the last)."""
-    if style not in STAGE_STYLES:
-        raise ConfigError(f"stage style must be one of {STAGE_STYLES}, got {style!r}")
-    if style == "v":
-        if stages_per_rank != 2:
-            raise ConfigError(f"V-style schedules hold 2 stages per rank, got {stages_per_rank}")
-        return pp_rank, 2 * pp - 1 - pp_rank
-    return tuple(pp_rank + s * pp for s in range(stages_per_rank))
+# name: (torch schedule, stages per rank, placement); the names are relayrl.parallel.config.PP_SCHEDULES, the
+# placement relayrl.parallel.pipeline_stages
+SCHEDULES = {name: (cls, *SCHEDULE_STAGES[name]) for name, cls in (
+    ("gpipe", ScheduleGPipe),
+    ("1f1b", Schedule1F1B),
+    ("interleaved_1f1b", ScheduleInterleaved1F1B),
+    ("interleaved_zb", ScheduleInterleavedZeroBubble),
+    ("zbv", ScheduleZBVZeroBubble),
+    ("dualpipev", ScheduleDualPipeV),
+)}
 
 
 def rank_stages(dims: ParallelDims, schedule: str) -> tuple[tuple[int, ...], int]:
     """(the stage indices this rank holds, the number of stages) under `schedule`: cut the model with
     relayrl.models.stage.split_model(model, *rank_stages(dims, schedule))."""
-    check_schedule(schedule)
-    _, per_rank, style = SCHEDULES[schedule]
-    return stage_ids_this_rank(dims.pp_mesh.get_local_rank(), dims.pp, per_rank, style), dims.pp * per_rank
+    return schedule_stages(schedule, dims.pp_mesh.get_local_rank(), dims.pp)
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # hidden states between stages, by index in a header
 
 # objective(rows [b], logp [b, T], entropy [b, T] or None) -> (loss, stats): the micro-batch's share
 Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
-
-
-def check_schedule(name: str) -> None:
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
 
 
 def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):

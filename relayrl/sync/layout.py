@@ -1,9 +1,13 @@
 """This module says who holds what: the trainer's and the engine's layouts as data, in boxes of the
 LOGICAL (Hugging Face) tensors.
 
-Trainer rank (mesh (dp_replicate, dp_shard, tp), tp fastest — relayrl.parallel.dims.ParallelDims):
+Trainer rank (mesh (pp, dp_replicate, dp_shard, tp), tp fastest — relayrl.parallel.dims.ParallelDims):
 
-    rank = (replica * dp_shard + shard) * tp + t
+    rank = ((stage_rank * dp_replicate + replica) * dp_shard + shard) * tp + t
+
+    0. PP (pp > 1): pp rank q holds only its stages' tensors (relayrl.parallel.pipeline_stages for which stages,
+       relayrl.models.stage for which layers: embed_tokens on the first stage, norm and lm_head on the last; a
+       tied model's lm_head copy on the last stage is not listed, its embed_tokens is the one source).
 
     1. TP (relayrl.parallel.tensor_parallel.TP_PLAN / WEIGHT_SHARD_DIM): a weight whose style shards
        dim d is split in tp equal blocks along d (colwise, vocab_*: rows; rowwise: columns); a bias
@@ -44,6 +48,8 @@ from functools import lru_cache
 from relayrl.errors import ConfigError
 from relayrl.models.config import ModelShape
 from relayrl.models.fusion import FUSED_INTO
+from relayrl.models.stage import stage_layers
+from relayrl.parallel.pipeline_stages import check_schedule, schedule_stages
 from relayrl.parallel.tensor_parallel import WEIGHT_SHARD_DIM, check_tp_divisibility, tp_plan
 from relayrl.sync.adapters import AdapterShape, adapter_shard_dim, adapter_tensors, engine_adapter_pieces, is_adapter
 from relayrl.sync.boxes import Box
@@ -54,28 +60,45 @@ ENGINE_FUSION = FUSED_INTO
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """The trainer's parallel degrees. dp_replicate > 1 (HSDP) gives more holders of the same box."""
+    """The trainer's parallel degrees. dp_replicate > 1 (HSDP) gives more holders of the same box; pp > 1 splits
+    the tensors over pipeline ranks (pp outermost), each holding its stages' layers under pp_schedule's placement."""
 
     tp: int = 1
     dp_shard: int = 1
     dp_replicate: int = 1
     sequence_parallel: bool = False  # changes activations only; weight placements are the same
+    pp: int = 1
+    pp_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp_shard", "dp_replicate"):
+        for name in ("tp", "dp_shard", "dp_replicate", "pp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"trainer layout {name} must be an integer >= 1, got {v!r}")
+        check_schedule(self.pp_schedule)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(replica, shard, tp rank) of a global trainer rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"trainer rank {rank} out of range for world size {self.world_size}")
-        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
+        return rank // (self.dp_shard * self.tp) % self.dp_replicate, rank // self.tp % self.dp_shard, rank % self.tp
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // (self.dp_replicate * self.dp_shard * self.tp)
+
+
+def _stage_holds(name: str, layers: set[int], first: bool, last: bool) -> bool:
+    """Whether a pipeline rank holding `layers` (and the first / last stage or not) holds logical tensor `name`
+    (relayrl.models.stage: embed_tokens on the first stage, norm and lm_head on the last)."""
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) in layers
+    if name.startswith("model.embed_tokens."):
+        return first
+    return last
 
 
 @dataclass(frozen=True)
@@ -192,8 +215,15 @@ def _trainer(shape: ModelShape, layout: TrainerLayout, rank: int, lora: AdapterS
              base: bool) -> tuple[tuple[str, Holding], ...]:
     check_tp_divisibility(shape, layout.tp)
     _, s, t = layout.coords(rank)
+    stages, num_stages = schedule_stages(layout.pp_schedule, layout.pp_rank(rank), layout.pp)
+    if num_stages > shape.num_hidden_layers:
+        raise ConfigError(f"{num_stages} pipeline stages for {shape.num_hidden_layers} decoder layers")
+    layers = {i for st in stages for i in stage_layers(shape.num_hidden_layers, num_stages, st)}
+    first, last = 0 in stages, num_stages - 1 in stages
     out = []
     for name, shp in _tensors(shape, lora, base):
+        if layout.pp > 1 and not _stage_holds(name, layers, first, last):
+            continue
         full = Box.full(shp)
         box = _fsdp_box(_tp_box(full, trainer_shard_dim(name, layout.sequence_parallel), layout.tp, t, name),
                         layout.dp_shard, s)
