@@ -47,13 +47,15 @@ REL_TP = 2e-5
 ALGO = AlgoConfig(kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0)
 CONFIGS = {
     "llama4": dict(num_hidden_layers=4),
+    "llama8": dict(num_hidden_layers=8),
     "qwen3_tied5": dict(model_type="qwen3", num_hidden_layers=5, tie_word_embeddings=True, qk_norm=True,
                         qkv_bias=True),  # 5 layers: 3 + 2 over 2 stages
 }
-# name: (schedule, config, micro-batches)
+# name: (schedule, config, micro-batches[, activation checkpointing])
 CASES = {name: (name, "llama4", 4) for name in SCHEDULES}
 CASES |= {
     "1f1b_tied_uneven": ("1f1b", "qwen3_tied5", 4),
+    "1f1b_ac": ("1f1b", "llama4", 4, True),  # activation checkpointing inside the stages
     "gpipe_m2": ("gpipe", "llama4", 2),
     "interleaved_1f1b_m8": ("interleaved_1f1b", "llama4", 8),
     "zbv_tied": ("zbv", "qwen3_tied5", 4),  # V placement: embed_tokens and lm_head both on rank 0
@@ -107,10 +109,10 @@ def _local(grad):
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
-def _run(dims, mesh, schedule, config, m, rows=None):
+def _run(dims, mesh, schedule, config, m, rows=None, ac=False):
     pipe = Pipeline(split_model(build(config), *rank_stages(dims, schedule)), dims, schedule)
     for module in pipe.modules:
-        parallelize_model(module, dims, mesh, gather_logits=True)
+        parallelize_model(module, dims, mesh, gather_logits=True, activation_checkpointing=ac)
     ids, attn, mask, *_ = batch()
     rows = torch.arange(len(ids)) if rows is None else rows(dims)
     n_tok, n_seq = mask.sum(), float(len(ids))  # global counts: every data-parallel rank divides by them
@@ -145,7 +147,7 @@ def _errors(dims):
 def _rank(rank, world_size):
     dims = ParallelDims(pp=PP, world_size=world_size)
     mesh = dims.build_mesh("cpu")
-    out = {name: _run(dims, mesh, *spec) for name, spec in CASES.items()}
+    out = {name: _run(dims, mesh, *spec[:3], ac=spec[3:] == (True,)) for name, spec in CASES.items()}
     out["errors"] = _errors(dims)
     return out
 
@@ -202,24 +204,29 @@ def _half_rows(dims):  # data parallelism: dp rank d trains rows [4d, 4d + 4) of
     return torch.arange(4) + 4 * dims.dp_rank
 
 
-# name: (ParallelDims degrees beside pp = 2, schedule, config, micro-batches); 4 ranks, one launch (slow)
+# name: (ParallelDims degrees (pp 2 unless given; ac: activation checkpointing), schedule, config, micro-batches);
+# 4 ranks, one launch (slow)
 COMPOSED = {
     "pp2_fsdp2_1f1b": (dict(dp_shard=2), "1f1b", "llama4", 2),
     "pp2_fsdp2_interleaved_tied": (dict(dp_shard=2), "interleaved_1f1b", "qwen3_tied5", 2),
     "pp2_tp2_gpipe": (dict(tp=2), "gpipe", "llama4", 4),
     "pp2_tp2_zbv_tied": (dict(tp=2), "zbv", "qwen3_tied5", 4),
+    "pp4_1f1b_tied": (dict(pp=4), "1f1b", "qwen3_tied5", 4),  # the tied copies on pp ranks 0 and 3: a pair group
+    "pp4_interleaved_ac": (dict(pp=4, ac=True), "interleaved_1f1b", "llama8", 4),  # 8 stages, checkpointed layers
 }
 
 
 def _rank4(rank, world_size):
     meshes, out = {}, {}
     for name, (degrees, schedule, config, m) in COMPOSED.items():
+        degrees = {"pp": PP, **degrees}
+        ac = degrees.pop("ac", False)
         key = tuple(sorted(degrees.items()))
         if key not in meshes:
-            dims = ParallelDims(pp=PP, world_size=world_size, **degrees)
+            dims = ParallelDims(world_size=world_size, **degrees)
             meshes[key] = dims, dims.build_mesh("cpu")
         dims, mesh = meshes[key]
-        out[name] = _run(dims, mesh, schedule, config, m, rows=_half_rows if dims.dp > 1 else None)
+        out[name] = _run(dims, mesh, schedule, config, m, rows=_half_rows if dims.dp > 1 else None, ac=ac)
     return out
 
 

@@ -27,8 +27,9 @@ parameter; each stage holds a copy and the copies' gradients are summed after th
 take the same update. Norms for clipping count it once
 (Pipeline.norm_parameters).
 
-Micro-batches must have equal shapes: torch infers the activations' shapes from the first one and sizes
-its receive buffers by it. A schedule (with its stages) is built per batch shape and reused.
+Micro-batches must have equal shapes: torch infers the activations' shapes from the first one (one extra
+forward and backward of it) and sizes its receive buffers by it. A schedule (with its stages) is built per
+batch shape and reused, the last MAX_SCHEDULES kept: pad batches to a few lengths.
 
 It imports torch, relayrl.errors and the parallel modules only (the stage modules come from the caller, cut
 by relayrl.models.stage); it must never import another relayrl layer (models, the trainer, the engine, ...):
@@ -78,6 +79,7 @@ def rank_stages(dims: ParallelDims, schedule: str) -> tuple[tuple[int, ...], int
     return schedule_stages(schedule, dims.pp_mesh.get_local_rank(), dims.pp)
 
 
+MAX_SCHEDULES = 8  # schedules (with their stages' receive buffers) kept per Pipeline, one per batch shape
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # hidden states between stages, by index in a header
 
 # objective(rows [b], logp [b, T], entropy [b, T] or None) -> (loss, stats): the micro-batch's share
@@ -209,6 +211,8 @@ class Pipeline:
     def _schedule(self, input_ids: torch.Tensor, n_microbatches: int, kwargs: dict):
         key = (tuple(input_ids.shape), n_microbatches, tuple((k, tuple(v.shape)) for k, v in kwargs.items()))
         if key not in self._schedules:
+            if len(self._schedules) >= MAX_SCHEDULES:  # batches of ever new shapes: drop the oldest
+                self._schedules.pop(next(iter(self._schedules)))
             stages = [PipelineStage(m, m.stage_index, self.num_stages, input_ids.device, group=self.pp_group)
                       for m in self.modules]
             self._schedules[key] = build_schedule(self.schedule_name, stages, n_microbatches, self._call_loss)
