@@ -109,10 +109,11 @@ def _local(grad):
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
-def _run(dims, mesh, schedule, config, m, rows=None, ac=False):
+def _run(dims, mesh, schedule, config, m, rows=None, ac=False, vocab_parallel=False):
     pipe = Pipeline(split_model(build(config), *rank_stages(dims, schedule)), dims, schedule)
     for module in pipe.modules:
-        parallelize_model(module, dims, mesh, gather_logits=True, activation_checkpointing=ac)
+        parallelize_model(module, dims, mesh, gather_logits=not vocab_parallel, activation_checkpointing=ac)
+    tp_group = dims.tp_mesh.get_group() if vocab_parallel else None  # logprobs from vocab-sharded logits
     ids, attn, mask, *_ = batch()
     rows = torch.arange(len(ids)) if rows is None else rows(dims)
     n_tok, n_seq = mask.sum(), float(len(ids))  # global counts: every data-parallel rank divides by them
@@ -120,10 +121,12 @@ def _run(dims, mesh, schedule, config, m, rows=None, ac=False):
     def mine(rows_mb, logp, ent):  # the pipeline's micro-batch rows index this rank's rows
         return objective(rows[rows_mb], logp, ent, num_tokens=n_tok, num_seqs=n_seq)
 
-    loss = pipe.step(ids[rows], TokenLoss(ids[rows], mine, with_entropy=True), m, attention_mask=attn[rows])
+    loss = pipe.step(ids[rows], TokenLoss(ids[rows], mine, with_entropy=True, tp_group=tp_group), m,
+                     attention_mask=attn[rows])
     grads = {n: _local(p.grad) for n, p in pipe.named_parameters()}
     norm = pipe.clip_grad_norm(float("inf"))
-    logp = pipe.logprobs(ids[rows], m, attention_mask=attn[rows]) * attn[rows]  # the weights before any step
+    # the weights before any step
+    logp = pipe.logprobs(ids[rows], m, tp_group=tp_group, attention_mask=attn[rows]) * attn[rows]
     return dims.dp_rank, loss, grads, norm, rows, logp
 
 
@@ -204,12 +207,14 @@ def _half_rows(dims):  # data parallelism: dp rank d trains rows [4d, 4d + 4) of
     return torch.arange(4) + 4 * dims.dp_rank
 
 
-# name: (ParallelDims degrees (pp 2 unless given; ac: activation checkpointing), schedule, config, micro-batches);
+# name: (ParallelDims degrees (pp 2 unless given; ac: activation checkpointing; vocab_parallel: the loss on
+# vocab-sharded logits), schedule, config, micro-batches);
 # 4 ranks, one launch (slow)
 COMPOSED = {
     "pp2_fsdp2_1f1b": (dict(dp_shard=2), "1f1b", "llama4", 2),
     "pp2_fsdp2_interleaved_tied": (dict(dp_shard=2), "interleaved_1f1b", "qwen3_tied5", 2),
     "pp2_tp2_gpipe": (dict(tp=2), "gpipe", "llama4", 4),
+    "pp2_tp2_1f1b_vocab_parallel": (dict(tp=2, vocab_parallel=True), "1f1b", "llama4", 4),  # logits never gathered
     "pp2_tp2_zbv_tied": (dict(tp=2), "zbv", "qwen3_tied5", 4),
     "pp4_1f1b_tied": (dict(pp=4), "1f1b", "qwen3_tied5", 4),  # the tied copies on pp ranks 0 and 3: a pair group
     "pp4_interleaved_ac": (dict(pp=4, ac=True), "interleaved_1f1b", "llama8", 4),  # 8 stages, checkpointed layers
@@ -220,13 +225,14 @@ def _rank4(rank, world_size):
     meshes, out = {}, {}
     for name, (degrees, schedule, config, m) in COMPOSED.items():
         degrees = {"pp": PP, **degrees}
-        ac = degrees.pop("ac", False)
+        ac, vocab_parallel = degrees.pop("ac", False), degrees.pop("vocab_parallel", False)
         key = tuple(sorted(degrees.items()))
         if key not in meshes:
             dims = ParallelDims(world_size=world_size, **degrees)
             meshes[key] = dims, dims.build_mesh("cpu")
         dims, mesh = meshes[key]
-        out[name] = _run(dims, mesh, schedule, config, m, rows=_half_rows if dims.dp > 1 else None, ac=ac)
+        out[name] = _run(dims, mesh, schedule, config, m, rows=_half_rows if dims.dp > 1 else None, ac=ac,
+                         vocab_parallel=vocab_parallel)
     return out
 
 

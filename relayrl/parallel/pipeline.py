@@ -24,17 +24,28 @@ losses sum to the single-process loss and their gradients to its gradient.
 Tied embeddings: the first stage's embed_tokens.weight and the last stage's lm_head.weight are one
 parameter; each stage holds a copy and the copies' gradients are summed after the step (over Megatron's
 "embedding group", the pair of ranks holding them, or on the one rank of a V placement), so both copies
-take the same update. Norms for clipping count it once
-(Pipeline.norm_parameters).
+take the same update. Norms for clipping count it once (Pipeline.norm_parameters).
 
 Micro-batches must have equal shapes: torch infers the activations' shapes from the first one (one extra
 forward and backward of it) and sizes its receive buffers by it. A schedule (with its stages) is built per
 batch shape and reused, the last MAX_SCHEDULES kept: pad batches to a few lengths.
 
+How a trainer drives it (the Actor does not yet; parallel.pp > 1 is refused for runs until it does):
+
+    pipe = Pipeline(split_model(model, *rank_stages(dims, schedule)), dims, schedule)
+    for m in pipe.modules: parallelize_model(m, dims, mesh, ...)          # TP / AC / FSDP per stage
+    optimizer = build(pipe.parameters())
+    old = pipe.logprobs(ids, m, attention_mask=attn)                       # forward only, on every pp rank
+    loss = pipe.step(ids, TokenLoss(ids, lambda rows, logp, ent: policy_objective(
+        logp, old[rows], adv[rows], mask[rows], cfg, num_tokens=N_global, num_seqs=B_global)), m,
+        attention_mask=attn)
+    pipe.clip_grad_norm(max_norm); optimizer.step()
+    checkpoints: save_distributed(run_dir, step, merge_stages(pipe.modules), optimizer)
+
 It imports torch, relayrl.errors and the parallel modules only (the stage modules come from the caller, cut
 by relayrl.models.stage); it must never import another relayrl layer (models, the trainer, the engine, ...):
-they import it. The objective comes from the caller (relayrl.algorithms'
-policy_objective in the trainer), so this module knows nothing of RL.
+they import it. The objective comes from the caller too (relayrl.algorithms' policy_objective in the
+trainer), so this module knows nothing of RL.
 """
 
 from __future__ import annotations
