@@ -31,9 +31,9 @@ class SortTask:
     tool_tokens = False
 
     def __init__(self, min_len: int = 3, max_len: int = 5):
-        if not isinstance(min_len, int) or not isinstance(max_len, int) or not 1 <= min_len <= max_len <= 32:
+        if not isinstance(min_len, int) or not isinstance(max_len, int) or not 1 <= min_len <= max_len <= 64:
             raise ConfigError(
-                "task 'sort': need integers 1 <= min_len <= max_len <= 32 "
+                "task 'sort': need integers 1 <= min_len <= max_len <= 64 "
                 f"(got min_len={min_len!r}, max_len={max_len!r})"
             )
         self.min_len = min_len
