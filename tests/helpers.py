@@ -89,6 +89,16 @@ def random_train_batch(n: int = 8, seed: int = 0, generator: torch.Generator | N
 
 
 # ---------------------------------------------------------------------------- tiny models
+def parity_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """3 rows of 12 token ids (3..96) for a parity test against transformers: one left- and one right-padded."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 97, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    return ids, mask
+
+
 def small_config(**kw) -> ModelConfig:
     """A 2-layer, 4-head (2 KV heads) model; `kw` overrides any field."""
     base = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

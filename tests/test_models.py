@@ -7,6 +7,8 @@ import transformers
 from relayrl.errors import ModelDirError
 from relayrl.models import load_pretrained, save_pretrained
 
+from helpers import parity_inputs
+
 COMMON = dict(
     vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -37,21 +39,12 @@ def _hf_model(cfg):
     return model.eval()
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 97, (3, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding
-    mask[2, 9:] = 0  # right padding
-    return ids, mask
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hf_to_relayrl_and_back(family, tmp_path):
     hf = _hf_model(FAMILIES[family]())
     hf.save_pretrained(tmp_path / "hf")
     ours = load_pretrained(tmp_path / "hf").eval()
-    ids, mask = _inputs()
+    ids, mask = parity_inputs()
     with torch.no_grad():
         # no padding: compare every position
         ref = hf(input_ids=ids).logits
@@ -79,7 +72,7 @@ def test_sharded_save_loads_in_both(tmp_path):
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
     again = load_pretrained(tmp_path / "sharded")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", dtype=torch.float32)
-    ids, _ = _inputs()
+    ids, _ = parity_inputs()
     with torch.no_grad():
         torch.testing.assert_close(again(ids), ours(ids), atol=0, rtol=0)
         torch.testing.assert_close(back(input_ids=ids).logits, ours(ids), atol=1e-4, rtol=0)
@@ -90,7 +83,7 @@ def test_bf16_load(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     m = load_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
-    ids, _ = _inputs()
+    ids, _ = parity_inputs()
     with torch.no_grad():
         diff = (m(ids).float() - hf(input_ids=ids).logits).abs().max()
     assert 0 < diff < 0.1  # bf16 differs from fp32, but only by rounding

@@ -20,6 +20,8 @@ from relayrl.models.router_losses import expert_load, load_balancing_loss, moe_a
 from relayrl.models.transformer import CausalLM
 from relayrl.planner.moe import plan_shape
 
+from helpers import parity_inputs
+
 COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
 QWEN_MOE = dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
@@ -48,15 +50,6 @@ def _hf_model(cfg):
     return model.eval()
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 97, (3, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding
-    mask[2, 9:] = 0  # right padding
-    return ids, mask
-
-
 def _logits_match(ours, hf, ids, mask):
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
@@ -74,7 +67,7 @@ def test_hf_to_relayrl_and_back(family, tmp_path):
     hf.save_pretrained(tmp_path / "hf")  # one tensor per expert, as the published checkpoints
     ours = load_pretrained(tmp_path / "hf").eval()
     assert isinstance(ours.config, MoEConfig)
-    ids, mask = _inputs()
+    ids, mask = parity_inputs()
     ref = _logits_match(ours, hf, ids, mask)
 
     # transformers 5's in-memory layout on disk: stacked experts (and Mixtral's mlp.* names)
@@ -158,7 +151,7 @@ def test_routing_replay_reproduces_and_overrides(tmp_path):
     hf = _hf_model(FAMILIES["qwen3_moe_dense_layer_bias"]())
     hf.save_pretrained(tmp_path / "hf")
     model = load_pretrained(tmp_path / "hf").eval()
-    ids, mask = _inputs()
+    ids, mask = parity_inputs()
     with torch.no_grad():
         rec = Routing()
         base = model(ids, attention_mask=mask, routing=rec)
@@ -228,7 +221,7 @@ def test_aux_loss_and_gradients_equal_transformers(tmp_path):
     ours = load_pretrained(tmp_path / "hf").train()
     ours.config = dataclasses.replace(ours.config, router_z_loss_coef=0.05)
     assert ours.config.router_aux_loss_coef == 0.3
-    ids, mask = _inputs()
+    ids, mask = parity_inputs()
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)  # no prediction from a padding slot
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -259,7 +252,7 @@ def test_unchosen_experts_get_zero_gradients():
     cfg = ModelConfig.from_hf_dict(FAMILIES["mixtral"]().to_dict())
     model = CausalLM(cfg)
     model.reset_parameters(seed=0)
-    ids, _ = _inputs()
+    ids, _ = parity_inputs()
     replay = torch.tensor([0, 1]).expand(3, 12, 2, 2)  # experts 2 and 3 never chosen
     model(ids, routing=Routing(replay=replay)).sum().backward()
     e = model.model.layers[1].block_sparse_moe.experts
@@ -312,7 +305,7 @@ def test_activation_checkpointing_keeps_routing_and_gradients():
     from relayrl.parallel.parallelize import apply_activation_checkpointing
 
     cfg = dataclasses.replace(ModelConfig.from_hf_dict(FAMILIES["qwen3_moe"]().to_dict()), router_z_loss_coef=0.1)
-    ids, _ = _inputs()
+    ids, _ = parity_inputs()
 
     def run(checkpointed: bool, replay):
         model = CausalLM(cfg)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from relayrl.errors import ConfigError
+from relayrl.parallel.dims import backend_for
 
 DEVICE_SETTINGS = ("auto", "cpu", "cuda")
 
@@ -42,12 +43,8 @@ def resolve_device(setting: str, key: str = "parallel.device") -> str:
 def process_group_backend(device: str | torch.device) -> str:
     """The default process group's backend for ranks on `device`: gloo on CPU; nccl for CUDA tensors with
     gloo beside it for CPU ones on CUDA."""
-    kind = torch.device(device).type
-    if kind == "cpu":
-        return "gloo"
-    if kind == "cuda":
-        return "cuda:nccl,cpu:gloo"
-    raise ConfigError(f"no collective backend known for device type {kind!r} (supported: cpu → gloo, cuda → nccl)")
+    backend = backend_for(device)  # refuses a device type with no collective backend
+    return backend if backend == "gloo" else f"cuda:{backend},cpu:gloo"
 
 
 def module_device(model: torch.nn.Module) -> torch.device:
