@@ -241,7 +241,6 @@ class Driver:
         t0 = time.perf_counter()
         with self.timer.stage("sync"):
             sync_metrics = self.sync_weights()
-        self.engine.reset_stats()  # the step's engine figures are its rollout's, not an evaluation's before it
         ro, no_signal = self.collect()
         if self.cfg.rollout.sleep_level:  # the KV cache (level 2: the weights too) is free while the trainer works
             self.engine.sleep(self.cfg.rollout.sleep_level)

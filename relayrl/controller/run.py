@@ -279,6 +279,10 @@ def _eval(driver: Driver, eval_set, cfg: RunConfig, run_dir: Path, logger: Metri
         else:
             res = evaluate(driver.engine, eval_set, cfg.data, driver.scorer, cfg.eval.max_tokens,
                            cfg.eval.temperature, seed=cfg.run.seed, stop=cfg.rollout.stop)
+        # the engine's figures (engine/*) are training's: an evaluation's prefills and blocks are not the next
+        # step's (a resumed run replays a step without the evaluation before it). In an asynchronous run this also
+        # drops what the engine generated for coming batches since the last step's figures, before the drain
+        driver.engine.reset_stats()
     logger.log(driver.step, res)
     with open(run_dir / "eval.jsonl", "a") as f:
         f.write(json.dumps({"step": driver.step, **res}) + "\n")
