@@ -2,7 +2,7 @@
 prompt compute its tokens once and their responses attend to them. Logprobs, entropies and gradients equal the
 padded and the padding-free forward; the update, the reference pass and a whole run equal the unshared ones;
 under tensor parallelism (vocab-parallel logprobs) it equals one process; and the tokens computed fall from
-G (P + R) to P + G R per prompt (a prompt copy per samples_per_prefix samples)."""
+G (P + R) to P + G R per prompt (one prompt copy per samples_per_prefix samples)."""
 
 from __future__ import annotations
 
@@ -80,12 +80,12 @@ def test_prompt_lengths_and_tokens_computed_by_hand():
     assert plens == [3, 2, 3, 2, 3]
     assert computed_tokens(ids, attn, None, 32) == 5 + 3 + 7 + 4 + 3
     assert computed_tokens(ids, attn, plens, 32) == (3 + 2 + 4 + 0) + (2 + 1) + (2 + 2)  # P + G R per prompt
-    # 4 samples of 6 tokens: one copy of the prompt serves k = sqrt(3 (6 h + 3)) / 6 of them (rounded), so the
+    # 4 samples of 12 tokens: one copy of the prompt serves k = sqrt(3 (24 h + 3)) / 12 of them (rounded), so the
     # narrower the model, the more the responses' attention to each other costs beside the prompt they share
-    ids, attn, resp = build_rows([[5, 6, 7]] * 4, [[10 + i] * 6 for i in range(4)])
+    ids, attn, resp = build_rows([[5, 6, 7]] * 4, [[10 + i] * 12 for i in range(4)])
     plens = prompt_lens(resp, attn)
-    assert [samples_per_prefix(3, 6.0, h) for h in (1, 8, 32)] == [1, 2, 4]  # sqrt 27, 153, 585 over 6
-    assert [computed_tokens(ids, attn, plens, h) for h in (1, 8, 32)] == [4 * 9, 2 * 3 + 24, 3 + 24]
+    assert [samples_per_prefix(3, 12.0, h) for h in (1, 8, 32)] == [1, 2, 4]  # sqrt 81, 585, 2313 over 12
+    assert [computed_tokens(ids, attn, plens, h) for h in (1, 8, 32)] == [4 * 15, 2 * 3 + 48, 3 + 48]
 
 
 def test_the_update_equals_the_unshared_one(tiny_model):

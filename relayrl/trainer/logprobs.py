@@ -141,14 +141,15 @@ def samples_per_prefix(prefix: int, response: float, hidden_size: int) -> int:
     """How many samples one copy of a prefix serves, at the least cost of a packed unit under dense attention
     (a boolean mask: every query-key pair of the unit is computed, the masked ones too).
 
-    Per layer, a token costs about 24 h^2 FLOPs in the linear layers and a query-key pair 4 h in attention, so
-    in units of one token's linear cost a unit of P + k R tokens costs (P + k R) + (P + k R)^2 / (6 h). Per
-    sample that is minimal at k = sqrt(P (6 h + P)) / R: many samples per prompt when responses are short
-    beside it, one (no sharing) when they are long, where the responses' attention to each other outweighs
-    the prompt's tokens saved."""
+    A unit of P + k R tokens costs about (P + k R) c h^2 in its per-token work and (P + k R)^2 h in attention,
+    so per sample the cost is least at k = sqrt(P (c h + P)) / R: many samples per prompt when the responses
+    are short beside it, one (no sharing) when they are long, where the responses' attention to each other
+    outweighs the prompt tokens saved. c = 24 was measured, not derived: the matmuls alone would give 6, but a
+    token's norms, activations and loss cost more than its share of FLOPs, and on the CPU one update was fastest
+    at k = 8 (of 8) on all three of bench_shared_prefix's shapes, where c = 6 picked 4 to 7."""
     if response <= 0:
         return 1 << 30
-    return max(1, round(math.sqrt(prefix * (6 * hidden_size + prefix)) / response))
+    return max(1, round(math.sqrt(prefix * (24 * hidden_size + prefix)) / response))
 
 
 def prefix_units(input_ids: torch.Tensor, prefix_lens: list[int], lengths: list[int],
