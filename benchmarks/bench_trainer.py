@@ -108,8 +108,10 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 
 def trainer_cfg(args) -> TrainerConfig:
+    # padded rows (none of this batch's rows has padding): the MFU's FLOPs count every row's tokens, while the
+    # default padding-free rows with shared prompts would compute fewer (bench_shared_prefix.py measures that)
     return TrainerConfig(lr=1e-5, micro_batch_size=args.micro_batch, ppo_epochs=1, mini_batches=1,
-                         shuffle=False, bf16=args.bf16)
+                         shuffle=False, bf16=args.bf16, padding_free=False)
 
 
 ALGO = dict(kl_coef=0.05, tis_cap=2.0)

@@ -47,7 +47,7 @@ ODD = config()
 # TP 2 splits evenly, but leaves odd local sizes for FSDP 2 to pad (vocab 33, MLP 49, K/V 12 rows each)
 TP_MODEL = config(vocab_size=66, hidden_size=44, intermediate_size=98, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=12)
-TCFG = TrainerConfig(micro_batch_size=MICRO, shuffle=False)
+TCFG = TrainerConfig(micro_batch_size=MICRO, shuffle=False, padding_free=False)  # padded rows: what the plan models
 
 
 def batch(mc: ModelConfig) -> TrainBatch:
