@@ -101,9 +101,9 @@ def frozen_logprobs(model: CausalLM, batch: TrainBatch, temperature: float, micr
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing: sequence indices grouped into rows of at most `capacity` tokens.
-    Rows as long as the longest sequence keep attention (quadratic per row) no dearer than padding,
-    while the linear layers see no padding at all."""
+    """First-fit decreasing: unit indices (a sequence, or a shared prompt with its samples) grouped into rows of
+    at most `capacity` tokens. Rows as long as the longest unit keep attention (quadratic per row) no dearer
+    than one row per unit, while the linear layers see no padding at all."""
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
