@@ -145,8 +145,9 @@ def samples_per_prefix(prefix: int, response: float, hidden_size: int) -> int:
     so per sample the cost is least at k = sqrt(P (c h + P)) / R: many samples per prompt when the responses
     are short beside it, one (no sharing) when they are long, where the responses' attention to each other
     outweighs the prompt tokens saved. c = 24 was measured, not derived: the matmuls alone would give 6, but a
-    token's norms, activations and loss cost more than its share of FLOPs, and on the CPU one update was fastest
-    at k = 8 (of 8) on all three of bench_shared_prefix's shapes, where c = 6 picked 4 to 7."""
+    token's norms, activations and loss cost more than its share of FLOPs: on the CPU one update was fastest at
+    k = 8 (of 8) on bench_shared_prefix's three GRPO shapes, and within 6% of k = 4 on its long-answer shape,
+    where c = 6 picks 7 and 4 (bench_shared_prefix.py --force-k; RESULTS.md)."""
     if response <= 0:
         return 1 << 30
     return max(1, round(math.sqrt(prefix * (24 * hidden_size + prefix)) / response))
