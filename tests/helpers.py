@@ -134,6 +134,27 @@ SYNC_CONFIGS = {
 }
 
 
+SYNC_ROWS = [[1, 5, 2, 7, 3, 9, 4, 0, 6, 8], [3, 3, 1, 4, 1, 5, 9, 2, 6, 5]]  # the canary rows of the sync tests
+
+
+def sync_model(key: str, seed: int = 0) -> CausalLM:
+    """SYNC_CONFIGS[key]'s model with every weight N(0, 0.5), norms too: all-ones would hide a misplaced slice."""
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig(**SYNC_CONFIGS[key]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+def sync_reference_logp(model: CausalLM) -> torch.Tensor:
+    """The model's own logprobs of SYNC_ROWS: what an engine holding its weights must score."""
+    from relayrl.trainer.logprobs import token_logprobs
+
+    ids = torch.tensor(SYNC_ROWS)
+    return token_logprobs(model, ids, torch.ones_like(ids))[0]
+
+
 def naive_plan(full_sd: dict[str, torch.Tensor], cfg: ModelShape,
                engine_tp: int) -> dict[int, dict[str, torch.Tensor]]:
     """WRONG, kept to show why: assemble each fused weight from the full logical tensors, then cut it

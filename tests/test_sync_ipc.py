@@ -16,7 +16,7 @@ import torch.multiprocessing
 
 from relayrl.engine.model_runner import ModelRunner
 from relayrl.engine.parallel_state import TPInfo
-from relayrl.models import CausalLM, ModelConfig
+from relayrl.models import ModelConfig
 from relayrl.models.config import ModelShape
 from relayrl.parallel.rendezvous import serve_store
 from relayrl.sync import ipc
@@ -25,26 +25,11 @@ from relayrl.sync.checksums import dest_checksums, first_mismatch, source_checks
 from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.plan import plan_sync
 from relayrl.sync.transfer import BackgroundSend, Members, SyncComm, SyncSpec, finish_receives, post_receives, sync_step
-from relayrl.trainer.logprobs import token_logprobs
 
 from dist_harness import run_distributed
 from helpers import SYNC_CONFIGS as CONFIGS
-
-ROWS = [[1, 5, 2, 7, 3, 9, 4, 0, 6, 8], [3, 3, 1, 4, 1, 5, 9, 2, 6, 5]]
-
-
-def _model(key: str) -> CausalLM:
-    torch.manual_seed(0)
-    model = CausalLM(ModelConfig(**CONFIGS[key]))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5)
-    return model
-
-
-def _reference(model: CausalLM) -> torch.Tensor:
-    ids = torch.tensor(ROWS)
-    return token_logprobs(model, ids, torch.ones_like(ids))[0]
+from helpers import SYNC_ROWS as ROWS
+from helpers import sync_model, sync_reference_logp
 
 
 def _spec(model, layout, etp, members, use_ipc, fp8=False) -> SyncSpec:
@@ -56,7 +41,7 @@ def _disaggregated(rank: int, world: int, store) -> list[tuple]:
     """Trainer ranks 0, 1 (TP 2 shards) send to engine ranks 0, 1 (TP 2) in processes 2, 3: three syncs in a row
     on one group, ipc, ipc with the float8 wire, then gloo."""
     torch.multiprocessing.set_sharing_strategy("file_system")
-    model = _model("gqa8x2")
+    model = sync_model("gqa8x2")
     layout, members = TrainerLayout(tp=2), Members(2, 2, colocated=False)
     comm = SyncComm(store, rank, 4)
     engine_group = dist.new_group([2, 3])
@@ -82,7 +67,7 @@ def _disaggregated(rank: int, world: int, store) -> list[tuple]:
         assert len(pending.posted) <= spec.window
         stats = finish_receives(pending, params)
         got = runner.score(ROWS)
-        out.append(("engine", got, float((got - _reference(model)).abs().max()), stats.bytes_received,
+        out.append(("engine", got, float((got - sync_reference_logp(model)).abs().max()), stats.bytes_received,
                     stats.messages, spec.plan.bytes_per_dst_rank(torch.float32)[e],
                     dest_checksums(spec.plan, e, params), len(spec.plan.for_dst(e))))
     comm.close()
@@ -131,7 +116,7 @@ def _colocated(rank: int, store, group) -> list[tuple]:
     """Trainer FSDP 2 -> engine TP 2, engine rank r in trainer rank r's process: each process sends to the other
     and receives from it (a receiving thread beside the sender; acks cross both ways). ipc, then gloo."""
     torch.multiprocessing.set_sharing_strategy("file_system")
-    model = _model("gqa8x2")
+    model = sync_model("gqa8x2")
     layout, members = TrainerLayout(dp_shard=2), Members(2, 2, colocated=True)
     comm = SyncComm(store, rank, 2)
     local = shard_state_dict({k: v.detach() for k, v in model.state_dict().items()}, model.config, layout, rank)
@@ -143,7 +128,8 @@ def _colocated(rank: int, store, group) -> list[tuple]:
         stats = sync_step(_spec(model, layout, 2, members, use_ipc), comm=comm, trainer_rank=rank, engine_rank=rank,
                           local=local, params=runner.params())
         got = runner.score(ROWS)
-        out.append((got, float((got - _reference(model)).abs().max()), stats.bytes_received, stats.bytes_copied))
+        gap = float((got - sync_reference_logp(model)).abs().max())
+        out.append((got, gap, stats.bytes_received, stats.bytes_copied))
     comm.close()
     return out
 

@@ -35,27 +35,13 @@ from relayrl.trainer.logprobs import token_logprobs
 
 from dist_harness import run_distributed
 from helpers import SYNC_CONFIGS as CONFIGS
+from helpers import SYNC_ROWS as ROWS
+from helpers import sync_model, sync_reference_logp
 
 # trainer layouts on 4 ranks as (tp, dp_shard, dp_replicate): FSDP 4, HSDP 2x2, FSDP 2 x TP 2,
 # TP 2 with 2 replicas (the seed case's trainer TP=2 feeding engine TP=4), 4 replicas
 LAYOUTS_4 = [(1, 4, 1), (1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 1, 4)]
 ENGINE_TP = (1, 2, 4)
-ROWS = [[1, 5, 2, 7, 3, 9, 4, 0, 6, 8], [3, 3, 1, 4, 1, 5, 9, 2, 6, 5]]
-
-
-def _model(key: str, seed: int = 0) -> CausalLM:
-    cfg = ModelConfig(**CONFIGS[key])
-    torch.manual_seed(seed)
-    model = CausalLM(cfg)
-    with torch.no_grad():  # norms random too: all-ones would hide a misplaced slice
-        for p in model.parameters():
-            p.normal_(0, 0.5)
-    return model
-
-
-def _reference_logp(model: CausalLM) -> torch.Tensor:
-    ids = torch.tensor(ROWS)
-    return token_logprobs(model, ids, torch.ones_like(ids))[0]
 
 
 def _spec(cfg, layout: TrainerLayout, etp: int, members: Members, dtype=torch.float32, **kw) -> SyncSpec:
@@ -71,8 +57,8 @@ def _grid(rank: int, world: int, store) -> list:
     groups = {1: None, 2: dist.new_group([0, 1]), 4: dist.group.WORLD}
     out = []
     for key, shape in CONFIGS.items():
-        ref_model = _model(key)
-        ref = _reference_logp(ref_model)
+        ref_model = sync_model(key)
+        ref = sync_reference_logp(ref_model)
         full = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
         for tp, shard, rep in LAYOUTS_4:
             if shape["num_key_value_heads"] % tp:
@@ -131,7 +117,7 @@ def _disaggregated(rank: int, world: int, store, key: str, tp: int, etp: int, fp
     """Trainer ranks 0..tp-1 (shards cut from the full state dict), engine ranks after them, in
     processes of their own: trainers send in a background thread, engines receive and unpack.
     Each returns its per-piece checksums (trainer: what the engine should hold; engine: what it does)."""
-    model = _model(key)
+    model = sync_model(key)
     cfg = model.config
     layout, members = TrainerLayout(tp=tp), Members(tp, etp, colocated=False)
     spec = _spec(cfg, layout, etp, members, bucket_bytes=256, window=2, fp8=fp8)  # many messages per pair
@@ -151,7 +137,7 @@ def _disaggregated(rank: int, world: int, store, key: str, tp: int, etp: int, fp
     stats = finish_receives(post_receives(spec, e, params, comm), params)
     got = runner.score(ROWS)
     comm.close()
-    return ("engine", float((got - _reference_logp(model)).abs().mean()), stats.bytes_received,
+    return ("engine", float((got - sync_reference_logp(model)).abs().mean()), stats.bytes_received,
             plan.bytes_per_dst_rank(torch.float32)[e], stats.messages, dest_checksums(plan, e, params),
             len(plan.for_dst(e)))
 
@@ -189,7 +175,7 @@ def test_buckets_cut_by_bytes_and_keep_order():
 
 
 def test_colocated_single_process_copies_in_place():
-    model = _model("gqa8x2")
+    model = sync_model("gqa8x2")
     cfg = model.config
     plan = plan_sync(cfg, TrainerLayout(), EngineLayout(1))
     runner = ModelRunner(cfg, torch.bfloat16)
@@ -253,7 +239,7 @@ class _Done:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_receives_stay_within_the_window_and_unpack_exactly(fp8):
     """Trainer TP 2 -> engine TP 1 through a loopback group: 300-byte buckets, window 3."""
-    model = _model("gqa8x2")
+    model = sync_model("gqa8x2")
     cfg = model.config
     layout, members = TrainerLayout(tp=2), Members(2, 1, colocated=False)
     spec = _spec(cfg, layout, 1, members, bucket_bytes=300, window=3, fp8=fp8)
