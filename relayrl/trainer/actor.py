@@ -31,7 +31,7 @@ from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.grad_norm import clip_grad_norm
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
-from relayrl.trainer.logprobs import prompt_lens, prompt_order, token_logprobs
+from relayrl.trainer.logprobs import by_prompt, prompt_lens, prompt_order, token_logprobs
 from relayrl.trainer.optim import build_optimizer
 
 
@@ -57,11 +57,12 @@ class Actor:
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs [B, T] under the current weights, in micro-batches (no grad)."""
-        order = prompt_order(batch) if self.cfg.shares_prefix else None
-        logp = self.per_token(batch if order is None else batch.select(order), lambda mb: token_logprobs(
-            self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
-            tp_group=self.tp_group, prefix_lens=self._prefix_lens(mb))[0])
-        return logp if order is None else logp[order.argsort()]
+        def rows(b: TrainBatch) -> torch.Tensor:
+            return self.per_token(b, lambda mb: token_logprobs(
+                self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
+                tp_group=self.tp_group, prefix_lens=self._prefix_lens(mb))[0])
+
+        return by_prompt(batch, rows) if self.cfg.shares_prefix else rows(batch)
 
     def _prefix_lens(self, mb: TrainBatch) -> list[int] | None:
         """trainer.shared_prefix: each row's prompt, computed once for the rows that share it."""

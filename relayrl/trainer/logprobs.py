@@ -89,15 +89,23 @@ def frozen_logprobs(model: CausalLM, batch: TrainBatch, temperature: float, micr
                     padding_free: bool = False, shared_prefix: bool = False, tp_group=None) -> torch.Tensor:
     """A frozen model's logprobs [B, T] of the batch's response tokens (0 elsewhere), in micro-batches of rows
     (the reference model's pass; padding_free and shared_prefix as the trainer's settings)."""
-    order = prompt_order(batch) if shared_prefix else None
-    parts = []
-    for mb in (batch if order is None else batch.select(order)).split(micro_batch_size):
-        prefix = prompt_lens(mb.response_mask, mb.attention_mask) if shared_prefix else None
-        logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, padding_free=padding_free,
-                                 tp_group=tp_group, prefix_lens=prefix)
-        parts.append(logp * mb.response_mask)
-    out = torch.cat(parts)
-    return out if order is None else out[order.argsort()]
+    def rows(b: TrainBatch) -> torch.Tensor:
+        parts = []
+        for mb in b.split(micro_batch_size):
+            prefix = prompt_lens(mb.response_mask, mb.attention_mask) if shared_prefix else None
+            logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, padding_free=padding_free,
+                                     tp_group=tp_group, prefix_lens=prefix)
+            parts.append(logp * mb.response_mask)
+        return torch.cat(parts)
+
+    return by_prompt(batch, rows) if shared_prefix else rows(batch)
+
+
+def by_prompt(batch: TrainBatch, per_row) -> torch.Tensor:
+    """per_row(rows) [B, ...] computed with the batch's rows grouped by prompt (prompt_order), so consecutive
+    micro-batches hold whole groups, and returned in the batch's own row order."""
+    order = prompt_order(batch)
+    return per_row(batch.select(order))[order.argsort()]
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
