@@ -14,9 +14,14 @@ Qwen casts w to the model dtype before the product; Mixtral keeps it fp32 (as tr
 outputs round alike). A replayed routing still takes its weights from this router's probabilities, so the
 router keeps its gradient.
 
-Dispatch: the N k (token, slot) pairs are sorted by expert, so each expert runs one matmul over a contiguous
-chunk and its outputs are added back at their tokens (the layout EP's all-to-all will send). Every expert runs,
-on an empty chunk if no token chose it, so every parameter has a gradient and DDP / FSDP see the same graph.
+Dispatch (`grouped_experts`): the N k (token, slot) pairs are sorted by expert, so each expert runs one matmul
+over a contiguous chunk and its outputs are added back at their tokens. Every expert runs, on an empty chunk if
+no token chose it, so every parameter has a gradient and DDP / FSDP see the same graph.
+
+The experts' computation is swappable per block from outside with the same signature (`experts_fn`, as
+Attention.attention_fn): expert parallelism (relayrl.parallel.expert_parallel) sets one that sends the sorted
+pairs to the ranks holding their experts by all-to-all and back; the router, the weights and the shared expert
+stay here.
 
 Parameter names are those of the published checkpoints (and of what transformers' save_pretrained writes):
 
@@ -103,8 +108,29 @@ def moe_block_name(cfg: MoEConfig) -> str:
     return "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
 
 
+def grouped_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor,
+                    idx: torch.Tensor) -> torch.Tensor:
+    """Σ_k weights[n, k] · experts[idx[n, k]](x[n]) for x [N, h], weights / idx [N, k]: the pairs grouped by expert
+    (module docstring), every expert run once."""
+    top_k = idx.shape[1]
+    pair_expert = idx.reshape(-1)
+    order = torch.argsort(pair_expert, stable=True)
+    counts = torch.bincount(pair_expert, minlength=len(experts)).tolist()  # one host sync per layer
+    token = order // top_k  # the token of each sorted (token, slot) pair
+    out = torch.zeros_like(x)
+    for expert, tok, w in zip(experts, token.split(counts), weights.reshape(-1)[order].split(counts), strict=True):
+        y = expert(x[tok]) * w[:, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
 class SparseMoeBlock(nn.Module):
     """One layer's router, experts and (Qwen2-MoE) gated shared expert; `index` is its position in cfg.moe_layers."""
+
+    # The routed experts' computation, experts_fn(self.experts, x [N, h], weights [N, k], idx [N, k]) -> [N, h],
+    # swappable per block from outside: expert parallelism (relayrl.parallel.expert_parallel) sets one that
+    # dispatches the pairs to the ranks holding their experts (self.experts then holds this rank's only).
+    experts_fn = staticmethod(grouped_experts)
 
     def __init__(self, cfg: MoEConfig, index: int):
         super().__init__()
@@ -153,23 +179,10 @@ class SparseMoeBlock(nn.Module):
         if routing is not None and routing.record:
             routing.logits[self.index] = logits.view(B, q, -1)
             routing.selected[self.index] = idx.view(B, q, -1)
-        out = self._experts(flat, weights, idx)
+        out = self.experts_fn(self.experts, flat, weights, idx)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(B, q, h)
-
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Σ_k weights[n, k] · expert_{idx[n, k]}(x[n]), the pairs grouped by expert (module docstring)."""
-        pair_expert = idx.reshape(-1)
-        order = torch.argsort(pair_expert, stable=True)
-        counts = torch.bincount(pair_expert, minlength=self.num_experts).tolist()  # one host sync per layer
-        token = order // self.top_k  # the token of each sorted (token, slot) pair
-        out = torch.zeros_like(x)
-        for expert, tok, w in zip(self.experts, token.split(counts), weights.reshape(-1)[order].split(counts),
-                                  strict=True):
-            y = expert(x[tok]) * w[:, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
 
 
 _STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
