@@ -59,6 +59,7 @@ from relayrl.engine.model_runner import (
     kv_bytes_per_block,
     prepare,
 )
+from relayrl.engine.moe import check_expert_placement, dense_intermediate
 from relayrl.engine.outputs import CompletionSample, RequestOutput
 from relayrl.engine.parallel_state import TPInfo, check_tp, head_layout
 from relayrl.engine.protocols import RunnerGroup
@@ -85,7 +86,7 @@ class LLMEngine:
         enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
         seed: int = 0, own_processes: bool = False, runner_group: RunnerGroup | None = None,
         group_options: GroupOptions | None = None, partial: str | None = None, fork_samples: bool = True,
-        group_prefill: bool = True,
+        group_prefill: bool = True, expert_placement: str = "tp", record_routing: bool = False,
     ):
         """Where the ranks run (a RunnerGroup, relayrl.engine.protocols):
         runner_group given      ranks hosted elsewhere (e.g. in the trainer's processes, colocated);
@@ -97,14 +98,22 @@ class LLMEngine:
         requests in flight (None, "keep_kv", "reprefill"; see the module docstring). fork_samples: the n
         samples of a prompt share one prefill (relayrl.engine.block_manager, forks); group_prefill: a
         prefill's attention runs in groups by length (relayrl.engine.attention). Both False: the
-        previous engine (every sample prefilled alone, attention padded to the batch's longest)."""
+        previous engine (every sample prefilled alone, attention padded to the batch's longest).
+
+        MoE models (relayrl.engine.moe): expert_placement "tp" shards every expert's width over the TP ranks,
+        "ep" gives each rank whole experts (E / tp of them); the same results either way, and at TP 1.
+        record_routing: each sample's output carries the experts every token chose in every MoE layer
+        (CompletionSample.routing; see relayrl.engine.routing) for routing replay in the trainer."""
         self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
         self.block_size, self.tp_size = block_size, tensor_parallel_size
         self.eos_ids = set(config.eos_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = config.pad_token_id or 0
-        check_tp(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size, config.intermediate_size)
+        check_tp(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size,
+                 dense_intermediate(config))
+        check_expert_placement(config, tensor_parallel_size, expert_placement)
+        self.expert_placement = expert_placement
         _, kv_heads = head_layout(config.num_attention_heads, config.num_key_value_heads,
                                   TPInfo(0, tensor_parallel_size))
         self.kv_bytes_per_block = kv_bytes_per_block(config, dtype, block_size, len(kv_heads))
@@ -120,9 +129,10 @@ class LLMEngine:
         elif tensor_parallel_size > 1 or own_processes:
             from relayrl.engine.tp_workers import WorkerRanks
 
-            self.ranks = WorkerRanks(config, dtype, tensor_parallel_size, device=device, options=group_options)
+            self.ranks = WorkerRanks(config, dtype, tensor_parallel_size, device=device, options=group_options,
+                                     expert_placement=expert_placement)
         else:
-            self.ranks = InProcessRunner(ModelRunner(config, dtype, TPInfo(), device))
+            self.ranks = InProcessRunner(ModelRunner(config, dtype, TPInfo(), device, expert_placement))
         self.num_blocks, self.max_num_seqs = num_blocks, max_num_seqs
         self.max_num_batched_tokens, self.enable_prefix_caching = max_num_batched_tokens, enable_prefix_caching
         self.partial = partial

@@ -10,7 +10,12 @@ through its `weight_loader(param, tensor, shard)`: q, k and v each land in their
 `qkv_proj` (its Q heads, then the KV heads those Q heads use), gate and up in their halves of
 `gate_up_proj`. Fused tensors are only ever filled component by component — never by slicing an
 assembled fused matrix, whose row blocks would not line up with q/k/v boundaries under TP.
-Embedding, lm_head and norms are replicated on every rank.
+Embedding, lm_head and norms are replicated on every rank. The linears live in relayrl.engine.linear.
+
+MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral): an MoE layer's MLP is relayrl.engine.moe's block, under the family's
+name (`mlp`, Mixtral's `block_sparse_moe`): a replicated router, the experts stacked and placed by TP or EP
+(`expert_placement`), the shared expert TP-sharded; each expert's published tensors load into their slots of the
+stacked ones (engine_name). The forward appends each MoE layer's chosen experts to `routing` when given.
 
 With LoRA (relayrl.engine.lora) a fused or row-parallel projection may carry `lora`, its adapters: the
 forward adds their low-rank term when they are kept apart (`lora.separate`), and nothing otherwise.
@@ -31,11 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from relayrl.engine.attention import PagedBatch, paged_attention
-from relayrl.engine.lora import LoRATerm
-from relayrl.engine.parallel_state import TPInfo, head_layout
+from relayrl.engine.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, _copy_weight
+from relayrl.engine.moe import EngineMoE, engine_expert_name, moe_logical_shapes
+from relayrl.engine.parallel_state import TPInfo
 from relayrl.errors import WeightShapeError
-from relayrl.models.config import ModelConfig
+from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.fusion import FUSED_INTO
+from relayrl.models.moe import moe_block_name
 from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from relayrl.models.transformer import RMSNorm
 
@@ -64,6 +71,9 @@ def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[attn + "o_proj.bias"] = (H,)
         if cfg.qk_norm:
             out[attn + "q_norm.weight"] = out[attn + "k_norm.weight"] = (hd,)
+        if isinstance(cfg, MoEShape) and cfg.is_moe_layer(i):  # router and experts in the MLP's place
+            out.update(moe_logical_shapes(cfg, i))
+            continue
         out.update({mlp + "gate_proj.weight": (F, H), mlp + "up_proj.weight": (F, H), mlp + "down_proj.weight": (H, F)})
         if cfg.mlp_bias:
             out.update({mlp + "gate_proj.bias": (F,), mlp + "up_proj.bias": (F,), mlp + "down_proj.bias": (H,)})
@@ -101,89 +111,6 @@ def check_weights(cfg: ModelConfig, weights) -> list[tuple[str, torch.Tensor]]:
         raise WeightShapeError(f"the weights lack tensor '{missing[0]}' ({len(missing)} missing in all) that the "
                                f"model config implies; check that the weights belong to this config.json")
     return kept
-
-
-def _copy_weight(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
-    param.data.copy_(loaded)
-
-
-class QKVParallelLinear(nn.Module):
-    lora: LoRATerm | None = None  # adapters (relayrl.engine.lora), set by enable_lora
-
-    def __init__(self, cfg: ModelConfig, tp: TPInfo):
-        super().__init__()
-        self.q_heads, self.kv_heads = head_layout(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
-        self.hd = cfg.head_dim
-        rows = (len(self.q_heads) + 2 * len(self.kv_heads)) * self.hd
-        self.weight = nn.Parameter(torch.empty(rows, cfg.hidden_size))
-        self.bias = nn.Parameter(torch.empty(rows)) if cfg.qkv_bias else None
-
-    def rows_of(self, shard: str) -> tuple[slice, range]:
-        """(destination rows in qkv_proj, logical heads of q_proj / k_proj / v_proj they hold)."""
-        nq, nkv = len(self.q_heads) * self.hd, len(self.kv_heads) * self.hd
-        if shard == "q":
-            return slice(0, nq), self.q_heads
-        if shard == "k":
-            return slice(nq, nq + nkv), self.kv_heads
-        return slice(nq + nkv, nq + 2 * nkv), self.kv_heads
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
-        dst, heads = self.rows_of(shard)
-        src = loaded[heads.start * self.hd: heads.stop * self.hd]
-        param.data[dst].copy_(src)
-
-    def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
-        return self.lora.column(self, x, y) if self.lora is not None and self.lora.separate else y
-
-
-class ColumnParallelLinear(nn.Module):
-    """Output features split over ranks; `parts` logical tensors fused side by side (gate, up)."""
-
-    lora: LoRATerm | None = None
-
-    def __init__(self, in_features: int, out_per_part: int, parts: tuple[str, ...], tp: TPInfo, *, bias: bool):
-        super().__init__()
-        self.parts, self.tp = parts, tp
-        self.local = out_per_part // tp.size
-        self.weight = nn.Parameter(torch.empty(self.local * len(parts), in_features))
-        self.bias = nn.Parameter(torch.empty(self.local * len(parts))) if bias else None
-
-    def weight_loader(self, param, loaded, shard: str) -> None:
-        i = self.parts.index(shard)
-        src = loaded[self.tp.rank * self.local: (self.tp.rank + 1) * self.local]
-        param.data[i * self.local: (i + 1) * self.local].copy_(src)
-
-    def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
-        return self.lora.column(self, x, y) if self.lora is not None and self.lora.separate else y
-
-
-class RowParallelLinear(nn.Module):
-    """Input features split over ranks; partial outputs are summed with an all-reduce."""
-
-    lora: LoRATerm | None = None
-
-    def __init__(self, in_features: int, out_features: int, tp: TPInfo, *, bias: bool, col_ranges=None):
-        super().__init__()
-        self.tp = tp
-        # which input columns this rank holds (o_proj: its Q heads' columns)
-        self.cols = col_ranges or range(tp.rank * in_features // tp.size, (tp.rank + 1) * in_features // tp.size)
-        self.weight = nn.Parameter(torch.empty(out_features, len(self.cols)))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def weight_loader(self, param, loaded, shard=None) -> None:
-        if param is self.bias:  # added once after the all-reduce: every rank holds all of it
-            param.data.copy_(loaded)
-        else:
-            param.data.copy_(loaded[:, self.cols.start:self.cols.stop])
-
-    def forward(self, x):
-        partial = F.linear(x, self.weight)
-        if self.lora is not None and self.lora.separate:
-            partial = self.lora.row(self, x, partial)
-        out = self.tp.all_reduce(partial)
-        return out + self.bias if self.bias is not None else out
 
 
 class EngineAttention(nn.Module):
@@ -224,24 +151,34 @@ class EngineMLP(nn.Module):
 
 
 class EngineLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPInfo):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPInfo, expert_placement: str = "tp"):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = EngineAttention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = EngineMLP(cfg, tp)
+        # an MoE layer's block sits where the MLP would, under its family's checkpoint name (relayrl.engine.moe)
+        self.moe = isinstance(cfg, MoEShape) and cfg.is_moe_layer(layer)
+        self.ffn_name = moe_block_name(cfg) if self.moe else "mlp"
+        self.add_module(self.ffn_name, EngineMoE(cfg, tp, expert_placement) if self.moe else EngineMLP(cfg, tp))
 
-    def forward(self, x, cos, sin, batch, kv_cache):
+    def forward(self, x, cos, sin, batch, kv_cache, routing: list | None = None):
+        """routing: a list to append this layer's experts [N, k] to (an MoE layer only), or None."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if not self.moe:
+            return x + self.mlp(h)
+        y, idx = getattr(self, self.ffn_name)(h)
+        if routing is not None:
+            routing.append(idx)
+        return x + y
 
 
 class EngineModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo()):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo(), expert_placement: str = "tp"):
         super().__init__()
-        self.config, self.tp = cfg, tp
+        self.config, self.tp, self.expert_placement = cfg, tp, expert_placement
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(EngineLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(EngineLayer(cfg, i, tp, expert_placement) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -249,19 +186,25 @@ class EngineModel(nn.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, batch: PagedBatch, kv_cache) -> torch.Tensor:
-        """input_ids [N] (all new tokens of the batch, flattened) -> logits [B] at each sequence's last token."""
+    def forward(self, input_ids: torch.Tensor, batch: PagedBatch, kv_cache,
+                routing: list | None = None) -> torch.Tensor:
+        """input_ids [N] (all new tokens of the batch, flattened) -> logits [B] at each sequence's last token.
+        routing (MoE models): a list that gets each MoE layer's experts [N, k], in cfg.moe_layers order."""
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions[None], h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, batch, kv_cache)
+            h = layer(h, cos, sin, batch, kv_cache, routing)
         h = self.norm(h[batch.last_index])
         return self.lm_head(h)
 
     # ---- weight loading from trainer-side (Hugging Face) names ----
     def engine_name(self, hf_name: str) -> tuple[str, str | None]:
-        """'model.layers.0.self_attn.k_proj.weight' -> ('layers.0.self_attn.qkv_proj.weight', 'k')."""
+        """'model.layers.0.self_attn.k_proj.weight' -> ('layers.0.self_attn.qkv_proj.weight', 'k');
+        'model.layers.0.mlp.experts.3.up_proj.weight' -> ('layers.0.mlp.experts.gate_up_proj', ('up', 3))."""
         name = hf_name.removeprefix("model.")
+        expert = engine_expert_name(name)
+        if expert is not None:
+            return expert
         for src, (dst, shard) in FUSED.items():
             if f".{src}." in name:
                 return name.replace(f".{src}.", f".{dst}."), shard
@@ -295,7 +238,10 @@ class EngineModel(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             mod = name.rsplit(".", 2)[-2]
-            if mod == "qkv_proj":
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # every expert, wherever it is placed
+                parts = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+                out |= {(name, (p, j)) for p in parts for j in range(self.config.num_experts)}
+            elif mod == "qkv_proj":
                 out |= {(name, s) for s in ("q", "k", "v")}
             elif mod == "gate_up_proj":
                 out |= {(name, s) for s in ("gate", "up")}

@@ -23,8 +23,8 @@ from relayrl.engine import lora
 from relayrl.engine.attention import PagedBatch, build_batch
 from relayrl.engine.model import EngineModel
 from relayrl.engine.parallel_state import TPInfo
-from relayrl.errors import KVCacheError
-from relayrl.models.config import ModelConfig
+from relayrl.errors import ConfigError, KVCacheError
+from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.rope import rope_inv_freq
 
 
@@ -77,10 +77,12 @@ def prepare(seqs, is_prefill: bool, block_size: int, sliding_window: int | None,
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPInfo = TPInfo(), device: str = "cpu"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPInfo = TPInfo(), device: str = "cpu",
+                 expert_placement: str = "tp"):
+        """expert_placement: where an MoE model's experts live over the TP ranks, "tp" or "ep" (relayrl.engine.moe)."""
         self.cfg, self.dtype, self.tp, self.device = cfg, dtype, tp, torch.device(device)
         with torch.device("meta"):
-            model = EngineModel(cfg, tp)
+            model = EngineModel(cfg, tp, expert_placement)
         self.model = model.to_empty(device=self.device).to(dtype).eval()
         if cfg.tie_word_embeddings:  # to_empty materialises each parameter anew: tie them again
             self.model.lm_head.weight = self.model.embed_tokens.weight
@@ -127,11 +129,17 @@ class ModelRunner:
     def params(self) -> dict[str, torch.Tensor]:
         """Engine parameter name -> its storage on this rank (what a weight sync writes into).
         Tied lm_head is not listed: it is embed_tokens.weight. With merged LoRA a targeted module's
-        weight is its base copy (merge_lora derives the weight the forward uses)."""
-        return lora.sync_params(self.model, {n: p.data for n, p in self.model.named_parameters()})
+        weight is its base copy (merge_lora derives the weight the forward uses). An MoE layer's stacked
+        experts [E_local, rows, cols] are given as their 2-D view [E_local * rows, cols] (the same storage),
+        the shape relayrl.sync.layout plans them in."""
+        out = {n: p.data.flatten(0, 1) if p.dim() == 3 else p.data for n, p in self.model.named_parameters()}
+        return lora.sync_params(self.model, out)
 
     def enable_lora(self, rank: int, scaling: float, targets: tuple[str, ...], mode: str) -> None:
         """Zero LoRA adapters on the targeted modules (relayrl.engine.lora); a weight sync fills them."""
+        if isinstance(self.cfg, MoEShape):
+            raise ConfigError("LoRA on an MoE model is not supported by the engine yet: train it without "
+                              "trainer.lora, or use a dense model")
         lora.enable_lora(self.model, rank, scaling, targets, mode)
 
     def merge_lora(self) -> None:
@@ -142,7 +150,9 @@ class ModelRunner:
         return self.model.load_weights((n, t.to(self.device)) for n, t in weights)
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, batch: PagedBatch, record_routing: bool = False):
+        """Logits [B, V] at each sequence's last token; with record_routing (an MoE model), (logits, the experts
+        each of the N tokens chose in each MoE layer [N, n_moe, k] int16), both on the host."""
         if self.kv_cache is None:
             raise RuntimeError("the engine is asleep: call wake() before generating")
         if self.device.type != "cpu":
@@ -151,7 +161,11 @@ class ModelRunner:
             kv = self._kv_storage
             kv.index_copy_(2, batch.copy_to, kv.index_select(2, batch.copy_from))
         # logits come back to the host: the sampler (and any TP pipe) works on CPU tensors
-        return self.model(input_ids, batch, self.kv_cache).float().cpu()
+        routing = [] if record_routing else None
+        logits = self.model(input_ids, batch, self.kv_cache, routing).float().cpu()
+        if routing is None:
+            return logits
+        return logits, torch.stack(routing, dim=1).to(torch.int16).cpu()
 
     @torch.inference_mode()
     def score(self, rows: list[list[int]], temperature: float = 1.0) -> torch.Tensor:

@@ -40,10 +40,11 @@ from relayrl.single_controller.worker_group import WorkerGroup
 class RunnerWorker(Worker):
     """One tensor-parallel rank: its ModelRunner shard, in the group's default process group."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_placement: str = "tp"):
         self.init_distributed()
         group = dist.group.WORLD if self.world_size > 1 else None
-        self.runner = ModelRunner(cfg, dtype, TPInfo(self.rank, self.world_size, group), self.device)
+        self.runner = ModelRunner(cfg, dtype, TPInfo(self.rank, self.world_size, group), self.device,
+                                  expert_placement)
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def run_method(self, method: str, args: tuple, every_rank: bool) -> Any:
@@ -66,9 +67,9 @@ class WorkerRanks:
     """The RunnerGroup of an engine whose ranks run in a worker group of their own."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int, *, device: str = "cpu",
-                 options: GroupOptions | None = None):
+                 options: GroupOptions | None = None, expert_placement: str = "tp"):
         pool = ResourcePool([tp_size], device=device, name="rollout-tp")
-        self.group = WorkerGroup(pool, RunnerWorker, cfg, dtype, options=options)
+        self.group = WorkerGroup(pool, RunnerWorker, cfg, dtype, expert_placement, options=options)
 
     def call(self, method: str, *args) -> Any:
         return self.group.call(RunnerWorker.run_method, method, args, False)[0]
