@@ -49,6 +49,11 @@ class ParallelConfig(Config):
     # process; the Actor does not run its update through a pipeline yet, so a run refuses pp > 1
     pp: int = Field(1, ge=1)
     pp_schedule: str = "1f1b"
+    # expert parallelism (relayrl.parallel.expert_parallel, the planner's ep): an MoE model's experts split over ep
+    # ranks borrowed from dp_shard x cp (ParallelDims). The model side exists and is tested against one process;
+    # the Actor does not build its dims with ep, nor sync or checkpoint experts split by EP, yet, so a run refuses
+    # ep > 1
+    ep: int = Field(1, ge=1)
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
     activation_checkpointing: bool = False
     # colocated: the rollout engine's ranks and the reference model run in the actor's processes
@@ -83,6 +88,14 @@ class ParallelConfig(Config):
             raise ValueError("pipeline parallelism is not wired into the trainer yet (the model side is "
                              "relayrl.parallel.pipeline); set parallel.pp=1")
         return pp
+
+    @field_validator("ep")
+    @classmethod
+    def _ep_not_in_runs(cls, ep: int) -> int:
+        if ep > 1:
+            raise ValueError("expert parallelism is not wired into the trainer yet (the model side is "
+                             "relayrl.parallel.expert_parallel); set parallel.ep=1")
+        return ep
 
     @property
     def world_size(self) -> int:

@@ -19,8 +19,20 @@ group is the gradient of the global loss.
     dp_shard > 1                    → FSDP; with dp_replicate > 1 → HSDP on (dp_replicate, dp_shard)
     tp > 1                          → tensor parallel inside each data-parallel replica
     cp > 1                          → FSDP on dp_shard x cp (HSDP on (dp_replicate, dp_shard x cp))
+    ep > 1                          → the experts split over ep ranks of the dp_shard x cp group (see below)
     pp > 1                          → the layers split into stages over mesh["pp"] (relayrl.parallel.pipeline);
                                       every sub-mesh above is then the one inside this rank's stage
+
+Expert parallelism (ep > 1, relayrl.parallel.expert_parallel on ParallelDims.ep_mesh; torchtitan's convention): ep
+is not a dim of the world; it borrows ranks from the data-parallel shard group dp_shard x cp, whose ranks hold the
+same dense parameters anyway. That group, flattened (dp_shard outer, cp inner), is cut into (efsdp, ep) with ep
+innermost: each run of ep consecutive ranks splits the experts (E / ep whole experts each) and all-to-alls tokens
+among themselves; the efsdp = dp_shard x cp / ep ranks holding the same experts shard them further by FSDP (2-D
+(dp_replicate, efsdp) for HSDP: ParallelDims.expert_fsdp_mesh), while the rest of the model is sharded by FSDP
+over the whole dp_shard x cp group as without EP.
+
+    dp_shard 4, ep 2:   ranks 0 1 | 2 3     ep groups {0, 1} {2, 3}: rank 0 and 2 hold experts 0..E/2-1
+                                             expert FSDP groups {0, 2} {1, 3}; dense FSDP group {0, 1, 2, 3}
 
 Pipeline parallelism (pp, outermost as in torchtitan and the planner): the ranks of one stage are a whole
 (dp_replicate, dp_shard, cp, tp) layout of their own; ranks at the same coordinates in consecutive stages pass
@@ -62,13 +74,15 @@ class ParallelDims:
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel: borrowed from dp_shard x cp, not a dim of the world (module docstring)
     world_size: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _fsdp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _sparse_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "cp", "pp", "world_size"):
+        for name in ("dp_replicate", "tp", "cp", "pp", "ep", "world_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel degree {name} must be an integer >= 1, got {value!r}")
@@ -91,6 +105,13 @@ class ParallelDims:
                 f"{product}, "
                 f"but world_size is {self.world_size}: the degrees must multiply to the number of ranks"
             )
+        if self.ep > 1:
+            if (self.dp_shard * self.cp) % self.ep:
+                raise ConfigError(f"ep={self.ep} must divide dp_shard x cp = {self.dp_shard * self.cp}: expert "
+                                  "parallelism borrows its ranks from the data-parallel shard group")
+            if self.tp > 1:
+                raise ConfigError(f"ep={self.ep} with tp={self.tp} is not supported (experts are not tensor-parallel "
+                                  "yet): set tp=1 or ep=1")
 
     @property
     def dp(self) -> int:
@@ -113,6 +134,15 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """How many ranks of one dp_replicate row hold the same experts (and FSDP-shard them): dp_shard x cp / ep."""
+        return self.dp_shard * self.cp // self.ep
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the (pp, dp_replicate, dp_shard, cp, tp) mesh and its flattened "dp" dim (with cp > 1 also
         FSDP's dp_shard x cp); once per dims."""
@@ -129,6 +159,9 @@ class ParallelDims:
                     0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
             else:
                 self._fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if self.ep > 1:  # (dp_replicate, efsdp, ep) over the same ranks as (dp_replicate, dp_shard, cp)
+            self._sparse_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_ep")._unflatten(
+                0, (self.dp_replicate, self.efsdp, self.ep), ("dp_replicate", "efsdp", "ep"))
         self._mesh = mesh
         return mesh
 
@@ -163,6 +196,22 @@ class ParallelDims:
         """The mesh fully_shard takes: 1-D over dp_shard (x cp), or 2-D (dp_replicate, dp_shard (x cp)) for HSDP."""
         self.mesh  # noqa: B018 - the property raises the helpful error when the mesh is not built
         return self._fsdp_mesh if self._fsdp_mesh is not None else fsdp_mesh_of(self.mesh)
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """1-D mesh over the ep ranks that split the experts and exchange tokens (relayrl.parallel.expert_parallel)."""
+        return self._sparse("ep")
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh fully_shard takes for the experts: 1-D over efsdp, or 2-D (dp_replicate, efsdp) for HSDP."""
+        return self._sparse("dp_replicate", "efsdp") if self.dp_replicate > 1 else self._sparse("efsdp")
+
+    def _sparse(self, *names: str) -> DeviceMesh:
+        self.mesh  # noqa: B018 - the property raises the helpful error when the mesh is not built
+        if self._sparse_mesh is None:
+            raise ConfigError("the expert meshes exist with ep > 1 only")
+        return self._sparse_mesh[names if len(names) > 1 else names[0]]
 
     @property
     def dp_rank(self) -> int:

@@ -2,11 +2,14 @@
 
     plain model (same weights on every rank)
       1. tensor parallel      plan as data → DTensor shards on mesh["tp"]          (tp > 1)
-      2. activation ckpt      each decoder layer recomputes its forward in backward (optional)
-      3. data parallel        fsdp: fully_shard per layer + root on dp_shard (HSDP with dp_replicate;
+      2. expert parallel      each MoE block keeps E / ep experts, all-to-all dispatch over dims.ep_mesh (ep > 1)
+      3. activation ckpt      each decoder layer recomputes its forward in backward (optional)
+      4. data parallel        fsdp: fully_shard per layer + root on dp_shard (HSDP with dp_replicate;
                                     dp_shard x cp with context parallelism, whose ranks hold the same
-                                    parameters: dims.fsdp_mesh)
-                              ddp:  replicate over dims.dp_mesh (all data-parallel ranks)
+                                    parameters: dims.fsdp_mesh); with ep > 1 each expert first, over the
+                                    ranks holding the same experts (dims.expert_fsdp_mesh)
+                              ddp:  replicate over dims.dp_mesh (all data-parallel ranks); never with ep > 1, which
+                                    needs dp_shard x cp > 1, which dp_mode='ddp' refuses
 
 Context parallelism is not one of these steps: it swaps each attention module's computation
 (relayrl.parallel.context_parallel.apply_context_parallel on dims.cp_mesh), which no step above touches, so
@@ -17,7 +20,8 @@ Pipeline parallelism comes before all of them: the model is cut into this rank's
 the Hugging Face names, goes through this function as a whole model would.
 
 The order matters: FSDP shards the DTensors TP produced (2-D parameters), and checkpointing sits
-inside the FSDP unit so recompute happens while the layer's parameters are gathered.
+inside the FSDP unit so recompute happens while the layer's parameters are gathered. EP comes before
+FSDP (as in torchtitan) so that FSDP shards the experts this rank keeps, in groups of their own.
 Everything is in place; module and parameter names stay the Hugging Face ones.
 
 It imports torch, relayrl.errors and the parallel modules only; it never imports relayrl.models (it
@@ -36,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from relayrl.errors import ConfigError
 from relayrl.parallel.data_parallel import apply_ddp, apply_fsdp
 from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.expert_parallel import apply_expert_parallel, expert_fsdp_modules, shard_experts
 from relayrl.parallel.tensor_parallel import apply_tensor_parallel
 
 DP_MODES = ("fsdp", "ddp")
@@ -73,7 +78,7 @@ def parallelize_model(
     reshard_after_forward: bool = True,
     mp_policy=None,
 ) -> nn.Module:
-    """Apply TP → activation checkpointing → data parallel to `model` in place; return it.
+    """Apply TP → EP → activation checkpointing → data parallel to `model` in place; return it.
 
     With tp > 1 the model returns vocab-sharded logits [B, T, V/tp] unless gather_logits;
     sequence_parallel shards norms and residuals on the sequence between TP regions.
@@ -100,12 +105,23 @@ def parallelize_model(
         for n, p in model.named_parameters():
             if n in frozen:
                 p.requires_grad_(False)
+    if dims.ep > 1:
+        apply_expert_parallel(model, dims.ep_mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if dims.dp * dims.cp > 1:
         if dp_mode == "fsdp":
+            if dims.ep > 1:
+                shard_experts(model, dims.expert_fsdp_mesh, reshard_after_forward=reshard_after_forward,
+                              mp_policy=mp_policy)
             apply_fsdp(model, dims.fsdp_mesh, reshard_after_forward=reshard_after_forward,
                        mp_policy=mp_policy, grad_reduce=grad_reduce)
+            if dims.ep > 1 and grad_reduce == "mean":
+                # an expert's gradient already sums the ep group's tokens; the mean divides by every
+                # data-parallel rank (dp_replicate x dp_shard x cp), as the dense groups do
+                for m in expert_fsdp_modules(model):
+                    m.set_gradient_divide_factor(float(dims.dp * dims.cp))
+                    m.set_force_sum_reduction_for_comms(True)
         else:
             apply_ddp(model, dims.dp_mesh, grad_reduce=grad_reduce)
     return model
