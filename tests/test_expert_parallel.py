@@ -181,6 +181,10 @@ def _rank(rank, world_size, cases):
     results = {name: _case(*spec) for name, spec in cases.items()}
     if world_size == 2:
         results["refusals"] = _refusals()
+    else:  # pp outermost: each stage's (dp_shard 2) ranks are its ep group, and no expert is sharded (efsdp 1)
+        dims = ParallelDims(pp=2, dp_shard=2, ep=2, world_size=4)
+        dims.build_mesh("cpu")
+        results["pp2_ep2_meshes"] = dims.ep_mesh.mesh.tolist(), dims.expert_fsdp_mesh.mesh.tolist()
     return results
 
 
@@ -249,7 +253,8 @@ def test_meshes():
 @pytest.mark.slow
 def test_meshes_4():
     """dp_shard 4, ep 2: ep groups {0, 1} {2, 3}, the same experts on {0, 2} {1, 3}; HSDP (2, 2) with ep 2: the ep
-    groups are the dp_shard pairs, and each expert is replicated over dp_replicate, never sharded (efsdp 1)."""
+    groups are the dp_shard pairs, and each expert is replicated over dp_replicate, never sharded (efsdp 1); pp 2 x
+    dp_shard 2 with ep 2: each stage's pair."""
     for rank, results in enumerate(distributed(4)):
         r = results["efsdp2_qwen3_moe"]
         assert r["ep_group"] == [rank // 2 * 2, rank // 2 * 2 + 1]
@@ -258,6 +263,7 @@ def test_meshes_4():
         assert h["ep_group"] == [rank // 2 * 2, rank // 2 * 2 + 1]
         assert h["expert_fsdp_group"] == [[rank % 2], [rank % 2 + 2]]
         assert results["ep4_mixtral_no_tokens_for_ep_ranks_2_3"]["ep_group"] == [0, 1, 2, 3]
+        assert results["pp2_ep2_meshes"] == ([rank // 2 * 2, rank // 2 * 2 + 1], [rank])
 
 
 def test_refusals():

@@ -1,11 +1,12 @@
 """This package applies parallelism to plain models from outside (the models hold none).
 
     dims            ParallelDims: degrees, validation, the (pp, dp_replicate, dp_shard, cp, tp) DeviceMesh
-    parallelize     parallelize_model: TP plan → activation checkpointing → FSDP / HSDP / DDP
+    parallelize     parallelize_model: TP plan → EP → activation checkpointing → FSDP / HSDP / DDP
     pipeline        pipeline stages run by torch's schedules (GPipe, 1F1B, interleaved, zero bubble, DualPipeV),
                     the last stage's loss per micro-batch with global denominators (stages: relayrl.models.stage)
     context_parallel  sequences sharded over cp ranks (contiguous / zigzag), Ulysses (all-to-all over heads)
     ring_attention  K, V blocks around the cp ring, online-softmax merge, causal block skipping
+    expert_parallel MoE experts split over ep ranks (borrowed from dp_shard x cp), dropless all-to-all dispatch
     tensor_parallel the TP plan as data (HF module-name patterns → styles), applied with DTensor
     data_parallel   apply_fsdp (fully_shard per layer + root), apply_ddp (replicate); grads summed
     vocab_parallel  logprobs / entropy from vocab-sharded logits, without gathering the vocab
