@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import functools
 import math
+import tempfile
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from relayrl.errors import ConfigError
@@ -127,9 +132,17 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _case(degrees, config, kind, ac, grad_reduce):
+@functools.cache
+def _dims(**degrees) -> ParallelDims:
+    """One ParallelDims (and mesh, and process groups) per layout in a rank process: the cases share them."""
     dims = ParallelDims(world_size=dist.get_world_size(), **degrees)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
+    return dims
+
+
+def _case(degrees, config, kind, ac, grad_reduce):
+    dims = _dims(**degrees)
+    mesh = dims.mesh
     model = parallelize_model(build(config), dims, mesh, activation_checkpointing=ac, grad_reduce=grad_reduce,
                               gather_logits=True)
     ids, attn, labels, mask = batch()
@@ -163,7 +176,7 @@ def _refusals():
     """E = 3 over ep = 2 is refused in one line, and leaves the model as it was; a dense model has no experts."""
     out = {}
     model = build("qwen3_moe", num_experts=3)
-    mesh = ParallelDims(dp_shard=2, world_size=2).build_mesh("cpu")
+    mesh = _dims(dp_shard=2).mesh
     try:
         apply_expert_parallel(model, mesh["dp_shard"])
     except ConfigError as e:
@@ -177,10 +190,28 @@ def _refusals():
     return out
 
 
-def _rank(rank, world_size, cases):
+def _checkpoint(root: str):
+    """Save under ep = 2 (each rank its experts, its FSDP shards of the rest); load one process's save into an EP
+    model whose weights were all zero: what it then holds, gathered."""
+    dims = _dims(dp_shard=2, ep=2)
+    model = parallelize_model(build("mixtral"), dims, dims.mesh)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=Path(root) / "from_ep2")
+    zeroed = build("qwen2_moe_shared")
+    with torch.no_grad():
+        for p in zeroed.parameters():
+            p.zero_()
+    zeroed = parallelize_model(zeroed, dims, dims.mesh)
+    state = {"model": get_model_state_dict(zeroed)}
+    dcp.load(state, checkpoint_id=Path(root) / "from_one")
+    set_model_state_dict(zeroed, state["model"])
+    return {n: _full(p.detach()) for n, p in zeroed.named_parameters()}
+
+
+def _rank(rank, world_size, cases, root):
     results = {name: _case(*spec) for name, spec in cases.items()}
     if world_size == 2:
         results["refusals"] = _refusals()
+        results["checkpoint"] = _checkpoint(root)
     else:  # pp outermost: each stage's (dp_shard 2) ranks are its ep group, and no expert is sharded (efsdp 1)
         dims = ParallelDims(pp=2, dp_shard=2, ep=2, world_size=4)
         dims.build_mesh("cpu")
@@ -190,7 +221,17 @@ def _rank(rank, world_size, cases):
 
 @functools.cache
 def distributed(world_size: int):
-    return run_distributed(_rank, world_size, CASES if world_size == 2 else CASES4, timeout=240.0)
+    root = checkpoint_dir()
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming ... a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": build("qwen2_moe_shared").state_dict()}, checkpoint_id=Path(root) / "from_one",
+                 no_dist=True)
+    return run_distributed(_rank, world_size, CASES if world_size == 2 else CASES4, root, timeout=240.0)
+
+
+@functools.cache
+def checkpoint_dir() -> str:
+    return tempfile.mkdtemp(prefix="relayrl_ep_ckpt_")
 
 
 # ---------------------------------------------------------------- tests
@@ -285,3 +326,23 @@ def test_refusals():
     with pytest.raises(ConfigError, match="parallel.ep=1"):
         ParallelConfig.from_dict({"ep": 2})  # the trainer does not build its dims with ep yet
     assert ParallelConfig.from_dict({"ep": 1}).ep == 1
+
+
+def test_checkpoint_saved_on_ep_ranks_loads_on_one_process_and_back():
+    """torch.distributed.checkpoint over EP: every expert comes from the one rank holding it, the dense tensors from
+    their FSDP shards; an EP model loads one process's checkpoint (each rank its experts)."""
+    results = distributed(2)
+    ref = build("mixtral").state_dict()
+    loaded = {k: torch.zeros_like(v) for k, v in ref.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": loaded}, checkpoint_id=Path(checkpoint_dir()) / "from_ep2", no_dist=True)
+    for name, t in ref.items():
+        assert torch.equal(loaded[name], t), name
+    want = dict(build("qwen2_moe_shared").named_parameters())
+    held = set()
+    for results_r in results:
+        for name, t in results_r["checkpoint"].items():
+            assert torch.equal(t, want[name]), name
+            held.add(name)
+    assert held == set(want)
