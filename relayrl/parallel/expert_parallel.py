@@ -25,7 +25,7 @@ names stay the checkpoint's (`mlp.experts.{j}.gate_proj.weight`, `block_sparse_m
 rank's state dict holds its own experts only. Gradient clipping must count every expert once: `grad_norm_ep`.
 
 It imports torch, relayrl.errors and the parallel modules only; it finds MoE blocks by their `experts_fn`,
-`experts`, `num_experts` and `top_k` attributes and never imports relayrl.models.
+`experts` and `num_experts` attributes and never imports relayrl.models.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ class ExpertParallel:
         per_expert = [sum(recv_c[s * El + e] for s in range(ep)) for e in range(El)]
 
         rows = _AllToAllV.apply(x[token], recv, send, self.group)  # by source rank, then by my expert
-        expert_of_row = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(recv_counts)
+        expert_of_row = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(recv_counts,
+                                                                                      output_size=sum(recv))
         by_expert = torch.argsort(expert_of_row, stable=True)
         chunks = rows[by_expert].split(per_expert)
         y = torch.cat([expert(c) for expert, c in zip(experts.values(), chunks, strict=True)])
