@@ -9,8 +9,9 @@ import torch
 import transformers
 
 from relayrl.engine import LLMEngine, SamplingParams
-from relayrl.errors import TensorParallelError
+from relayrl.errors import ConfigError, TensorParallelError
 from relayrl.models import load_config, load_state_dict
+from relayrl.models.moe import Routing
 from relayrl.models.transformer import CausalLM
 
 COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -126,15 +127,20 @@ def _tokens_and_logp(outs):
 def test_engine_tp2_equals_tp1(family, placement, checkpoints):
     _, path = checkpoints(family)
     sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=9)
-    one = _engine(path)
-    ref_tokens, ref_logp = _tokens_and_logp(one.generate(PROMPTS, sp))
-    two = _engine(path, tensor_parallel_size=2, expert_placement=placement)
+    one = _engine(path, record_routing=True)
+    ref = one.generate(ROUTED_PROMPTS, sp)
+    ref_tokens, ref_logp = _tokens_and_logp(ref)
+    two = _engine(path, tensor_parallel_size=2, expert_placement=placement, record_routing=True)
     try:
-        tokens, logp = _tokens_and_logp(two.generate(PROMPTS, sp))
+        outs = two.generate(ROUTED_PROMPTS, sp)
     finally:
         two.close()
+    tokens, logp = _tokens_and_logp(outs)
     assert tokens == ref_tokens
     torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    # the routing the TP ranks record (rank 0's; the router is replicated) is TP 1's
+    for a, b in zip(outs, ref, strict=True):
+        assert all(torch.equal(x.routing, y.routing) for x, y in zip(a.samples, b.samples, strict=True))
 
 
 def test_expert_placement_refused_when_it_does_not_divide(checkpoints):
@@ -146,3 +152,68 @@ def test_expert_placement_refused_when_it_does_not_divide(checkpoints):
         LLMEngine(cfg, tensor_parallel_size=4, expert_placement="tp", num_blocks=4)
     with pytest.raises(TensorParallelError, match="expert_placement must be one of tp, ep"):
         LLMEngine(cfg, expert_placement="experts", num_blocks=4)
+
+
+# ---- routing record (R3, the engine's side) ----
+SHARED = list(range(40, 48))  # two full blocks of 4: a prefix-cache hit for every prompt after the first
+ROUTED_PROMPTS = [SHARED + [50], SHARED + [60, 61, 62], [5, 6, 7], SHARED + [70, 71, 72, 73, 74]]
+
+
+def _trainer_routing(model: CausalLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the experts relayrl's CausalLM chooses for every token of `ids` [q, n_moe, k], its logits [q, V]), fp32."""
+    rec = Routing(record=True)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), routing=rec)[0]
+    return rec.selected_experts()[0], logits
+
+
+def _check_routing(model: CausalLM, outs) -> None:
+    """Every sample's routing equals the trainer-side record of its full sequence, and replaying it there gives
+    the same logits."""
+    n_moe, k = len(model.config.moe_layers), model.config.num_experts_per_tok
+    for out in outs:
+        for s in out.samples:
+            ids = out.prompt_token_ids + s.token_ids
+            assert s.routing.dtype == torch.int16 and s.routing.shape == (len(ids), n_moe, k)
+            want, logits = _trainer_routing(model, ids)
+            assert torch.equal(s.routing.long(), want)
+            with torch.no_grad():
+                replayed = model(torch.tensor([ids]), routing=Routing(replay=s.routing[None].long(), record=False))[0]
+            torch.testing.assert_close(replayed, logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe_dense_layer", "qwen2_moe_shared", "mixtral"])
+def test_recorded_routing_equals_the_trainer_record(family, checkpoints):
+    _, path = checkpoints(family)
+    eng = _engine(path, record_routing=True)
+    outs = eng.generate(ROUTED_PROMPTS, SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=2))
+    stats = eng.stats()
+    assert stats["engine/prefix_hit_rate"] > 0 and stats["engine/forked_samples"] == 8  # both paths ran
+    _check_routing(_ours(path), outs)
+
+
+def test_routing_under_cache_hits_forks_and_preemption_equals_a_plain_run(checkpoints):
+    """Tokens whose KV (and routing) came from the prefix cache or a forked sibling, or were recomputed after a
+    preemption, record what a run computing every token itself records."""
+    _, path = checkpoints("qwen2_moe_shared")
+    sp = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=4)
+    cached = _engine(path, record_routing=True)
+    cached.generate(ROUTED_PROMPTS[:1], sp)  # warms the cache with the shared prefix
+    hot = cached.generate(ROUTED_PROMPTS, sp)
+    assert cached.stats()["engine/prefix_hit_rate"] > 0.3
+    tight = _engine(path, record_routing=True, num_blocks=12)  # 12 blocks for 12 samples: preemptions
+    squeezed = tight.generate(ROUTED_PROMPTS, sp)
+    assert tight.stats()["engine/preemptions"] > 0
+    plain = _engine(path, record_routing=True, enable_prefix_caching=False, fork_samples=False)
+    ref = plain.generate(ROUTED_PROMPTS, sp)
+    for a, b, c in zip(hot, squeezed, ref, strict=True):
+        for x, y, z in zip(a.samples, b.samples, c.samples, strict=True):
+            assert x.token_ids == y.token_ids == z.token_ids
+            assert torch.equal(x.routing, z.routing) and torch.equal(y.routing, z.routing)
+            assert x.routing.min() >= 0  # no token left unrouted
+    _check_routing(_ours(path), ref)
+
+
+def test_record_routing_refused_for_a_dense_model(tiny_model):
+    with pytest.raises(ConfigError, match="record_routing records the experts of an MoE model"):
+        LLMEngine(tiny_model.config, record_routing=True, num_blocks=4)

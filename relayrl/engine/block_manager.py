@@ -251,7 +251,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         seq.block_table.clear()
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_routed = 0  # the slots (KV and routing) are no longer its own
 
     def _register_last_full_block(self, seq: Sequence) -> None:
         """A sequence that ends (or is preempted) right after filling a block leaves that block full, its

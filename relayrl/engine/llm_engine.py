@@ -24,6 +24,11 @@ happens to them at `end_weight_update`:
 Prefix-cache entries carry the version their KV was computed under (see block_manager), so a request
 admitted under new weights never reads KV of old ones.
 
+MoE models (relayrl.engine.moe) run with their experts placed by TP or EP (`expert_placement`). With
+`record_routing`, every sample carries the experts each token of prompt + completion was routed to
+(CompletionSample.routing, kept per KV slot so prefix-cache hits and forks carry theirs; relayrl.engine.routing),
+and its final token runs once more before it finishes so that it has a routing too.
+
 For RL: `sleep()` frees the KV cache (level 2 also the weights), `wake()` restores it;
 `abort()` returns what requests produced so far and `add_request(..., prior=...)` resumes them.
 
@@ -64,13 +69,14 @@ from relayrl.engine.outputs import CompletionSample, RequestOutput
 from relayrl.engine.parallel_state import TPInfo, check_tp, head_layout
 from relayrl.engine.protocols import RunnerGroup
 from relayrl.engine.requests import prompt_ids
+from relayrl.engine.routing import RoutingStore
 from relayrl.engine.runner_groups import InProcessRunner
 from relayrl.engine.sampler import sample
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.engine.scheduler import Scheduler
 from relayrl.engine.sequence import Sequence, SequenceStatus, fork_rows
 from relayrl.errors import ConfigError, KVCacheError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
-from relayrl.models.config import ModelConfig
+from relayrl.models.config import ModelConfig, MoEShape
 
 _PARTIAL = (None, "keep_kv", "reprefill")  # what a weight update does to requests in flight
 
@@ -137,6 +143,11 @@ class LLMEngine:
         self.max_num_batched_tokens, self.enable_prefix_caching = max_num_batched_tokens, enable_prefix_caching
         self.partial = partial
         self.fork_samples, self.group_prefill = fork_samples, group_prefill
+        if record_routing and not isinstance(config, MoEShape):
+            raise ConfigError(f"record_routing records the experts of an MoE model; {config.model_type} has none")
+        self.record_routing = record_routing
+        self._routing = (RoutingStore(num_blocks * block_size, len(config.moe_layers), config.num_experts_per_tok,
+                                      block_size) if record_routing else None)
         self.weights_version = 0
         self._new_scheduler()
         self._call("allocate_kv_cache", num_blocks, block_size)
@@ -210,7 +221,8 @@ class LLMEngine:
         self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    max_model_len=self.config.max_position_embeddings,
-                                   kv_bytes_per_block=self.kv_bytes_per_block, fork_samples=self.fork_samples)
+                                   kv_bytes_per_block=self.kv_bytes_per_block, fork_samples=self.fork_samples,
+                                   feed_final_token=self.record_routing)
 
     @property
     def runner(self) -> ModelRunner | None:
@@ -371,13 +383,27 @@ class LLMEngine:
         samples = [CompletionSample(list(s.completion_token_ids), list(s.logprobs),
                                     s.text if s.text is not None else self._decode(s.completion_token_ids),
                                     finish_reason=s.finish_reason, top_logprobs=list(s.top_logprobs),
-                                    versions=list(s.versions), cost=replace(s.cost)) for s in seqs]
+                                    versions=list(s.versions), cost=replace(s.cost), routing=self._routing_of(s))
+                   for s in seqs]
         return RequestOutput(rid, seqs[0].token_ids[: seqs[0].num_prompt_tokens], samples, self.weights_version)
+
+    def _routing_of(self, s: Sequence):
+        """The sample's routing record (relayrl.engine.routing); None without record_routing."""
+        if not self.record_routing:
+            return None
+        return s.routing if s.routing is not None else self._routing.gather(s)
 
     def abort(self, request_ids: Iterable[int]) -> list[RequestOutput]:
         ids = set(request_ids)
-        seq_ids = {s.seq_id for rid in ids if rid in self._requests for s in self._requests[rid]}
-        self.scheduler.abort(seq_ids)
+        seqs = [s for rid in ids if rid in self._requests for s in self._requests[rid]]
+        if self.record_routing:  # before their blocks (and the routing in their slots) are freed
+            for s in seqs:
+                if not s.is_finished:
+                    s.routing = self._routing.gather(s)
+        self.scheduler.abort({s.seq_id for s in seqs})
+        for s in seqs:  # a sample that had ended and waited only to run its final token for routing stays ended
+            if s.pending_finish is not None:
+                s.finish_reason = s.pending_finish
         self._ready = [rid for rid in self._ready if rid not in ids]  # an ended request is returned here, once
         held = [o for o in self._held if o.request_id in ids]
         self._held = [o for o in self._held if o.request_id not in ids]
@@ -416,11 +442,29 @@ class LLMEngine:
         run, rows = fork_rows(seqs) if is_prefill else (seqs, None)  # forks read their parent's logits
         input_ids, batch = prepare(run, is_prefill, self.block_size, self.config.sliding_window,
                                    group=self.group_prefill, copies=self.block_manager.take_copies())
-        logits = self._call("run", input_ids, batch)
+        if self.record_routing:
+            logits, routing = self._call("run", input_ids, batch, True)
+            if batch.copy_from is not None:  # the KV's copy-on-write copies, mirrored before the batch's writes
+                self._routing.copy(batch.copy_from, batch.copy_to)
+            self._routing.write(batch.slot_mapping, routing)
+            for s in seqs:  # every token of each has run now (a fork's: its parent's, in the same slots)
+                s.num_routed = s.num_tokens
+        else:
+            logits = self._call("run", input_ids, batch)
         if rows is not None:
             logits = logits[rows]
         self.num_steps += 1
         self._count(seqs, is_prefill)
+        done_requests: set[int] = set()
+        tails = [i for i, s in enumerate(seqs) if s.pending_finish is not None]
+        if tails:  # samples that ran their final token for its routing only: they end now, nothing sampled
+            for i in tails:
+                self._end(seqs[i], seqs[i].pending_finish, done_requests)
+            keep = [i for i, s in enumerate(seqs) if s.pending_finish is None]
+            seqs, logits = [seqs[i] for i in keep], logits[keep]
+            if not seqs:
+                return done_requests
+
         def row(f, dt):  # one sampling parameter per sequence, as a column for the batched sampler
             return torch.tensor([f(s.params) for s in seqs], dtype=dt)
 
@@ -428,16 +472,25 @@ class LLMEngine:
         tokens, logps = sample(logits, row(lambda p: p.temperature, torch.float32), row(lambda p: p.top_k, torch.long),
                                row(lambda p: p.top_p, torch.float32), row(lambda p: p.min_p, torch.float32), u)
         self._record_top_logprobs(seqs, logits)
-        done_requests = set()
         for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist(), strict=True):
             s.append_token(t, lp, self.weights_version)
             reason = self._finish_reason(s)
             if reason is not None:
-                s.cost.finished_step = self.num_steps
-                self.scheduler.finish(s, reason)
-                if all(x.is_finished for x in self._requests[s.request_id]):
-                    done_requests.add(s.request_id)
+                self._end(s, reason, done_requests)
         return done_requests
+
+    def _end(self, s: Sequence, reason: str, done_requests: set[int]) -> None:
+        """s is done for `reason`. With record_routing, a final token that has not run yet runs once more first
+        (s.pending_finish; relayrl.engine.routing), and the routing is gathered before the blocks are freed."""
+        if self.record_routing:
+            if s.num_routed < s.num_tokens:
+                s.pending_finish = reason
+                return
+            s.routing = self._routing.gather(s)
+        s.cost.finished_step = self.num_steps
+        self.scheduler.finish(s, reason)
+        if all(x.is_finished for x in self._requests[s.request_id]):
+            done_requests.add(s.request_id)
 
     def _count(self, seqs: list[Sequence], is_prefill: bool) -> None:
         """Add what this batch computed to each sequence's cost: the tokens prepare() ran (a prefill from the

@@ -8,6 +8,10 @@ controller or the CLI.
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # an annotation only: this module stays importable without torch
+    import torch
 
 
 @dataclass
@@ -47,6 +51,9 @@ class CompletionSample:
     # per token, the engine's weights version that sampled it (-1: unknown; empty from backends that do not say)
     versions: list[int] = field(default_factory=list)
     cost: SampleCost | None = None  # None from backends that do not count (vLLM)
+    # MoE with record_routing: int16 [len(prompt_token_ids) + len(token_ids), n_moe, k], the experts each token of
+    # prompt + completion chose in each MoE layer (-1: never run); the layout in relayrl.engine.routing
+    routing: torch.Tensor | None = None
 
 
 @dataclass

@@ -67,11 +67,12 @@ from relayrl.errors import KVCacheError
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
                  max_model_len: int | None = None, kv_bytes_per_block: int | None = None,
-                 fork_samples: bool = True):
+                 fork_samples: bool = True, feed_final_token: bool = False):
         """max_model_len: the model's maximum length (prompt and completion together); a sequence
         reserves KV for at most that many tokens. kv_bytes_per_block: only for error messages (in bytes).
         fork_samples: fork a request's samples from one prefill (False: each sample is allocated and
-        prefilled on its own, its partly filled last block recomputed)."""
+        prefilled on its own, its partly filled last block recomputed). feed_final_token: a sample's final
+        token runs once more before it finishes (the engine's record_routing), so it reserves KV for it too."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and {max_num_batched_tokens}"
@@ -84,6 +85,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv_bytes_per_block = kv_bytes_per_block
         self.fork_samples = fork_samples
+        self.feed_final_token = feed_final_token
         self.num_prefill_tokens = 0  # tokens prefill batches computed (forks and prefix hits excluded)
         self.num_forks = 0
         self.waiting: deque[Sequence] = deque()
@@ -97,8 +99,9 @@ class Scheduler:
         return min(n, self.max_model_len) if self.max_model_len is not None else n
 
     def max_kv_tokens(self, seq: Sequence) -> int:
-        # the final sampled token finishes the sequence and is never fed back, so it needs no slot
-        return max(seq.num_tokens, self.final_length(seq) - 1)
+        # the final sampled token finishes the sequence and is never fed back, so it needs no slot (unless it is
+        # run once more for its routing: feed_final_token)
+        return max(seq.num_tokens, self.final_length(seq) - (0 if self.feed_final_token else 1))
 
     def blocks_for(self, kv_tokens: int) -> int:
         return -(-kv_tokens // self.block_manager.block_size)
@@ -147,7 +150,7 @@ class Scheduler:
         its next prefill recomputes its KV. Not counted as a preemption."""
         for seq in self.running:
             seq.block_table.clear()
-            seq.num_cached_tokens = 0
+            seq.num_cached_tokens = seq.num_routed = 0
             seq.status = SequenceStatus.WAITING
         self.waiting.extendleft(reversed(self.running))
         self.running.clear()

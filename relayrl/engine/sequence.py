@@ -19,6 +19,10 @@ Forks. `fork_parent` is set by the scheduler for one prefill batch: None for a s
 computes, the sibling whose prefill (and last-position logits) a forked sample shares otherwise
 (relayrl.engine.block_manager); `fork_rows` maps such a batch to the sequences run and the logits row
 of each. It is stale after that batch and read nowhere else.
+Routing (an MoE engine's record_routing, relayrl.engine.routing). `num_routed` leading tokens have their routing
+written in the engine's per-slot store (those whose KV the engine computed or found cached; 0 once the blocks are
+freed); `pending_finish` holds the finish reason of a sample whose final token still has to run once for its
+routing; `routing` is the gathered [num_tokens, n_moe, k] record, set when the sample ends.
 The engine owns `params` (a SamplingParams) and `rng`; nothing here reads them except
 `params.max_tokens`, which the scheduler uses to check that the sequence can ever fit in the pool.
 
@@ -89,6 +93,9 @@ class Sequence:
         # per completion token, {token id: logprob} of the params.logprobs most likely tokens (when asked)
         self.top_logprobs: list[dict[int, float]] = []
         self.cost = SampleCost()  # tokens computed, keys attended, engine steps (filled in by the engine)
+        self.num_routed = 0  # leading tokens whose routing is in the engine's store (record_routing)
+        self.pending_finish: str | None = None  # ends after its final token runs once more (record_routing)
+        self.routing = None  # [num_tokens, n_moe, k] int16, gathered when it ends (record_routing)
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property

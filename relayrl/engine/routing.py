@@ -1,0 +1,72 @@
+"""This module keeps the experts an MoE model's tokens were routed to during rollout, so that each completion carries
+them for routing replay (R3: the trainer's forward passes use the engine's experts instead of routing again).
+
+What a completion carries (LLMEngine(record_routing=True)):
+
+    CompletionSample.routing   int16 [len(prompt_token_ids) + len(token_ids), n_moe, k]
+        row t      token t of  prompt_token_ids + token_ids  (the sequence the trainer forwards, in that order)
+        column j   the j-th MoE layer of cfg.moe_layers (dense layers have none)
+        last axis  the k experts the router chose, in top-k order (highest probability first)
+        -1         a token the engine never ran (only: the newest token of an aborted sample, every token of a
+                   resumed sample that had already ended; a finished sample has none)
+
+    Routing(replay=torch.stack([s.routing for s in samples of one length]).long()) is the layout
+    relayrl.models.moe.Routing takes ([B, q, n_moe, k]).
+
+Where it lives: routing is per token, computed exactly when that token's KV is, so it is kept like the KV, per cache
+slot, on the host:
+
+    store  [num_blocks * block_size, n_moe, k] int16      slot = block_table[p // block_size] * block_size + p % bs
+
+    run           the batch's N tokens' routing (rank 0's; the router is replicated, every TP rank picks the same)
+                  is written at the batch's slot_mapping, after the batch's copy-on-write copies are mirrored here
+    prefix hit    a cached block's slots hold the routing computed with its KV (a slot is written only by the
+                  sequence holding it, and a block leaves the cache before it is reused), so a sequence whose
+                  prefix came from the cache reads the routing of the run that computed it; forked samples read
+                  their parent's prompt routing from the blocks they share
+    finish        the sequence's rows are gathered from its slots before its blocks are freed
+
+The final token: a sample's last sampled token is never fed back for generation, but the trainer forwards it (its
+routing changes only its own, unused, logits, yet replay needs ids for every position). With record_routing the
+engine runs it once more before the sample finishes (one more decode position per sample, its logits dropped), so a
+finished sample's routing has no -1 row; the scheduler reserves KV for that token too.
+
+Host memory: num_blocks * block_size * n_moe * k * 2 bytes (Qwen3-30B-A3B, 48 layers x 8 experts: 768 bytes a slot).
+
+It imports torch and the engine's own Sequence only; like the whole engine, it must never import the trainer, sync,
+the controller or the CLI.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relayrl.engine.sequence import Sequence
+
+UNKNOWN = -1  # a token the engine never ran
+
+
+class RoutingStore:
+    """Each KV slot's routing [n_moe, k] (int16), on the host."""
+
+    def __init__(self, num_slots: int, num_moe_layers: int, top_k: int, block_size: int):
+        self.block_size = block_size
+        self.slots = torch.full((num_slots, num_moe_layers, top_k), UNKNOWN, dtype=torch.int16)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Mirror the KV cache's copy-on-write copies (slot indices), before the batch writes anything."""
+        self.slots[dst] = self.slots[src]
+
+    def write(self, slot_mapping: torch.Tensor, routing: torch.Tensor) -> None:
+        """routing [N, n_moe, k] of the batch's N tokens, at their slots."""
+        self.slots[slot_mapping] = routing.to(torch.int16)
+
+    def gather(self, seq: Sequence) -> torch.Tensor:
+        """seq's routing [num_tokens, n_moe, k]: its first seq.num_routed rows from its slots, UNKNOWN after."""
+        out = torch.full((seq.num_tokens, *self.slots.shape[1:]), UNKNOWN, dtype=torch.int16)
+        n = min(seq.num_routed, seq.num_tokens) if seq.block_table else 0
+        if n:
+            pos = torch.arange(n)
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            out[:n] = self.slots[table[pos // self.block_size] * self.block_size + pos % self.block_size]
+        return out
