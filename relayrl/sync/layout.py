@@ -30,6 +30,10 @@ Engine rank r of tp (relayrl.engine.model, mirrored here as data — sync never 
     KV heads: tp <= Hkv: rank r holds [r*Hkv/tp, (r+1)*Hkv/tp); tp > Hkv: the one head r*Hkv // tp
     its Q heads use (the same KV head sits on tp/Hkv ranks).
 
+MoE models: routers and experts are logical tensors too, laid out by relayrl.sync.experts (the trainer holds them
+like any replicated-over-TP tensor; the engine stacks each layer's experts, placed by TP or EP); every function
+below keys its cache by `sync_shape(cfg)`, which keeps what an MoE config says of them.
+
 LoRA adapters (`lora`, an AdapterShape) are logical tensors too, laid out by relayrl.sync.adapters; every
 function below takes `lora` (adapters added) and `base` (False: the adapters alone, what a sync sends
 once the engine holds the frozen base).
@@ -46,13 +50,21 @@ from fnmatch import fnmatch
 from functools import lru_cache
 
 from relayrl.errors import ConfigError
-from relayrl.models.config import ModelShape
+from relayrl.models.config import ModelShape, MoEShape
 from relayrl.models.fusion import FUSED_INTO
 from relayrl.models.stage import stage_layers
 from relayrl.parallel.pipeline_stages import check_schedule, schedule_stages
 from relayrl.parallel.tensor_parallel import WEIGHT_SHARD_DIM, check_tp_divisibility, tp_plan
 from relayrl.sync.adapters import AdapterShape, adapter_shard_dim, adapter_tensors, engine_adapter_pieces, is_adapter
 from relayrl.sync.boxes import Box
+from relayrl.sync.experts import (
+    PLACEMENTS,
+    check_engine_experts,
+    engine_moe_pieces,
+    is_moe_layer,
+    moe_tensors,
+    sync_shape,
+)
 
 # logical (HF) module -> (engine module, which part of the fused tensor, in order)
 ENGINE_FUSION = FUSED_INTO
@@ -103,13 +115,18 @@ def _stage_holds(name: str, layers: set[int], first: bool, last: bool) -> bool:
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """One engine replica's tensor-parallel degree (replicas of the engine each get the same plan)."""
+    """One engine replica's tensor-parallel degree (replicas of the engine each get the same plan), and where an
+    MoE model's experts sit over its ranks (the engine's expert_placement: "tp" or "ep", relayrl.sync.experts)."""
 
     tp: int = 1
+    expert_placement: str = "tp"
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"engine layout tp must be an integer >= 1, got {self.tp!r}")
+        if self.expert_placement not in PLACEMENTS:
+            raise ConfigError(f"engine layout expert_placement must be one of {', '.join(PLACEMENTS)}, "
+                              f"got {self.expert_placement!r}")
 
     @property
     def world_size(self) -> int:
@@ -155,6 +172,9 @@ def _logical(shape: ModelShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
         if s.qk_norm:
             out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
         out.append((p + "post_attention_layernorm.weight", (h,)))
+        if is_moe_layer(s, i):  # router and experts in the MLP's place
+            out += moe_tensors(s, i)
+            continue
         for mod, shp in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
             out.append((p + f"mlp.{mod}.weight", shp))
             if s.mlp_bias:
@@ -169,13 +189,15 @@ def _logical(shape: ModelShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
 def _tensors(shape: ModelShape, lora: AdapterShape | None, base: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
     if not base and lora is None:
         raise ValueError("a sync without the base weights sends adapters: it needs a LoRA shape")
+    if lora is not None and isinstance(shape, MoEShape):
+        raise ConfigError("LoRA adapters on an MoE model are not planned yet: sync the full weights")
     return (_logical(shape) if base else ()) + (tuple(adapter_tensors(shape, lora)) if lora else ())
 
 
 def logical_tensors(cfg: ModelShape, lora: AdapterShape | None = None, base: bool = True) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor of the checkpoint (what a sync must deliver), with the
     adapters' when `lora` is given (only theirs when `base` is False)."""
-    return dict(_tensors(ModelShape.of(cfg), lora, base))
+    return dict(_tensors(sync_shape(cfg), lora, base))
 
 
 # ---------------------------------------------------------------------------- trainer
@@ -234,7 +256,7 @@ def _trainer(shape: ModelShape, layout: TrainerLayout, rank: int, lora: AdapterS
 def trainer_holdings(cfg: ModelShape, layout: TrainerLayout, rank: int, lora: AdapterShape | None = None,
                      base: bool = True) -> dict[str, list[Holding]]:
     """HF name -> what trainer `rank` holds of it (one box, possibly empty: FSDP's trailing chunks)."""
-    return {name: [h] for name, h in _trainer(ModelShape.of(cfg), layout, rank, lora, base)}
+    return {name: [h] for name, h in _trainer(sync_shape(cfg), layout, rank, lora, base)}
 
 
 # ---------------------------------------------------------------------------- engine
@@ -268,10 +290,19 @@ def _engine(shape: ModelShape, layout: EngineLayout, rank: int, lora: AdapterSha
     tp = layout.tp
     if not 0 <= rank < tp:
         raise ValueError(f"engine rank {rank} out of range for tensor parallel degree {tp}")
-    if shape.intermediate_size % tp:
+    dense = not isinstance(shape, MoEShape) or not shape.every_layer_moe  # some layer has a dense MLP
+    if dense and shape.intermediate_size % tp:
         # the engine's gate_up (floor(I/tp) rows) and down_proj (columns r*I//tp...) would disagree
         raise ConfigError(f"engine tensor parallel degree {tp} must divide intermediate_size "
                           f"({shape.intermediate_size})")
+    check_engine_experts(shape, tp, layout.expert_placement)
+    # an MoE layer's router and experts: their pieces on this rank (none for an expert EP puts elsewhere)
+    moe: dict[str, list[tuple[str, Box, tuple[int, ...]]]] = {}
+    for i in range(shape.num_hidden_layers):
+        if is_moe_layer(shape, i):
+            moe.update({name: [] for name, _ in moe_tensors(shape, i)})
+            for param, name, box, dst in engine_moe_pieces(shape, tp, layout.expert_placement, rank, i):
+                moe[name].append((param, box, dst))
     hd = shape.head_dim
     q_heads, kv_heads = engine_heads(shape.num_attention_heads, shape.num_key_value_heads, tp, rank)
     nq, nkv = len(q_heads) * hd, len(kv_heads) * hd
@@ -285,6 +316,10 @@ def _engine(shape: ModelShape, layout: EngineLayout, rank: int, lora: AdapterSha
                   "down_proj": (rank * local, (rank + 1) * local)}
     params: dict[str, list[EnginePiece]] = {}
     for name, shp in _logical(shape) if base else ():
+        if name in moe:
+            for param, box, dst in moe[name]:
+                params.setdefault(param, []).append(EnginePiece(name, box, dst))
+            continue
         module, kind = name.rsplit(".", 1)
         mod = module.rsplit(".", 1)[-1]
         box = Box.full(shp)
@@ -306,7 +341,7 @@ def engine_holdings(cfg: ModelShape, layout: EngineLayout, rank: int, lora: Adap
     """Engine parameter name -> the logical boxes it is made of, with their destination offsets.
 
     Tied embeddings: lm_head.weight is absent (the engine's lm_head shares embed_tokens.weight)."""
-    return {k: list(v) for k, v in _engine(ModelShape.of(cfg), layout, rank, lora, base)}
+    return {k: list(v) for k, v in _engine(sync_shape(cfg), layout, rank, lora, base)}
 
 
 def engine_param_shapes(cfg: ModelShape, layout: EngineLayout, rank: int, lora: AdapterShape | None = None,

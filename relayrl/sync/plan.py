@@ -48,6 +48,7 @@ from relayrl.sync.layout import (
     engine_holdings,
     engine_param_shapes,
     logical_tensors,
+    sync_shape,
     trainer_holdings,
 )
 
@@ -235,4 +236,4 @@ def plan_sync(cfg: ModelShape, trainer_layout: TrainerLayout, engine_layout: Eng
               lora: AdapterShape | None = None, base: bool = True) -> SyncPlan:
     """The reshard plan from a trainer layout to one engine replica's layout (cached); with `lora`, the
     adapters too (`base=False`: the adapters alone)."""
-    return _plan(ModelShape.of(cfg), trainer_layout, engine_layout, lora, base)
+    return _plan(sync_shape(cfg), trainer_layout, engine_layout, lora, base)
