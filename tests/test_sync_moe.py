@@ -4,21 +4,28 @@ by TP or by EP, give each engine rank exactly what EngineModel.load_weights(full
 its shard's bytes; and an engine filled by the plan scores the canary rows as the trainer's model does."""
 
 import dataclasses
+import functools
 import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import relayrl.parallel.tensor_parallel as tensor_parallel
 from relayrl.engine import LLMEngine
 from relayrl.engine.model import EngineModel
 from relayrl.engine.parallel_state import TPInfo
 from relayrl.errors import ConfigError
 from relayrl.models import CausalLM
 from relayrl.models.config import MoEConfig, MoEShape
+from relayrl.parallel.dims import ParallelDims
+from relayrl.parallel.parallelize import parallelize_model
 from relayrl.sync.apply import execute_plan, shard_state_dict
+from relayrl.sync.boxes import Box
 from relayrl.sync.experts import MoESyncShape, sync_shape
-from relayrl.sync.layout import EngineLayout, TrainerLayout, logical_tensors
+from relayrl.sync.layout import EngineLayout, TrainerLayout, logical_tensors, trainer_holdings
 from relayrl.sync.plan import plan_sync
+from relayrl.sync.transfer import trainer_locals
 from relayrl.trainer.logprobs import token_logprobs
 
 from helpers import SYNC_ROWS as ROWS
@@ -34,8 +41,10 @@ CONFIGS = {
                     num_attention_heads=2, num_key_value_heads=2, head_dim=4, num_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=6, norm_topk_prob=True),
 }
-# (tp, dp_shard, dp_replicate, pp)
-TRAINER = [(1, 1, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2)]
+# (tp, dp_shard, dp_replicate, pp, ep): one process, FSDP 4, FSDP 2 x TP 2, HSDP 2 x 2, PP 2 x TP 2, and EP 2 under
+# FSDP 4 (each expert FSDP-cut over 2 ranks), EP 2 under HSDP 2 x 2, EP 4 (each expert on one rank per replica)
+TRAINER = [(1, 1, 1, 1, 1), (1, 4, 1, 1, 1), (2, 2, 1, 1, 1), (1, 2, 2, 1, 1), (2, 1, 1, 2, 1),
+           (1, 4, 1, 1, 2), (1, 2, 2, 1, 2), (1, 4, 1, 1, 4)]
 ENGINE = [(1, "tp"), (2, "tp"), (2, "ep"), (4, "ep")]
 
 
@@ -76,16 +85,17 @@ def _reference(key: str, etp: int, placement: str, rank: int) -> dict[str, torch
 
 
 def _cases():
-    for key, (tp, dp, rep, pp), (etp, placement) in itertools.product(CONFIGS, TRAINER, ENGINE):
+    for key, (tp, dp, rep, pp, ep), (etp, placement) in itertools.product(CONFIGS, TRAINER, ENGINE):
         if etp <= CONFIGS[key]["num_attention_heads"]:
-            yield pytest.param(key, tp, dp, rep, pp, etp, placement,
-                               id=f"{key}-t{tp}x{dp}x{rep}p{pp}-e{etp}{placement}")
+            yield pytest.param(key, tp, dp, rep, pp, ep, etp, placement,
+                               id=f"{key}-t{tp}x{dp}x{rep}p{pp}ep{ep}-e{etp}{placement}")
 
 
-@pytest.mark.parametrize("key,tp,dp,rep,pp,etp,placement", list(_cases()))
-def test_plan_reproduces_engine_loader(key, tp, dp, rep, pp, etp, placement):
+@pytest.mark.parametrize("key,tp,dp,rep,pp,ep,etp,placement", list(_cases()))
+def test_plan_reproduces_engine_loader(key, tp, dp, rep, pp, ep, etp, placement):
     cfg = _cfg(key)
-    tl, el = TrainerLayout(tp=tp, dp_shard=dp, dp_replicate=rep, pp=pp), EngineLayout(etp, placement)
+    tl = TrainerLayout(tp=tp, dp_shard=dp, dp_replicate=rep, pp=pp, ep=ep)
+    el = EngineLayout(etp, placement)
     plan = plan_sync(cfg, tl, el)
     full = _full_sd(key)
     sources = {r: shard_state_dict(full, cfg, tl, r) for r in range(tl.world_size)}
@@ -196,3 +206,50 @@ def test_canary_engine_filled_by_the_plan_scores_as_the_trainer(key, etp, placem
         assert (eng.score(ROWS)[:, 1:] - ref).abs().max() > 100 * max(gap, 1e-6)
     finally:
         eng.close()
+
+
+def test_trainer_ep_holdings_by_hand():
+    """dp_shard 4, ep 2 (ranks 0 1 | 2 3 split into ep groups {0, 1}, {2, 3}): ranks 0 and 2 hold experts 0 and 1,
+    each FSDP-cut in two (rows 0:3 on rank 0, 3:6 on rank 2); the router stays FSDP-cut over all 4."""
+    cfg = _cfg("qwen2_moe")
+    tl = TrainerLayout(dp_shard=4, ep=2)
+    held = {r: trainer_holdings(cfg, tl, r) for r in range(4)}
+    up = "model.layers.0.mlp.experts.{}.up_proj.weight"
+    assert held[0][up.format(1)][0].box == Box(0, 3, 0, 12) and held[2][up.format(1)][0].box == Box(3, 6, 0, 12)
+    assert up.format(2) not in held[0] and held[1][up.format(2)][0].box == Box(0, 3, 0, 12)
+    assert held[3][up.format(3)][0].box == Box(3, 6, 0, 12)
+    assert held[3]["model.layers.0.mlp.gate.weight"][0].box == Box(3, 4, 0, 12)  # 4 router rows over 4
+    plan = plan_sync(cfg, tl, EngineLayout(2, "ep"))
+    # engine EP 2 rank 1 (experts 2, 3) reads routed experts from trainer ranks 1 and 3 only
+    assert {t.src_rank for t in plan.for_dst(1) if ".experts." in t.name} == {1, 3}
+    with pytest.raises(ConfigError, match="must divide dp_shard"):
+        TrainerLayout(dp_shard=3, ep=2)
+    with pytest.raises(ConfigError, match="experts are not tensor-parallel under ep"):
+        TrainerLayout(tp=2, dp_shard=2, ep=2)
+
+
+@pytest.mark.parametrize("rep,shard,tp,ep", [(1, 4, 1, 1), (1, 2, 2, 1), (1, 4, 1, 2), (2, 2, 1, 2)])
+def test_layout_matches_parallelize_model(monkeypatch, rep, shard, tp, ep):
+    """The trainer layout the plan assumes IS what parallelize_model (TP, EP, FSDP / HSDP) leaves on each rank of
+    an MoE model: the same names, local shapes and values (torch's fake process group, a rank at a time)."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    monkeypatch.setattr(tensor_parallel, "parallelize_module",  # the fake group moves no data: split locally
+                        functools.partial(tensor_parallel.parallelize_module, src_data_rank=None))
+    cfg = _cfg("qwen2_moe")
+    full = _full_sd("qwen2_moe")
+    layout = TrainerLayout(tp=tp, dp_shard=shard, dp_replicate=rep, ep=ep)
+    for rank in range(layout.world_size):
+        dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=fake_pg.FakeStore())
+        try:
+            dims = ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, world_size=layout.world_size)
+            model = CausalLM(cfg)
+            model.load_state_dict(full, strict=False)
+            parallelize_model(model, dims, dims.build_mesh("cpu"))
+            local = trainer_locals(model)
+            mine = shard_state_dict(full, cfg, layout, rank)
+            assert set(mine) == set(local)  # every tensor this rank holds, and only those
+            for name, want in mine.items():
+                assert local[name].shape == want.shape, (rank, name)
+                assert torch.equal(local[name], want), (rank, name)
+        finally:
+            dist.destroy_process_group()

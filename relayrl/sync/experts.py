@@ -9,7 +9,10 @@ Logical tensors of MoE layer i (block = `mlp`, Mixtral's `block_sparse_moe`; Mix
     model.layers.i.mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, h]   (Qwen2-MoE)
 
 The trainer holds them as it holds any other tensor (relayrl.sync.layout): its TP plan names no MoE module, so they
-are whole on every TP rank, and FSDP cuts each along dim 0.
+are whole on every TP rank, and FSDP cuts each along dim 0. With expert parallelism (TrainerLayout.ep > 1,
+relayrl.parallel.expert_parallel; tp 1) the dp_shard ranks s split into (efsdp, ep), ep innermost: rank s holds
+experts [(s % ep) E/ep, (s % ep + 1) E/ep) only, each FSDP-cut along dim 0 over the dp_shard / ep ranks holding the
+same experts (chunk s // ep); routers and the shared expert stay FSDP-sharded over the whole dp_shard group.
 
 Engine rank r of tp (relayrl.engine.moe, mirrored here as data: sync never imports the engine), w = I / tp under the
 "tp" placement (each expert's rows r w ... of gate / up, columns of down) and w = I under "ep" (experts
@@ -31,6 +34,7 @@ the trainer, the engine or the controller: the controller hands it plain tensors
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from relayrl.errors import ConfigError
@@ -56,6 +60,15 @@ def sync_shape(cfg: ModelShape) -> ModelShape:
         return cfg
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(MoEShape)}
     return MoESyncShape(**fields, mixtral=getattr(cfg, "model_type", None) == "mixtral")
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expert_index(name: str) -> int | None:
+    """j of a routed expert's tensor 'model.layers.i.mlp.experts.{j}.up_proj.weight'; None for any other."""
+    m = _EXPERT.search(name)
+    return None if m is None else int(m.group(1))
 
 
 def is_moe_layer(shape: ModelShape, layer: int) -> bool:

@@ -17,6 +17,8 @@ Trainer rank (mesh (pp, dp_replicate, dp_shard, tp), tp fastest — relayrl.para
        of ceil(n / dp_shard) rows, so the last non-empty one may be shorter and trailing ones empty
        (torch's _chunk_with_empty). Shard s holds local rows [min(s*c, n), min((s+1)*c, n)).
        HSDP replicas (dp_replicate) hold identical shards.
+    3. EP (ep > 1, tp 1): a routed expert's tensors are held only by the dp_shard ranks s with s % ep its ep rank,
+       FSDP-cut over the dp_shard / ep of them (chunk s // ep) — relayrl.sync.experts.
 
     A trainer rank's local tensor (DTensor.to_local() of the FSDP parameter) IS its one box.
 
@@ -61,6 +63,7 @@ from relayrl.sync.experts import (
     PLACEMENTS,
     check_engine_experts,
     engine_moe_pieces,
+    expert_index,
     is_moe_layer,
     moe_tensors,
     sync_shape,
@@ -81,13 +84,19 @@ class TrainerLayout:
     sequence_parallel: bool = False  # changes activations only; weight placements are the same
     pp: int = 1
     pp_schedule: str = "1f1b"
+    ep: int = 1  # expert parallel, borrowed from dp_shard (relayrl.parallel.dims): experts split over ep ranks
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp_shard", "dp_replicate", "pp"):
+        for name in ("tp", "dp_shard", "dp_replicate", "pp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"trainer layout {name} must be an integer >= 1, got {v!r}")
         check_schedule(self.pp_schedule)
+        if self.dp_shard % self.ep:
+            raise ConfigError(f"trainer layout ep={self.ep} must divide dp_shard={self.dp_shard} (ep borrows it)")
+        if self.ep > 1 and self.tp > 1:
+            raise ConfigError(f"trainer layout ep={self.ep} with tp={self.tp}: experts are not tensor-parallel "
+                              "under ep (relayrl.parallel.dims); set tp=1 or ep=1")
 
     @property
     def world_size(self) -> int:
@@ -242,20 +251,30 @@ def _trainer(shape: ModelShape, layout: TrainerLayout, rank: int, lora: AdapterS
         raise ConfigError(f"{num_stages} pipeline stages for {shape.num_hidden_layers} decoder layers")
     layers = {i for st in stages for i in stage_layers(shape.num_hidden_layers, num_stages, st)}
     first, last = 0 in stages, num_stages - 1 in stages
+    ep = layout.ep
+    if ep > 1 and (not isinstance(shape, MoEShape) or shape.num_experts % ep):
+        raise ConfigError(f"trainer layout ep={ep} needs an MoE model whose num_experts it divides")
     out = []
     for name, shp in _tensors(shape, lora, base):
         if layout.pp > 1 and not _stage_holds(name, layers, first, last):
             continue
         full = Box.full(shp)
-        box = _fsdp_box(_tp_box(full, trainer_shard_dim(name, layout.sequence_parallel), layout.tp, t, name),
-                        layout.dp_shard, s)
+        j = expert_index(name) if ep > 1 else None
+        if j is not None:  # a routed expert under EP: on its ep rank's ranks only, FSDP-cut over those
+            if j // (shape.num_experts // ep) != s % ep:
+                continue
+            box = _fsdp_box(full, layout.dp_shard // ep, s // ep)
+        else:
+            box = _fsdp_box(_tp_box(full, trainer_shard_dim(name, layout.sequence_parallel), layout.tp, t, name),
+                            layout.dp_shard, s)
         out.append((name, Holding(box, (0,) * len(shp), box.shape)))
     return tuple(out)
 
 
 def trainer_holdings(cfg: ModelShape, layout: TrainerLayout, rank: int, lora: AdapterShape | None = None,
                      base: bool = True) -> dict[str, list[Holding]]:
-    """HF name -> what trainer `rank` holds of it (one box, possibly empty: FSDP's trailing chunks)."""
+    """HF name -> what trainer `rank` holds of it (one box, possibly empty: FSDP's trailing chunks); a routed
+    expert another ep rank holds is absent."""
     return {name: [h] for name, h in _trainer(sync_shape(cfg), layout, rank, lora, base)}
 
 
