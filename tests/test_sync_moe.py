@@ -14,20 +14,23 @@ import torch.distributed as dist
 import relayrl.parallel.tensor_parallel as tensor_parallel
 from relayrl.engine import LLMEngine
 from relayrl.engine.model import EngineModel
+from relayrl.engine.model_runner import ModelRunner
 from relayrl.engine.parallel_state import TPInfo
 from relayrl.errors import ConfigError
 from relayrl.models import CausalLM
 from relayrl.models.config import MoEConfig, MoEShape
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
+from relayrl.parallel.rendezvous import serve_store
 from relayrl.sync.apply import execute_plan, shard_state_dict
 from relayrl.sync.boxes import Box
 from relayrl.sync.experts import MoESyncShape, sync_shape
 from relayrl.sync.layout import EngineLayout, TrainerLayout, logical_tensors, trainer_holdings
 from relayrl.sync.plan import plan_sync
-from relayrl.sync.transfer import trainer_locals
+from relayrl.sync.transfer import Members, SyncComm, SyncSpec, sync_step, trainer_locals
 from relayrl.trainer.logprobs import token_logprobs
 
+from dist_harness import run_distributed
 from helpers import SYNC_ROWS as ROWS
 
 CONFIGS = {
@@ -253,3 +256,53 @@ def test_layout_matches_parallelize_model(monkeypatch, rep, shard, tp, ep):
                 assert torch.equal(local[name], want), (rank, name)
         finally:
             dist.destroy_process_group()
+
+
+# ---- the planned sync between real processes (relayrl.sync.transfer), trainer shards from parallelize_model
+# (trainer layout (tp, dp_shard, ep), engine (tp, placement)), colocated on 2 gloo ranks
+TRANSFER_CASES = [((1, 2, 2), (2, "ep")), ((1, 2, 2), (1, "tp")), ((1, 2, 1), (2, "tp")), ((2, 1, 1), (2, "ep"))]
+
+
+def _transfer_grid(rank: int, world: int, store) -> list:
+    """Each case: the trainer's model parallelised, synced into colocated engine ranks by sync_step; returns
+    (case, engine rank, max |engine - reference| on the canary rows, bytes moved, the plan's bytes for it)."""
+    comm = SyncComm(store, rank, world)
+    groups = {1: None, 2: dist.group.WORLD}
+    ref_model = _model("qwen2_moe")
+    cfg = ref_model.config
+    ids = torch.tensor(ROWS)
+    ref = token_logprobs(ref_model, ids, torch.ones_like(ids))[0]
+    full = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
+    out = []
+    for (tp, shard, ep), (etp, placement) in TRANSFER_CASES:
+        dims = ParallelDims(dp_shard=shard, tp=tp, ep=ep, world_size=world)
+        model = CausalLM(cfg)
+        model.load_state_dict(full)
+        model = parallelize_model(model, dims, dims.build_mesh("cpu"))
+        spec = SyncSpec(shape=sync_shape(cfg), trainer=TrainerLayout(tp=tp, dp_shard=shard, ep=ep),
+                        engine=EngineLayout(etp, placement), members=Members(world, world, colocated=True),
+                        dtype=torch.float32, bucket_bytes=512, window=2)
+        hosts = rank < etp
+        runner = ModelRunner(cfg, torch.float32, TPInfo(rank, etp, groups[etp]), expert_placement=placement) \
+            if hosts else None
+        if runner is not None:
+            for p in runner.params().values():
+                p.fill_(float("nan"))  # anything the sync misses shows
+        stats = sync_step(spec, comm=comm, trainer_rank=rank, engine_rank=rank if hosts else None,
+                          local=trainer_locals(model), params=runner.params() if hosts else None)
+        if hosts:
+            gap = float((runner.score(ROWS) - ref).abs().max())
+            out.append((f"t{tp}x{shard}ep{ep}-e{etp}{placement}", rank, gap, stats.bytes_received + stats.bytes_copied,
+                        spec.plan.bytes_per_dst_rank(torch.float32)[rank]))
+        dist.barrier()
+    comm.close()
+    return out
+
+
+def test_sync_between_processes_moves_experts_into_the_engine():
+    store = serve_store()
+    rows = [r for per_rank in run_distributed(_transfer_grid, 2, store.address, timeout=300) for r in per_rank]
+    assert len(rows) == sum(etp for _, (etp, _) in TRANSFER_CASES)
+    for case, rank, gap, moved, shard_bytes in rows:
+        assert gap < 1e-5, (case, rank, gap)
+        assert moved == shard_bytes, (case, rank)  # exactly its shard: under EP only its own experts arrive
