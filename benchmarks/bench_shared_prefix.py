@@ -2,21 +2,17 @@
 samples share their prompt (the default), side by side in one process, on GRPO-shaped batches.
 
     python benchmarks/bench_shared_prefix.py [--repeats 3] [--threads 1]
-    python benchmarks/bench_shared_prefix.py --force-k 1 2 4 8     # calibrates samples_per_prefix's constant
 
 Shapes (model, P prompt tokens, R the longest response, prompts x G samples; response lengths drawn uniformly in
 [R/2, R], seeded): the demo's model and step (tiny: 0.8M, 4 layers, h128; P 8, R 4, 32 x 8), the 25M Qwen2 of
-bench_grpo_trl's 25m workload (P 10, R 32, 16 x 8), and the same model with a long prompt (P 64, R 32). Each
+bench_grpo_trl's 25m workload (P 10, R 32, 16 x 8), the same model with a long prompt (P 64, R 32), and the tiny
+model with long answers like bench_grpo_trl's sort workload (P 70, R 64, 16 x 8). Each
 update is one optimiser step over the whole batch in one micro-batch (one mini-batch, the on-policy step);
 every layout starts from the same weights and takes the same step (tests/test_shared_prefix.py checks that).
-Reported per shape: the tokens each layout's forward computes (rows x T padded; the real tokens; each prompt once
-per samples_per_prefix samples), the median seconds of --repeats updates after one warm-up, interleaved
+Reported per shape: the tokens each layout's forward computes (rows x T padded; the real tokens; each prompt
+once), the median seconds of --repeats updates after one warm-up, interleaved
 (padded, packed, shared, padded, ...), and the ratios padded / shared and packed / shared (higher: shared is
 faster), with the worst ratio over the shapes.
-
---force-k K...: instead, the shared update's median seconds with every prompt copy serving exactly K samples
-(samples_per_prefix overridden), per shape and K, plus a long-answer shape (tiny, P 50, R 64), and the K that
-samples_per_prefix itself picks: the measurement its constant comes from.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import relayrl.trainer.logprobs as logprobs_mod
 from relayrl.algorithms import AlgoConfig
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.trainer.actor import Actor
@@ -46,7 +41,8 @@ MODELS = {
     "25m": dict(vocab_size=30, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4, head_dim=64),
 }
-SHAPES = [("tiny", 8, 4, 32, 8), ("25m", 10, 32, 16, 8), ("25m", 64, 32, 16, 8)]  # model, P, R, prompts, G
+# model, P, R, prompts, G
+SHAPES = [("tiny", 8, 4, 32, 8), ("25m", 10, 32, 16, 8), ("25m", 64, 32, 16, 8), ("tiny", 70, 64, 16, 8)]
 LAYOUTS = {"padded": dict(padding_free=False), "packed": dict(shared_prefix=False), "shared": {}}
 
 
@@ -63,46 +59,12 @@ def grpo_batch(P: int, R: int, prompts: int, G: int, vocab: int, seed: int = 0) 
     return TrainBatch(ids, attn, resp, advantages=torch.randn(len(ps), generator=g))
 
 
-def force_k(args) -> None:
-    """The shared update's seconds with each prompt copy serving exactly k samples."""
-    picks = logprobs_mod.samples_per_prefix
-    print("| model | P | R | " + " | ".join(f"s at k={k}" for k in args.force_k) + " | samples_per_prefix picks |")
-    print("|---|---|---|" + "---|" * len(args.force_k) + "---|")
-    for name, P, R, prompts, G in [*SHAPES, ("tiny", 50, 64, 16, 8)]:
-        cfg = ModelConfig(model_type="qwen2", qkv_bias=True, tie_word_embeddings=True, **MODELS[name])
-        base = CausalLM(cfg)
-        base.reset_parameters(seed=0)
-        b = grpo_batch(P, R, prompts, G, cfg.vocab_size)
-        mean_r = float((b.attention_mask.sum(-1) - P).float().mean())
-        secs = []
-        for k in args.force_k:
-            logprobs_mod.samples_per_prefix = lambda p, r, h, k=k: k
-            try:
-                a = Actor(copy.deepcopy(base), TrainerConfig(micro_batch_size=len(b)), AlgoConfig(),
-                          total_steps=args.repeats + 1)
-                a.update(b)
-                times = []
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    a.update(b)
-                    times.append(time.perf_counter() - t0)
-            finally:
-                logprobs_mod.samples_per_prefix = picks
-            secs.append(statistics.median(times))
-        print(f"| {name} | {P} | {R} | " + " | ".join(f"{x:.3f}" for x in secs)
-              + f" | {picks(P, mean_r, cfg.hidden_size)} |")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--force-k", type=int, nargs="+", help="time the shared update at these samples per prompt copy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.force_k:
-        force_k(args)
-        return
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.repeats} timed updates per layout\n")
     print("| model | P | R | rows | tokens padded / real / shared | s padded | s packed | s shared | "
           "padded / shared | packed / shared |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -123,8 +85,7 @@ def main() -> None:
                 a.update(b)
                 times[k].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
-        shared = computed_tokens(b.input_ids, b.attention_mask, prompt_lens(b.response_mask, b.attention_mask),
-                                 cfg.hidden_size)
+        shared = computed_tokens(b.input_ids, b.attention_mask, prompt_lens(b.response_mask, b.attention_mask))
         ratios = (med["padded"] / med["shared"], med["packed"] / med["shared"])
         worst.append(min(ratios))
         tokens = f"{b.input_ids.numel()} / {int(b.attention_mask.sum())} / {shared}"

@@ -22,8 +22,10 @@ from helpers import assert_same_metrics, cfg_for, random_train_batch, step_metri
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_a_one_step_update_on_its_own_logprobs_equals_the_recomputed_one(tiny_model, padding_free):
     """Micro-batches of 3 over 8 rows, shuffled: the update's forward sees other row groupings than the
-    recompute's, so equal means to fp32 rounding; TIS is live (rollout logprobs off the trainer's)."""
-    cfg = TrainerConfig(micro_batch_size=3, padding_free=padding_free, lr=1e-2)
+    recompute's, so equal means to fp32 rounding; TIS is live (rollout logprobs off the trainer's). adam_eps 1e-3
+    keeps the step proportional to gradients near 0: at 1e-8, Adam turns a rounding-sized gradient (~1e-8) into a
+    step of up to lr whose size is that rounding."""
+    cfg = TrainerConfig(micro_batch_size=3, padding_free=padding_free, lr=1e-2, adam_eps=1e-3)
     algo = AlgoConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=1.5)
     b = random_train_batch()
     runs = {}

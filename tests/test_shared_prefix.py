@@ -2,7 +2,7 @@
 prompt compute its tokens once and their responses attend to them. Logprobs, entropies and gradients equal the
 padded and the padding-free forward; the update, the reference pass and a whole run equal the unshared ones;
 under tensor parallelism (vocab-parallel logprobs) it equals one process; and the tokens computed fall from
-G (P + R) to P + G R per prompt (one prompt copy per samples_per_prefix samples)."""
+G (P + R) to P + G R per prompt."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from relayrl.parallel.parallelize import parallelize_model
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
-from relayrl.trainer.logprobs import computed_tokens, frozen_logprobs, prompt_lens, samples_per_prefix, token_logprobs
+from relayrl.trainer.logprobs import computed_tokens, frozen_logprobs, prompt_lens, token_logprobs
 
 from dist_harness import run_distributed
 from helpers import assert_same_metrics, cfg_for, perturbed_model, small_config, step_metrics
@@ -78,14 +78,8 @@ def test_prompt_lengths_and_tokens_computed_by_hand():
                                  [[10, 11], [12], [13, 14, 15, 16], [7, 17], []])
     plens = prompt_lens(resp, attn)
     assert plens == [3, 2, 3, 2, 3]
-    assert computed_tokens(ids, attn, None, 32) == 5 + 3 + 7 + 4 + 3
-    assert computed_tokens(ids, attn, plens, 32) == (3 + 2 + 4 + 0) + (2 + 1) + (2 + 2)  # P + G R per prompt
-    # 4 samples of 12 tokens: one copy of the prompt serves k = sqrt(3 (24 h + 3)) / 12 of them (rounded), so the
-    # narrower the model, the more the responses' attention to each other costs beside the prompt they share
-    ids, attn, resp = build_rows([[5, 6, 7]] * 4, [[10 + i] * 12 for i in range(4)])
-    plens = prompt_lens(resp, attn)
-    assert [samples_per_prefix(3, 12.0, h) for h in (1, 8, 32)] == [1, 2, 4]  # sqrt 81, 585, 2313 over 12
-    assert [computed_tokens(ids, attn, plens, h) for h in (1, 8, 32)] == [4 * 15, 2 * 3 + 48, 3 + 48]
+    assert computed_tokens(ids, attn, None) == 5 + 3 + 7 + 4 + 3
+    assert computed_tokens(ids, attn, plens) == (3 + 2 + 4 + 0) + (2 + 1) + (2 + 2)  # P + G R per prompt
 
 
 def test_the_update_equals_the_unshared_one(tiny_model):
@@ -120,7 +114,10 @@ def test_the_update_equals_the_unshared_one(tiny_model):
 def _embedded_tokens(model) -> list[int]:
     """The real tokens of every forward the model runs (a pre-hook on its call)."""
     seen: list[int] = []
-    model.register_forward_pre_hook(lambda m, a, kw: seen.append(int(kw["attention_mask"].sum())), with_kwargs=True)
+    def count(m, a, kw):  # a packed row holds real tokens only
+        seen.append(int(a[0].numel()) if kw.get("layout") is not None else int(kw["attention_mask"].sum()))
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
     return seen
 
 
@@ -128,8 +125,7 @@ def test_micro_batches_hold_whole_prompts_whatever_the_row_order(tiny_model):
     """Rows of the 3 prompts interleaved, micro-batches of 4 = G: the recompute, the update and the reference
     pass each regroup the rows, so every micro-batch is one prompt's samples and its prompt is computed once."""
     b = _grouped(seed=3)
-    want = computed_tokens(b.input_ids, b.attention_mask, prompt_lens(b.response_mask, b.attention_mask),
-                           tiny_model.config.hidden_size)
+    want = computed_tokens(b.input_ids, b.attention_mask, prompt_lens(b.response_mask, b.attention_mask))
     assert want < int(b.attention_mask.sum())
     m = copy.deepcopy(tiny_model)
     seen = _embedded_tokens(m)

@@ -13,7 +13,6 @@ from relayrl.models import CausalLM, ModelConfig, load_pretrained
 from relayrl.models.flops import adapter_params, lora_train_flops, matmul_params
 from relayrl.observe import read_metrics
 from relayrl.trainer.batch import TrainBatch, build_rows
-from relayrl.trainer.logprobs import samples_per_prefix
 
 from helpers import SYNC_CONFIGS, cfg_for, perturbed_model, small_config
 
@@ -237,11 +236,10 @@ def test_a_run_logs_flops_and_stragglers_from_its_own_tokens(tmp_path, monkeypat
             logits = r - 1 if forked else r  # 1 prefill (the first sample's) + r - 1 decodes
             flops += 2 * N_body * ran + 2 * Vh * logits + 4 * LHd * keys
         assert m["flops/rollout"] == flops
-        # the trainer (padding-free, prefixes shared: the defaults) computes each group's prompt once per
-        # samples_per_prefix of its 4 samples, then their responses; attention counted over the longest sequence T
+        # the trainer (padding-free, prefixes shared: the defaults) computes each group's prompt once, then its 4
+        # samples' responses; attention counted over the longest sequence T
         T = max(p + r for p, r in zip(P, ell, strict=True))
-        tokens = sum(P[g] * -(-4 // samples_per_prefix(P[g], sum(ell[g:g + 4]) / 4, c.hidden_size)) + sum(ell[g:g + 4])
-                     for g in range(0, len(P), 4))
+        tokens = sum(P[g] + sum(ell[g:g + 4]) for g in range(0, len(P), 4))
         assert m["batch/trained_tokens"] == tokens < m["batch/real_tokens"] == sum(P) + sum(ell)
         assert m["flops/update"] == 2 * tokens * (6 * N + 12 * LHd * T)
         assert m["flops/old_logp"] == m["flops/ref_logp"] == tokens * (2 * N + 4 * LHd * T)

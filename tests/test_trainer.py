@@ -121,13 +121,6 @@ def test_sft_loss_is_answer_only_cross_entropy(tiny_model):
     assert last < 0.2 * stats["sft/loss"]  # it learns the answers
 
 
-def test_pack_rows_first_fit_hand_computed():
-    from relayrl.trainer.logprobs import pack_rows
-
-    # decreasing: 7 -> row0 (room 3); 6 -> row1 (4); 5 -> row2 (5); 4 -> row1 (0); 3 -> row0 (0); 2 -> row2
-    assert pack_rows([3, 7, 5, 6, 2, 4], 10) == [[1, 0], [3, 5], [2, 4]]
-
-
 def _saved_bytes(fn) -> int:
     """Bytes of the distinct storages autograd keeps for backward while fn runs (parameters excluded)."""
     seen: dict[int, int] = {}

@@ -123,7 +123,7 @@ class StepCost:
         if tc.padding_free:
             lengths = batch.attention_mask.sum(-1)
             prefix = prompt_lens(batch.response_mask, batch.attention_mask) if tc.shares_prefix else None
-            return (computed_tokens(batch.input_ids, batch.attention_mask, prefix, self.shape.hidden_size),
+            return (computed_tokens(batch.input_ids, batch.attention_mask, prefix),
                     int(lengths.max()))
         B, T = batch.input_ids.shape
         return B * T, T

@@ -29,6 +29,7 @@ from torch import nn
 
 from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.moe import Routing, SparseMoeBlock, moe_block_name
+from relayrl.models.packed import PackedLayout
 from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -92,7 +93,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
-        out = self.attention_fn(q, k, v, mask, self.n_kv != self.n_heads)
+        if isinstance(mask, PackedLayout):
+            out = mask.attend(q, k, v, self.attention_fn, self.n_kv != self.n_heads)
+        else:
+            out = self.attention_fn(q, k, v, mask, self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -197,6 +201,7 @@ class CausalLM(nn.Module):
         segment_ids: torch.Tensor | None = None,
         parent_ids: torch.Tensor | None = None,
         routing: Routing | None = None,
+        layout: PackedLayout | None = None,
     ) -> torch.Tensor:
         """Logits [B, q, V] for `input_ids` [B, q].
 
@@ -206,6 +211,8 @@ class CausalLM(nn.Module):
         segment_ids: [B, q] packed sequences (give position_ids restarting at each segment).
         parent_ids: [B, q] with segment_ids: each token also sees its parent segment (see build_attention_mask).
         routing: MoE models only: experts to replay and/or the routers' record (relayrl.models.moe.Routing).
+        layout: one packed row (B = 1, no cache) whose attention runs per segment (relayrl.models.packed); give
+            position_ids. attention_mask, segment_ids and parent_ids are then unused.
         """
         B, q_len = input_ids.shape
         past_len = kv_cache.past_len if kv_cache is not None else 0
@@ -213,8 +220,14 @@ class CausalLM(nn.Module):
             attention_mask = torch.ones(B, past_len + q_len, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-        mask = build_attention_mask(attention_mask, q_len, past_len, self.config.sliding_window, segment_ids,
-                                    parent_ids, position_ids if segment_ids is not None else None)
+        if layout is not None:
+            if layout.sliding_window != self.config.sliding_window:
+                raise ValueError(f"packed layout built for sliding_window={layout.sliding_window}, "
+                                 f"but the model's is {self.config.sliding_window}")
+            mask = layout
+        else:
+            mask = build_attention_mask(attention_mask, q_len, past_len, self.config.sliding_window, segment_ids,
+                                        parent_ids, position_ids if segment_ids is not None else None)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, h.dtype)
         for layer in self.model.layers:

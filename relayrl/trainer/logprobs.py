@@ -5,15 +5,15 @@ relayrl.engine.sampler).
 
 over the full vocabulary, computed in fp32 whatever the model's dtype.
 
-Padding-free: sequences are packed into rows (first-fit, each row at most as long as the longest
-sequence) with segment ids (attention stays within a sequence) and positions restarting per
-sequence, so the linear layers spend nothing on padding; the result is unpacked to the padded
-[B, T] layout and equals the padded computation.
+Padding-free: the sequences are laid end to end in one packed row, positions restarting per sequence, and
+attention runs per sequence over gathered keys (relayrl.models.packed), so neither the linear layers nor
+attention spend anything on padding or on another sequence; the result is unpacked to the padded [B, T] layout
+and equals the padded computation.
 
 Shared prefix (padding-free with prefix_lens): the G samples of a prompt hold the same prompt tokens; they are
-computed once, and each sample's response attends to them (parent segments, relayrl.models.transformer). A
-step then computes about P + G R tokens per prompt instead of G (P + R), with the same logprobs, losses and
-gradients.
+computed once, and each sample's response attends to them (a segment whose parent is the prompt's). A step
+then computes P + G R tokens per prompt instead of G (P + R), and attention P^2 + G R (P + R) query-key
+pairs instead of G (P + R)^2, with the same logprobs, losses and gradients.
 
 It imports torch, relayrl.models and relayrl.parallel only; like all of the trainer, it must never
 import the engine, sync, the controller or the CLI. The two sides share the definition, not code.
@@ -21,13 +21,13 @@ import the engine, sync, the controller or the CLI. The two sides share the defi
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from relayrl.models import CausalLM
+from relayrl.models.packed import PackedLayout
 from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 from relayrl.trainer.batch import TrainBatch
 
@@ -108,24 +108,6 @@ def by_prompt(batch: TrainBatch, per_row) -> torch.Tensor:
     return per_row(batch.select(order))[order.argsort()]
 
 
-def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing: unit indices (a sequence, or a shared prompt with its samples) grouped into rows of
-    at most `capacity` tokens. Rows as long as the longest unit keep attention (quadratic per row) no dearer
-    than one row per unit, while the linear layers see no padding at all."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(capacity - lengths[i])
-    return rows
-
-
 def prompt_lens(response_mask: torch.Tensor, attention_mask: torch.Tensor) -> list[int]:
     """Each row's tokens before its first loss token: what its prompt's samples share (a row without loss
     tokens, all of its tokens)."""
@@ -134,42 +116,13 @@ def prompt_lens(response_mask: torch.Tensor, attention_mask: torch.Tensor) -> li
     return torch.where(has, first, attention_mask.sum(-1)).tolist()
 
 
-def computed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lens: list[int] | None,
-                    hidden_size: int) -> int:
-    """Tokens a padding-free forward computes: every row's real tokens, each shared prefix once per unit."""
+def computed_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lens: list[int] | None) -> int:
+    """Tokens a padding-free forward computes: every row's real tokens, each shared prefix once."""
     lengths = attention_mask.sum(-1).tolist()
     if prefix_lens is None:
         return int(sum(lengths))
-    units = prefix_units(input_ids, [min(p, n) for p, n in zip(prefix_lens, lengths, strict=True)], lengths,
-                         hidden_size)
-    return sum(p + sum(lengths[i] - p for i in rows) for p, rows in units)
-
-
-def samples_per_prefix(prefix: int, response: float, hidden_size: int) -> int:
-    """How many samples one copy of a prefix serves, at the least cost of a packed unit under dense attention
-    (a boolean mask: every query-key pair of the unit is computed, the masked ones too).
-
-    A unit of P + k R tokens costs about (P + k R) c h^2 in its per-token work and (P + k R)^2 h in attention,
-    so per sample the cost is least at k = sqrt(P (c h + P)) / R: many samples per prompt when the responses
-    are short beside it, one (no sharing) when they are long, where the responses' attention to each other
-    outweighs the prompt tokens saved. c = 24 was measured, not derived: the matmuls alone would give 6, but a
-    token's norms, activations and loss cost more than its share of FLOPs: on the CPU one update was fastest at
-    k = 8 (of 8) on bench_shared_prefix's three GRPO shapes, and within 6% of k = 4 on its long-answer shape,
-    where c = 6 picks 7 and 4 (bench_shared_prefix.py --force-k; RESULTS.md)."""
-    if response <= 0:
-        return 1 << 30
-    return max(1, round(math.sqrt(prefix * (24 * hidden_size + prefix)) / response))
-
-
-def prefix_units(input_ids: torch.Tensor, prefix_lens: list[int], lengths: list[int],
-                 hidden_size: int) -> list[tuple[int, list[int]]]:
-    """[(prefix length, rows)]: the packed units, each a group's prefix with up to samples_per_prefix of its
-    rows (a group of one row, or without a prefix, is one unit)."""
-    units = []
-    for p, rows in shared_prefix_groups(input_ids, prefix_lens):
-        k = samples_per_prefix(p, sum(lengths[i] - p for i in rows) / len(rows), hidden_size) if p else 1
-        units += [(p, rows[j:j + k]) for j in range(0, len(rows), k)]
-    return units
+    groups = shared_prefix_groups(input_ids, [min(p, n) for p, n in zip(prefix_lens, lengths, strict=True)])
+    return sum(p + sum(lengths[i] - p for i in rows) for p, rows in groups)
 
 
 def prompt_order(batch: TrainBatch) -> torch.Tensor:
@@ -193,28 +146,24 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
                      prefix_lens: list[int] | None = None):
     """The padding-free forward; with prefix_lens, the shared-prefix one.
 
-    A unit is a group's prefix followed by every member's remaining tokens (without a prefix: one row's tokens),
+    Every token is laid once in one packed row (relayrl.models.packed): a group's prefix, then each member's
+    remaining tokens (without a prefix: one row's tokens),
 
         tokens     [ p p p p | a a a | b b | c c c c ]   segments: the prefix's, then one per member whose
-        positions    0 1 2 3   4 5 6   4 5   4 5 6 7     parent is the prefix's (it attends to the prefix too)
+        positions    0 1 2 3   4 5 6   4 5   4 5 6 7     parent is the prefix (it attends to the prefix too)
 
-    so the prefix is computed once per unit (a group's rows split into units by samples_per_prefix). Units are
-    packed into rows first-fit (pack_rows). Token t of row i is read at the slot holding its token t - 1: a
-    (slot, token) pair, which the prefix's rows share, except at its last slot, which predicts each member's
-    first own token (one pair per member)."""
+    and attention runs per segment over its gathered keys, so no token pays for another sequence's attention.
+    Token t of row i is read at the slot holding its token t - 1: a (slot, token) pair, which the prefix's rows
+    share, except at its last slot, which predicts each member's first own token (one pair per member)."""
     device, input_ids = input_ids.device, input_ids.cpu()  # the layout is built on the host, then moved
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     prefix_lens = [0] * B if prefix_lens is None else [min(p, n) for p, n in zip(prefix_lens, lengths, strict=True)]
-    groups = prefix_units(input_ids, prefix_lens, lengths, model.config.hidden_size)
-    units = [p + sum(lengths[i] - p for i in rows) for p, rows in groups]  # what computed_tokens sums
-    placed = pack_rows(units, max(units))
-    L = max(sum(units[u] for u in row) for row in placed)
-    R = len(placed)
-    packed = torch.zeros(R * L, dtype=input_ids.dtype)
-    seg = torch.full((R * L,), -1)  # -1: the padding at the end of a row
-    parent = torch.full((R * L,), -2)  # -2: no parent segment
-    pos = torch.zeros(R * L, dtype=torch.long)
+    groups = shared_prefix_groups(input_ids, prefix_lens)
+    N = sum(p + sum(lengths[i] - p for i in rows) for p, rows in groups)  # what computed_tokens sums
+    packed = torch.zeros(N, dtype=input_ids.dtype)
+    pos = torch.zeros(N, dtype=torch.long)
+    segments: list[tuple[int, int, tuple[int, int] | None]] = []
     # the (slot, next token) pairs whose logprobs are read, and for each row's token t the pair that is its
     # logprob (-1: none); a prefix's pairs serve all its rows, its last slot one pair per row
     pair_slots, pair_tokens, count = [], [], [0]
@@ -226,37 +175,37 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
         count[0] += len(slots)
         return torch.arange(count[0] - len(slots), count[0])
 
-    for r, row in enumerate(placed):
-        off = r * L
-        for u in row:
-            p, members = groups[u]
-            g = B + u  # the prefix's segment id; a member's is its row index
-            if p > 0:
-                first = members[0]
-                packed[off:off + p] = input_ids[first, :p]
-                seg[off:off + p], pos[off:off + p] = g, torch.arange(p)
-                if p > 1:
-                    src[members, 1:p] = pairs(torch.arange(off, off + p - 1), input_ids[first, 1:p])
-                last, off = off + p - 1, off + p
-                for i in members:  # each own first token is predicted by the prefix's last slot
-                    if lengths[i] > p:
-                        src[i, p] = pairs(torch.tensor([last]), input_ids[i, p:p + 1])
-            for i in members:
-                n, k = lengths[i], lengths[i] - p
-                packed[off:off + k] = input_ids[i, p:n]
-                seg[off:off + k], parent[off:off + k], pos[off:off + k] = i, g, torch.arange(p, n)
-                if k > 1:
-                    src[i, p + 1:n] = pairs(torch.arange(off, off + k - 1), input_ids[i, p + 1:n])
-                off += k
+    off = 0
+    for p, members in groups:
+        parent = None
+        if p > 0:
+            first = members[0]
+            packed[off:off + p], pos[off:off + p] = input_ids[first, :p], torch.arange(p)
+            segments.append((off, off + p, None))
+            parent = (off, off + p)
+            if p > 1:
+                src[members, 1:p] = pairs(torch.arange(off, off + p - 1), input_ids[first, 1:p])
+            for i in members:  # each own first token is predicted by the prefix's last slot
+                if lengths[i] > p:
+                    src[i, p] = pairs(torch.tensor([off + p - 1]), input_ids[i, p:p + 1])
+            off += p
+        for i in members:
+            n, k = lengths[i], lengths[i] - p
+            if k == 0:
+                continue
+            packed[off:off + k], pos[off:off + k] = input_ids[i, p:n], torch.arange(p, n)
+            segments.append((off, off + k, parent))
+            if k > 1:
+                src[i, p + 1:n] = pairs(torch.arange(off, off + k - 1), input_ids[i, p + 1:n])
+            off += k
     empty = torch.zeros(0, dtype=torch.long)
     slots, tokens = torch.cat(pair_slots or [empty]), torch.cat(pair_tokens or [empty])
-    packed, seg, parent, pos, src, slots, tokens = (
-        t.to(device) for t in (packed, seg, parent, pos, src, slots, tokens))
-    logits = model(packed.view(R, L), attention_mask=(seg >= 0).long().view(R, L), position_ids=pos.view(R, L),
-                   segment_ids=seg.view(R, L), parent_ids=parent.view(R, L) if any(prefix_lens) else None)
+    layout = PackedLayout.build(segments, pos, model.config.sliding_window, device)
+    packed, pos, src, slots, tokens = (t.to(device) for t in (packed, pos, src, slots, tokens))
+    logits = model(packed.view(1, N), position_ids=pos.view(1, N), layout=layout)
     # only the read slots reach the log-softmax (what backward keeps: one row per pair, as padded rows keep s - 1)
     local = logits.to_local() if isinstance(logits, DTensor) else logits
-    logp_p, ent_p = _from_logits(local.reshape(R * L, -1)[slots], tokens, temperature, with_entropy, tp_group,
+    logp_p, ent_p = _from_logits(local.reshape(N, -1)[slots], tokens, temperature, with_entropy, tp_group,
                                  entropy_grad)
     has, at = src >= 0, src.clamp(min=0)
     ent = torch.where(has, ent_p[at], 0.0) if with_entropy else None
