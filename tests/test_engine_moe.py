@@ -217,3 +217,27 @@ def test_routing_under_cache_hits_forks_and_preemption_equals_a_plain_run(checkp
 def test_record_routing_refused_for_a_dense_model(tiny_model):
     with pytest.raises(ConfigError, match="record_routing records the experts of an MoE model"):
         LLMEngine(tiny_model.config, record_routing=True, num_blocks=4)
+
+
+def test_aborted_routing_marks_the_token_not_run_and_a_resumed_sample_is_whole(checkpoints):
+    _, path = checkpoints("qwen3_moe")
+    ours = _ours(path)
+    eng = _engine(path, record_routing=True)
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=3, ignore_eos=True)
+    prompt = ROUTED_PROMPTS[1]
+    rid = eng.add_request(prompt, sp)
+    for _ in range(4):  # a prefill and three decodes: 4 tokens sampled, the newest not run yet
+        assert eng.step() == []
+    (out,) = eng.abort([rid])
+    for s in out.samples:
+        ids = prompt + s.token_ids
+        assert len(s.token_ids) == 4 and s.routing.shape[0] == len(ids)
+        assert bool((s.routing[-1] == -1).all()) and bool((s.routing[:-1] >= 0).all())
+        assert torch.equal(s.routing[:-1].long(), _trainer_routing(ours, ids)[0][:-1])
+    eng.add_request(prompt, sp, prior=[(s.token_ids, s.logprobs) for s in out.samples])
+    done = []
+    while eng.has_unfinished():
+        done += eng.step()
+    (resumed,) = done
+    assert all(len(s.token_ids) == 10 for s in resumed.samples)
+    _check_routing(ours, [resumed])  # the resumed prefill recomputes the routing of every token

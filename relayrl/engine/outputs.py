@@ -20,7 +20,8 @@ class SampleCost:
 
     computed_tokens  tokens run through the model for it: the prefill past its prefix-cache hits (none for
                      a sample forked from a sibling's prefill: the sibling computed them), one per
-                     decode step, and again whatever a preemption or re-prefill recomputed
+                     decode step (with record_routing, one more for the final token's routing), and again
+                     whatever a preemption or re-prefill recomputed
     attended         keys those tokens attended to, summed (a token at position p attends to p + 1, or
                      to the sliding window): attention's share of the FLOPs
     logit_positions  positions the lm_head ran at for it: one per model run it took part in (the engine
