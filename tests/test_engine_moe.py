@@ -241,3 +241,39 @@ def test_aborted_routing_marks_the_token_not_run_and_a_resumed_sample_is_whole(c
     (resumed,) = done
     assert all(len(s.token_ids) == 10 for s in resumed.samples)
     _check_routing(ours, [resumed])  # the resumed prefill recomputes the routing of every token
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe_shared", "mixtral"])
+def test_engine_moe_block_is_bit_equal_to_the_trainers_in_bf16(family, checkpoints):
+    """The engine's block (fused gate|up, stacked experts) rounds as relayrl's SparseMoeBlock does in bf16, for a
+    decode-sized and a prefill-sized batch: a bf16 engine and trainer differ only where their inputs do."""
+    _, path = checkpoints(family)
+    ours = _ours(path).to(torch.bfloat16)
+    eng = LLMEngine(load_config(path), dtype=torch.bfloat16, num_blocks=8)
+    eng.load_weights(load_state_dict(path).items())
+    layer, mine = ours.model.layers[0], eng.runner.model.layers[0]
+    for n in (1, 37):
+        x = torch.randn(n, 32, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        with torch.no_grad():
+            want = getattr(layer, layer.ffn_name)(x[None])[0]
+            got, _ = getattr(mine, mine.ffn_name)(x)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["tp", "ep"])
+def test_engine_tp4_equals_tp1(placement, checkpoints):
+    """TP 4 (4 experts: one whole expert per rank under EP; width 16 / 4 under TP), KV heads replicated."""
+    _, path = checkpoints("qwen2_moe_shared")
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=9)
+    ref = _engine(path, record_routing=True).generate(ROUTED_PROMPTS, sp)
+    four = _engine(path, tensor_parallel_size=4, expert_placement=placement, record_routing=True)
+    try:
+        outs = four.generate(ROUTED_PROMPTS, sp)
+    finally:
+        four.close()
+    (t1, l1), (t4, l4) = _tokens_and_logp(ref), _tokens_and_logp(outs)
+    assert t4 == t1
+    torch.testing.assert_close(l4, l1, atol=1e-5, rtol=0)
+    for a, b in zip(outs, ref, strict=True):
+        assert all(torch.equal(x.routing, y.routing) for x, y in zip(a.samples, b.samples, strict=True))
