@@ -225,6 +225,9 @@ def test_trainer_ep_holdings_by_hand():
     plan = plan_sync(cfg, tl, EngineLayout(2, "ep"))
     # engine EP 2 rank 1 (experts 2, 3) reads routed experts from trainer ranks 1 and 3 only
     assert {t.src_rank for t in plan.for_dst(1) if ".experts." in t.name} == {1, 3}
+    text = plan.describe()
+    assert "dp_shard=4 dp_replicate=1 ep=2 (4 ranks)" in text
+    assert "2 MoE layers x 4 experts (top 2) x width 6, shared expert 4; engine expert placement ep" in text
     with pytest.raises(ConfigError, match="must divide dp_shard"):
         TrainerLayout(dp_shard=3, ep=2)
     with pytest.raises(ConfigError, match="experts are not tensor-parallel under ep"):

@@ -39,6 +39,7 @@ from functools import cached_property, lru_cache
 
 import torch
 
+from relayrl.models.config import MoEShape
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.boxes import Box
 from relayrl.sync.layout import (
@@ -156,11 +157,16 @@ class SyncPlan:
         mib = f"MiB ({str(dtype).removeprefix('torch.')})"
         what = "" if self.lora is None else f", LoRA r={self.lora.rank} {'base + ' if self.base else ''}adapters"
         lines = [
-            f"sync plan{what}: trainer tp={tl.tp} dp_shard={tl.dp_shard} dp_replicate={tl.dp_replicate} "
+            f"sync plan{what}: trainer tp={tl.tp} dp_shard={tl.dp_shard} dp_replicate={tl.dp_replicate}"
+            f"{f' pp={tl.pp}' if tl.pp > 1 else ''}{f' ep={tl.ep}' if tl.ep > 1 else ''} "
             f"({tl.world_size} ranks) -> engine tp={self.engine.tp}",
             f"model: {s.num_hidden_layers} layers, {s.num_attention_heads} Q / {s.num_key_value_heads} KV heads "
             f"x head_dim {s.head_dim}, hidden {s.hidden_size}, intermediate {s.intermediate_size}, "
             f"vocab {s.vocab_size}{tied}",
+            *([f"experts: {len(s.moe_layers)} MoE layers x {s.num_experts} experts (top {s.num_experts_per_tok}) "
+               f"x width {s.moe_intermediate_size}"
+               + (f", shared expert {s.shared_expert_intermediate_size}" if s.shared_expert_intermediate_size else "")
+               + f"; engine expert placement {self.engine.expert_placement}"] if isinstance(s, MoEShape) else []),
             "",
             f"{'engine rank':>11}  {'params':>6}  {'elements':>12}  {mib:>14}"
             f"  {'pieces':>6}  from trainer ranks",
