@@ -133,8 +133,11 @@ def test_engine_tp2_equals_tp1(family, placement, checkpoints):
     two = _engine(path, tensor_parallel_size=2, expert_placement=placement, record_routing=True)
     try:
         outs = two.generate(ROUTED_PROMPTS, sp)
+        stats = two.stats()
     finally:
         two.close()
+    assert stats["engine/expert_load_max_over_mean"] >= 1.0
+    assert ("engine/ep_rank_load_max_over_mean" in stats) == (placement == "ep")
     tokens, logp = _tokens_and_logp(outs)
     assert tokens == ref_tokens
     torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
@@ -277,3 +280,21 @@ def test_engine_tp4_equals_tp1(placement, checkpoints):
     torch.testing.assert_close(l4, l1, atol=1e-5, rtol=0)
     for a, b in zip(outs, ref, strict=True):
         assert all(torch.equal(x.routing, y.routing) for x, y in zip(a.samples, b.samples, strict=True))
+
+
+def test_expert_load_counts_every_routed_pair_the_engine_computed(checkpoints):
+    """Without prefix caching and forks, each sample's every token is computed once: the engine's expert load is
+    the count of its routing records, and the stat is max / mean over experts, the largest over layers."""
+    _, path = checkpoints("qwen3_moe_dense_layer")
+    eng = _engine(path, record_routing=True, enable_prefix_caching=False, fork_samples=False)
+    outs = eng.generate(ROUTED_PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=1))
+    rows = torch.cat([s.routing for o in outs for s in o.samples]).long()  # [tokens, n_moe, k]
+    load = torch.stack([torch.bincount(rows[:, j].reshape(-1), minlength=4) for j in range(rows.shape[1])])
+    assert torch.equal(eng._routing.load, load)
+    want = float((load.amax(-1) / load.float().mean(-1)).max())
+    assert eng.stats()["engine/expert_load_max_over_mean"] == pytest.approx(want, rel=1e-6)
+    # over 2 EP ranks (experts 0-1, 2-3): their summed loads
+    ranks = load.view(2, 2, 2).sum(-1)
+    assert eng._routing.load_max_over_mean(2) == pytest.approx(float((ranks.amax(-1) / ranks.float().mean(-1)).max()))
+    eng.reset_stats()
+    assert eng.stats()["engine/expert_load_max_over_mean"] == 0.0

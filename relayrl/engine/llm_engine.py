@@ -147,7 +147,7 @@ class LLMEngine:
             raise ConfigError(f"record_routing records the experts of an MoE model; {config.model_type} has none")
         self.record_routing = record_routing
         self._routing = (RoutingStore(num_blocks * block_size, len(config.moe_layers), config.num_experts_per_tok,
-                                      block_size) if record_routing else None)
+                                      block_size, config.num_experts) if record_routing else None)
         self.weights_version = 0
         self._new_scheduler()
         self._call("allocate_kv_cache", num_blocks, block_size)
@@ -582,16 +582,28 @@ class LLMEngine:
         self.scheduler.num_preemptions = self.scheduler.num_reprefills = 0
         self.scheduler.num_prefill_tokens = self.scheduler.num_forks = 0
         self.peak_used_fraction = self.utilisation_at_peak = 0.0
+        if self._routing is not None:
+            self._routing.load.zero_()
 
     def stats(self) -> dict[str, float]:
         """Since construction or the last wake(): prefix-cache hit rate (tokens), the peak share of
         blocks in use and how full those blocks were then (live KV slots / slots), preemptions, and
         sequences re-prefilled by a weight update (partial="reprefill"); tokens prefills computed, and
-        samples forked from a sibling's prefill (fork_samples)."""
+        samples forked from a sibling's prefill (fork_samples); with record_routing, the experts' load imbalance."""
         return {"engine/prefix_hit_rate": self.block_manager.hit_rate,
                 "engine/peak_blocks_used": self.peak_used_fraction,
                 "engine/block_utilisation_at_peak": self.utilisation_at_peak,
                 "engine/preemptions": float(self.scheduler.num_preemptions),
                 "engine/reprefills": float(self.scheduler.num_reprefills),
                 "engine/prefill_tokens": float(self.scheduler.num_prefill_tokens),
-                "engine/forked_samples": float(self.scheduler.num_forks)}
+                "engine/forked_samples": float(self.scheduler.num_forks), **self._expert_stats()}
+
+    def _expert_stats(self) -> dict[str, float]:
+        """With record_routing: the expert load's imbalance (relayrl.engine.routing), over experts and, under
+        expert_placement "ep" at TP > 1, over the ranks (what the most loaded rank makes the others wait for)."""
+        if self._routing is None:
+            return {}
+        out = {"engine/expert_load_max_over_mean": self._routing.load_max_over_mean()}
+        if self.expert_placement == "ep" and self.tp_size > 1:
+            out["engine/ep_rank_load_max_over_mean"] = self._routing.load_max_over_mean(self.tp_size)
+        return out

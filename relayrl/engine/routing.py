@@ -33,6 +33,11 @@ finished sample's routing has no -1 row; the scheduler reserves KV for that toke
 
 Host memory: num_blocks * block_size * n_moe * k * 2 bytes (Qwen3-30B-A3B, 48 layers x 8 experts: 768 bytes a slot).
 
+Expert load: every routed (token, slot) pair the engine computes is counted per MoE layer and expert (`load`
+[n_moe, E], recomputed tokens included: it is the work the experts did), for the engine's stats: the largest
+max / mean load over layers, over experts and (expert_placement "ep") over the ranks holding them — the imbalance
+that leaves some ranks idle while the most loaded one computes.
+
 It imports torch and the engine's own Sequence only; like the whole engine, it must never import the trainer, sync,
 the controller or the CLI.
 """
@@ -49,17 +54,29 @@ UNKNOWN = -1  # a token the engine never ran
 class RoutingStore:
     """Each KV slot's routing [n_moe, k] (int16), on the host."""
 
-    def __init__(self, num_slots: int, num_moe_layers: int, top_k: int, block_size: int):
-        self.block_size = block_size
+    def __init__(self, num_slots: int, num_moe_layers: int, top_k: int, block_size: int, num_experts: int):
+        self.block_size, self.num_experts = block_size, num_experts
         self.slots = torch.full((num_slots, num_moe_layers, top_k), UNKNOWN, dtype=torch.int16)
+        self.load = torch.zeros(num_moe_layers, num_experts, dtype=torch.long)  # pairs computed per expert
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Mirror the KV cache's copy-on-write copies (slot indices), before the batch writes anything."""
         self.slots[dst] = self.slots[src]
 
     def write(self, slot_mapping: torch.Tensor, routing: torch.Tensor) -> None:
-        """routing [N, n_moe, k] of the batch's N tokens, at their slots."""
+        """routing [N, n_moe, k] of the batch's N tokens, at their slots; their pairs join the expert load."""
         self.slots[slot_mapping] = routing.to(torch.int16)
+        ids = routing.long().transpose(0, 1).reshape(routing.shape[1], -1)  # [n_moe, N k]
+        self.load += torch.zeros_like(self.load).scatter_add_(1, ids, torch.ones_like(ids))
+
+    def load_max_over_mean(self, groups: int = 0) -> float:
+        """max over MoE layers of max / mean load, over experts (groups 0) or over `groups` equal runs of experts
+        (the ranks of an EP placement); 1.0 is perfect balance, 0.0 before any token ran."""
+        load = self.load if not groups else self.load.view(self.load.shape[0], groups, -1).sum(-1)
+        mean = load.float().mean(-1)
+        if not bool((mean > 0).any()):
+            return 0.0
+        return float((load.amax(-1).float() / mean.clamp(min=1e-9)).max())
 
     def gather(self, seq: Sequence) -> torch.Tensor:
         """seq's routing [num_tokens, n_moe, k]: its first seq.num_routed rows from its slots, UNKNOWN after."""
