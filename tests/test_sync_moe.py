@@ -45,9 +45,10 @@ CONFIGS = {
                     moe_intermediate_size=6, norm_topk_prob=True),
 }
 # (tp, dp_shard, dp_replicate, pp, ep): one process, FSDP 4, FSDP 2 x TP 2, HSDP 2 x 2, PP 2 x TP 2, and EP 2 under
-# FSDP 4 (each expert FSDP-cut over 2 ranks), EP 2 under HSDP 2 x 2, EP 4 (each expert on one rank per replica)
+# FSDP 4 (each expert FSDP-cut over 2 ranks), EP 2 under HSDP 2 x 2, EP 4 (each expert on one rank per replica),
+# PP 2 x EP 2 (each stage's dp_shard pair is its ep group)
 TRAINER = [(1, 1, 1, 1, 1), (1, 4, 1, 1, 1), (2, 2, 1, 1, 1), (1, 2, 2, 1, 1), (2, 1, 1, 2, 1),
-           (1, 4, 1, 1, 2), (1, 2, 2, 1, 2), (1, 4, 1, 1, 4)]
+           (1, 4, 1, 1, 2), (1, 2, 2, 1, 2), (1, 4, 1, 1, 4), (1, 2, 1, 2, 2)]
 ENGINE = [(1, "tp"), (2, "tp"), (2, "ep"), (4, "ep")]
 
 
