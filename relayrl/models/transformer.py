@@ -13,7 +13,8 @@ One forward serves training (full sequences) and generation (a KV cache):
 Attention mask: query at cache slot s attends key slot j iff j <= s, key j is a real token
 (`attention_mask[b, j] == 1`), and j > s - sliding_window when the model has a window. Every query
 also attends to itself, so padding rows never become an all-masked softmax (NaN that would leak
-through 0 * NaN into later layers); their outputs are ignored anyway.
+through 0 * NaN into later layers); their outputs are ignored anyway. When every row is full (no padding,
+no window, no cache, no packing) no mask is built: attention runs SDPA's causal kernel.
 
 It imports torch and the models' own modules only; it must never import another relayrl layer: models
 hold no parallelism, and every layer above imports them.
@@ -57,7 +58,10 @@ class RMSNorm(nn.Module):
 
 def sdpa_attention(q, k, v, mask, enable_gqa: bool) -> torch.Tensor:
     """The attention computation: q [B, H, q, D], k / v [B, KV, kv, D], mask bool [B, 1, q, kv] (True = may
-    attend) → [B, H, q, D]."""
+    attend), or None for plain causal attention with q = kv (SDPA's is_causal kernel, which skips the masked
+    half) → [B, H, q, D]."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
 
 
@@ -225,6 +229,9 @@ class CausalLM(nn.Module):
                 raise ValueError(f"packed layout built for sliding_window={layout.sliding_window}, "
                                  f"but the model's is {self.config.sliding_window}")
             mask = layout
+        elif (past_len == 0 and segment_ids is None and self.config.sliding_window is None
+              and bool(attention_mask.all())):
+            mask = None  # every row full and causal: no mask to build or read
         else:
             mask = build_attention_mask(attention_mask, q_len, past_len, self.config.sliding_window, segment_ids,
                                         parent_ids, position_ids if segment_ids is not None else None)
