@@ -9,7 +9,10 @@ loss is already its share of the full-batch loss and the full gradient is the su
 FSDP grouping (one all-gather / reduce-scatter per group):
 
     fully_shard(layer) for each decoder layer     reshard_after_forward=True: ZeRO-3, params are
-    fully_shard(root)                             gathered again in backward
+    fully_shard(root)                             gathered again in backward — but not the last layer's
+                                                  nor the root's (torchtitan's default policy): backward
+                                                  starts with them, so freeing them after forward would
+                                                  only all-gather them again at once
       └─ embed_tokens, norm, lm_head — and a tied lm_head.weight IS embed_tokens.weight, one
          parameter in one group, so the tie survives sharding (its two gradient contributions are
          accumulated before the root group's single reduce-scatter).
@@ -46,12 +49,13 @@ def apply_fsdp(
     """fully_shard each decoder layer, then the root (in place). A 2-D mesh (dp_replicate, dp_shard)
     gives HSDP: sharded within a row, replicated (gradients all-reduced) across rows."""
     _check_reduce(grad_reduce)
-    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    kw = dict(mesh=mesh)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
-    for layer in model.model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+    layers = list(model.model.layers)
+    for i, layer in enumerate(layers):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kw)
+    fully_shard(model, reshard_after_forward=False, **kw)
     if grad_reduce == "sum":
         for module in model.modules():
             if isinstance(module, FSDPModule):
