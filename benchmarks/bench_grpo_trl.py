@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -179,6 +180,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both (see bench_rollout.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-sft-dir", type=Path, help="reuse this HF model directory instead of the SFT warm-start")
+    ap.add_argument("--save-start", type=Path, help="copy the start model's HF directory here (for --skip-sft-dir)")
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
     for key in ("steps", "prompts_per_step", "group_size", "max_tokens", "mini_batches"):
@@ -196,6 +198,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_s, contextlib.ExitStack() as stack:
         tmp = Path(tmp_s)
         model_dir = args.skip_sft_dir or start_model(tmp, args, args.data)
+        if args.save_start:
+            shutil.copytree(model_dir, args.save_start, dirs_exist_ok=True)
         data_cfg = DataConfig.from_dict(args.data)
         shape = ModelShape.of(load_pretrained(model_dir).config)
         train_set, eval_set = build_datasets(data_cfg)
