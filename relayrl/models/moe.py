@@ -40,7 +40,6 @@ parallelism, and every layer above imports them.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,20 +48,23 @@ from torch import nn
 from relayrl.models.config import MoEConfig
 
 
-@dataclass
 class Routing:
     """One forward's routing: what its MoE layers replay, and what they record (CausalLM.forward(routing=...)).
 
     replay: [B, q, n_moe, k] expert ids, n_moe = len(cfg.moe_layers): each token's experts per MoE layer, used
-        instead of the router's top-k (routing replay, R3: the ids the rollout engine recorded). None: route.
+        instead of the router's top-k (routing replay, R3: the ids the rollout engine recorded). A token whose k ids
+        are not all >= 0 (-1: the engine never ran it; padding) routes by its own top-k. None: route.
     record: fill `logits` and `selected`, keyed by the MoE layer's position j in cfg.moe_layers. A recomputed
         layer (activation checkpointing) writes the same values again.
-    """
 
-    replay: torch.Tensor | None = None
-    record: bool = True
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # j -> [B, q, E] router logits, with grad
-    selected: dict[int, torch.Tensor] = field(default_factory=dict)  # j -> [B, q, k] expert ids (int64)
+    A plain class, not a dataclass: FSDP2 rebuilds the dataclasses among a module's inputs that hold tensors with
+    gradients (to hook them), so after the first MoE layer had recorded its logits every later layer would write
+    into a copy of a dataclass record, not into the caller's."""
+
+    def __init__(self, replay: torch.Tensor | None = None, record: bool = True):
+        self.replay, self.record = replay, record
+        self.logits: dict[int, torch.Tensor] = {}  # j -> [B, q, E] router logits, with grad
+        self.selected: dict[int, torch.Tensor] = {}  # j -> [B, q, k] expert ids (int64)
 
     def router_logits(self) -> list[torch.Tensor]:
         """The recorded router logits [B, q, E], one per MoE layer in order (what the router losses take)."""
@@ -149,15 +151,18 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
 
     def route(self, x: torch.Tensor, replay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits [N, E], weights [N, k], expert ids [N, k]) for tokens x [N, h]; replay [N, k] fixes the ids."""
+        """(logits [N, E], weights [N, k], expert ids [N, k]) for tokens x [N, h]; replay [N, k] fixes the ids of
+        the tokens whose k ids are all >= 0 (the others route by their own top-k)."""
         logits = self.gate(x)
         probs = torch.softmax(logits.float(), dim=-1)
         if replay is None:
             weights, idx = torch.topk(probs, self.top_k, dim=-1)
         else:
             idx = replay.long()
-            if bool(((idx < 0) | (idx >= self.num_experts)).any()):  # a host sync, only when replaying
-                raise ValueError(f"routing replay names an expert outside 0..{self.num_experts - 1}")
+            if bool(((idx < -1) | (idx >= self.num_experts)).any()):  # a host sync, only when replaying
+                raise ValueError(f"routing replay names an expert outside 0..{self.num_experts - 1} (-1: route)")
+            known = (idx >= 0).all(-1, keepdim=True)
+            idx = torch.where(known, idx, torch.topk(probs, self.top_k, dim=-1).indices)
             weights = probs.gather(-1, idx)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
