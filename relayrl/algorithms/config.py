@@ -88,6 +88,21 @@ class AlgoConfig(Config):
     value_clip: PositiveFloat | None = 0.2
     whiten_advantages: bool = True
     kl_in_reward: bool = False
+    # MoE models (relayrl.models.moe). routing_replay (R3): the old-logprob, reference and update forwards use the
+    # experts the rollout engine routed each token to (its record, TrainBatch.routing) instead of routing again, so
+    # the trainer scores a token through the experts that sampled it: a bf16 engine and an fp32 trainer otherwise
+    # choose different experts on near-tied tokens (moe/routing_mismatch), and the ratio then measures that, not the
+    # policy's change. The routers keep their gradient (the replayed experts' weights are the router's
+    # probabilities). Refused for a dense model and for multi-turn episodes (no record).
+    routing_replay: bool = False
+    # the routers' auxiliary losses, added to the policy loss (relayrl.models.router_losses): load balancing
+    # (Switch Transformer; transformers' router_aux_loss_coef) and the router z-loss (ST-MoE). 0 (off) for RL: the
+    # policy starts from a pretrained model whose routers are already balanced; a balancing term pulls the routers
+    # towards uniform load whatever the reward, outside the clipped ratio (nothing bounds how far it moves the
+    # policy per step), and under routing replay the forward does not even use the routers' choices. Turn them on
+    # when the trainer-side load (moe/load_max_over_mean) drifts up over a long run
+    moe_aux_loss_coef: float = Field(0.0, ge=0)
+    moe_z_loss_coef: float = Field(0.0, ge=0)
     # DAPO dynamic sampling: drop groups without reward spread, resample up to N rounds
     filter_groups: bool = False
     max_resample_rounds: int = Field(3, ge=0)
@@ -128,6 +143,11 @@ class AlgoConfig(Config):
         if self.mis_low is not None and self.mis_high is not None and self.mis_low >= self.mis_high:
             raise ValueError(f"mis_low ({self.mis_low}) must be below mis_high ({self.mis_high})")
         return self
+
+    @property
+    def uses_router(self) -> bool:
+        """Whether the run needs the MoE routers' record in the update (replay or an auxiliary loss)."""
+        return self.routing_replay or self.moe_aux_loss_coef > 0 or self.moe_z_loss_coef > 0
 
     @property
     def uses_mis(self) -> bool:

@@ -9,6 +9,10 @@ Micro-batches reproduce the mini-batch's full gradient exactly: every micro-batc
 mini-batch's token and sequence counts as denominators (see relayrl.algorithms.aggregation), so
 the accumulated gradient is the gradient of the full mini-batch loss.
 
+MoE models (relayrl.trainer.routing): with algo.routing_replay every forward replays the engine's routing
+(batch.routing); the update reports moe/routing_mismatch and the expert load, and adds the routers' auxiliary
+losses when their coefficients are set. Under expert parallelism the gradient norm counts every rank's experts.
+
 It imports torch, relayrl.algorithms, relayrl.models, relayrl.parallel and the trainer's own modules
 only; like all of the trainer, it must never import the engine, sync, the controller or the CLI.
 """
@@ -28,11 +32,20 @@ from relayrl.models import CausalLM
 from relayrl.models.lora import set_lora_enabled
 from relayrl.parallel.device import module_device
 from relayrl.parallel.dims import ParallelDims
-from relayrl.parallel.grad_norm import clip_grad_norm
+from relayrl.parallel.expert_parallel import grad_norm_ep
+from relayrl.parallel.grad_norm import clip_grad_norm, scale_grads
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.logprobs import by_prompt, prompt_lens, prompt_order, token_logprobs
 from relayrl.trainer.optim import build_optimizer
+from relayrl.trainer.routing import (
+    load_metrics,
+    moe_shape,
+    replay_routing,
+    routed_load,
+    router_losses,
+    routing_mismatch,
+)
 
 
 class Actor:
@@ -49,6 +62,11 @@ class Actor:
         self.temperature = temperature
         self.dp_group = dims.dp_mesh.get_group() if dims is not None and dims.dp > 1 else None
         self.tp_group = dims.tp_mesh.get_group() if dims is not None and dims.tp > 1 else None
+        self.ep_mesh = dims.ep_mesh if dims is not None and dims.ep > 1 else None
+        self.moe = moe_shape(model)  # None: a dense model
+        if self.moe is None and algo.uses_router:
+            raise ValueError("algo.routing_replay, algo.moe_aux_loss_coef and algo.moe_z_loss_coef need an MoE "
+                             f"model; {getattr(model.config, 'model_type', 'this model')} has no experts")
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
 
@@ -60,7 +78,8 @@ class Actor:
         def rows(b: TrainBatch) -> torch.Tensor:
             return self.per_token(b, lambda mb: token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
-                tp_group=self.tp_group, prefix_lens=self._prefix_lens(mb))[0])
+                tp_group=self.tp_group, prefix_lens=self._prefix_lens(mb),
+                routing=replay_routing(mb.routing, self.algo.routing_replay))[0])
 
         return by_prompt(batch, rows) if self.cfg.shares_prefix else rows(batch)
 
@@ -116,7 +135,7 @@ class Actor:
         same permutation of the GLOBAL row indices and trains on its own rows of each global
         mini-batch, so the mini-batches are those of the single-process run."""
         self.model.train()
-        tally = _Tally()
+        tally = _Tally(self.moe)
         offset, n = 0, len(batch)
         if self.dp_group is not None:  # this rank's rows are [offset, offset + len) of the global batch
             sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(self.dp_group))]
@@ -142,41 +161,55 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         self._accumulate(mini, tally, template if template is not None else mini)
         clip = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        tally.grad_norms.append(clip_grad_norm(self.model.parameters(), clip))
+        if self.ep_mesh is not None:  # each ep rank holds other experts: their squares summed over the ep group
+            total = grad_norm_ep(self.model, self.ep_mesh)
+            scale_grads(self.model.parameters(), clip, total)
+            tally.grad_norms.append(total)
+        else:
+            tally.grad_norms.append(clip_grad_norm(self.model.parameters(), clip))
         self.optimizer.step()
 
     def accumulate_grads(self, mini: TrainBatch) -> dict[str, float]:
         """Backward over `mini` (no optimiser step); its local stats."""
-        tally = _Tally()
+        tally = _Tally(self.moe)
         self._accumulate(mini, tally, mini)
         return tally.result()
 
     def _accumulate(self, mini: TrainBatch, tally: _Tally, template: TrainBatch) -> None:
-        counts = torch.tensor([float(mini.response_mask.sum()), float(len(mini))])
+        # response tokens, sequences, real tokens (the routers' losses average over every real token)
+        counts = torch.tensor([float(mini.response_mask.sum()), float(len(mini)), float(mini.attention_mask.sum())])
         if self.dp_group is not None:  # the global batch's counts: every rank divides by the same
             dist.all_reduce(counts, group=self.dp_group)
-        num_tokens, num_seqs = counts[0].clamp(min=1), float(counts[1])
-        micro = [mb for mb, _ in self._micro_batches(mini, template)]
+        num_tokens, num_seqs, num_real = counts[0].clamp(min=1), float(counts[1]), max(float(counts[2]), 1.0)
+        micro = list(self._micro_batches(mini, template))
         # DDP: all-reduce once, after the last micro-batch. FSDP keeps reducing every micro-batch:
         # deferring it would hold an unsharded gradient of the whole model on every rank (measured).
         set_sync = (None if isinstance(self.model, FSDPModule)
                     else getattr(self.model, "set_requires_gradient_sync", None))
         tally.loss_steps += 1
-        for i, mb in enumerate(micro):
+        for i, (mb, real) in enumerate(micro):
             if set_sync is not None:  # reduce gradients once, after the last micro-batch
                 set_sync(i == len(micro) - 1)
-            loss, st = self.loss(mb, num_tokens, num_seqs)
+            share = float(mb.attention_mask.sum()) / num_real if real else 0.0  # a stand-in's router terms: none
+            loss, st = self.loss(mb, num_tokens, num_seqs, router_share=share)
             loss.backward()
+            load = st.pop(LOAD, None)
+            if load is not None and real:
+                tally.add_load(load)
             tally.add(float(loss.detach()), st, float(mb.response_mask.sum()))
 
-    def loss(self, mb: TrainBatch, num_tokens: torch.Tensor, num_seqs: float) -> tuple[torch.Tensor, dict]:
-        """One micro-batch's share of the mini-batch loss (global denominators) and its stats."""
+    def loss(self, mb: TrainBatch, num_tokens: torch.Tensor, num_seqs: float,
+             router_share: float | None = None) -> tuple[torch.Tensor, dict]:
+        """One micro-batch's share of the mini-batch loss (global denominators) and its stats. router_share (MoE):
+        its part of the mini-batch's real tokens, which weights its routers' auxiliary losses (None: 1, the
+        micro-batch is the mini-batch)."""
+        routing = replay_routing(mb.routing, self.algo.routing_replay, keep_record=self.moe is not None)
         with self._autocast():
             # entropy is reported every step; it carries gradient (and a graph) only when entropy_coef != 0
             logp, ent = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
                                        with_entropy=True, padding_free=self.cfg.padding_free,
                                        tp_group=self.tp_group, entropy_grad=self.algo.entropy_coef != 0,
-                                       prefix_lens=self._prefix_lens(mb))
+                                       prefix_lens=self._prefix_lens(mb), routing=routing)
         # no old_logp: this is the batch's only optimiser step (the driver's "update" source), so the proximal
         # policy is these very weights: its logprobs are this forward's, detached
         old = mb.old_logp if mb.old_logp is not None else logp.detach()
@@ -187,7 +220,24 @@ class Actor:
         )
         if mb.old_logp is None and mb.rollout_logp is not None:  # the trainer-engine gap, from the same numbers
             stats |= mismatch_stats(old, mb.rollout_logp, mb.response_mask)
+        if routing is not None:
+            loss, stats = self._router_terms(mb, routing, loss, stats, 1.0 if router_share is None else router_share)
         return loss, stats
+
+    def _router_terms(self, mb: TrainBatch, routing, loss: torch.Tensor, stats: dict,
+                      share: float) -> tuple[torch.Tensor, dict]:
+        """MoE: the routers' auxiliary losses added (algo.moe_*_coef), moe/routing_mismatch against the engine's
+        record, and the micro-batch's expert load (stats[LOAD], summed by the tally)."""
+        k, a = self.moe.num_experts_per_tok, self.algo
+        aux, aux_stats = router_losses(routing, mb.attention_mask, k, a.moe_aux_loss_coef, a.moe_z_loss_coef, share)
+        stats |= aux_stats
+        if mb.routing is not None:
+            stats["moe/routing_mismatch"] = routing_mismatch(routing, mb.routing, mb.response_mask, k)
+        stats[LOAD] = routed_load(routing, mb.attention_mask, self.moe.num_experts)
+        return (loss + aux if a.moe_aux_loss_coef or a.moe_z_loss_coef else loss), stats
+
+
+LOAD = "moe/_load"  # a micro-batch's expert load [n_moe, E] in the loss' stats, for the tally (not a metric)
 
 
 class _Tally:
@@ -198,12 +248,19 @@ class _Tally:
     is its share of the mini-batch loss, each rank's its share of the global one) and averaged over
     optimiser steps; ratio_max (every *_max) is a max; grad_norm, already global, is averaged over steps."""
 
-    def __init__(self):
+    def __init__(self, moe=None):
         self.weighted: dict[str, float] = defaultdict(float)
         self.maxima: dict[str, float] = {"ratio_max": 0.0}  # every stat named *_max is a max, not a mean
         self.tokens = self.loss = 0.0
         self.loss_steps = 0
         self.grad_norms: list[float] = []
+        # MoE (an MoEShape): routed slots per (MoE layer, expert), summed; zeros on a rank with no real rows, so
+        # every rank takes part in its all-reduce
+        self.moe_layers = moe.moe_layers if moe is not None else ()
+        self.load = torch.zeros(len(moe.moe_layers), moe.num_experts, dtype=torch.float64) if moe is not None else None
+
+    def add_load(self, load: torch.Tensor) -> None:
+        self.load += load.detach().double().cpu()
 
     def add(self, loss: float, stats: dict, tokens: float) -> None:
         self.loss += loss
@@ -223,6 +280,8 @@ class _Tally:
         self.tokens, self.loss = float(sums[0]), float(sums[1])
         self.weighted = {k: float(v) for k, v in zip(keys, sums[2:], strict=True)}
         self.maxima = {k: float(v) for k, v in zip(peaks, peak, strict=True)}
+        if self.load is not None:
+            dist.all_reduce(self.load, group=group)
 
     def result(self) -> dict[str, float]:
         out = {k: v / max(self.tokens, 1.0) for k, v in self.weighted.items()}
@@ -230,4 +289,6 @@ class _Tally:
         out |= self.maxima
         if self.grad_norms:
             out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        if self.load is not None:
+            out |= load_metrics(self.load, self.moe_layers)
         return out

@@ -10,6 +10,9 @@
     ref_logp        [B, T]  reference model logprobs (KL), or None
     values          [B, T]  the critic's values when the batch was collected (PPO with a critic), or None
     returns         [B, T]  the critic's regression targets (GAE returns), or None
+    routing         [B, T, n_moe, k]  MoE: the experts the engine routed each token to in each MoE layer (int16,
+                            -1 on padding and on a token the engine never ran), what algo.routing_replay replays
+                            and moe/routing_mismatch compares against; None for a dense model
 
 Logprobs are aligned to tokens: logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]).
 
@@ -37,6 +40,7 @@ class TrainBatch:
     ref_logp: torch.Tensor | None = None
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    routing: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -85,6 +89,15 @@ def build_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: int
                 raise ValueError(f"row {i}: {len(masks[i])} mask values for {len(r)} response tokens")
             resp[i, len(p):n] = torch.tensor(masks[i], dtype=torch.float32)
     return ids, attn, resp
+
+
+def scatter_routing(routing: list[torch.Tensor], T: int) -> torch.Tensor:
+    """Each sample's routing [its prompt + response tokens, n_moe, k] (the engine's record) as rows
+    [B, T, n_moe, k], int16, -1 after a row's tokens (padding: the forward routes those itself)."""
+    out = torch.full((len(routing), T, *routing[0].shape[1:]), -1, dtype=torch.int16)
+    for i, r in enumerate(routing):
+        out[i, :len(r)] = r
+    return out
 
 
 def scatter_per_token(values: list[list[float]], prompts: list[list[int]], T: int) -> torch.Tensor:

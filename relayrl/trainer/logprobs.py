@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from relayrl.models import CausalLM
+from relayrl.models.moe import Routing
 from relayrl.models.packed import PackedLayout
 from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 from relayrl.trainer.batch import TrainBatch
@@ -64,6 +65,7 @@ def token_logprobs(
     tp_group=None,
     entropy_grad: bool = True,
     prefix_lens: list[int] | None = None,
+    routing: Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp [B, T], entropy [B, T] or None) for right-padded rows; entropy is that of the
     temperature-scaled distribution at each token's position. entropy_grad=False: the entropy is a
@@ -73,28 +75,36 @@ def token_logprobs(
     computed shard-wise (relayrl.parallel.vocab_parallel), never gathering the vocabulary.
 
     prefix_lens (padding-free only): row i's first prefix_lens[i] tokens may be shared; rows whose prefixes are
-    equal (the samples of one prompt) compute them once (see _packed_logprobs). The result is the same."""
+    equal (the samples of one prompt) compute them once (see _packed_logprobs). The result is the same.
+
+    routing (MoE models): replay [B, T, n_moe, k] in these rows' layout (-1: route), and the record, which comes
+    back in these rows' layout too, whatever the forward's: logits [B, T, E], selected [B, T, k] per MoE layer
+    (a shared prompt's tokens read from its one computation in every row that holds it)."""
     if padding_free:
         return _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group, entropy_grad,
-                                prefix_lens)
+                                prefix_lens, routing)
     if prefix_lens is not None:
         raise ValueError("prefix_lens needs padding_free=True (shared prefixes are a packed layout)")
-    logits = model(input_ids, attention_mask=attention_mask)[:, :-1]
+    logits = model(input_ids, attention_mask=attention_mask, routing=routing)[:, :-1]
     logp, ent = _from_logits(logits, input_ids[:, 1:], temperature, with_entropy, tp_group, entropy_grad)
     return _shift_pad(logp), _shift_pad(ent)
 
 
 @torch.no_grad()
 def frozen_logprobs(model: CausalLM, batch: TrainBatch, temperature: float, micro_batch_size: int, *,
-                    padding_free: bool = False, shared_prefix: bool = False, tp_group=None) -> torch.Tensor:
+                    padding_free: bool = False, shared_prefix: bool = False, tp_group=None,
+                    routing_replay: bool = False) -> torch.Tensor:
     """A frozen model's logprobs [B, T] of the batch's response tokens (0 elsewhere), in micro-batches of rows
-    (the reference model's pass; padding_free and shared_prefix as the trainer's settings)."""
+    (the reference model's pass; padding_free and shared_prefix as the trainer's settings; routing_replay: an MoE
+    reference routes as the engine did, batch.routing)."""
     def rows(b: TrainBatch) -> torch.Tensor:
         parts = []
         for mb in b.split(micro_batch_size):
             prefix = prompt_lens(mb.response_mask, mb.attention_mask) if shared_prefix else None
+            replay = Routing(replay=mb.routing.long(), record=False) if routing_replay and mb.routing is not None \
+                else None
             logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, padding_free=padding_free,
-                                     tp_group=tp_group, prefix_lens=prefix)
+                                     tp_group=tp_group, prefix_lens=prefix, routing=replay)
             parts.append(logp * mb.response_mask)
         return torch.cat(parts)
 
@@ -143,7 +153,7 @@ def shared_prefix_groups(input_ids: torch.Tensor, prefix_lens: list[int]) -> lis
 
 
 def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group=None, entropy_grad=True,
-                     prefix_lens: list[int] | None = None):
+                     prefix_lens: list[int] | None = None, routing: Routing | None = None):
     """The padding-free forward; with prefix_lens, the shared-prefix one.
 
     Every token is laid once in one packed row (relayrl.models.packed): a group's prefix, then each member's
@@ -154,7 +164,11 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
 
     and attention runs per segment over its gathered keys, so no token pays for another sequence's attention.
     Token t of row i is read at the slot holding its token t - 1: a (slot, token) pair, which the prefix's rows
-    share, except at its last slot, which predicts each member's first own token (one pair per member)."""
+    share, except at its last slot, which predicts each member's first own token (one pair per member).
+
+    Routing: holder[n] is one (row, token) slot n holds (a prefix's: the group's first member's), by which a replay
+    is laid into the packed row; slot_of[i, t] is the slot holding row i's token t (-1: padding), by which the
+    record is read back into rows."""
     device, input_ids = input_ids.device, input_ids.cpu()  # the layout is built on the host, then moved
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
@@ -168,6 +182,8 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
     # logprob (-1: none); a prefix's pairs serve all its rows, its last slot one pair per row
     pair_slots, pair_tokens, count = [], [], [0]
     src = torch.full((B, T), -1, dtype=torch.long)
+    slot_of = torch.full((B, T), -1, dtype=torch.long)
+    holder = torch.zeros(N, 2, dtype=torch.long)  # per slot, one (row, token) it holds
 
     def pairs(slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         pair_slots.append(slots)
@@ -181,6 +197,8 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
         if p > 0:
             first = members[0]
             packed[off:off + p], pos[off:off + p] = input_ids[first, :p], torch.arange(p)
+            slot_of[members, :p] = torch.arange(off, off + p)
+            holder[off:off + p, 0], holder[off:off + p, 1] = first, torch.arange(p)
             segments.append((off, off + p, None))
             parent = (off, off + p)
             if p > 1:
@@ -194,6 +212,8 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
             if k == 0:
                 continue
             packed[off:off + k], pos[off:off + k] = input_ids[i, p:n], torch.arange(p, n)
+            slot_of[i, p:n] = torch.arange(off, off + k)
+            holder[off:off + k, 0], holder[off:off + k, 1] = i, torch.arange(p, n)
             segments.append((off, off + k, parent))
             if k > 1:
                 src[i, p + 1:n] = pairs(torch.arange(off, off + k - 1), input_ids[i, p + 1:n])
@@ -202,7 +222,19 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
     slots, tokens = torch.cat(pair_slots or [empty]), torch.cat(pair_tokens or [empty])
     layout = PackedLayout.build(segments, pos, model.config.sliding_window, device)
     packed, pos, src, slots, tokens = (t.to(device) for t in (packed, pos, src, slots, tokens))
-    logits = model(packed.view(1, N), position_ids=pos.view(1, N), layout=layout)
+    row_routing = routing
+    if routing is not None:  # the forward's own Routing over the packed row
+        replay = None
+        if routing.replay is not None:
+            rows, toks = holder.to(routing.replay.device).unbind(-1)
+            replay = routing.replay[rows, toks].view(1, N, *routing.replay.shape[2:])
+        routing = Routing(replay=replay, record=routing.record)
+    logits = model(packed.view(1, N), position_ids=pos.view(1, N), layout=layout, routing=routing)
+    if row_routing is not None and row_routing.record:  # the record back in rows (padding reads slot 0: mask it)
+        at_row = slot_of.clamp(min=0).to(device)
+        for j in routing.logits:
+            row_routing.logits[j] = routing.logits[j][0][at_row]
+            row_routing.selected[j] = routing.selected[j][0][at_row]
     # only the read slots reach the log-softmax (what backward keeps: one row per pair, as padded rows keep s - 1)
     local = logits.to_local() if isinstance(logits, DTensor) else logits
     logp_p, ent_p = _from_logits(local.reshape(N, -1)[slots], tokens, temperature, with_entropy, tp_group,
