@@ -45,7 +45,7 @@ from relayrl.trainer.critic import Critic
 from relayrl.trainer.logprobs import frozen_logprobs
 
 FIELDS = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logp", "rollout_logp", "ref_logp",
-          "values", "returns")
+          "values", "returns", "routing")
 
 
 def to_data(batch: TrainBatch) -> DataBatch:
@@ -84,7 +84,7 @@ class _ParallelModelWorker(Worker):
     def _build_model(self, model_dir: str, par: ParallelConfig, seed: int, trains: bool = True, loader=None):
         self.init_distributed()
         torch.manual_seed(seed)
-        self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
+        self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, ep=par.ep,
                                  world_size=self.world_size)
         mesh = self.dims.build_mesh(self.device.split(":")[0])
         model = loader() if loader is not None else load_pretrained(model_dir)
@@ -130,7 +130,7 @@ class ActorWorker(_ParallelModelWorker):
 
     # ---- the colocated engine: rank r of the engine's tensor-parallel group lives here (r < tp) ----
     @dispatch(Dispatch.ONE_TO_ALL, deadline="build")
-    def init_engine(self, model_config, dtype: torch.dtype, tp: int) -> int | None:
+    def init_engine(self, model_config, dtype: torch.dtype, tp: int, expert_placement: str = "tp") -> int | None:
         """Returns the free bytes of this rank's device (hosting ranks): the KV cache's budget base."""
         import torch.distributed as dist
 
@@ -138,7 +138,8 @@ class ActorWorker(_ParallelModelWorker):
         if tp > 1:  # every rank takes part in making the group, members or not
             group = dist.group.WORLD if tp == self.world_size else dist.new_group(list(range(tp)))
         if self.rank < tp:
-            self.engine_runner = ModelRunner(model_config, dtype, TPInfo(self.rank, tp, group), self.device)
+            self.engine_runner = ModelRunner(model_config, dtype, TPInfo(self.rank, tp, group), self.device,
+                                             expert_placement)
             return available_memory(self.device)
         return None
 
@@ -169,8 +170,18 @@ class ActorWorker(_ParallelModelWorker):
     @dispatch(Dispatch.RANK_ZERO)
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter as one full tensor: for exporting the final model and for the vLLM
-        backend, whose loader takes full tensors. The rollout engine is synced by the plan."""
-        return {n: full_tensor(p) for n, p in self.actor.model.state_dict().items()}
+        backend, whose loader takes full tensors. The rollout engine is synced by the plan. Under expert
+        parallelism each ep rank holds other experts: rank 0 gathers theirs from its ep group."""
+        weights = {n: full_tensor(p) for n, p in self.actor.model.state_dict().items()}
+        if self.dims.ep > 1:
+            import torch.distributed as dist
+
+            mine = {n: t for n, t in weights.items() if ".experts." in n}
+            parts: list = [None] * self.dims.ep
+            dist.all_gather_object(parts, mine, group=self.dims.ep_mesh.get_group())
+            for part in parts:
+                weights.update(part)
+        return weights
 
     @dispatch(Dispatch.RANK_ZERO)
     def save(self, run_dir: str, step: int, extra: dict, meta: dict, keep_last: int | None) -> str:
@@ -217,10 +228,10 @@ class CriticWorker(_ParallelModelWorker):
 
 class ReferenceWorker(_ParallelModelWorker):
     def __init__(self, model_dir: str, par: ParallelConfig, *, temperature: float, micro_batch_size: int,
-                 seed: int, padding_free: bool = False, shared_prefix: bool = False):
+                 seed: int, padding_free: bool = False, shared_prefix: bool = False, routing_replay: bool = False):
         self.model = self._build_model(model_dir, par, seed, trains=False).eval().requires_grad_(False)
         self.temperature, self.micro = temperature, micro_batch_size
-        self.packing = dict(padding_free=padding_free, shared_prefix=shared_prefix)
+        self.packing = dict(padding_free=padding_free, shared_prefix=shared_prefix, routing_replay=routing_replay)
         self.tp_group = self.dims.tp_mesh.get_group() if self.dims.tp > 1 else None
 
     @dispatch(Dispatch.DP_SPLIT)

@@ -53,6 +53,9 @@ class RolloutConfig(Config):
     kv_cache_bytes: int | None = Field(None, ge=1)  # None: a share of free memory
     enable_prefix_caching: bool = True
     tp: int = Field(1, ge=1)  # the engine's tensor-parallel degree (its ranks: see parallel.placement)
+    # MoE models: where the engine's experts sit over its tp ranks, each expert's width sharded (tp) or whole experts
+    # per rank (ep; relayrl.engine.moe). The same results either way
+    expert_placement: Literal["tp", "ep"] = "tp"
     # free the KV cache (1) or also the weights (2) while the trainer updates; woken (and verified) at the next sync
     sleep_level: int = Field(0, ge=0, le=2)
     # sync: roll out, then train, in turn. async: the engine generates continuously while the trainer
@@ -182,6 +185,18 @@ class RunConfig(Config):
         if self.algo.advantage == "remax":
             raise ValueError(f"rollout.mode={r.mode} does not run ReMax's greedy baseline rollouts yet; "
                              "set rollout.mode=sync or another algo.advantage")
+        return self
+
+    @model_validator(mode="after")
+    def _routing_replay_fits(self) -> RunConfig:
+        if not self.algo.routing_replay:
+            return self
+        if self.env is not None:
+            raise ValueError("algo.routing_replay replays the engine's routing record, which multi-turn episodes "
+                             "(env:) do not carry yet; set algo.routing_replay=false")
+        if self.rollout.backend != "relayrl":
+            raise ValueError("algo.routing_replay needs the routing relayrl's engine records; set "
+                             "rollout.backend=relayrl or algo.routing_replay=false")
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,9 @@ old_logp is recomputed only where it must be: an update that is one optimiser st
 one PPO epoch, one mini-batch) takes it from its own forward, detached, and reports the mismatch from there
 (RunConfig.old_logp_source).
 
+An MoE model's samples carry the experts the engine routed each token to (batch.routing); with
+algo.routing_replay the trainer's forwards replay them (relayrl.trainer.routing).
+
 With an `env:` section a sample is an episode (relayrl.controller.agent_loop): rollout and reward are one
 stage, the environment's, and the loss mask keeps the observations between turns out of the update.
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -46,7 +49,7 @@ from relayrl.observe import StageTimer
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
 from relayrl.sync.protocol import WeightSync
-from relayrl.trainer.batch import TrainBatch, build_rows, scatter_per_token
+from relayrl.trainer.batch import TrainBatch, build_rows, scatter_per_token, scatter_routing
 from relayrl.trainer.policy import Policy
 
 STAGES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "update")
@@ -68,22 +71,27 @@ class Rollout:
     response_mask: list[list[int]]  # 1 on the model's tokens; 0 on a multi-turn episode's observations
     versions: list[list[int]]  # per response token, the engine's weights version that sampled it (-1: observed)
     baseline: torch.Tensor | None = None  # ReMax: the reward of each prompt's greedy sample, [prompts]
+    # MoE: per sample the engine's routing record [prompt + response tokens, n_moe, k] (relayrl.engine.routing);
+    # None where it keeps none (a dense model, an episode; [] when no sample has one)
+    routing: list[torch.Tensor | None] = field(default_factory=list)
 
     LISTS = ("examples", "prompt_ids", "response_ids", "rollout_logp", "texts", "correct",
-             "response_mask", "versions")  # one item per sample
+             "response_mask", "versions")  # one item per sample (and routing, when it is kept)
 
     def select_groups(self, groups: list[int], G: int) -> Rollout:
         idx = [g * G + j for g in groups for j in range(G)]
         picked = {name: [getattr(self, name)[i] for i in idx] for name in self.LISTS}
         baseline = self.baseline[groups] if self.baseline is not None else None
-        return Rollout(**picked, rewards=self.rewards[idx], reward_metrics=self.reward_metrics, baseline=baseline)
+        return Rollout(**picked, rewards=self.rewards[idx], reward_metrics=self.reward_metrics, baseline=baseline,
+                       routing=[self.routing[i] for i in idx] if self.routing else [])
 
     @staticmethod
     def concat(parts: list[Rollout]) -> Rollout:
         joined = {name: [x for p in parts for x in getattr(p, name)] for name in Rollout.LISTS}
         baseline = torch.cat([p.baseline for p in parts]) if parts[0].baseline is not None else None
+        routing = [x for p in parts for x in p.routing] if all(p.routing for p in parts) else []
         return Rollout(**joined, rewards=torch.cat([p.rewards for p in parts]), reward_metrics=parts[0].reward_metrics,
-                       baseline=baseline)
+                       baseline=baseline, routing=routing)
 
 
 def prompt_budget(ex: Example | None):
@@ -113,7 +121,8 @@ def rollout_from_outputs(examples: list[Example], outs: list[RequestOutput], res
                    rollout_logp=[s.logprobs for _, _, s in samples], texts=[s.text for _, _, s in samples],
                    rewards=torch.tensor(res.rewards, dtype=torch.float32), correct=res.correct,
                    reward_metrics=res.metrics(), response_mask=[[1] * len(s.token_ids) for _, _, s in samples],
-                   versions=[sample_versions(o, s) for _, o, s in samples])
+                   versions=[sample_versions(o, s) for _, o, s in samples],
+                   routing=[s.routing for _, _, s in samples])
 
 
 def rollout_from_trajectories(examples: list[Example], trajs: list[Trajectory]) -> Rollout:
@@ -253,6 +262,8 @@ class Driver:
         ids, attn, resp = build_rows(ro.prompt_ids, ro.response_ids, pad_id=self.engine.pad_id, masks=ro.response_mask)
         rollout_logp = scatter_per_token(ro.rollout_logp, ro.prompt_ids, ids.shape[1])
         batch = TrainBatch(ids, attn, resp, rollout_logp=rollout_logp)
+        if ro.routing and all(r is not None for r in ro.routing):  # MoE: what algo.routing_replay replays
+            batch.routing = scatter_routing(ro.routing, ids.shape[1])
         source = self.old_logp_source  # RunConfig.old_logp_source: behaviour | engine | update | recompute
         if source in ("behaviour", "engine"):  # plain PPO, or a verified fp32 engine's own logprobs
             batch.old_logp = rollout_logp

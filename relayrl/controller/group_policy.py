@@ -62,7 +62,8 @@ class GroupPolicy:
             roles["reference"] = RoleSpec(ReferenceWorker, (str(model_dir), par),
                                           dict(temperature=temperature, micro_batch_size=trainer_cfg.micro_batch_size,
                                                seed=seed, padding_free=trainer_cfg.padding_free,
-                                               shared_prefix=trainer_cfg.shares_prefix))
+                                               shared_prefix=trainer_cfg.shares_prefix,
+                                               routing_replay=algo_cfg.routing_replay))
         if critic_cfg is not None:  # laid out like the actor: in its processes, or a pool of its own
             placement["critic"] = (pool if par.placement == "colocated"
                                    else ResourcePool([par.world_size], device=device, name="critic"))
@@ -74,9 +75,10 @@ class GroupPolicy:
         self.critic = self.roles["critic"] if critic_cfg is not None else None
         self.address = self.actor.master_addr  # where the workers reach the driver (the sync's rendezvous)
 
-    def host_engine(self, model_config: ModelConfig, dtype: torch.dtype, tp: int) -> ActorHostedRanks:
+    def host_engine(self, model_config: ModelConfig, dtype: torch.dtype, tp: int,
+                    expert_placement: str = "tp") -> ActorHostedRanks:
         """Colocated: the engine's ranks in the actor processes (LLMEngine(runner_group=...))."""
-        free = self.actor.call(ActorWorker.init_engine, model_config, dtype, tp)
+        free = self.actor.call(ActorWorker.init_engine, model_config, dtype, tp, expert_placement)
         return ActorHostedRanks(self.actor, tp, min(f for f in free if f is not None))
 
     def run_on_ranks(self, fn: Callable, *args) -> list:

@@ -53,12 +53,13 @@ class LocalPolicy:
         self.local = LocalRank(actor.model)
         self.address = LOCALHOST
 
-    def host_engine(self, model_config: ModelConfig, dtype: torch.dtype, tp: int) -> InProcessRunner:
+    def host_engine(self, model_config: ModelConfig, dtype: torch.dtype, tp: int,
+                    expert_placement: str = "tp") -> InProcessRunner:
         """Colocated: the engine's one rank beside the actor (LLMEngine(runner_group=...))."""
         if tp != 1:
             raise ValueError("a trainer in the driver's process hosts one engine rank (rollout.tp=1)")
         device = str(next(self.actor.model.parameters()).device)
-        self.local.engine_runner = ModelRunner(model_config, dtype, TPInfo(), device)
+        self.local.engine_runner = ModelRunner(model_config, dtype, TPInfo(), device, expert_placement)
         return InProcessRunner(self.local.engine_runner)
 
     def run_on_ranks(self, fn: Callable, *args) -> list:
@@ -78,7 +79,8 @@ class LocalPolicy:
             return None
         cfg = self.actor.cfg
         logp = frozen_logprobs(self.ref_model, batch.to(module_device(self.ref_model)), self.temperature, self.micro,
-                               padding_free=cfg.padding_free, shared_prefix=cfg.shares_prefix)
+                               padding_free=cfg.padding_free, shared_prefix=cfg.shares_prefix,
+                               routing_replay=self.actor.algo.routing_replay)
         return logp.to(batch.response_mask.device)  # the reference's device (a GPU) and back
 
     def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:

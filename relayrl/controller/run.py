@@ -45,21 +45,24 @@ from relayrl.controller.reward_model import CombinedScorer, ModelScorer, RemoteM
 from relayrl.controller.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
+from relayrl.engine.moe import check_expert_placement, dense_intermediate
 from relayrl.engine.parallel_state import check_tp
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.envs.base import make_env
 from relayrl.errors import ConfigError, UserError
 from relayrl.models import load_config, load_pretrained, save_pretrained
-from relayrl.models.config import ModelConfig, ModelShape
+from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.lora import merge_lora_state_dict
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.observe.loggers import LoggerOptions, require_loggers
 from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
 from relayrl.parallel.device import resolve_device
+from relayrl.parallel.expert_parallel import check_experts_divide
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
+from relayrl.sync.experts import sync_shape
 from relayrl.sync.layout import TrainerLayout
 from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.actor import Actor
@@ -91,16 +94,26 @@ def build_engine(cfg: RunConfig, src: Path, policy: LocalPolicy | GroupPolicy) -
         from relayrl.engine.vllm_backend import VLLMEngine
 
         return VLLMEngine(src, **kwargs)
+    config = load_config(src)
     kwargs.update(max_num_seqs=r.max_num_seqs, block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes,
-                  tensor_parallel_size=r.tp)
+                  tensor_parallel_size=r.tp, expert_placement=r.expert_placement,
+                  record_routing=records_routing(config))
     device = resolve_device(par.device)  # colocated ranks take the actor's device instead
     if par.rollout_worker:
         return RemoteEngine(src, kwargs, group_options(par), device=device)
-    config, tokenizer = load_config(src), load_tokenizer(src)
+    tokenizer = load_tokenizer(src)
     if par.placement == "disaggregated":
         return LLMEngine(config, tokenizer, own_processes=True, group_options=group_options(par), device=device,
                          **kwargs)
-    return LLMEngine(config, tokenizer, runner_group=policy.host_engine(config, kwargs["dtype"], r.tp), **kwargs)
+    hosted = policy.host_engine(config, kwargs["dtype"], r.tp, r.expert_placement)
+    return LLMEngine(config, tokenizer, runner_group=hosted, **kwargs)
+
+
+def records_routing(model: ModelConfig) -> bool:
+    """relayrl's engine records an MoE model's routing always: algo.routing_replay replays it, and without replay
+    the update still compares its own routing against it (moe/routing_mismatch). Its cost: a host int16 per (KV
+    slot, MoE layer, slot k), and one more decode position per sample (its final token; relayrl.engine.routing)."""
+    return isinstance(model, MoEShape)
 
 
 def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: RolloutEngine) -> WeightSync:
@@ -108,10 +121,13 @@ def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: Rollout
     if cfg.rollout.backend == "vllm":
         return FullWeightSync(policy, engine, **lora_options(cfg.trainer.lora))
     par = cfg.parallel
-    layout = TrainerLayout() if par.backend == "none" else TrainerLayout(par.tp, par.dp_shard, par.dp_replicate)
+    layout = (TrainerLayout() if par.backend == "none"
+              else TrainerLayout(par.tp, par.dp_shard, par.dp_replicate, ep=par.ep))
     bf16_base = cfg.trainer.lora is not None and cfg.trainer.lora.base_dtype == "bfloat16"  # the trainer's compute
-    return PlannedWeightSync(policy, engine, shape=ModelShape.of(load_config(src)), trainer_layout=layout,
-                             engine_tp=cfg.rollout.tp, ipc=sync_transport(cfg) == "ipc",
+    # sync_shape keeps an MoE model's experts (ModelShape.of drops them)
+    return PlannedWeightSync(policy, engine, shape=sync_shape(load_config(src)), trainer_layout=layout,
+                             engine_tp=cfg.rollout.tp, expert_placement=cfg.rollout.expert_placement,
+                             ipc=sync_transport(cfg) == "ipc",
                              colocated=par.placement == "colocated" and not par.rollout_worker,
                              engine_dtype=DTYPES[cfg.rollout.engine_dtype],
                              trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 or bf16_base else torch.float32,
@@ -196,12 +212,32 @@ def check_fits_model(cfg: RunConfig, model: ModelConfig) -> None:
         raise ConfigError(f"parallel.tp: {e}") from None
     if cfg.rollout.backend == "relayrl":
         try:
-            check_tp(model.num_attention_heads, model.num_key_value_heads, cfg.rollout.tp, model.intermediate_size)
+            check_tp(model.num_attention_heads, model.num_key_value_heads, cfg.rollout.tp, dense_intermediate(model))
         except UserError as e:
             raise ConfigError(f"rollout.tp: {e}") from None
+    check_fits_experts(cfg, model)
     if cfg.env is not None and cfg.env.max_total_tokens > model.max_position_embeddings:
         raise ConfigError(f"env.max_total_tokens={cfg.env.max_total_tokens} exceeds the model's maximum length "
                           f"({model.max_position_embeddings} tokens, max_position_embeddings): lower it")
+
+
+def check_fits_experts(cfg: RunConfig, model: ModelConfig) -> None:
+    """The MoE settings against the model, before any process starts: the router's options need experts, and
+    parallel.ep and the engine's expert placement must divide them."""
+    a = cfg.algo
+    if not isinstance(model, MoEShape):
+        for key, on in (("algo.routing_replay", a.routing_replay), ("algo.moe_aux_loss_coef", a.moe_aux_loss_coef),
+                        ("algo.moe_z_loss_coef", a.moe_z_loss_coef), ("parallel.ep", cfg.parallel.ep > 1)):
+            if on:
+                raise ConfigError(f"{key} needs an MoE model (experts to route); {model.model_type} is dense: "
+                                  f"remove {key}")
+        return
+    try:
+        check_experts_divide(model.num_experts, cfg.parallel.ep)
+        if cfg.rollout.backend == "relayrl":
+            check_expert_placement(model, cfg.rollout.tp, cfg.rollout.expert_placement)
+    except UserError as e:
+        raise ConfigError(f"{'parallel.ep' if 'parallel.ep' in str(e) else 'rollout.expert_placement'}: {e}") from None
 
 
 def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:

@@ -87,13 +87,16 @@ class PlannedWeightSync:
     def __init__(self, policy: Policy, engine: RolloutEngine, *, shape: ModelShape, trainer_layout: TrainerLayout,
                  engine_tp: int, colocated: bool, engine_dtype: torch.dtype, trainer_dtype: torch.dtype,
                  temperature: float, cfg: SyncConfig | None = None, lora: AdapterShape | None = None,
-                 lora_scaling: float = 1.0, ipc: bool = False):
-        """ipc: buckets between processes cross as CUDA IPC handles (when: relayrl.controller.run.sync_transport)."""
+                 lora_scaling: float = 1.0, ipc: bool = False, expert_placement: str = "tp"):
+        """ipc: buckets between processes cross as CUDA IPC handles (when: relayrl.controller.run.sync_transport).
+        shape: relayrl.sync.sync_shape of the model (an MoE model's keeps its experts); expert_placement: the
+        engine's (rollout.expert_placement)."""
         cfg = cfg if cfg is not None else SyncConfig()
         self.policy, self.engine, self.cfg, self.temperature = policy, engine, cfg, temperature
         members = Members(trainer_layout.world_size, engine_tp, colocated)
         # base (+ adapters): the first sync, the checksums; adapters alone: every later sync with LoRA
-        self.spec = SyncSpec(shape=shape, trainer=trainer_layout, engine=EngineLayout(engine_tp), members=members,
+        self.spec = SyncSpec(shape=shape, trainer=trainer_layout, engine=EngineLayout(engine_tp, expert_placement),
+                             members=members,
                              dtype=engine_dtype, bucket_bytes=int(cfg.bucket_mb * 2**20), window=cfg.window,
                              fp8=cfg.wire == "float8", lora=lora, ipc=ipc)
         self.adapters_spec = dataclasses.replace(self.spec, base=False) if lora is not None else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from relayrl.config import Config
 
@@ -50,9 +50,8 @@ class ParallelConfig(Config):
     pp: int = Field(1, ge=1)
     pp_schedule: str = "1f1b"
     # expert parallelism (relayrl.parallel.expert_parallel, the planner's ep): an MoE model's experts split over ep
-    # ranks borrowed from dp_shard x cp (ParallelDims). The model side exists and is tested against one process;
-    # the Actor does not build its dims with ep, nor sync or checkpoint experts split by EP, yet, so a run refuses
-    # ep > 1
+    # ranks borrowed from dp_shard (ParallelDims: ep innermost, each ep rank holds num_experts / ep whole experts,
+    # FSDP-sharded over the dp_shard / ep ranks holding the same ones); tp 1 and dp_mode fsdp
     ep: int = Field(1, ge=1)
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
     activation_checkpointing: bool = False
@@ -89,13 +88,19 @@ class ParallelConfig(Config):
                              "relayrl.parallel.pipeline); set parallel.pp=1")
         return pp
 
-    @field_validator("ep")
-    @classmethod
-    def _ep_not_in_runs(cls, ep: int) -> int:
-        if ep > 1:
-            raise ValueError("expert parallelism is not wired into the trainer yet (the model side is "
-                             "relayrl.parallel.expert_parallel); set parallel.ep=1")
-        return ep
+    @model_validator(mode="after")
+    def _ep_fits(self) -> ParallelConfig:
+        if self.ep == 1:
+            return self
+        if self.dp_shard % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp_shard={self.dp_shard} (expert parallelism "
+                             "borrows its ranks from dp_shard)")
+        if self.tp > 1:
+            raise ValueError(f"parallel.ep={self.ep} with parallel.tp={self.tp}: experts are not tensor-parallel under "
+                             "ep; set parallel.tp=1 or parallel.ep=1")
+        if self.dp_mode != "fsdp":
+            raise ValueError(f"parallel.ep={self.ep} shards the experts with FSDP; set parallel.dp_mode=fsdp")
+        return self
 
     @property
     def world_size(self) -> int:
