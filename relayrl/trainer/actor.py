@@ -221,16 +221,21 @@ class Actor:
         if mb.old_logp is None and mb.rollout_logp is not None:  # the trainer-engine gap, from the same numbers
             stats |= mismatch_stats(old, mb.rollout_logp, mb.response_mask)
         if routing is not None:
-            loss, stats = self._router_terms(mb, routing, loss, stats, 1.0 if router_share is None else router_share)
+            share = 1.0 if router_share is None else router_share
+            loss, stats = self._router_terms(mb, routing, loss, stats, share, float(num_tokens))
         return loss, stats
 
-    def _router_terms(self, mb: TrainBatch, routing, loss: torch.Tensor, stats: dict,
-                      share: float) -> tuple[torch.Tensor, dict]:
+    def _router_terms(self, mb: TrainBatch, routing, loss: torch.Tensor, stats: dict, share: float,
+                      num_tokens: float) -> tuple[torch.Tensor, dict]:
         """MoE: the routers' auxiliary losses added (algo.moe_*_coef), moe/routing_mismatch against the engine's
         record, and the micro-batch's expert load (stats[LOAD], summed by the tally)."""
         k, a = self.moe.num_experts_per_tok, self.algo
         aux, aux_stats = router_losses(routing, mb.attention_mask, k, a.moe_aux_loss_coef, a.moe_z_loss_coef, share)
-        stats |= aux_stats
+        # the tally weights a stat by the micro-batch's response tokens; the router terms weigh by real tokens
+        # (share), so each is scaled to come out as the mini-batch's value (moe/z_loss exactly: a mean over tokens)
+        tokens = float(mb.response_mask.sum())
+        scale = share * num_tokens / tokens if tokens > 0 else 0.0
+        stats |= {key: v * scale for key, v in aux_stats.items()}
         if mb.routing is not None:
             stats["moe/routing_mismatch"] = routing_mismatch(routing, mb.routing, mb.response_mask, k)
         stats[LOAD] = routed_load(routing, mb.attention_mask, self.moe.num_experts)
