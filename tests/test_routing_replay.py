@@ -259,3 +259,15 @@ def test_refusals_name_the_key():
                              "env": {"name": "guess"}})
     with pytest.raises(ValueError, match="need an MoE model"):
         Actor(CausalLM(dense), TrainerConfig(), AlgoConfig(routing_replay=True), total_steps=1)
+
+
+def test_expert_imbalance_advice_is_fed_by_the_trainers_load_and_names_the_worst_layer():
+    from relayrl.observe import bottleneck as bn
+
+    rec = {"step": 1, "time/step": 1.0, "moe/load_max_over_mean": 3.5, "moe/load_max_over_mean/layer_0": 1.2,
+           "moe/load_max_over_mean/layer_3": 3.5}
+    [found] = bn.findings([rec])
+    assert found.name == "expert imbalance"
+    assert found.what.startswith("the busiest expert carries 3.50x the mean load in MoE layer 3 (threshold 3x")
+    assert any("`algo.moe_aux_loss_coef`" in a for a in found.advice)
+    assert bn.findings([{**rec, "moe/load_max_over_mean": 2.9}]) == []

@@ -10,6 +10,9 @@
     low MFU          throughput/mfu_update, /mfu_rollout        <= 30%
     expert imbalance moe/load_max_over_mean                     >= 3x (90% busy against 30%)
 
+The expert load is the trainer's (relayrl.trainer.routing): max over MoE layers of the busiest expert's routed slots
+over the mean, in the update's forwards; the finding names the worst layer (moe/load_max_over_mean/layer_<i>).
+
 A finding fires when its figure reaches the threshold. Each comes with advice lines naming the config keys to
 change, in backticks (`rollout.max_num_seqs`, `sync.wire=float8`); tests/test_bottleneck.py checks that every
 such key is a field of RunConfig.
@@ -163,8 +166,12 @@ MFU_ADVICE = {
     ],
 }
 EXPERT_ADVICE = [
-    "add an expert-balancing loss, adjust routing or the expert-parallel placement (relayrl has no MoE settings "
-    "yet)",
+    "balance the routers: raise `algo.moe_aux_loss_coef` (the load-balancing loss, off by default in RL), and "
+    "`algo.moe_z_loss_coef` if the router logits grow",
+    "under expert parallelism the rank holding the busiest expert sets the pace: lower `parallel.ep` (more ranks "
+    "share each expert's tokens through FSDP instead)",
+    "in the engine, `rollout.expert_placement=tp` shards every expert over its ranks, so a hot expert no longer "
+    "waits on one rank",
 ]
 
 
@@ -200,9 +207,19 @@ def findings(records: list[dict[str, Any]]) -> list[Finding]:
                                list(MFU_ADVICE[role])))
     load = _mean(rows, EXPERT_LOAD)
     if load is not None and load >= EXPERT_IMBALANCE:
-        out.append(Finding("expert imbalance", f"the busiest expert carries {load:.2f}x the mean load (threshold "
-                                               f"{EXPERT_IMBALANCE:.0f}x: 90% busy against 30%)", list(EXPERT_ADVICE)))
+        out.append(Finding("expert imbalance", f"the busiest expert carries {load:.2f}x the mean load{_worst(rows)} "
+                                               f"(threshold {EXPERT_IMBALANCE:.0f}x: 90% busy against 30%)",
+                           list(EXPERT_ADVICE)))
     return out
+
+
+def _worst(rows: list[dict[str, Any]]) -> str:
+    """' in MoE layer i' for the layer whose mean moe/load_max_over_mean/layer_<i> is the highest, '' without them."""
+    layers = {k for r in rows for k in r if k.startswith(EXPERT_LOAD + "/layer_")}
+    if not layers:
+        return ""
+    worst = max(sorted(layers), key=lambda k: _mean(rows, k))
+    return f" in MoE layer {worst.rsplit('_', 1)[1]}"
 
 
 def comm_line(rows: list[dict[str, Any]]) -> str:
