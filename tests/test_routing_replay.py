@@ -271,3 +271,10 @@ def test_expert_imbalance_advice_is_fed_by_the_trainers_load_and_names_the_worst
     assert found.what.startswith("the busiest expert carries 3.50x the mean load in MoE layer 3 (threshold 3x")
     assert any("`algo.moe_aux_loss_coef`" in a for a in found.advice)
     assert bn.findings([{**rec, "moe/load_max_over_mean": 2.9}]) == []
+
+
+def test_step_cost_counts_an_moe_models_active_experts():
+    from relayrl.controller.step_cost import StepCost
+
+    shape = StepCost(RunConfig(), CFG, peaks={}).shape
+    assert shape.intermediate_size == K * CFG.moe_intermediate_size  # top-2 experts of width 16, not the config's 64

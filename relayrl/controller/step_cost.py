@@ -45,7 +45,7 @@ import torch
 
 from relayrl.controller.config import RunConfig
 from relayrl.engine.outputs import RequestOutput, SampleCost
-from relayrl.models.config import ModelShape
+from relayrl.models.config import ModelShape, MoEShape
 from relayrl.models.flops import forward_flops, generate_flops, lora_train_flops, train_flops
 from relayrl.observe.peak import matmul_peak
 from relayrl.parallel.device import resolve_device
@@ -104,7 +104,8 @@ class StepCost:
     """Collects the step's samples (add) and turns them and the trained batch into the step's metrics."""
 
     def __init__(self, cfg: RunConfig, shape: ModelShape, peaks: dict[str, tuple[float, int]] | None = None):
-        self.cfg, self.shape = cfg, ModelShape.of(shape)
+        # an MoE model's FLOPs per token are those of its active shape (k experts' width, the router aside)
+        self.cfg, self.shape = cfg, shape.active_shape() if isinstance(shape, MoEShape) else ModelShape.of(shape)
         self.peaks = role_peaks(cfg) if peaks is None else peaks
         self.samples: list[SampleCost] = []
         self.counted = True  # every sample so far came with its cost
