@@ -166,6 +166,29 @@ def _train_case(world_size, degrees, dp_mode, config, ac, gather_logits, sp):
     return out
 
 
+def _reshard_case(world_size):
+    """FSDP 2: which parameters are whole (not sharded DTensors) after a no-grad forward, after a training
+    forward (the last layer and the root stay gathered for backward), and after its backward."""
+    dims = ParallelDims(dp_shard=world_size, world_size=world_size)
+    mesh = dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = parallelize_model(build_model("qwen3_tied"), dims, mesh)
+    ids, attn, _ = global_batch()
+
+    def whole():
+        return sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor))
+
+    out = {}
+    with torch.no_grad():
+        model(ids, attention_mask=attn)
+    out["no_grad"] = whole()
+    logits = model(ids, attention_mask=attn)
+    out["forward"] = whole()
+    logits.float().pow(2).mean().backward()
+    out["backward"] = whole()
+    return out
+
+
 def _collectives_case(world_size):
     """f / g / gather / scatter / SP pair: forward and backward against the single-process math."""
     rank, group = dist.get_rank(), None
@@ -267,6 +290,7 @@ def _cases_for(world_size):
     if world_size == 2:
         cases["collectives"] = (_collectives_case, ())
         cases["vocab_parallel_logprobs"] = (_vocab_case, (0.7,))
+        cases["reshard"] = (_reshard_case, ())
     return cases
 
 
@@ -330,6 +354,15 @@ def test_vocab_parallel_logprobs_match_full_vocab():
 
 
 # ---------------------------------------------------------------- single-process checks
+
+
+def test_fsdp_keeps_the_last_layer_and_root_gathered_for_backward_only():
+    last = tiny_config("qwen3_tied").num_hidden_layers - 1
+    for r in _case_results(2, "reshard"):
+        assert r["no_grad"] == [] and r["backward"] == []
+        assert r["forward"] and all(n.startswith(f"model.layers.{last}.") or not n.startswith("model.layers.")
+                                    for n in r["forward"]), r["forward"]
+        assert "model.embed_tokens.weight" in r["forward"] and f"model.layers.{last}.mlp.up_proj.weight" in r["forward"]
 
 
 def test_parallel_dims_validates_degrees():

@@ -12,7 +12,10 @@ FSDP grouping (one all-gather / reduce-scatter per group):
     fully_shard(root)                             gathered again in backward — but not the last layer's
                                                   nor the root's (torchtitan's default policy): backward
                                                   starts with them, so freeing them after forward would
-                                                  only all-gather them again at once
+                                                  only all-gather them again at once; a
+                                                  no-grad forward (old-logprob, reference and
+                                                  canary passes) has no backward to reshard
+                                                  them, so the root does it after its forward
       └─ embed_tokens, norm, lm_head — and a tied lm_head.weight IS embed_tokens.weight, one
          parameter in one group, so the tie survives sharding (its two gradient contributions are
          accumulated before the root group's single reduce-scatter).
@@ -23,6 +26,7 @@ single_controller, the trainer, the engine, ...): they import it.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -56,6 +60,7 @@ def apply_fsdp(
     for i, layer in enumerate(layers):
         fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)
+    model.register_forward_hook(_reshard_after_no_grad_forward)  # after FSDP's own post-forward hook
     if grad_reduce == "sum":
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -63,6 +68,16 @@ def apply_fsdp(
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _reshard_after_no_grad_forward(model: nn.Module, _args, output):
+    """Without a backward to come, the groups kept unsharded after forward are resharded at once (else a frozen
+    reference model would hold them whole for good, and the sync would read whole tensors for shards)."""
+    if not torch.is_grad_enabled():
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    return output
 
 
 def _allreduce_sum_hook(group, bucket):
