@@ -323,9 +323,11 @@ def test_refusals():
         ParallelDims(ep=0)
     dims = ParallelDims(dp_shard=2, cp=2, ep=4, world_size=4)  # ep borrows dp_shard x cp
     assert dims.efsdp == 1 and dims.ep_enabled and dims.world_size == 4
-    with pytest.raises(ConfigError, match="parallel.ep=1"):
-        ParallelConfig.from_dict({"ep": 2})  # the trainer does not build its dims with ep yet
-    assert ParallelConfig.from_dict({"ep": 1}).ep == 1
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 must divide parallel.dp_shard=1 \(expert parallelism "):
+        ParallelConfig.from_dict({"ep": 2})  # a run's ep borrows dp_shard (tests/test_moe_run.py runs it)
+    with pytest.raises(ConfigError, match="parallel.ep=2 with parallel.tp=2"):
+        ParallelConfig.from_dict({"dp_shard": 2, "tp": 2, "ep": 2})
+    assert ParallelConfig.from_dict({"dp_shard": 2, "ep": 2}).ep == 2
 
 
 def test_checkpoint_saved_on_ep_ranks_loads_on_one_process_and_back():
