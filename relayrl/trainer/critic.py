@@ -38,12 +38,15 @@ class Critic(Actor):
 
     def __init__(self, model: ScoreModel, cfg: TrainerConfig, algo: AlgoConfig, *, total_steps: int, seed: int = 0,
                  dims: ParallelDims | None = None):
+        # the value model neither replays routing nor adds the routers' losses (the actor's settings)
+        algo = algo.model_copy(update=dict(routing_replay=False, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0))
         super().__init__(model, cfg, algo, total_steps=total_steps, temperature=1.0, seed=seed, dims=dims)
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         return self.per_token(batch, lambda mb: token_values(self.model, mb.input_ids, mb.attention_mask))
 
-    def loss(self, mb: TrainBatch, num_tokens: torch.Tensor, num_seqs: float) -> tuple[torch.Tensor, dict]:
+    def loss(self, mb: TrainBatch, num_tokens: torch.Tensor, num_seqs: float,
+             router_share: float | None = None) -> tuple[torch.Tensor, dict]:
         with self._autocast():
             v = token_values(self.model, mb.input_ids, mb.attention_mask).float()
         return value_loss(v, mb.values, mb.returns, mb.response_mask, clip=self.algo.value_clip,
