@@ -17,7 +17,12 @@ update reports about it, and the routers' auxiliary losses.
 The auxiliary losses of a micro-batch are computed on its own real tokens and weighted by its share of the
 mini-batch's real tokens (global over data-parallel ranks): the z-loss, a mean over tokens, is then exactly the
 mini-batch's; load balancing (a product of two means) is the token-weighted mean of the micro-batches' values,
-as Megatron-LM takes it per micro-batch, and exactly the mini-batch's with one micro-batch on one rank.
+as Megatron-LM takes it per micro-batch, and exactly the mini-batch's with one micro-batch on one rank (so it, and
+its figure moe/aux_loss, depend on how the rows are cut; moe/z_loss and the z-loss's gradient do not).
+
+moe/routing_mismatch is measured in the update's forwards: with one optimiser step per batch (old_logp from the
+update) those run at the weights that sampled; with several mini-batches the later ones also count the routing the
+earlier steps moved.
 
 It imports torch and relayrl.models only; like all of the trainer, it must never import the engine, sync, the
 controller or the CLI.
