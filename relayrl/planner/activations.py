@@ -28,7 +28,9 @@ q = a*hd, kv = kv_heads*hd, per layer:
     scores: sdpa (flash / memory-efficient)      4 a s b / t (fp32 logsumexp; no s x s kept)
             eager                                e a s^2 b / t (softmax output; no dropout)
     sdpa's attention mask                        e b s^2 (the boolean mask made additive in the query's dtype,
-                                                 torch's convert_boolean_attn_mask, in every layer)
+                                                 torch's convert_boolean_attn_mask, in every layer; padded
+                                                 rows: full rows run the causal kernel and keep none, so the
+                                                 plan is an upper bound for them)
 
 LoRA (relayrl.models.lora, frozen base, fp32 adapters, no LoRA dropout): autograd keeps what a trained
 tensor's gradient needs, so the frozen norms keep only their rsqrt (not the normalised x), a frozen linear's
