@@ -165,9 +165,9 @@ def test_moe_shapes_keep_their_names():
 
 def test_placements_that_do_not_divide_are_refused():
     cfg = dataclasses.replace(_cfg("mixtral"), num_experts=3, moe_intermediate_size=5)
-    with pytest.raises(ConfigError, match=r"must divide the number of experts \(3\)"):
+    with pytest.raises(ConfigError, match=r"does not divide the number of experts \(3\)"):
         plan_sync(cfg, TrainerLayout(), EngineLayout(2, "ep"))
-    with pytest.raises(ConfigError, match=r"must divide the experts' width \(5\)"):
+    with pytest.raises(ConfigError, match=r"does not divide the experts' width \(5\)"):
         plan_sync(cfg, TrainerLayout(), EngineLayout(2, "tp"))
     with pytest.raises(ConfigError, match="expert_placement must be one of tp, ep"):
         EngineLayout(2, "experts")

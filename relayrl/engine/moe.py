@@ -54,9 +54,9 @@ from relayrl.engine.linear import ColumnParallelLinear, RowParallelLinear
 from relayrl.engine.parallel_state import TPInfo
 from relayrl.errors import TensorParallelError
 from relayrl.models.config import ModelConfig, MoEShape
-from relayrl.models.moe import moe_block_name
+from relayrl.models.moe import EXPERT_PLACEMENTS, expert_split_problem, moe_block_name
 
-PLACEMENTS = ("tp", "ep")
+PLACEMENTS = EXPERT_PLACEMENTS
 
 # a published expert tensor: (layer prefix, block, expert, projection)
 EXPERT_NAME = re.compile(r"^(layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\."
@@ -81,19 +81,10 @@ def check_expert_placement(cfg: ModelConfig, tp: int, placement: str) -> None:
     """Refuse a placement the model's experts cannot be split by (a TensorParallelError naming the size)."""
     if placement not in PLACEMENTS:
         raise TensorParallelError(f"expert_placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-    if not isinstance(cfg, MoEShape):
-        return
-    if placement == "tp" and cfg.moe_intermediate_size % tp:
-        raise TensorParallelError(f"tensor_parallel_size {tp} does not divide the experts' width "
-                                  f"({cfg.moe_intermediate_size}) for expert_placement 'tp'; choose a divisor, "
-                                  f"or expert_placement 'ep'")
-    if placement == "ep" and cfg.num_experts % tp:
-        raise TensorParallelError(f"tensor_parallel_size {tp} does not divide the number of experts "
-                                  f"({cfg.num_experts}) for expert_placement 'ep'; choose a divisor, or "
-                                  f"expert_placement 'tp'")
-    if cfg.shared_expert_intermediate_size % tp:
-        raise TensorParallelError(f"tensor_parallel_size {tp} does not divide shared_expert_intermediate_size "
-                                  f"({cfg.shared_expert_intermediate_size}); choose a divisor of it")
+    if (what := expert_split_problem(cfg, tp, placement)) is not None:
+        other = {"tp": "ep", "ep": "tp"}[placement]
+        raise TensorParallelError(f"tensor_parallel_size {tp} does not divide {what}; choose a divisor"
+                                  + ("" if what.startswith("shared") else f", or expert_placement '{other}'"))
 
 
 def expert_shard(num_experts: int, width: int, tp: TPInfo, placement: str) -> tuple[range, range]:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relayrl.models.config import MoEConfig
+from relayrl.models.config import MoEConfig, MoEShape
 
 
 class Routing:
@@ -220,3 +220,21 @@ def unstack_experts(sd: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str, to
             else:
                 out[f"{prefix}.{j}.{down}.weight"] = t[j]
     return out
+
+
+EXPERT_PLACEMENTS = ("tp", "ep")  # how engine ranks split experts: each expert's width, or whole experts
+
+
+def expert_split_problem(cfg, tp: int, placement: str) -> str | None:
+    """What `tp` ranks do not divide when they split the model's experts by `placement` (a placement of
+    EXPERT_PLACEMENTS), or None when they can; a dense model always can. The engine and the sync plan each say
+    it in their own error: "<tp> does not divide " + this."""
+    if not isinstance(cfg, MoEShape):
+        return None
+    if placement == "tp" and cfg.moe_intermediate_size % tp:
+        return f"the experts' width ({cfg.moe_intermediate_size}) for expert_placement 'tp'"
+    if placement == "ep" and cfg.num_experts % tp:
+        return f"the number of experts ({cfg.num_experts}) for expert_placement 'ep'"
+    if cfg.shared_expert_intermediate_size % tp:
+        return f"shared_expert_intermediate_size ({cfg.shared_expert_intermediate_size})"
+    return None

@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 from relayrl.errors import ConfigError
 from relayrl.models.config import ModelShape, MoEShape
+from relayrl.models.moe import EXPERT_PLACEMENTS, expert_split_problem
 from relayrl.sync.boxes import Box
 
-PLACEMENTS = ("tp", "ep")
+PLACEMENTS = EXPERT_PLACEMENTS
 
 
 @dataclass(kw_only=True, unsafe_hash=True)
@@ -101,17 +102,8 @@ def check_engine_experts(shape: ModelShape, tp: int, placement: str) -> None:
     """Refuse an engine layout the experts cannot be split by (relayrl.engine.moe.check_expert_placement)."""
     if placement not in PLACEMENTS:
         raise ConfigError(f"engine layout expert_placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-    if not isinstance(shape, MoEShape):
-        return
-    if placement == "tp" and shape.moe_intermediate_size % tp:
-        raise ConfigError(f"engine tensor parallel degree {tp} must divide the experts' width "
-                          f"({shape.moe_intermediate_size}) under expert_placement 'tp'")
-    if placement == "ep" and shape.num_experts % tp:
-        raise ConfigError(f"engine tensor parallel degree {tp} must divide the number of experts "
-                          f"({shape.num_experts}) under expert_placement 'ep'")
-    if shape.shared_expert_intermediate_size % tp:
-        raise ConfigError(f"engine tensor parallel degree {tp} must divide shared_expert_intermediate_size "
-                          f"({shape.shared_expert_intermediate_size})")
+    if (what := expert_split_problem(shape, tp, placement)) is not None:
+        raise ConfigError(f"engine tensor parallel degree {tp} does not divide {what}")
 
 
 def engine_moe_pieces(shape: MoESyncShape, tp: int, placement: str, rank: int,
