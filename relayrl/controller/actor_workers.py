@@ -32,6 +32,7 @@ from relayrl.models.score import ScoreModel, from_causal_lm, load_score_model
 from relayrl.observe.comm_profile import CommProfile
 from relayrl.observe.device_memory import device_memory_metrics
 from relayrl.parallel.config import ParallelConfig
+from relayrl.parallel.context_parallel import apply_context_parallel
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
 from relayrl.single_controller.batch import DataBatch
@@ -83,9 +84,10 @@ def critic_model(model_dir: str, cfg: CriticConfig, seed: int) -> ScoreModel:
 class _ParallelModelWorker(Worker):
     def _build_model(self, model_dir: str, par: ParallelConfig, seed: int, trains: bool = True, loader=None):
         self.init_distributed()
+        self.cp = None  # the ContextParallel wrapper when dims.cp > 1 (below)
         torch.manual_seed(seed)
-        self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, ep=par.ep,
-                                 world_size=self.world_size)
+        self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp, tp=par.tp,
+                                 ep=par.ep, world_size=self.world_size)
         mesh = self.dims.build_mesh(self.device.split(":")[0])
         model = loader() if loader is not None else load_pretrained(model_dir)
         # on this worker's device before the optimiser is built. FSDP2 (parallelize_model's data-parallel step
@@ -102,6 +104,9 @@ class _ParallelModelWorker(Worker):
         if left:
             raise RuntimeError(f"after parallelize_model, {len(left)} tensors are not on {self.device} "
                                f"(first: {left[0]}): relayrl.controller.actor_workers expected FSDP to move them")
+        # context parallelism swaps each attention's computation; forwards then go through self.cp
+        self.cp = (apply_context_parallel(model, self.dims.cp_mesh.get_group(), par.cp_mode) if self.dims.cp > 1
+                   else None)
         return model
 
     def dp_info(self) -> DPInfo:
@@ -115,7 +120,7 @@ class ActorWorker(_ParallelModelWorker):
                  temperature: float, seed: int):
         model = self._build_model(model_dir, par, seed, loader=lambda: actor_model(model_dir, trainer_cfg.lora, seed))
         self.actor = Actor(model, trainer_cfg, algo_cfg, total_steps=total_steps, temperature=temperature, seed=seed,
-                           dims=self.dims)
+                           dims=self.dims, cp=self.cp)
         self.engine_runner: ModelRunner | None = None
         self.sync_state: dict[str, Any] = {}
 
@@ -239,7 +244,7 @@ class ReferenceWorker(_ParallelModelWorker):
     def compute_ref_logprobs(self, batch: DataBatch) -> DataBatch:
         # the rows on this rank's device for the forward, the logprobs back on the host to travel
         logp = frozen_logprobs(self.model, to_train(batch).to(self.device), self.temperature, self.micro,
-                               tp_group=self.tp_group, **self.packing)
+                               tp_group=self.tp_group, cp=self.cp, **self.packing)
         return DataBatch({"ref_logp": logp.cpu()})
 
     def teardown(self) -> None:

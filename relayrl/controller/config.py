@@ -246,6 +246,28 @@ class RunConfig(Config):
         return self
 
     @model_validator(mode="after")
+    def _cp_fits(self) -> RunConfig:
+        """parallel.cp > 1 shards padded rows over the sequence, in worker processes, for the actor and reference."""
+        cp, p = self.parallel.cp, self.parallel
+        if cp == 1:
+            return self
+        refusals = [
+            (p.dp_mode != "fsdp", "its gradients are summed by FSDP over dp_shard x cp", "set parallel.dp_mode=fsdp"),
+            (self.trainer.padding_free, "it shards padded rows over the sequence",
+             "set trainer.padding_free=false"),
+            (self.critic is not None, "the critic does not shard its rows over cp", "use cp with GRPO-style runs"),
+            (self.trainer.lora is not None, "LoRA is not wired with it", "remove trainer.lora or set parallel.cp=1"),
+            (self.algo.routing_replay, "the replayed routing is not sharded over cp",
+             "set algo.routing_replay=false or parallel.cp=1"),
+            (p.pp > 1 or p.ep > 1, "pipeline and expert parallelism are not combined with it",
+             "set parallel.pp=1 and parallel.ep=1"),
+        ]
+        for bad, why, fix in refusals:
+            if bad:
+                raise ValueError(f"parallel.cp={cp}: {why}; {fix}")
+        return self
+
+    @model_validator(mode="after")
     def _batch_fits(self) -> RunConfig:
         n = self.rollout.prompts_per_step * self.rollout.group_size
         if self.trainer.mini_batches > n:

@@ -57,6 +57,7 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.observe.loggers import LoggerOptions, require_loggers
 from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
+from relayrl.parallel.context_parallel import check_ulysses_heads
 from relayrl.parallel.device import resolve_device
 from relayrl.parallel.expert_parallel import check_experts_divide
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
@@ -122,7 +123,7 @@ def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: Rollout
         return FullWeightSync(policy, engine, **lora_options(cfg.trainer.lora))
     par = cfg.parallel
     layout = (TrainerLayout() if par.backend == "none"
-              else TrainerLayout(par.tp, par.dp_shard, par.dp_replicate, ep=par.ep))
+              else TrainerLayout(par.tp, par.dp_shard * par.cp, par.dp_replicate, ep=par.ep))  # FSDP: dp_shard x cp
     bf16_base = cfg.trainer.lora is not None and cfg.trainer.lora.base_dtype == "bfloat16"  # the trainer's compute
     # sync_shape keeps an MoE model's experts (ModelShape.of drops them)
     return PlannedWeightSync(policy, engine, shape=sync_shape(load_config(src)), trainer_layout=layout,
@@ -210,6 +211,12 @@ def check_fits_model(cfg: RunConfig, model: ModelConfig) -> None:
         check_tp_divisibility(model, cfg.parallel.tp)
     except ConfigError as e:
         raise ConfigError(f"parallel.tp: {e}") from None
+    if cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "ulysses":
+        try:
+            check_ulysses_heads(model.num_attention_heads // cfg.parallel.tp,
+                                max(1, model.num_key_value_heads // cfg.parallel.tp), cfg.parallel.cp)
+        except ConfigError as e:
+            raise ConfigError(f"parallel.cp_mode: {e}") from None
     if cfg.rollout.backend == "relayrl":
         try:
             check_tp(model.num_attention_heads, model.num_key_value_heads, cfg.rollout.tp, dense_intermediate(model))

@@ -39,9 +39,9 @@ class ParallelConfig(Config):
     dp_shard: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     # context parallelism (relayrl.parallel.context_parallel, the planner's cp / cp_mode): each sequence split
-    # over cp ranks, attending by ring (zigzag ring attention) or ulysses (all-to-all over heads). The model side
-    # exists and is tested against one process; the trainer does not shard its batches over cp yet, so a run
-    # refuses cp > 1
+    # over cp ranks, attending by ring (zigzag ring attention) or ulysses (all-to-all over heads). The cp ranks of
+    # a data-parallel rank take the same rows; FSDP shards over dp_shard x cp. Runs need dp_mode fsdp and padded
+    # rows (trainer.padding_free: false), and have no critic, LoRA, routing replay, pp or ep beside it
     cp: int = Field(1, ge=1)
     cp_mode: Literal["ring", "ulysses"] = "ring"
     # pipeline parallelism (relayrl.parallel.pipeline, the planner's pp / pp_schedule): the decoder layers split
@@ -64,14 +64,6 @@ class ParallelConfig(Config):
     # for heartbeat_timeout_s is reported stopped or hung, and the run stops naming it
     call_timeout_s: CallTimeouts = Field(default_factory=CallTimeouts)
     heartbeat_timeout_s: float | None = Field(30.0, ge=2)
-
-    @field_validator("cp")
-    @classmethod
-    def _cp_not_in_runs(cls, cp: int) -> int:
-        if cp > 1:
-            raise ValueError("context parallelism is not wired into the trainer yet (the model side is "
-                             "relayrl.parallel.context_parallel); set parallel.cp=1")
-        return cp
 
     @field_validator("pp_schedule")
     @classmethod

@@ -196,6 +196,11 @@ class ContextParallel:
             del m.attention_fn
 
     # ---- data
+    @property
+    def seq_multiple(self) -> int:
+        """A sequence length this layout splits evenly must be a multiple of this (2 cp chunks for zigzag)."""
+        return 2 * self.cp if self.layout == "zigzag" else self.cp
+
     def shard(self, x: Tensor, dim: int = 1) -> Tensor:
         """This rank's shard of a per-token tensor (labels, loss masks, advantages per token, ...)."""
         return shard_sequence(x, self.cp, self.rank, self.layout, dim)

@@ -116,8 +116,10 @@ class Worker:
 
 
 def dp_info_from_dims(rank: int, dims: ParallelDims) -> DPInfo:
-    """The DPInfo of `rank` in a ParallelDims layout (tp fastest): dp rank = rank // tp, rep = tp rank 0."""
-    return DPInfo(rank // dims.tp, dims.dp, rank % dims.tp == 0)
+    """The DPInfo of `rank` in a ParallelDims layout (tp fastest, then cp): dp rank = rank // (cp tp); the cp and
+    tp ranks of a data-parallel rank take the same rows, and its cp rank 0, tp rank 0 answers for them."""
+    inner = dims.tp * dims.cp
+    return DPInfo(rank // inner, dims.dp, rank % inner == 0)
 
 
 def construct(cls: type, info: WorkerInfo, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -55,8 +55,9 @@ class Actor:
     gradients are summed over ranks, so every layout takes the single-process step."""
 
     def __init__(self, model: CausalLM, cfg: TrainerConfig, algo: AlgoConfig, *, total_steps: int,
-                 temperature: float = 1.0, seed: int = 0, dims: ParallelDims | None = None):
+                 temperature: float = 1.0, seed: int = 0, dims: ParallelDims | None = None, cp=None):
         self.model = model
+        self.cp = cp  # context parallelism: forwards go through it (relayrl.parallel.context_parallel)
         self.device = module_device(model)  # micro-batches go here; autocast takes its type
         self.cfg, self.algo = cfg, algo
         self.temperature = temperature
@@ -79,7 +80,7 @@ class Actor:
             return self.per_token(b, lambda mb: token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
                 tp_group=self.tp_group, prefix_lens=self._prefix_lens(mb),
-                routing=replay_routing(mb.routing, self.algo.routing_replay))[0])
+                routing=replay_routing(mb.routing, self.algo.routing_replay), cp=self.cp)[0])
 
         return by_prompt(batch, rows) if self.cfg.shares_prefix else rows(batch)
 
@@ -209,7 +210,7 @@ class Actor:
             logp, ent = token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
                                        with_entropy=True, padding_free=self.cfg.padding_free,
                                        tp_group=self.tp_group, entropy_grad=self.algo.entropy_coef != 0,
-                                       prefix_lens=self._prefix_lens(mb), routing=routing)
+                                       prefix_lens=self._prefix_lens(mb), routing=routing, cp=self.cp)
         # no old_logp: this is the batch's only optimiser step (the driver's "update" source), so the proximal
         # policy is these very weights: its logprobs are this forward's, detached
         old = mb.old_logp if mb.old_logp is not None else logp.detach()

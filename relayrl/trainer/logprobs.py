@@ -24,6 +24,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from relayrl.models import CausalLM
@@ -66,6 +67,7 @@ def token_logprobs(
     entropy_grad: bool = True,
     prefix_lens: list[int] | None = None,
     routing: Routing | None = None,
+    cp=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp [B, T], entropy [B, T] or None) for right-padded rows; entropy is that of the
     temperature-scaled distribution at each token's position. entropy_grad=False: the entropy is a
@@ -79,7 +81,14 @@ def token_logprobs(
 
     routing (MoE models): replay [B, T, n_moe, k] in these rows' layout (-1: route), and the record, which comes
     back in these rows' layout too, whatever the forward's: logits [B, T, E], selected [B, T, k] per MoE layer
-    (a shared prompt's tokens read from its one computation in every row that holds it)."""
+    (a shared prompt's tokens read from its one computation in every row that holds it).
+
+    cp (a relayrl.parallel.context_parallel.ContextParallel over the model): padded rows only; this rank computes
+    its shard of the sequence and the logprobs come back whole (see _cp_logprobs)."""
+    if cp is not None:
+        if padding_free or routing is not None:
+            raise ValueError("context parallelism shards padded rows without routing replay: padding_free=False")
+        return _cp_logprobs(cp, input_ids, attention_mask, temperature, with_entropy, tp_group, entropy_grad)
     if padding_free:
         return _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group, entropy_grad,
                                 prefix_lens, routing)
@@ -90,10 +99,26 @@ def token_logprobs(
     return _shift_pad(logp), _shift_pad(ent)
 
 
+def _cp_logprobs(cp, input_ids, attention_mask, temperature, with_entropy, tp_group, entropy_grad):
+    """Context parallel: the rows padded to a multiple of the cp layout's chunks, this rank's slots' next-token
+    logprobs (slot s predicts token s + 1) computed on its shard, then gathered whole on every cp rank. The gather's
+    backward keeps this rank's part, so a loss over the whole rows (global denominators, the same on every cp
+    rank) gives each rank the gradient of its own tokens, and FSDP's sum over dp_shard x cp the full one."""
+    T = input_ids.shape[1]
+    pad = -T % cp.seq_multiple
+    ids, attn = F.pad(input_ids, (0, pad)), F.pad(attention_mask, (0, pad))
+    logits = cp(ids, attention_mask=attn)
+    logp, ent = _from_logits(logits, cp.shard(F.pad(ids[:, 1:], (0, 1))), temperature, with_entropy, tp_group,
+                             entropy_grad)
+    logp = cp.gather(logp)[:, :T - 1]
+    ent = cp.gather(ent)[:, :T - 1] if ent is not None else None
+    return _shift_pad(logp), _shift_pad(ent)
+
+
 @torch.no_grad()
 def frozen_logprobs(model: CausalLM, batch: TrainBatch, temperature: float, micro_batch_size: int, *,
                     padding_free: bool = False, shared_prefix: bool = False, tp_group=None,
-                    routing_replay: bool = False) -> torch.Tensor:
+                    routing_replay: bool = False, cp=None) -> torch.Tensor:
     """A frozen model's logprobs [B, T] of the batch's response tokens (0 elsewhere), in micro-batches of rows
     (the reference model's pass; padding_free and shared_prefix as the trainer's settings; routing_replay: an MoE
     reference routes as the engine did, batch.routing)."""
@@ -104,7 +129,7 @@ def frozen_logprobs(model: CausalLM, batch: TrainBatch, temperature: float, micr
             replay = Routing(replay=mb.routing.long(), record=False) if routing_replay and mb.routing is not None \
                 else None
             logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, padding_free=padding_free,
-                                     tp_group=tp_group, prefix_lens=prefix, routing=replay)
+                                     tp_group=tp_group, prefix_lens=prefix, routing=replay, cp=cp)
             parts.append(logp * mb.response_mask)
         return torch.cat(parts)
 
