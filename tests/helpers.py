@@ -99,6 +99,18 @@ def parity_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+# the tiny transformers MoE configs of the MoE parity tests (models and engine): shared fields, Qwen-MoE's experts
+HF_MOE_COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+HF_QWEN_MOE = dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+
+
+def masked_nll(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, count) -> torch.Tensor:
+    """Sum of the masked tokens' next-token NLL (fp32) over a global count: a loss whose shares sum over ranks."""
+    logp = logits.float().log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1)
+    return -(logp * mask).sum() / count
+
+
 def small_config(**kw) -> ModelConfig:
     """A 2-layer, 4-head (2 KV heads) model; `kw` overrides any field."""
     base = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

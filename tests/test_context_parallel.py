@@ -32,7 +32,7 @@ from relayrl.parallel.parallelize import apply_activation_checkpointing, paralle
 from relayrl.parallel.ring_attention import _pairs
 
 from dist_harness import run_distributed
-from helpers import perturbed_model, small_config
+from helpers import masked_nll, perturbed_model, small_config
 
 CP = 2
 REL = 1e-5  # max |a - b| <= REL * max |b|, fp32
@@ -94,9 +94,7 @@ def next_token(ids, loss_mask):
     return labels, torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], 1)
 
 
-def nll(logits, labels, mask, count):
-    logp = logits.float().log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1)
-    return -(logp * mask).sum() / count
+nll = masked_nll
 
 
 @functools.cache

@@ -14,9 +14,9 @@ from relayrl.models import load_config, load_state_dict
 from relayrl.models.moe import Routing
 from relayrl.models.transformer import CausalLM
 
-COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-QWEN_MOE = dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+from helpers import HF_MOE_COMMON, HF_QWEN_MOE
+
+COMMON, QWEN_MOE = HF_MOE_COMMON, HF_QWEN_MOE
 
 FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, **QWEN_MOE, norm_topk_prob=True),

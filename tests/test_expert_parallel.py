@@ -34,7 +34,7 @@ from relayrl.parallel.expert_parallel import ExpertParallel, apply_expert_parall
 from relayrl.parallel.parallelize import parallelize_model
 
 from dist_harness import run_distributed
-from helpers import perturbed_model, small_config
+from helpers import masked_nll, perturbed_model, small_config
 
 REL = 1e-5  # max |a - b| <= REL * max |b|, fp32
 B, T, E, K = 4, 8, 4, 2
@@ -109,9 +109,7 @@ def replay_of(kind: str) -> torch.Tensor | None:
     return out
 
 
-def nll(logits, labels, mask, count):
-    logp = logits.float().log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1)
-    return -(logp * mask).sum() / count
+nll = masked_nll
 
 
 @functools.cache
