@@ -77,8 +77,9 @@ def _full_batch(n: int = 4, T: int = 6) -> TrainBatch:
     g = torch.Generator().manual_seed(0)
     per_token = {k: torch.randn(n, T, generator=g) for k in ("old_logp", "rollout_logp", "ref_logp", "values",
                                                               "returns")}
+    routing = torch.randint(0, 4, (n, T, 2, 2), generator=g).to(torch.int16)  # an MoE batch's [B, T, n_moe, k]
     return TrainBatch(torch.randint(0, 32, (n, T), generator=g), torch.ones(n, T, dtype=torch.long),
-                      torch.ones(n, T), advantages=torch.randn(n, generator=g), **per_token)
+                      torch.ones(n, T), advantages=torch.randn(n, generator=g), routing=routing, **per_token)
 
 
 def test_batch_to_moves_every_tensor_field_and_keeps_values():
