@@ -16,7 +16,7 @@ from relayrl.controller.run import build_policy
 from relayrl.models import load_pretrained
 from relayrl.models.lora import lora_modules
 from relayrl.trainer.batch import TrainBatch, build_rows
-from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.logprobs import frozen_logprobs
 
 from helpers import cfg_for, random_rows, step_metrics
 
@@ -54,9 +54,10 @@ def _batch(n=8) -> TrainBatch:
 
 
 def _base_logprobs(base_dir, batch, dtype=torch.float32):
+    """A separately loaded base model's logprobs, computed in the trainer's default layout (padding-free rows
+    with shared prompts, one micro-batch of 16 rows) so that bit-equality compares the same arithmetic."""
     base = load_pretrained(base_dir).to(dtype).eval()
-    with torch.no_grad():
-        return token_logprobs(base, batch.input_ids, batch.attention_mask, 1.0)[0].float() * batch.response_mask
+    return frozen_logprobs(base, batch, 1.0, 16, padding_free=True, shared_prefix=True).float()
 
 
 def _first_update(policy, batch) -> tuple[torch.Tensor, dict]:
