@@ -95,7 +95,7 @@ class PackedLayout:
         for b in self.buckets:
             out = attention_fn(qt[b.q_idx].transpose(1, 2), kt[b.k_idx].transpose(1, 2), vt[b.k_idx].transpose(1, 2),
                                b.mask, enable_gqa)  # [S, H, Qmax, D]
-            outs.append(out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])[b.read])
+            outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])[b.read])  # real queries [n, H, D]
         flat = outs[0] if len(outs) == 1 else torch.cat(outs)
         return flat[self.order].transpose(0, 1)[None]
 
