@@ -19,7 +19,6 @@ fp32 trainer pick differently. The tiny model is written by this script (nothing
 from __future__ import annotations
 
 import argparse
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -29,10 +28,7 @@ import torch
 from relayrl.controller.config import RunConfig
 from relayrl.controller.run import train
 from relayrl.data import DataConfig, build_task
-from relayrl.models import CausalLM
-from relayrl.models.config import MoEConfig
-from relayrl.models.hf_io import save_pretrained
-from relayrl.models.tokenizer import build_char_tokenizer
+from relayrl.models.tiny import build_tiny_moe_model
 from relayrl.observe import read_metrics
 
 KEYS = ("mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/k3", "moe/routing_mismatch",
@@ -40,24 +36,8 @@ KEYS = ("mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/k3", "moe/r
 
 
 def build_model(out: Path, router_std: float, seed: int = 0) -> Path:
-    alphabet = build_task(DataConfig(task="arith")).alphabet
-    tok_dir = out.parent / f".tok_{out.name}"
-    tok = build_char_tokenizer(tok_dir, alphabet, model_type="qwen3")
-    cfg = MoEConfig(model_type="qwen3_moe", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
-                    tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_experts=8,
-                    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-    model = CausalLM(cfg)
-    model.reset_parameters(std=0.1, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * router_std)
-    save_pretrained(model, out, tokenizer_dir=tok_dir)
-    shutil.rmtree(tok_dir, ignore_errors=True)
-    return out
+    return build_tiny_moe_model(out, build_task(DataConfig(task="arith")).alphabet, hidden_size=64, num_experts=8,
+                                moe_intermediate_size=32, init_std=0.1, router_std=router_std, seed=seed)
 
 
 def run(src: Path, out_dir: Path, replay: bool, steps: int) -> list[dict]:

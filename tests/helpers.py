@@ -231,28 +231,7 @@ def tiny_moe_dir(path: Path, task: str = "arith", seed: int = 0, router_std: flo
     """A Hugging Face directory of a random 2-layer Qwen3-MoE (4 experts, top-2, hidden 32) with the char tokenizer of
     a built-in task, for runs with model.path (the tiny-model builder makes dense models only). Routers std
     `router_std`: far from uniform, so most tokens' top-k is clear of ties."""
-    import shutil
-
     from relayrl.data import DataConfig, build_task
-    from relayrl.models.config import MoEConfig
-    from relayrl.models.hf_io import save_pretrained
-    from relayrl.models.tokenizer import build_char_tokenizer
+    from relayrl.models.tiny import build_tiny_moe_model
 
-    alphabet = build_task(DataConfig(task=task)).alphabet
-    tok_dir = path.parent / f".tok_{path.name}"
-    tok = build_char_tokenizer(tok_dir, alphabet, model_type="qwen3")
-    cfg = MoEConfig(model_type="qwen3_moe", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
-                    tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_experts=4,
-                    num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
-    model = CausalLM(cfg)
-    model.reset_parameters(std=0.2, seed=seed)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed + 1)
-        for n, p in model.named_parameters():
-            if n.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * router_std)
-    save_pretrained(model, path, tokenizer_dir=tok_dir)
-    shutil.rmtree(tok_dir, ignore_errors=True)
-    return path
+    return build_tiny_moe_model(path, build_task(DataConfig(task=task)).alphabet, router_std=router_std, seed=seed)
