@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from relayrl.engine.sequence import Sequence
+from relayrl.models.router_losses import load_max_over_mean
 
 UNKNOWN = -1  # a token the engine never ran
 
@@ -73,10 +74,8 @@ class RoutingStore:
         """max over MoE layers of max / mean load, over experts (groups 0) or over `groups` equal runs of experts
         (the ranks of an EP placement); 1.0 is perfect balance, 0.0 before any token ran."""
         load = self.load if not groups else self.load.view(self.load.shape[0], groups, -1).sum(-1)
-        mean = load.float().mean(-1)
-        if not bool((mean > 0).any()):
-            return 0.0
-        return float((load.amax(-1).float() / mean.clamp(min=1e-9)).max())
+        ratio = load_max_over_mean(load)
+        return 0.0 if ratio is None else float(ratio.max())
 
     def gather(self, seq: Sequence) -> torch.Tensor:
         """seq's routing [num_tokens, n_moe, k]: its first seq.num_routed rows from its slots, UNKNOWN after."""

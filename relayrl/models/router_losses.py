@@ -101,3 +101,12 @@ def expert_load(selected: torch.Tensor, num_experts: int, attention_mask: torch.
     if attention_mask is not None:
         w = w * attention_mask.reshape(1, B * q, 1).expand(L, B * q, k).reshape(L, -1).to(w)
     return torch.zeros(L, num_experts, device=selected.device).scatter_add_(1, idx, w)
+
+
+def load_max_over_mean(load: torch.Tensor) -> torch.Tensor | None:
+    """Each MoE layer's busiest expert over the mean [n_moe] from a load [n_moe, E] (1 when balanced); None before
+    any token was routed. The trainer's moe/load_max_over_mean and the engine's expert-load figure."""
+    mean = load.float().mean(-1)
+    if not bool((mean > 0).any()):
+        return None
+    return load.amax(-1).float() / mean.clamp(min=1e-9)

@@ -35,7 +35,7 @@ from torch import nn
 
 from relayrl.models.config import MoEShape
 from relayrl.models.moe import Routing
-from relayrl.models.router_losses import expert_load, load_balancing_loss, router_z_loss
+from relayrl.models.router_losses import expert_load, load_balancing_loss, load_max_over_mean, router_z_loss
 
 
 def moe_shape(model: nn.Module) -> MoEShape | None:
@@ -92,10 +92,9 @@ def routed_load(routing: Routing, attention_mask: torch.Tensor, num_experts: int
 def load_metrics(load: torch.Tensor, moe_layers: tuple[int, ...]) -> dict[str, float]:
     """moe/load_max_over_mean (max over MoE layers) and per layer moe/load_max_over_mean/layer_<i> (the model's
     layer index) from the summed load [n_moe, E]; nothing before any token was routed."""
-    mean = load.float().mean(-1)
-    if not bool((mean > 0).any()):
+    ratio = load_max_over_mean(load)
+    if ratio is None:
         return {}
-    ratio = load.amax(-1).float() / mean.clamp(min=1e-9)
     out = {f"moe/load_max_over_mean/layer_{i}": float(r) for i, r in zip(moe_layers, ratio, strict=True)}
     out["moe/load_max_over_mean"] = float(ratio.max())
     return out
