@@ -60,8 +60,9 @@ MoE (relayrl.planner.moe): the router's softmax and top-k weights, the routed co
 moe_intermediate / t and the experts' outputs take the SwiGLU's place (balanced routing assumed); with ep > 1
 the dispatch's send and receive buffers are transient.
 
-Pipeline: a stage keeps the activations of the micro-batches in flight — 1F1B: min(m, pp - stage)
-(pp on the first stage), GPipe: all m.
+Pipeline: a pp rank keeps the activations of the micro-batches in flight on each stage it holds (`in_flight`:
+counted from a micro-batch's forward to its last backward pass on that stage, the weight-gradient one in the
+zero-bubble schedules), at the rank's peak; the activation terms are each stage's layers x its count, summed.
 
 It imports the planner's modules and relayrl.models.config only.
 """
@@ -84,11 +85,38 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return s * b * h * (linear + scores)
 
 
-def in_flight(layout: Layout, m: int, stage: int) -> int:
-    """Micro-batches whose activations a pipeline stage keeps at once."""
-    if layout.pp == 1:
-        return 1
-    return m if layout.pp_schedule == "gpipe" else min(m, layout.pp - stage)
+def in_flight(layout: Layout, m: int, pp_rank: int) -> tuple[int, ...]:
+    """Micro-batches whose activations pp rank r keeps at its peak, per stage it holds (layout.rank_stages(r)
+    order), over m micro-batches on p ranks; k = m // max(1, m // p), the micro-batches of one of torch's rounds:
+
+        gpipe              (m,)                              every forward before any backward
+        1f1b               (min(m, p - r),)                  p - r warm-up forwards (Narayanan et al. 2021)
+        interleaved_1f1b   the first F = min(2m, k + 2 (p - 1 - r) + 1) forwards, dealt to the two stages in
+                           blocks of k (torch's warm-up: (v - 1) k + 2 (p - 1 - r), then one more before the
+                           first backward): rank 0 of p = 4, m = 8 holds (7, 4)
+        interleaved_zb     (k, min(m, p))                    every rank alike (ZB1P keeps 1F1B's memory)
+        zbv                (min(m, 2p - 1 - r), min(m, r + 1))   together 2p: 1F1B's p micro-batches of a full
+                                                             stage (Qi et al. 2023: ZB-V's peak equals 1F1B's)
+        dualpipev          (min(m, 2p - r), min(m, r + 1))    together 2p + 1 chunks (DeepSeek-V3: PP + 1)
+
+    They are the peaks of torch's own action orders, counted in tests/test_plan_pipeline.py."""
+    p, r, name = layout.pp, pp_rank, layout.pp_schedule
+    if p == 1:
+        return (1,)
+    if name == "gpipe":
+        return (m,)
+    if name == "1f1b":
+        return (min(m, p - r),)
+    k = m // max(1, m // p)
+    if name == "interleaved_1f1b":
+        f = min(2 * m, k + 2 * (p - 1 - r) + 1)
+        first = sum(1 for i in range(f) if (i // k) % 2 == 0)
+        return first, f - first
+    if name == "interleaved_zb":
+        return k, min(m, p)
+    if name == "zbv":
+        return min(m, 2 * p - 1 - r), min(m, r + 1)
+    return min(m, 2 * p - r), min(m, r + 1)  # dualpipev
 
 
 def layer_terms(shape: ModelShape, layout: Layout, w: Workload,
@@ -141,16 +169,24 @@ def layer_terms(shape: ModelShape, layout: Layout, w: Workload,
 
 
 def activation_terms(shape: ModelShape, layout: Layout, w: Workload, stage: int) -> list[tuple[str, int, str]]:
+    """The activations pp rank `stage` keeps at its peak: each held stage's layers x its micro-batches in flight."""
     from relayrl.planner.memory import stage_layers
 
     m = w.micro_batches(layout.pp)
-    fly = in_flight(layout, m, stage)
-    n_layers = len(stage_layers(shape.num_hidden_layers, layout.pp, stage))
+    stages = layout.rank_stages(stage)
+    flies = in_flight(layout, m, stage)
+    per_stage = [(len(stage_layers(shape.num_hidden_layers, layout.num_stages, st)), f)
+                 for st, f in zip(stages, flies, strict=True)]
     e, b, t, s = w.act_bytes, w.micro_batch, layout.tp, w.seq / layout.cp
     h = shape.hidden_size
     seq_split = t if layout.sp else 1
-    mult = n_layers * fly
-    where = f"x {n_layers} layers x {fly} micro-batch(es) in flight"
+    mult = sum(n * f for n, f in per_stage)
+    fly = sum(flies)  # forwards in flight: each built its own attention mask
+    if len(stages) == 1:
+        where = f"x {per_stage[0][0]} layers x {flies[0]} micro-batch(es) in flight"
+    else:
+        where = "x (" + " + ".join(f"{n} layers x {f}" for n, f in per_stage) + ") on stages " + \
+                ", ".join(map(str, stages)) + " (layers x micro-batches in flight)"
     out: list[tuple[str, int, str]] = []
     if w.recompute == "full":
         out.append(("layer inputs (full recompute)", int(e * s * b * h / seq_split * mult),
@@ -160,9 +196,10 @@ def activation_terms(shape: ModelShape, layout: Layout, w: Workload, stage: int)
             if name == "attention scores" and w.recompute == "selective":
                 continue  # recomputed in backward: the point of selective recompute
             out.append((name, int(per * mult), f"{why} {where}"))
-    last = stage == layout.pp - 1
+    last = layout.num_stages - 1
     out.append(("attention mask", int(b * s * w.seq * fly), "[b, 1, s, s] bool built once per forward"))
-    if last:
+    if last in stages:
+        fly = flies[stages.index(last)]  # the head's terms: the last stage's micro-batches only
         v = shape.vocab_size
         out += [("log-softmax", int(4 * b * (w.seq - 1) / layout.cp * v / t * fly),
                  f"fp32 b (s - 1) V / t kept by the logprob loss (the last position predicts nothing), V={v}"),
@@ -216,7 +253,7 @@ def transient_terms(shape: ModelShape, layout: Layout, w: Workload, stage: int) 
     if w.recompute == "full":
         one = sum(per for _, per, _ in layer_terms(shape, layout, w))
         out.append(("recomputed layer", int(one), "one layer's activations, rebuilt during its backward"))
-    if stage == layout.pp - 1:
+    if layout.num_stages - 1 in layout.rank_stages(stage):
         v = shape.vocab_size
         out.append(("logits temporaries", int(b * s * v / t * (e + 4)),
                     "logits at the compute dtype and their fp32 copy while log_softmax runs: b s V / t (e + 4)"))

@@ -116,6 +116,17 @@ def _expert_collectives(shape: ModelShape, layout: Layout, w: Workload, net: Net
     return out
 
 
+def pp_sends(layout: Layout) -> int:
+    """Stage boundaries the busiest pp rank sends each micro-batch across (activations forward; as many gradients
+    back): 1 with one stage per rank; 2 under a loop placement (r -> r + 1 and r + p -> r + p + 1); under a V one
+    of rank p - 1's two stages feeds the other on the same rank and rank 0's second stage is the last, so 2 only
+    from pp = 3 (ranks 1 .. p - 2)."""
+    if layout.stages_per_rank == 1:
+        return 1
+    v_style = layout.rank_stages(0)[1] == 2 * layout.pp - 1
+    return 2 if not v_style or layout.pp > 2 else 1
+
+
 def step_collectives(shape: ModelShape, layout: Layout, w: Workload, net: Network,
                      stage_elems: tuple[int, int], n_layers: int,
                      expert_elems: tuple[int, int] = (0, 0)) -> list[Collective]:
@@ -158,8 +169,9 @@ def step_collectives(shape: ModelShape, layout: Layout, w: Workload, net: Networ
                          f"{k} per layer per micro-batch x {n_layers} layers x {m}: 2(t-1)/t x e s b h = {per:,.0f} B"))
     if layout.pp > 1:
         per = e * s * b * h / (t if layout.sp else 1)
-        out.append(_coll("pp p2p", layout, ("pp",), 2 * m * per, net, False,
-                         f"activations forward and gradients back: 2 m x {per:,.0f} B"))
+        hops = pp_sends(layout)
+        out.append(_coll("pp p2p", layout, ("pp",), 2 * hops * m * per, net, False,
+                         f"activations forward and gradients back: 2 x {hops} stage boundaries x m x {per:,.0f} B"))
     if layout.cp > 1:
         c = layout.cp
         kv = shape.num_key_value_heads * shape.head_dim

@@ -14,7 +14,7 @@ Hardware FLOPs add recomputation: full +2 N + 4 L q s (a second forward), select
 attention core's forward). MFU counts model FLOPs only; the step's tokens are dp x m x b x s.
 
     compute   = hardware FLOPs / (world x peak x kernel_efficiency)
-    pipeline  = compute / (1 - bubble),   bubble = (p - 1) / (m + p - 1)
+    pipeline  = compute / (1 - bubble),   bubble: the schedule's idle share of the step (`bubble`, below)
     step      = max(pipeline + TP / CP / PP communication, data-parallel communication)
                 (data-parallel collectives overlap the compute; the others sit on its critical path)
     MFU       = model FLOPs / (step x world x peak)
@@ -65,8 +65,52 @@ def flops_per_token(shape: ModelShape, w: Workload) -> tuple[float, float]:
 
 
 def bubble(layout: Layout, m: int) -> float:
+    """The share of a step a pipeline rank idles: bubble time / (bubble time + the rank's compute), for p ranks
+    and m micro-batches, with a stage's forward F, input-gradient backward B and weight-gradient backward W of
+    equal time (a full backward B + W = 2 F: the published analyses' assumption) and free communication:
+
+        gpipe, 1f1b        (p - 1) / (m + p - 1)           the classic fill and drain (Huang et al. 2019;
+                                                           Narayanan et al. 2021 for 1F1B: same bubble)
+        interleaved_1f1b   (p - 1) / (v m + p - 1)          Narayanan et al. 2021: v = 2 stages per rank cut
+                                                           the fill and drain to 1/v
+        interleaved_zb     (p - 1) / (3 v m + p - 1)        ZB-H1 (Qi et al. 2023): bubble (p - 1)(F + B - W)
+                                                           = (p - 1) F, on v = 2 chunks of half a stage each
+                                                           (torch's ScheduleInterleavedZeroBubble is ZB1P)
+        zbv                (p - 1) / (3 v m + p - 1)        ZB-V (Qi et al. 2023, section 6): every gap is
+                                                           filled by deferred W passes except the V's fill,
+                                                           (p - 1) chunk forwards on the last rank. The paper's
+                                                           "zero bubble" also hides that fill, by overlapping
+                                                           the next step (its optimizer post-validation);
+                                                           torch steps the optimizer after the schedule, so it
+                                                           stays
+        dualpipev          (p - 1) / (3 m + p - 1)          DeepSeek-V3 (DualPipe, table 2): bubble
+                                                           (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages and
+                                                           chunk times F = B_in = W = 1, B = 2 (full backward),
+                                                           F&B = F + B = 3 (overlapping a forward with a backward
+                                                           hides communication, not compute): 2 (p - 1) against
+                                                           a rank's 6 m
+
+    These are the idle shares of torch's own action orders (torch.distributed.pipelining's pipeline_order)
+    simulated at those unit times, checked in tests/test_plan_pipeline.py for m >= p (interleaved) and
+    m >= 2p (zbv). Below those torch's orders cannot fill their fill and drain, and the planner uses the
+    1F1B figure, an upper bound of every simulated case (zbv at m = p: 0.20 simulated, 0.43 planned, p = 4).
+    Measured idle on a CPU (benchmarks/RESULTS.md 'Pipeline parallelism') is higher: each schedule action and
+    each hop has a fixed cost, and the split-backward schedules run twice as many actions."""
     p = layout.pp
-    return (p - 1) / (m + p - 1) if p > 1 else 0.0
+    if p == 1:
+        return 0.0
+    layout.check_schedule(m)
+    name, v = layout.pp_schedule, layout.stages_per_rank
+    classic = (p - 1) / (m + p - 1)
+    if name in ("gpipe", "1f1b"):
+        return classic
+    if name == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1) if m >= p else classic
+    if name == "interleaved_zb":
+        return (p - 1) / (3 * v * m + p - 1) if m >= p else classic
+    if name == "zbv":
+        return (p - 1) / (3 * v * m + p - 1) if m >= 2 * p else classic
+    return (p - 1) / (3 * m + p - 1)  # dualpipev (m >= 2p: check_schedule)
 
 
 @dataclass

@@ -19,6 +19,21 @@ dp_mode says what the dp_shard group shards (ZeRO stages; DeepSpeed's names):
     zero2   the optimizer state and the gradients
     fsdp    everything: params too (ZeRO-3; FSDP2's fully_shard; HSDP with dp_replicate > 1)
 
+Pipeline schedules (pp_schedule; relayrl.parallel.pipeline runs them with torch.distributed.pipelining):
+
+    schedule            stages per rank   placement on pp rank r       torch's rule on m micro-batches
+    gpipe               1                 r                            -
+    1f1b                1                 r                            m >= p
+    interleaved_1f1b    2                 loop: r, r + p               m % max(1, m // p) == 0
+    interleaved_zb      2                 loop: r, r + p               m % max(1, m // p) == 0
+    zbv                 2                 v: r, 2p - 1 - r             -
+    dualpipev           2                 v: r, 2p - 1 - r             m >= 2p (the number of stages)
+
+and every one of the p x stages-per-rank stages needs a decoder layer. The table is
+relayrl.parallel.pipeline_stages.SCHEDULE_STAGES (which the planner may not import: it plans without the
+parallel layer), checked equal to it in tests/test_plan_pipeline.py. Under a V placement rank 0 holds the first
+stage (the embedding) and the last (the final norm and lm_head). With pp = 1 the schedule plays no part.
+
 It imports relayrl.errors only.
 """
 
@@ -29,7 +44,16 @@ from dataclasses import dataclass
 from relayrl.errors import ConfigError
 
 DP_MODES = ("ddp", "zero1", "zero2", "fsdp")
-PP_SCHEDULES = ("1f1b", "gpipe")
+# name -> (stages per rank, placement): relayrl.parallel.pipeline_stages.SCHEDULE_STAGES
+SCHEDULE_STAGES = {
+    "gpipe": (1, "loop"),
+    "1f1b": (1, "loop"),
+    "interleaved_1f1b": (2, "loop"),
+    "interleaved_zb": (2, "loop"),
+    "zbv": (2, "v"),
+    "dualpipev": (2, "v"),
+}
+PP_SCHEDULES = tuple(SCHEDULE_STAGES)
 CP_MODES = ("ring", "ulysses")
 
 
@@ -66,6 +90,50 @@ class Layout:
             raise ConfigError(f"ep={self.ep} takes its ranks from the shard group (dp_shard x cp = "
                               f"{self.dp_shard * self.cp}, dp_mode {self.dp_mode}): it needs a sharding dp_mode "
                               "(zero1, zero2, fsdp) and ep dividing dp_shard x cp")
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank holds (1 without a pipeline)."""
+        return SCHEDULE_STAGES[self.pp_schedule][0] if self.pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def rank_stages(self, pp_rank: int) -> tuple[int, ...]:
+        """The stage indices pp rank `pp_rank` holds, in the order its schedule runs them (the table above)."""
+        p, v = self.pp, self.stages_per_rank
+        if not 0 <= pp_rank < p:
+            raise ConfigError(f"pp rank {pp_rank} out of range for pp={p}")
+        if v == 1:
+            return (pp_rank,)
+        if SCHEDULE_STAGES[self.pp_schedule][1] == "v":
+            return pp_rank, 2 * p - 1 - pp_rank
+        return tuple(pp_rank + s * p for s in range(v))
+
+    def schedule_error(self, m: int, num_layers: int | None = None) -> str | None:
+        """Why this pipeline cannot run m micro-batches over num_layers decoder layers (torch's rules, the table
+        above), or None when it can."""
+        p, name = self.pp, self.pp_schedule
+        if p == 1:
+            return None
+        if num_layers is not None and self.num_stages > num_layers:
+            return (f"pp={p} with {name} makes {self.num_stages} stages ({self.stages_per_rank} per rank), more than "
+                    f"the model's {num_layers} decoder layers")
+        if name == "1f1b" and m < p:
+            return f"1f1b needs micro-batches >= pp: {m} < {p} (torch's Schedule1F1B)"
+        if name == "dualpipev" and m < 2 * p:
+            return f"dualpipev needs micro-batches >= stages (2 x pp = {2 * p}), got {m} (torch's ScheduleDualPipeV)"
+        if name in ("interleaved_1f1b", "interleaved_zb") and m % max(1, m // p):
+            torch_name = "Interleaved1F1B" if name == "interleaved_1f1b" else "InterleavedZeroBubble"
+            return (f"{name} needs micro-batches a multiple of its rounds max(1, m // pp) = {max(1, m // p)}, "
+                    f"got m={m} (torch's Schedule{torch_name})")
+        return None
+
+    def check_schedule(self, m: int, num_layers: int | None = None) -> None:
+        err = self.schedule_error(m, num_layers)
+        if err:
+            raise ConfigError(f"layout {self.describe()}: {err}")
 
     @property
     def world_size(self) -> int:

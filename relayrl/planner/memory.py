@@ -1,10 +1,12 @@
 """Per-rank training memory: parameters, gradients and optimizer state counted tensor by tensor,
 activations and transient buffers from relayrl.planner.activations.
 
-Which tensors a rank holds (pipeline stage s of pp, TP rank t): the model's logical tensors
-(relayrl.sync.layout.logical_tensors, tied embeddings counted once) of the stage's decoder layers,
-the embedding on stage 0, the final norm and lm_head on the last (a tied embedding is then held on
-both: the last stage keeps its own copy for the lm_head), each as its TP-local block
+Which tensors a rank holds (pp rank q, TP rank t): the model's logical tensors
+(relayrl.sync.layout.logical_tensors, tied embeddings counted once) of the decoder layers of every stage q
+holds (layout.rank_stages: one, or two under the interleaved and V schedules, each stage's layers
+relayrl.models.stage's even split of the layers over pp x stages-per-rank stages), the embedding with stage
+0, the final norm and lm_head with the last (a tied embedding is then held on both: the last stage keeps its
+own copy for the lm_head, so a V schedule's rank 0, which holds both, holds it twice), each as its TP-local block
 (relayrl.sync.layout.trainer_holdings: the trainer's TP plan; norms, o_proj / down_proj biases
 replicated). Then, per tensor of TP-local shape [d0, ...] (rest = the other dims' product), over the
 shard group of n = dp_shard x cp ranks, shard index k:
@@ -106,22 +108,38 @@ def _layer_index(name: str) -> int | None:
     return None
 
 
+def rank_layers(num_layers: int, layout: Layout, pp_rank: int) -> list[int]:
+    """Decoder layers pp rank `pp_rank` holds: those of every stage it holds (layout.rank_stages), in that order."""
+    return [i for st in layout.rank_stages(pp_rank) for i in stage_layers(num_layers, layout.num_stages, st)]
+
+
+def _pipe(layout: Layout) -> tuple[int, str]:
+    """(pp, schedule) as the cached tables key them: the schedule only matters when there is a pipeline."""
+    return layout.pp, layout.pp_schedule if layout.pp > 1 else "1f1b"
+
+
 def stage_tensors(shape: ModelShape, layout: Layout, workload: Workload, stage: int, t: int):
-    """(name, TP-local shape, trained) of what pipeline stage `stage`, TP rank t holds."""
-    return _stage_tensors(shape, layout.tp, layout.pp, layout.ep, adapter_shape(shape, workload), stage, t)
+    """(name, TP-local shape, trained) of what pp rank `stage` (layout.coords' 'stage'), TP rank t holds: the
+    tensors of every pipeline stage it holds."""
+    return _stage_tensors(shape, layout.tp, _pipe(layout), layout.ep, adapter_shape(shape, workload), stage, t)
 
 
 @lru_cache(maxsize=1024)
-def _stage_tensors(shape: ModelShape, tp: int, pp: int, ep: int, lora: AdapterShape | None, stage: int, t: int):
-    if pp > shape.num_hidden_layers:
-        raise ConfigError(f"pp={pp} exceeds the model's {shape.num_hidden_layers} layers")
+def _stage_tensors(shape: ModelShape, tp: int, pipe: tuple[int, str], ep: int, lora: AdapterShape | None,
+                   stage: int, t: int):
+    pp, schedule = pipe
+    lay = Layout(pp=pp, pp_schedule=schedule)
+    if lay.num_stages > shape.num_hidden_layers:
+        raise ConfigError(f"pp={pp} with {schedule} makes {lay.num_stages} pipeline stages, more than the model's "
+                          f"{shape.num_hidden_layers} layers")
     moe = isinstance(shape, MoEShape)
     if ep > 1 and not moe:
         raise ConfigError(f"ep={ep}: this model is dense (no experts to shard); use ep=1")
     if moe and lora is not None:
         raise ConfigError("LoRA on an MoE model is not planned (per-expert adapters): plan it without --lora-rank")
-    layers = stage_layers(shape.num_hidden_layers, pp, stage)
-    last = stage == pp - 1
+    stages = lay.rank_stages(stage)
+    layers = set(rank_layers(shape.num_hidden_layers, lay, stage))
+    first, last = 0 in stages, lay.num_stages - 1 in stages
     out = []
     # an MoE model's attention, norms and embeddings are the dense model's; its (unused) dense MLP width need
     # not divide by tp, so the dense tensors come from the shape with the experts' width
@@ -131,30 +149,29 @@ def _stage_tensors(shape: ModelShape, tp: int, pp: int, ep: int, lora: AdapterSh
         if moe and i is not None and ".mlp." in name:
             continue  # the dense MLP's place is taken by the router and experts below
         if i is not None:
-            keep = i in layers
-        elif name == "model.embed_tokens.weight":
-            keep = stage == 0 or (last and shape.tie_word_embeddings)  # the last stage's lm_head copy
+            copies = int(i in layers)
+        elif name == "model.embed_tokens.weight":  # the first stage's, and the last stage's lm_head copy if tied
+            copies = int(first) + int(last and shape.tie_word_embeddings and lay.num_stages > 1)
         else:  # model.norm.weight, lm_head.weight
-            keep = last
-        if keep:
-            trained = lora is None or ".lora_" in name
-            out.append((name, shp, trained))
+            copies = int(last)
+        trained = lora is None or ".lora_" in name
+        out += [(name, shp, trained)] * copies
     if moe:  # EP rank 0's experts: every EP rank holds as many, of the same shapes
-        out += [(name, shp, True) for i in layers for name, shp in moe_layer_tensors(shape, i, tp, ep, 0)]
+        out += [(name, shp, True) for i in sorted(layers) for name, shp in moe_layer_tensors(shape, i, tp, ep, 0)]
     return tuple(out)
 
 
 def stage_groups(shape: ModelShape, layout: Layout, workload: Workload, stage: int, t: int):
     """stage_tensors grouped: ((TP-local shape, trained), count) — what the per-rank arithmetic needs,
     without walking every layer's tensors again for each layout."""
-    return _stage_groups(shape, layout.tp, layout.pp, layout.ep, adapter_shape(shape, workload), stage, t)
+    return _stage_groups(shape, layout.tp, _pipe(layout), layout.ep, adapter_shape(shape, workload), stage, t)
 
 
 @lru_cache(maxsize=1024)
-def _stage_groups(shape, tp, pp, ep, lora, stage, t):
+def _stage_groups(shape, tp, pipe, ep, lora, stage, t):
     """((shape, trained, expert), count): expert tensors are sharded over the expert FSDP group only."""
     counts: dict[tuple[tuple[int, ...], bool, bool], int] = {}
-    for name, shp, trained in _stage_tensors(shape, tp, pp, ep, lora, stage, t):
+    for name, shp, trained in _stage_tensors(shape, tp, pipe, ep, lora, stage, t):
         key = (shp, trained, ep > 1 and is_expert_tensor(name))
         counts[key] = counts.get(key, 0) + 1
     return tuple(counts.items())
@@ -164,14 +181,14 @@ def stage_summary(shape: ModelShape, layout: Layout, workload: Workload, stage: 
     """[all, trained] TP-local elements of: the whole stage, its largest decoder layer, the non-layer
     tensors (embedding, norm, lm_head), and the stage's experts (under ep > 1; sharded over the expert FSDP
     group, not the whole shard group) — for FSDP's gathers and the collectives' sizes."""
-    return _stage_summary(shape, layout.tp, layout.pp, layout.ep, adapter_shape(shape, workload), stage)
+    return _stage_summary(shape, layout.tp, _pipe(layout), layout.ep, adapter_shape(shape, workload), stage)
 
 
 @lru_cache(maxsize=1024)
-def _stage_summary(shape, tp, pp, ep, lora, stage):
+def _stage_summary(shape, tp, pipe, ep, lora, stage):
     whole, root, experts = [0, 0], [0, 0], [0, 0]
     per_layer: dict[int, list[int]] = {}
-    for name, shp, trained in _stage_tensors(shape, tp, pp, ep, lora, stage, 0):
+    for name, shp, trained in _stage_tensors(shape, tp, pipe, ep, lora, stage, 0):
         n = _numel(shp)
         i = _layer_index(name)
         accs = [whole, root if i is None else per_layer.setdefault(i, [0, 0])]
@@ -247,6 +264,7 @@ def train_memory(shape: ModelShape, layout: Layout, workload: Workload, rank: in
     from relayrl.planner.activations import activation_terms, transient_terms
 
     shape = plan_shape(shape)
+    layout.check_schedule(workload.micro_batches(layout.pp), shape.num_hidden_layers)
     if rank is None:
         candidates = [layout.rank_of(stage=s) for s in range(layout.pp)]
         return max((train_memory(shape, layout, workload, r) for r in candidates), key=lambda m: m.total)

@@ -3,7 +3,9 @@ engine's TP degrees; colocated or disaggregated.
 
 Training layouts: every factorisation gpus = pp x dp_replicate x dp_shard x cp x tp with tp inside a node
 and dividing the model (heads, KV heads, intermediate and vocab sizes: the trainer's TP plan), sp on and
-off, dp_mode ddp / zero1 / zero2 / fsdp, HSDP (fsdp with dp_replicate > 1), and for MoE models every EP degree
+off, with pp > 1 every pipeline schedule that can run the step's micro-batches over the model's layers
+(Layout.schedule_error: torch's rules, e.g. dualpipev needs m >= 2 pp, the two-stage schedules 2 pp layers),
+dp_mode ddp / zero1 / zero2 / fsdp, HSDP (fsdp with dp_replicate > 1), and for MoE models every EP degree
 dividing the shard group and the experts (relayrl.planner.moe). A layout fits when its
 largest rank's total <= gpu_mem; those are ranked by MFU (tokens per second per GPU), the rest listed by
 how far they are over.
@@ -21,8 +23,8 @@ from relayrl.errors import ConfigError
 from relayrl.models.config import ModelShape, MoEShape
 from relayrl.planner.comm import Collective, Network, step_collectives
 from relayrl.planner.compute import StepTime, step_time
-from relayrl.planner.layout import Layout
-from relayrl.planner.memory import TrainMemory, adapter_shape, stage_layers, stage_summary, train_memory
+from relayrl.planner.layout import PP_SCHEDULES, Layout
+from relayrl.planner.memory import TrainMemory, adapter_shape, rank_layers, stage_summary, train_memory
 from relayrl.planner.moe import MOE_PRESETS, mlp_widths, plan_shape
 from relayrl.planner.rollout import GIB, Engine, RolloutOption, placement, rollout_options
 from relayrl.planner.workload import Workload
@@ -85,30 +87,47 @@ def preset_shape(name: str) -> ModelShape:
                       "or pass --model DIR")
 
 
-def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq: int) -> list[Layout]:
+def schedules(shape: ModelShape, pp: int, m: int) -> list[str]:
+    """The pipeline schedules that can run m micro-batches on pp ranks over the model's layers (all one with pp 1)."""
+    if pp == 1:
+        return ["1f1b"]
+    return [name for name in PP_SCHEDULES
+            if Layout(pp=pp, pp_schedule=name).schedule_error(m, shape.num_hidden_layers) is None]
+
+
+def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq: int, m: int = 8) -> list[Layout]:
+    """Every layout of the module docstring; m: micro-batches per step (which pipeline schedules can run)."""
     out = []
     for pp in _divisors(gpus):
-        if pp > shape.num_hidden_layers:
+        for sched in schedules(shape, pp, m):
+            out += _layouts_of_pipeline(shape, gpus, gpus_per_node, seq, pp, sched)
+    return out
+
+
+def _layouts_of_pipeline(shape: ModelShape, gpus: int, gpus_per_node: int, seq: int, pp: int,
+                         sched: str) -> list[Layout]:
+    out: list[Layout] = []
+    if pp > shape.num_hidden_layers:
+        return out
+    for tp in _divisors(gpus // pp):
+        if tp > gpus_per_node or not tp_ok(shape, tp):
             continue
-        for tp in _divisors(gpus // pp):
-            if tp > gpus_per_node or not tp_ok(shape, tp):
+        for cp in _divisors(gpus // (pp * tp)):
+            if seq % cp or cp > 1 and seq // cp < 128:
                 continue
-            for cp in _divisors(gpus // (pp * tp)):
-                if seq % cp or cp > 1 and seq // cp < 128:
-                    continue
-                dp = gpus // (pp * tp * cp)
-                sps = (False, True) if tp > 1 else (False,)
-                for sp in sps:
-                    common = dict(tp=tp, sp=sp, pp=pp, cp=cp)
-                    out.append(Layout(dp_replicate=dp, dp_shard=1, dp_mode="ddp", **common))
-                    for mode in ("zero1", "zero2", "fsdp"):
-                        if dp * cp > 1:  # a shard group to shard over
-                            for ep in (1, *ep_degrees(shape, dp * cp)):
-                                out.append(Layout(dp_shard=dp, dp_mode=mode, ep=ep, **common))
-                    for r in _divisors(dp):
-                        if 1 < r < dp:
-                            for ep in (1, *ep_degrees(shape, dp // r * cp)):
-                                out.append(Layout(dp_replicate=r, dp_shard=dp // r, dp_mode="fsdp", ep=ep, **common))
+            dp = gpus // (pp * tp * cp)
+            sps = (False, True) if tp > 1 else (False,)
+            for sp in sps:
+                common = dict(tp=tp, sp=sp, pp=pp, cp=cp, pp_schedule=sched)
+                out.append(Layout(dp_replicate=dp, dp_shard=1, dp_mode="ddp", **common))
+                for mode in ("zero1", "zero2", "fsdp"):
+                    if dp * cp > 1:  # a shard group to shard over
+                        for ep in (1, *ep_degrees(shape, dp * cp)):
+                            out.append(Layout(dp_shard=dp, dp_mode=mode, ep=ep, **common))
+                for r in _divisors(dp):
+                    if 1 < r < dp:
+                        for ep in (1, *ep_degrees(shape, dp // r * cp)):
+                            out.append(Layout(dp_replicate=r, dp_shard=dp // r, dp_mode="fsdp", ep=ep, **common))
     return out
 
 
@@ -117,12 +136,13 @@ def evaluate(shape: ModelShape, layout: Layout, w: Workload, gpu_mem: int, net: 
     mem = train_memory(shape, layout, w)
     stage = layout.coords(mem.rank)["stage"] if mem.rank is not None else 0
     elems, _, _, experts = stage_summary(shape, layout, w, stage)
-    n_layers = len(stage_layers(shape.num_hidden_layers, layout.pp, stage))
+    n_layers = len(rank_layers(shape.num_hidden_layers, layout, stage))
     colls = step_collectives(shape, layout, w, net, elems, n_layers, experts)
     exposed = sum(c.seconds for c in colls if not c.overlapped)
     overlapped = sum(c.seconds for c in colls if c.overlapped)
     t = step_time(shape, layout, w, peak_tflops, exposed, overlapped, efficiency)
-    degrees = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "sp", "pp", "cp", "ep", "dp_mode")}
+    degrees = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "sp", "pp", "cp", "ep", "dp_mode",
+                                               "pp_schedule")}
     return TrainOption(layout.describe(), degrees, mem, mem.total <= gpu_mem, max(0, mem.total - gpu_mem), colls, t)
 
 
@@ -143,7 +163,8 @@ def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_g
     net = Network(per_node, intra_bw, inter_bw)
     peak = peak_tflops if peak_tflops is not None else PEAK_TFLOPS[w.dtype]
     mem = int(gpu_mem_gib * GIB)
-    opts = [evaluate(shape, lay, w, mem, net, peak, efficiency) for lay in layouts(shape, gpus, per_node, w.seq)]
+    opts = [evaluate(shape, lay, w, mem, net, peak, efficiency)
+            for lay in layouts(shape, gpus, per_node, w.seq, w.micro_batches(1))]
     # throughput, not step time, ranks them: layouts differ in tokens per step (CP and PP shrink dp)
     fit = sorted((o for o in opts if o.fits), key=lambda o: (-o.time.mfu, o.memory.total))
     over = sorted((o for o in opts if not o.fits), key=lambda o: o.over_bytes)
@@ -158,7 +179,9 @@ def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_g
         f"seq {w.seq} x micro-batch {w.micro_batch}; Korthikanti et al. 2022 adapted to RMSNorm/SwiGLU/GQA "
         "(relayrl.planner.activations)",
         f"{w.micro_batches(1)} micro-batches per optimizer step on every layout (--micro-batches); "
-        "pipeline bubble (p-1)/(m+p-1)",
+        "pipeline bubble per schedule at equal forward, input- and weight-gradient times (gpipe / 1f1b "
+        "(p-1)/(m+p-1), interleaved_1f1b (p-1)/(2m+p-1), interleaved_zb and zbv (p-1)/(6m+p-1), dualpipev "
+        "(p-1)/(3m+p-1): relayrl.planner.compute.bubble)",
         f"network: {net.describe()}; rank order tp, cp, dp_shard, dp_replicate, pp",
         f"compute: {peak:g} TFLOP/s peak per GPU ({peak_note}) x kernel efficiency {efficiency:g}; "
         "data-parallel communication overlaps compute, TP/CP/PP communication does not",
