@@ -17,7 +17,6 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import _ComputationType as Op
 
 from relayrl.errors import ConfigError
@@ -86,7 +85,9 @@ def _simulate(name: str, p: int, m: int) -> tuple[float, list[tuple[int, int]]]:
     """torch's action order for `name` at unit times (F = B_input = W = 1, a full backward 2): the mean idle share
     of the ranks over the step, and each rank's per-stage micro-batches in flight (F to its last backward) at its
     peak (counted in the rank's action order)."""
-    ops = [[a for a in rank if a is not None] for rank in get_schedule_ops(TORCH_NAMES[name], p, m, 2)]
+    # torch's private helper that builds a schedule over mock stages: skip, not fail, if a torch release drops it
+    viz = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
+    ops = [[a for a in rank if a is not None] for rank in viz.get_schedule_ops(TORCH_NAMES[name], p, m, 2)]
     cost = {Op.FORWARD: 1, Op.FULL_BACKWARD: 2, Op.BACKWARD_INPUT: 1, Op.BACKWARD_WEIGHT: 1}
     last = 2 * p - 1
     done: dict[tuple[str, int, int], float] = {}
