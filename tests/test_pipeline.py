@@ -8,8 +8,9 @@ micro-batch losses sum to the single-process loss and their gradients to its gra
 The 4-rank compositions (pp 2 x FSDP 2, pp 2 x TP 2) are slow: one more launch.
 
 Beside the numerics: the split by hand (which names on which rank), a sharded checkpoint saved on pp = 2 loaded
-on one process and one saved on one process loaded on pp = 2 (bit for bit), the weight-sync plan reading each
-tensor from the pipeline rank that holds it, and the refusals.
+on one process and on pp = 2 again, and one saved on one process loaded on pp = 2 (bit for bit; a tied model's
+lm_head copy too, which one process holds as the embedding itself), the weight-sync plan reading each tensor from
+the pipeline rank that holds it, and the refusals.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from relayrl.algorithms import AlgoConfig, policy_objective
-from relayrl.checkpoint import load_distributed, save_distributed
+from relayrl.checkpoint import CheckpointError, load_distributed, save_distributed
 from relayrl.errors import ConfigError
 from relayrl.models.stage import merge_stages, split_model, stage_layers
 from relayrl.parallel.config import PP_SCHEDULES, ParallelConfig
@@ -194,13 +195,18 @@ def _ckpt_rank(rank, world_size, root, pp1_ckpt):
         merged = merge_stages(pipe.modules)
         path = save_distributed(f"{root}/pp2_{schedule}", 1, merged, opt)
         # a pp = 1 checkpoint loaded onto this layout (other weights until loaded)
-        fresh = Pipeline(split_model(perturbed_model(small_config(**CONFIGS["llama4"]), seed=3),
-                                     *rank_stages(dims, schedule)), dims, schedule)
-        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-        load_distributed(pp1_ckpt, merge_stages(fresh.modules), fresh_opt)
-        out[schedule] = dict(path=str(path), saved=_full_state(merged, opt),
-                             loaded=_full_state(merge_stages(fresh.modules), fresh_opt))
+        loaded = [_ckpt_fresh(dims, schedule, p) for p in (pp1_ckpt, path)]
+        out[schedule] = dict(path=str(path), saved=_full_state(merged, opt), loaded=loaded[0], resumed=loaded[1])
     return out
+
+
+def _ckpt_fresh(dims, schedule, path, config="llama4"):
+    """A pipeline of other weights and an AdamW of another lr, loaded from `path`: its full state and lr."""
+    fresh = Pipeline(split_model(perturbed_model(small_config(**CONFIGS[config]), seed=3),
+                                 *rank_stages(dims, schedule)), dims, schedule)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    load_distributed(path, merge_stages(fresh.modules), fresh_opt)
+    return _full_state(merge_stages(fresh.modules), fresh_opt), fresh_opt.param_groups[0]["lr"]
 
 
 def _half_rows(dims):  # data parallelism: dp rank d trains rows [4d, 4d + 4) of the 8
@@ -285,7 +291,8 @@ def test_composes_with_fsdp_and_tp(case):
 
 
 def test_checkpoint_saved_on_one_pp_degree_loads_on_another(tmp_path):
-    """pp = 1 → pp = 2 (one stage per rank, and two) and pp = 2 → pp = 1: model and AdamW state by name, bit for bit."""
+    """pp = 1 → pp = 2 (one stage per rank, and two), pp = 2 → pp = 2 (resume) and pp = 2 → pp = 1: model and AdamW
+    state by name, bit for bit, and the checkpoint's lr on every rank (a tied model: the tests below)."""
     model = build("llama4")
     ids, attn, *_ = batch()
 
@@ -300,14 +307,22 @@ def test_checkpoint_saved_on_one_pp_degree_loads_on_another(tmp_path):
     for schedule in CKPT_SCHEDULES:
         held = set()
         for rank, r in enumerate(results):
-            params, optim = r[schedule]["loaded"]  # pp 1 → this rank's stages
+            (params, optim), lr = r[schedule]["loaded"]  # pp 1 → this rank's stages
             held |= set(params)
+            assert lr == 1e-2, (schedule, rank, lr)
             assert optim.keys() == params.keys()
             for n, t in params.items():
                 assert torch.equal(t, params1[n]), (schedule, rank, n)
                 for f, v in optim[n].items():
                     assert torch.equal(v, optim1[n][f]), (schedule, rank, n, f)
         assert held == set(params1)
+        for rank, r in enumerate(results):  # pp 2 → pp 2: every rank's state as it saved it, and the lr
+            (params, optim), lr = r[schedule]["resumed"]
+            saved_params, saved_optim = r[schedule]["saved"]
+            assert params.keys() == saved_params.keys() and lr == 1e-2, (schedule, rank, lr)
+            for n, t in params.items():
+                assert torch.equal(t, saved_params[n]), (schedule, rank, n)
+                assert all(torch.equal(v, saved_optim[n][f]) for f, v in optim[n].items()), (schedule, rank, n)
         # pp 2 → one process: every tensor as the rank that held it had it
         single = perturbed_model(small_config(**CONFIGS["llama4"]), seed=3)
         single_opt = torch.optim.AdamW(single.parameters(), lr=1e-2)
@@ -321,6 +336,219 @@ def test_checkpoint_saved_on_one_pp_degree_loads_on_another(tmp_path):
         # and the pipeline's step is the single process's (to Adam's rounding of equal-to-1e-5 gradients)
         for n, t in params.items():
             assert (t - params1[n]).abs().max() <= 1e-4, (schedule, n)
+
+
+# ---------------------------------------------------------------- a tied model's checkpoints across pp degrees
+# One process holds the tied weight once (`model.embed_tokens.weight`, which `lm_head.weight` is) with one AdamW
+# state; at pp = 2 the last stage holds its own copy as `lm_head.weight`, with its own state: on the other rank
+# (1f1b, interleaved_1f1b) or on the same one (zbv's V placement). A pp = 1 checkpoint gives the copy the
+# embedding's weight and state; a pp = 2 one loads into one process (the copy's entries redundant) and into pp = 2
+# again (resume), also under the other placement of the copies.
+TIED = "qwen3_tied5"
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+TIED_CKPT_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
+HEAD_RANK = {"1f1b": 1, "interleaved_1f1b": 1, "zbv": 0}  # the pp rank holding the lm_head copy (embed: rank 0)
+
+
+def _canonical(name: str) -> str:
+    return EMBED if name == HEAD else name
+
+
+def _tied_rank(rank, world_size, root, pp1_ckpt):
+    dims = ParallelDims(pp=PP, world_size=world_size)
+    dims.build_mesh("cpu")
+    out = {}
+    for schedule in TIED_CKPT_SCHEDULES:
+        pipe = Pipeline(split_model(build(TIED), *rank_stages(dims, schedule)), dims, schedule)
+        opt = _trained(pipe, lambda pipe=pipe: _pipeline_step(pipe))
+        merged = merge_stages(pipe.modules)
+        path = save_distributed(f"{root}/pp2_{schedule}", 1, merged, opt)
+        out[schedule] = dict(path=str(path), saved=_full_state(merged, opt),
+                             from_pp1=_ckpt_fresh(dims, schedule, pp1_ckpt, TIED),  # pp 1 → pp 2
+                             resumed=_ckpt_fresh(dims, schedule, path, TIED))  # pp 2 → pp 2, same schedule
+    # the copies on two ranks → both on rank 0, and back
+    out["1f1b->zbv"] = _ckpt_fresh(dims, "zbv", out["1f1b"]["path"], TIED)
+    out["zbv->1f1b"] = _ckpt_fresh(dims, "1f1b", out["zbv"]["path"], TIED)
+    return out
+
+
+@functools.cache
+def _tied_pp1():
+    """The one-process model and its AdamW after one GRPO step (the tied weight: one parameter, one state)."""
+    model = build(TIED)
+    ids, attn, *_ = batch()
+
+    def single_step():
+        logp, ent = token_logprobs(model, ids, attn, with_entropy=True)
+        objective(torch.arange(len(ids)), logp, ent)[0].backward()
+
+    opt = _trained(model, single_step)
+    return model, opt
+
+
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tied")
+    model, opt = _tied_pp1()
+    pp1 = save_distributed(root / "pp1", 1, model, opt)
+    return _full_state(model, opt), run_distributed(_tied_rank, PP, str(root), str(pp1), timeout=240.0)
+
+
+def _assert_state_equal(state, ref, what, one_process=False):
+    """Every tensor of `state` (params, optim) equals ref's under its canonical name when ref lacks its own."""
+    params, optim = state
+    ref_params, ref_optim = ref
+    # every parameter has AdamW state, a pipeline's copy included; one process: the tied weight once
+    assert optim.keys() == params.keys() - ({HEAD} if one_process else set()), what
+    for n, t in params.items():
+        assert torch.equal(t, ref_params[n if n in ref_params else _canonical(n)]), (what, n)
+        if n not in optim:
+            continue
+        ref_state = ref_optim[n if n in ref_optim else _canonical(n)]
+        assert optim[n].keys() == ref_state.keys() == {"exp_avg", "exp_avg_sq", "step"}, (what, n)
+        for f, v in optim[n].items():
+            assert torch.equal(v, ref_state[f]), (what, n, f)
+
+
+def _merged_saved(results, key):
+    """One name → tensor view over the ranks' saved states; a tensor two ranks both hold must agree."""
+    params, optim = {}, {}
+    for r in results:
+        p, o = r[key]["saved"]
+        for n, t in p.items():
+            assert n not in params or torch.equal(params[n], t), (key, n)
+        params |= p
+        optim |= o
+    return params, optim
+
+
+@pytest.mark.parametrize("schedule", TIED_CKPT_SCHEDULES)
+def test_tied_pp1_checkpoint_loads_on_pp2(tied_runs, schedule):
+    """pp 1 → pp 2: each rank's tensors are the one process's; the lm_head copy takes the embedding's weight and
+    AdamW state (exp_avg, exp_avg_sq, step), on the rank the schedule puts it; lr comes from the checkpoint."""
+    (params1, optim1), results = tied_runs
+    assert HEAD not in optim1 and EMBED in optim1  # one process: one state for the tied weight
+    held = set()
+    for rank, r in enumerate(results):
+        state, lr = r[schedule]["from_pp1"]
+        assert (HEAD in state[0]) == (rank == HEAD_RANK[schedule]), (schedule, rank)
+        assert (EMBED in state[0]) == (rank == 0), (schedule, rank)
+        _assert_state_equal(state, (params1, optim1), f"{schedule} rank {rank} from pp1")
+        assert lr == 1e-2, (schedule, rank, lr)
+        held |= set(state[0])
+    assert held == set(params1)
+
+
+@pytest.mark.parametrize("schedule", TIED_CKPT_SCHEDULES)
+def test_tied_pp2_checkpoint_resumes_and_loads_on_pp1(tied_runs, schedule):
+    """pp 2 → pp 2 (resume): every rank's state as saved; pp 2 → one process: the tied weight and its state as
+    the pipeline had them (its two copies equal, so the copy's entries are redundant)."""
+    (params1, _), results = tied_runs
+    for rank, r in enumerate(results):
+        state, lr = r[schedule]["resumed"]
+        _assert_state_equal(state, r[schedule]["saved"], f"{schedule} rank {rank} resumed")
+        assert lr == 1e-2, (schedule, rank, lr)
+    saved_params, saved_optim = _merged_saved(results, schedule)
+    # the pipeline kept its copies equal (their gradients summed), and stepped as one process did
+    assert torch.equal(saved_params[HEAD], saved_params[EMBED])
+    assert all(torch.equal(v, saved_optim[EMBED][f]) for f, v in saved_optim[HEAD].items())
+    for n, t in saved_params.items():
+        assert (t - params1[n]).abs().max() <= 1e-4, (schedule, n)
+
+    single = perturbed_model(small_config(**CONFIGS[TIED]), seed=3)
+    single_opt = torch.optim.AdamW(single.parameters(), lr=1e-3)
+    load_distributed(results[0][schedule]["path"], single, single_opt)
+    assert single.lm_head.weight is single.model.embed_tokens.weight  # still tied
+    params, optim = _full_state(single, single_opt)
+    _assert_state_equal((params, optim), (saved_params, saved_optim), f"{schedule} to pp1", one_process=True)
+    assert single_opt.param_groups[0]["lr"] == 1e-2
+
+
+@pytest.mark.parametrize("case", ["1f1b->zbv", "zbv->1f1b"])
+def test_tied_checkpoint_moves_between_placements(tied_runs, case):
+    """The copies on two ranks (1f1b) → both on rank 0 (zbv), and back: every tensor as saved, by name."""
+    _, results = tied_runs
+    saved = _merged_saved(results, case.split("->")[0])
+    for rank, r in enumerate(results):
+        _assert_state_equal(r[case][0], saved, f"{case} rank {rank}")
+
+
+# pp 2 x FSDP 2 / TP 2 (4 ranks, slow): the copy's reads as DTensor shards, on its own rank and beside the embedding
+TIED_COMPOSED = {"fsdp2_zbv": (dict(dp_shard=2), "zbv"), "tp2_1f1b": (dict(tp=2), "1f1b")}
+
+
+def _tied_parallel(dims, mesh, schedule, seed):
+    pipe = Pipeline(split_model(perturbed_model(small_config(**CONFIGS[TIED]), seed=seed),
+                                *rank_stages(dims, schedule)), dims, schedule)
+    for module in pipe.modules:
+        parallelize_model(module, dims, mesh, gather_logits=True)
+    return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+
+
+def _tied_rank4(rank, world_size, root, pp1_ckpt):
+    out = {}
+    for name, (degrees, schedule) in TIED_COMPOSED.items():
+        dims = ParallelDims(pp=PP, world_size=world_size, **degrees)
+        mesh = dims.build_mesh("cpu")
+        pipe, opt = _tied_parallel(dims, mesh, schedule, seed=3)
+        load_distributed(pp1_ckpt, merge_stages(pipe.modules), opt)  # pp 1 → pp 2 x (FSDP | TP)
+        loaded = _full_state(merge_stages(pipe.modules), opt)
+        opt.zero_grad()
+        _pipeline_step(pipe)  # every dp rank the same rows
+        opt.step()
+        path = save_distributed(f"{root}/{name}", 1, merge_stages(pipe.modules), opt)
+        resumed, resumed_opt = _tied_parallel(dims, mesh, schedule, seed=4)
+        load_distributed(path, merge_stages(resumed.modules), resumed_opt)  # and again on this layout
+        out[name] = dict(loaded=loaded, saved=_full_state(merge_stages(pipe.modules), opt),
+                         resumed=_full_state(merge_stages(resumed.modules), resumed_opt))
+    return out
+
+
+@pytest.mark.slow
+def test_tied_checkpoint_composes_with_fsdp_and_tp(tmp_path):
+    """pp 1 → pp 2 x FSDP 2 (zbv: the copy beside the embedding) and pp 2 x TP 2 (1f1b), then a resume on that
+    layout: every rank's full tensors as one process's / as saved, bit for bit."""
+    model, opt = _tied_pp1()
+    pp1 = save_distributed(tmp_path / "pp1", 1, model, opt)
+    ref = _full_state(model, opt)
+    results = run_distributed(_tied_rank4, 4, str(tmp_path), str(pp1), timeout=300.0)
+    for name in TIED_COMPOSED:
+        held = set()
+        for rank, r in enumerate(results):
+            _assert_state_equal(r[name]["loaded"], ref, f"{name} rank {rank} from pp1")
+            _assert_state_equal(r[name]["resumed"], r[name]["saved"], f"{name} rank {rank} resumed")
+            held |= set(r[name]["loaded"][0])
+        assert held == set(ref[0]), name
+
+
+def test_tied_checkpoint_into_untied_model_is_one_error(tmp_path):
+    """A tied model's checkpoint (one state for both names) into an untied model: one CheckpointError line."""
+    model, opt = _tied_pp1()
+    path = save_distributed(tmp_path, 1, model, opt)
+    untied = perturbed_model(small_config(**{**CONFIGS[TIED], "tie_word_embeddings": False}))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings") as e:
+        load_distributed(path, untied, torch.optim.AdamW(untied.parameters()))
+    assert "\n" not in str(e.value)
+
+
+def test_missing_optimizer_state_is_one_error(tmp_path):
+    """Optimizer state the checkpoint lacks: one CheckpointError naming it (saved with SGD, loaded with AdamW: the
+    hyperparameters; saved before a parameter trained: its state)."""
+    model = perturbed_model(small_config(**CONFIGS["llama4"]))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "model.norm.weight"])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    adamw.step()
+    sgd_ckpt = save_distributed(tmp_path / "sgd", 1, model, sgd)
+    adamw_ckpt = save_distributed(tmp_path / "adamw", 1, model, adamw)
+    model.zero_grad(set_to_none=True)
+    for path, match in ((sgd_ckpt, r"no \['amsgrad', 'betas', .*\] for optimizer param group 0"),
+                        (adamw_ckpt, r"no optimizer state '\w+' for 'model.norm.weight'")):
+        with pytest.raises(CheckpointError, match=match) as e:
+            load_distributed(path, model, torch.optim.AdamW(model.parameters()))
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zbv"])

@@ -14,6 +14,12 @@ names every tensor by its fully-qualified parameter name (`model.layers.0.self_a
 no FSDP / TP wrapper prefixes) and keys optimizer state by that name instead of by position. The
 tensors are DTensors under FSDP / TP, and DCP records each shard as a box in the global tensor; a
 load asks for the boxes of the current layout and DCP reads the intersecting chunks from the files.
+Two things are the layout's, not the checkpoint's: which parameters an optimizer param group holds (DCP keeps
+one rank's list of names; a load keeps each rank's own, and takes each group's lr, betas, ... from the
+checkpoint), and a tied model's lm_head copy on the last pipeline stage, which one process holds as the
+embedding itself (one optimizer state): without entries of its own it reads the embedding's
+(relayrl.checkpoint.tied). Anything the current model or optimizer wants that the checkpoint lacks is one
+CheckpointError line naming it, before any shard is read.
 
 The write, and who does what (ranks of the default process group):
 
@@ -83,6 +89,7 @@ from relayrl.checkpoint.manifest import file_digest, verify_checkpoint
 from relayrl.checkpoint.safe_dcp import SHARD_FILE, dcp_load, load_dcp_metadata
 from relayrl.checkpoint.space import check_free_space, expected_bytes, is_out_of_space, out_of_space_error, state_bytes
 from relayrl.checkpoint.statefile import encode_state, read_state, state_file_names
+from relayrl.checkpoint.tied import plan_reads
 from relayrl.errors import UserError
 
 DCP_FORMAT = "dcp"
@@ -279,17 +286,33 @@ def read_meta(path: str | os.PathLike[str], *, checksums: bool = False) -> dict[
 
 
 def check_model_entries(path: Path, model_sd: Mapping[str, Any], index: Metadata) -> None:
-    """Every tensor the model wants is in the checkpoint's index, with the same global shape (else UserError)."""
+    """Every tensor the model wants is in the checkpoint's index, with its global shape (else one CheckpointError)."""
     saved = index.state_dict_metadata
     for fqn, tensor in model_sd.items():
         entry = saved.get(f"{MODEL_KEY}.{fqn}")
         if not isinstance(entry, TensorStorageMetadata):
             have = sorted(k[len(MODEL_KEY) + 1:] for k in saved if k.startswith(MODEL_KEY + "."))
-            raise UserError(f"checkpoint {path} has no tensor {fqn!r} (it has {len(have)} model tensors, e.g. "
-                            f"{have[:3]}): it was saved from a different model")
+            raise CheckpointError(f"checkpoint {path} has no tensor {fqn!r} (it has {len(have)} model tensors, "
+                                  f"e.g. {have[:3]}): it was saved from a different model")
         if tuple(entry.size) != tuple(tensor.shape):
-            raise UserError(f"checkpoint {path}: {fqn!r} has shape {tuple(entry.size)}, the model's is "
-                            f"{tuple(tensor.shape)}: the model config differs from the saved run's")
+            raise CheckpointError(f"checkpoint {path}: {fqn!r} has shape {tuple(entry.size)}, the model's is "
+                                  f"{tuple(tensor.shape)}: the model config differs from the saved run's")
+
+
+def check_optimizer_entries(path: Path, optim_sd: Mapping[str, Any], index: Metadata) -> None:
+    """Every optimizer state tensor and hyperparameter the optimizer wants is in the checkpoint's index (else one
+    CheckpointError)."""
+    saved = index.state_dict_metadata
+    for i, group in enumerate(optim_sd["param_groups"]):
+        missing = sorted(k for k in group if k != "params" and f"{OPTIMIZER_KEY}.param_groups.{i}.{k}" not in saved)
+        if missing:
+            raise CheckpointError(f"checkpoint {path} has no {missing} for optimizer param group {i}: it was saved "
+                                  "with another optimizer or other param groups")
+    for fqn, fields in optim_sd["state"].items():
+        for field, value in fields.items():
+            if isinstance(value, torch.Tensor) and f"{OPTIMIZER_KEY}.state.{fqn}.{field}" not in saved:
+                raise CheckpointError(f"checkpoint {path} has no optimizer state {field!r} for {fqn!r}: it was saved "
+                                      "from a different model or optimizer, or without that parameter training")
 
 
 def load_distributed(
@@ -311,11 +334,20 @@ def load_distributed(
     if optimizer is not None and not meta.get("has_optimizer", True):
         raise UserError(f"checkpoint {path} holds no optimizer state; load it without an optimizer")
     state = _state(model, optimizer)
-    check_model_entries(path, state[MODEL_KEY], index)
+    # a tied weight's copy without entries of its own reads the embedding's (relayrl.checkpoint.tied)
+    request, after_load = plan_reads(path, model, state, index.state_dict_metadata)
+    check_model_entries(path, request[MODEL_KEY], index)
+    if optimizer is not None:
+        check_optimizer_entries(path, request[OPTIMIZER_KEY], index)
+    # which parameters a group holds is this layout's (DCP kept one rank's list of names): ours are put back
+    groups = [g["params"] for g in state[OPTIMIZER_KEY]["param_groups"]] if optimizer is not None else []
     # DCP reads, for each tensor, the saved chunks that overlap this rank's shard, into it in place.
-    dcp_load(state, path, index, no_dist=not _distributed())
+    dcp_load(request, path, index, no_dist=not _distributed())
+    after_load()
     if optimizer is None:
         set_model_state_dict(model, state[MODEL_KEY])
     else:
+        for group, params in zip(state[OPTIMIZER_KEY]["param_groups"], groups, strict=True):
+            group["params"] = params
         set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY])
     return extra
