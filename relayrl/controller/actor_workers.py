@@ -10,7 +10,9 @@ engine's ranks) and the reference model.
     CriticWorker      one rank of PPO's value model (laid out like the actor): compute_values, update,
                       checkpoints beside the actor's
 
-Both build their model the same way (load, then parallelize_model by `parallel.*`). TrainBatch and
+Both build their model the same way (load, then parallelize_model by `parallel.*`; with parallel.pp > 1 the
+model is first cut into this rank's pipeline stages, each parallelized, and `model` is their merge under the full
+model's names, run through `pipe`). TrainBatch and
 DataBatch convert field by field (`to_data` / `to_train`): DataBatch is what crosses processes.
 
 Like the rest of the controller, this module may import any layer below the CLI; it must never import
@@ -29,12 +31,14 @@ from relayrl.errors import ModelDirError
 from relayrl.models import load_pretrained
 from relayrl.models.lora import apply_lora_config
 from relayrl.models.score import ScoreModel, from_causal_lm, load_score_model
+from relayrl.models.stage import merge_stages, split_model
 from relayrl.observe.comm_profile import CommProfile
 from relayrl.observe.device_memory import device_memory_metrics
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.context_parallel import apply_context_parallel
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
+from relayrl.parallel.pipeline import Pipeline, rank_stages
 from relayrl.single_controller.batch import DataBatch
 from relayrl.single_controller.dispatch import Dispatch, DPInfo, dispatch
 from relayrl.single_controller.worker import Worker, dp_info_from_dims
@@ -44,6 +48,7 @@ from relayrl.trainer.checkpointing import load_actor, load_critic, save_actor, s
 from relayrl.trainer.config import CriticConfig
 from relayrl.trainer.critic import Critic
 from relayrl.trainer.logprobs import frozen_logprobs
+from relayrl.trainer.pipelined import pipeline_logprobs
 
 FIELDS = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logp", "rollout_logp", "ref_logp",
           "values", "returns", "routing")
@@ -81,25 +86,47 @@ def critic_model(model_dir: str, cfg: CriticConfig, seed: int) -> ScoreModel:
     return from_causal_lm(model_dir, head_std=cfg.head_std, seed=seed)
 
 
+def _gather_objects(mine: dict, group, size: int) -> dict:
+    """The union of every group rank's dict (all_gather_object; each rank's keys its own)."""
+    import torch.distributed as dist
+
+    parts: list = [None] * size
+    dist.all_gather_object(parts, mine, group=group)
+    out: dict = {}
+    for part in parts:
+        out.update(part)
+    return out
+
+
 class _ParallelModelWorker(Worker):
     def _build_model(self, model_dir: str, par: ParallelConfig, seed: int, trains: bool = True, loader=None):
         self.init_distributed()
         self.cp = None  # the ContextParallel wrapper when dims.cp > 1 (below)
+        self.pipe = None  # the Pipeline over this rank's stages when dims.pp > 1 (below)
         torch.manual_seed(seed)
-        self.dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp, tp=par.tp,
-                                 ep=par.ep, world_size=self.world_size)
+        self.dims = ParallelDims(pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp,
+                                 tp=par.tp, ep=par.ep, world_size=self.world_size)
         mesh = self.dims.build_mesh(self.device.split(":")[0])
         model = loader() if loader is not None else load_pretrained(model_dir)
         # on this worker's device before the optimiser is built. FSDP2 (parallelize_model's data-parallel step
         # with dp_mode fsdp over more than one rank) moves each block to the mesh's device as it shards it, so a
         # sharded model is never whole on one GPU; any other model goes over whole, before TP / DDP
         sharded = par.dp_mode == "fsdp" and self.dims.dp * self.dims.cp > 1
+        # pipeline: only this rank's stages are kept (the other layers are dropped with the full model)
+        parts = split_model(model, *rank_stages(self.dims, par.pp_schedule)) if par.pp > 1 else [model]
+        del model
         if not sharded:
-            model = model.to(self.device)
-        if not trains and par.dp_mode == "ddp":
-            return model  # DDP only syncs gradients: a frozen model is simply replicated
-        model = parallelize_model(model, self.dims, mesh, dp_mode=par.dp_mode,
-                                  activation_checkpointing=par.activation_checkpointing and trains)
+            parts = [m.to(self.device) for m in parts]
+        if not trains and par.dp_mode == "ddp" and par.pp == 1:
+            return parts[0]  # DDP only syncs gradients: a frozen model is simply replicated
+        for m in parts:
+            if parallelize_model(m, self.dims, mesh, dp_mode=par.dp_mode,
+                                 activation_checkpointing=par.activation_checkpointing and trains) is not m:
+                raise RuntimeError("parallelize_model wrapped the model (DDP over dp ranks): relayrl.controller."
+                                   "actor_workers needs it in place; use dp_mode fsdp")
+        if par.pp > 1:
+            self.pipe = Pipeline(parts, self.dims, par.pp_schedule)
+        model = merge_stages(parts) if par.pp > 1 else parts[0]
         left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != mesh.device_type]
         if left:
             raise RuntimeError(f"after parallelize_model, {len(left)} tensors are not on {self.device} "
@@ -120,7 +147,7 @@ class ActorWorker(_ParallelModelWorker):
                  temperature: float, seed: int):
         model = self._build_model(model_dir, par, seed, loader=lambda: actor_model(model_dir, trainer_cfg.lora, seed))
         self.actor = Actor(model, trainer_cfg, algo_cfg, total_steps=total_steps, temperature=temperature, seed=seed,
-                           dims=self.dims, cp=self.cp)
+                           dims=self.dims, cp=self.cp, pipe=self.pipe)
         self.engine_runner: ModelRunner | None = None
         self.sync_state: dict[str, Any] = {}
 
@@ -175,17 +202,15 @@ class ActorWorker(_ParallelModelWorker):
     @dispatch(Dispatch.RANK_ZERO)
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter as one full tensor: for exporting the final model and for the vLLM
-        backend, whose loader takes full tensors. The rollout engine is synced by the plan. Under expert
-        parallelism each ep rank holds other experts: rank 0 gathers theirs from its ep group."""
+        backend, whose loader takes full tensors. The rollout engine is synced by the plan. Under pipeline
+        parallelism each pp rank holds other layers, under expert parallelism each ep rank other experts: rank 0
+        gathers theirs from its pipeline and its ep group. (A tied model's lm_head copy is its embedding's.)"""
         weights = {n: full_tensor(p) for n, p in self.actor.model.state_dict().items()}
+        if self.dims.pp > 1:  # each pp rank holds its stages' tensors: gathered over this rank's pipeline
+            weights = _gather_objects(weights, self.dims.pp_mesh.get_group(), self.dims.pp)
         if self.dims.ep > 1:
-            import torch.distributed as dist
-
             mine = {n: t for n, t in weights.items() if ".experts." in n}
-            parts: list = [None] * self.dims.ep
-            dist.all_gather_object(parts, mine, group=self.dims.ep_mesh.get_group())
-            for part in parts:
-                weights.update(part)
+            weights.update(_gather_objects(mine, self.dims.ep_mesh.get_group(), self.dims.ep))
         return weights
 
     @dispatch(Dispatch.RANK_ZERO)
@@ -238,10 +263,14 @@ class ReferenceWorker(_ParallelModelWorker):
         self.temperature, self.micro = temperature, micro_batch_size
         self.packing = dict(padding_free=padding_free, shared_prefix=shared_prefix, routing_replay=routing_replay)
         self.tp_group = self.dims.tp_mesh.get_group() if self.dims.tp > 1 else None
+        self.dp_group = self.dims.dp_mesh.get_group() if self.dims.dp > 1 else None
 
     @dispatch(Dispatch.DP_SPLIT)
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: DataBatch) -> DataBatch:
+        if self.pipe is not None:
+            return DataBatch({"ref_logp": pipeline_logprobs(self.pipe, to_train(batch), self.temperature, self.micro,
+                                                            self.device, self.tp_group, self.dp_group).cpu()})
         # the rows on this rank's device for the forward, the logprobs back on the host to travel
         logp = frozen_logprobs(self.model, to_train(batch).to(self.device), self.temperature, self.micro,
                                tp_group=self.tp_group, cp=self.cp, **self.packing)

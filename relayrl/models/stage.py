@@ -141,13 +141,29 @@ def split_model(model: CausalLM, stage_ids: tuple[int, ...], num_stages: int) ->
     return [StageModule(model, s, num_stages) for s in stage_ids]
 
 
+class _Merged(nn.Module):
+    """merge_stages' root: the stages' submodules under the full model's names, and the model's config (a
+    checkpoint reads tie_word_embeddings from it); reshard() reshards every stage that data parallelism made an FSDP
+    module (their roots are not among the merged submodules)."""
+
+    def __init__(self, stages: list[StageModule]):
+        super().__init__()
+        self.config = stages[0].config
+        object.__setattr__(self, "_stages", tuple(stages))  # not registered: their parameters are ours by name
+
+    def reshard(self) -> None:
+        for s in self._stages:
+            if hasattr(s, "reshard"):
+                s.reshard()
+
+
 def merge_stages(stages: list[StageModule]) -> nn.Module:
     """One module over all of a rank's stages (interleaved and V schedules hold two), named as the full model:
     for the checkpoint's state dict, which is keyed by those names whatever the layout. It shares the stages'
     (possibly sharded) submodules and is not run."""
     if len(stages) == 1:
         return stages[0]
-    root, body = nn.Module(), _StageBody()
+    root, body = _Merged(stages), _StageBody()
     layers: dict[int, nn.Module] = {}
     for s in sorted(stages, key=lambda s: s.stage_index):
         layers |= dict(zip(s.model.layers.indices(), s.model.layers, strict=True))

@@ -30,7 +30,7 @@ Micro-batches must have equal shapes: torch infers the activations' shapes from 
 forward and backward of it) and sizes its receive buffers by it. A schedule (with its stages) is built per
 batch shape and reused, the last MAX_SCHEDULES kept: pad batches to a few lengths.
 
-How a trainer drives it (the Actor does not yet; parallel.pp > 1 is refused for runs until it does):
+How a trainer drives it (relayrl.trainer.actor with relayrl.trainer.pipelined, for parallel.pp > 1 runs):
 
     pipe = Pipeline(split_model(model, *rank_stages(dims, schedule)), dims, schedule)
     for m in pipe.modules: parallelize_model(m, dims, mesh, ...)          # TP / AC / FSDP per stage
@@ -50,6 +50,7 @@ trainer), so this module knows nothing of RL.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -111,21 +112,24 @@ def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, 
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
-                         with_entropy: bool = False, tp_group=None):
+                         with_entropy: bool = False, tp_group=None, entropy_grad: bool = True):
     """(logp [b, T], entropy [b, T] or None) by relayrl.trainer.logprobs' definition: logp[:, t] =
     log_softmax(logits[:, t-1] / temperature)[input_ids[:, t]], logp[:, 0] = 0, in fp32; vocab-sharded
-    logits (tp_group) never gathered."""
+    logits (tp_group) never gathered. entropy_grad=False: the entropy is a statistic (no graph)."""
     logits, targets = logits[:, :-1], input_ids[:, 1:]
     if tp_group is not None:
         local = logits.to_local() if isinstance(logits, DTensor) else logits
         if with_entropy:
-            logp, ent = vocab_parallel_logprobs_and_entropy(local, targets, tp_group, temperature)
+            logp, ent = vocab_parallel_logprobs_and_entropy(local, targets, tp_group, temperature, grad=entropy_grad)
         else:
             logp, ent = vocab_parallel_logprobs(local, targets, tp_group, temperature), None
     else:
         logp_all = (logits.float() / temperature).log_softmax(-1)
         logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-        ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+        ent = None
+        if with_entropy:
+            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+                ent = -(logp_all.exp() * logp_all).sum(-1)
 
     def pad(x):
         return None if x is None else torch.nn.functional.pad(x, (1, 0))
@@ -139,14 +143,16 @@ class TokenLoss:
     more on the first micro-batch, and that call overwrites rather than doubles."""
 
     def __init__(self, input_ids: torch.Tensor, objective: Objective, *, temperature: float = 1.0,
-                 with_entropy: bool = False, tp_group=None):
+                 with_entropy: bool = False, tp_group=None, entropy_grad: bool = True):
         self.input_ids, self.objective = input_ids, objective
         self.temperature, self.with_entropy, self.tp_group = temperature, with_entropy, tp_group
+        self.entropy_grad = entropy_grad
         self.stats: dict[int, dict] = {}
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         ids = self.input_ids[rows.to(self.input_ids.device)]
-        logp, ent = logprobs_from_logits(logits, ids, self.temperature, self.with_entropy, self.tp_group)
+        logp, ent = logprobs_from_logits(logits, ids, self.temperature, self.with_entropy, self.tp_group,
+                                         self.entropy_grad)
         loss, stats = self.objective(rows, logp, ent)
         self.stats[int(rows[0])] = stats
         return loss
@@ -168,7 +174,7 @@ class Pipeline:
         self.pp, self.pp_rank = dims.pp, dims.pp_mesh.get_local_rank()
         self.pp_group = dims.pp_mesh.get_group()
         style = SCHEDULES[schedule][2]
-        self._last_rank = 0 if style == "v" else self.pp - 1  # the pp rank holding the last stage
+        self.last_rank = 0 if style == "v" else self.pp - 1  # the pp rank holding the last stage
         self._tied = modules[0].config.tie_word_embeddings and self.num_stages > 1
         self._tied_group = self._embedding_group(dims, style) if self._tied else None
         self._schedules: dict[tuple, tuple] = {}
@@ -188,6 +194,17 @@ class Pipeline:
             if dist.get_rank() in pair:
                 mine = group
         return mine
+
+    def micro_batches(self, wanted: int) -> int:
+        """The fewest micro-batches >= wanted that the schedule runs: torch's 1F1B and DualPipeV need at least one
+        per stage, its interleaved schedules a multiple of pp once there are pp or more (whole rounds); every
+        schedule but GPipe is given at least one per stage, ZBV too (fewer leave its pipeline unfilled)."""
+        name, m = self.schedule_name, max(1, wanted)
+        if name == "gpipe":
+            return m
+        if name in ("interleaved_1f1b", "interleaved_zb"):
+            return -(-max(m, self.pp) // self.pp) * self.pp
+        return max(m, self.num_stages)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         seen, out = set(), []
@@ -252,7 +269,7 @@ class Pipeline:
         self._sum_tied_grads()
         total = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
         total = total.to(input_ids.device)
-        dist.broadcast(total, group=self.pp_group, group_src=self._last_rank)
+        dist.broadcast(total, group=self.pp_group, group_src=self.last_rank)
         return total
 
     @torch.no_grad()
@@ -290,7 +307,7 @@ class Pipeline:
                     pending += self._send_hidden(h, s + 1, tag=mb * self.num_stages + s + 1)
         for work in pending:
             work.wait()
-        dist.broadcast(out, group=self.pp_group, group_src=self._last_rank)
+        dist.broadcast(out, group=self.pp_group, group_src=self.last_rank)
         return out
 
     def _stage_rank(self, stage: int) -> int:

@@ -116,10 +116,12 @@ class Worker:
 
 
 def dp_info_from_dims(rank: int, dims: ParallelDims) -> DPInfo:
-    """The DPInfo of `rank` in a ParallelDims layout (tp fastest, then cp): dp rank = rank // (cp tp); the cp and
-    tp ranks of a data-parallel rank take the same rows, and its cp rank 0, tp rank 0 answers for them."""
+    """The DPInfo of `rank` in a ParallelDims layout (tp fastest, then cp, ..., pp slowest): dp rank =
+    (rank mod dp cp tp) // (cp tp); the pp, cp and tp ranks of a data-parallel rank take the same rows, and its
+    pp rank 0, cp rank 0, tp rank 0 answers for them (a pipeline's results are on every pp rank)."""
     inner = dims.tp * dims.cp
-    return DPInfo(rank // inner, dims.dp, rank % inner == 0)
+    stage = dims.dp * inner  # ranks per pipeline stage
+    return DPInfo((rank % stage) // inner, dims.dp, rank % inner == 0 and rank < stage)
 
 
 def construct(cls: type, info: WorkerInfo, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -13,6 +13,11 @@ MoE models (relayrl.trainer.routing): with algo.routing_replay every forward rep
 (batch.routing); the update reports moe/routing_mismatch and the expert load, and adds the routers' auxiliary
 losses when their coefficients are set. Under expert parallelism the gradient norm counts every rank's experts.
 
+Pipeline parallelism (`pipe`, relayrl.parallel.pipeline): the model is this pp rank's stages (merged under the
+full model's names, for the optimizer and checkpoints); every pass runs through the pipeline in equal micro-batches
+(relayrl.trainer.pipelined), each micro-batch's loss the same share of the mini-batch loss as without it. The last
+stage computes the losses and their stats; the update's result is broadcast to the other pp ranks.
+
 It imports torch, relayrl.algorithms, relayrl.models, relayrl.parallel and the trainer's own modules
 only; like all of the trainer, it must never import the engine, sync, the controller or the CLI.
 """
@@ -34,10 +39,12 @@ from relayrl.parallel.device import module_device
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.expert_parallel import grad_norm_ep
 from relayrl.parallel.grad_norm import clip_grad_norm, scale_grads
+from relayrl.parallel.pipeline import Pipeline, TokenLoss
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.logprobs import by_prompt, prompt_lens, prompt_order, token_logprobs
 from relayrl.trainer.optim import build_optimizer
+from relayrl.trainer.pipelined import micro_batches, pad_rows, pipeline_logprobs
 from relayrl.trainer.routing import (
     load_metrics,
     moe_shape,
@@ -55,9 +62,11 @@ class Actor:
     gradients are summed over ranks, so every layout takes the single-process step."""
 
     def __init__(self, model: CausalLM, cfg: TrainerConfig, algo: AlgoConfig, *, total_steps: int,
-                 temperature: float = 1.0, seed: int = 0, dims: ParallelDims | None = None, cp=None):
+                 temperature: float = 1.0, seed: int = 0, dims: ParallelDims | None = None, cp=None,
+                 pipe: Pipeline | None = None):
         self.model = model
         self.cp = cp  # context parallelism: forwards go through it (relayrl.parallel.context_parallel)
+        self.pipe = pipe  # pipeline parallelism: model is merge_stages(pipe.modules); passes go through pipe
         self.device = module_device(model)  # micro-batches go here; autocast takes its type
         self.cfg, self.algo = cfg, algo
         self.temperature = temperature
@@ -76,6 +85,11 @@ class Actor:
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs [B, T] under the current weights, in micro-batches (no grad)."""
+        if self.pipe is not None:
+            self.model.eval()
+            return pipeline_logprobs(self.pipe, batch, self.temperature, self.cfg.micro_batch_size, self.device,
+                                     self.tp_group, self.dp_group)
+
         def rows(b: TrainBatch) -> torch.Tensor:
             return self.per_token(b, lambda mb: token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
@@ -155,14 +169,21 @@ class Actor:
         self.scheduler.step()
         if self.dp_group is not None:
             tally.all_reduce(self.dp_group)
-        return {**tally.result(), "lr": self.scheduler.get_last_lr()[0]}
+        result = {**tally.result(), "lr": self.scheduler.get_last_lr()[0]}
+        if self.pipe is not None:  # the last stage computed the losses: its stats are the pipeline's
+            out = [result]
+            dist.broadcast_object_list(out, group=self.pipe.pp_group, group_src=self.pipe.last_rank)
+            result = out[0]
+        return result
 
     def step_on(self, mini: TrainBatch, tally: _Tally, template: TrainBatch | None = None) -> None:
         """One optimiser step on a mini-batch (accumulated over micro-batches)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._accumulate(mini, tally, template if template is not None else mini)
         clip = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        if self.ep_mesh is not None:  # each ep rank holds other experts: their squares summed over the ep group
+        if self.pipe is not None:  # every stage's gradients in one norm (a tied weight once)
+            tally.grad_norms.append(self.pipe.clip_grad_norm(clip))
+        elif self.ep_mesh is not None:  # each ep rank holds other experts: their squares summed over the ep group
             total = grad_norm_ep(self.model, self.ep_mesh)
             scale_grads(self.model.parameters(), clip, total)
             tally.grad_norms.append(total)
@@ -177,6 +198,8 @@ class Actor:
         return tally.result()
 
     def _accumulate(self, mini: TrainBatch, tally: _Tally, template: TrainBatch) -> None:
+        if self.pipe is not None:
+            return self._accumulate_pipelined(mini, tally, template)
         # response tokens, sequences, real tokens (the routers' losses average over every real token)
         counts = torch.tensor([float(mini.response_mask.sum()), float(len(mini)), float(mini.attention_mask.sum())])
         if self.dp_group is not None:  # the global batch's counts: every rank divides by the same
@@ -199,6 +222,32 @@ class Actor:
                 tally.add_load(load)
             tally.add(float(loss.detach()), st, float(mb.response_mask.sum()))
 
+    def _accumulate_pipelined(self, mini: TrainBatch, tally: _Tally, template: TrainBatch) -> None:
+        """The mini-batch through the pipeline's schedule in equal micro-batches (relayrl.trainer.pipelined): each
+        micro-batch's loss on the last stage is its share of the mini-batch loss (global denominators), and the
+        schedule's backward accumulates the same gradient as micro-batches on one process."""
+        counts = torch.tensor([float(mini.response_mask.sum()), float(len(mini))])
+        if self.dp_group is not None:
+            dist.all_reduce(counts, group=self.dp_group)
+        num_tokens, num_seqs = counts[0].clamp(min=1), float(counts[1])
+        m, per, length = micro_batches(mini, self.cfg.micro_batch_size, self.dp_group, self.pipe)
+        rows = pad_rows(mini, m, per, length, template).to(self.device)
+        done: dict[int, tuple[float, dict, float]] = {}  # by first row: torch's shape inference runs one twice
+
+        def objective(idx: torch.Tensor, logp: torch.Tensor, ent: torch.Tensor | None):
+            mb = rows.select(idx)
+            loss, stats = self._objective(mb, logp, ent, num_tokens, num_seqs)
+            done[int(idx[0])] = (float(loss.detach()), stats, float(mb.response_mask.sum()))
+            return loss, stats
+
+        loss_fn = TokenLoss(rows.input_ids, objective, temperature=self.temperature, with_entropy=True,
+                            tp_group=self.tp_group, entropy_grad=self.algo.entropy_coef != 0)
+        with self._autocast():
+            self.pipe.step(rows.input_ids, loss_fn, m, attention_mask=rows.attention_mask)
+        tally.loss_steps += 1
+        for loss, stats, tokens in done.values():
+            tally.add(loss, stats, tokens)
+
     def loss(self, mb: TrainBatch, num_tokens: torch.Tensor, num_seqs: float,
              router_share: float | None = None) -> tuple[torch.Tensor, dict]:
         """One micro-batch's share of the mini-batch loss (global denominators) and its stats. router_share (MoE):
@@ -211,6 +260,15 @@ class Actor:
                                        with_entropy=True, padding_free=self.cfg.padding_free,
                                        tp_group=self.tp_group, entropy_grad=self.algo.entropy_coef != 0,
                                        prefix_lens=self._prefix_lens(mb), routing=routing, cp=self.cp)
+        loss, stats = self._objective(mb, logp, ent, num_tokens, num_seqs)
+        if routing is not None:
+            share = 1.0 if router_share is None else router_share
+            loss, stats = self._router_terms(mb, routing, loss, stats, share, float(num_tokens))
+        return loss, stats
+
+    def _objective(self, mb: TrainBatch, logp: torch.Tensor, ent: torch.Tensor | None, num_tokens: torch.Tensor,
+                   num_seqs: float) -> tuple[torch.Tensor, dict]:
+        """The policy objective of a micro-batch's logprobs: its share of the mini-batch loss, and its stats."""
         # no old_logp: this is the batch's only optimiser step (the driver's "update" source), so the proximal
         # policy is these very weights: its logprobs are this forward's, detached
         old = mb.old_logp if mb.old_logp is not None else logp.detach()
@@ -221,9 +279,6 @@ class Actor:
         )
         if mb.old_logp is None and mb.rollout_logp is not None:  # the trainer-engine gap, from the same numbers
             stats |= mismatch_stats(old, mb.rollout_logp, mb.response_mask)
-        if routing is not None:
-            share = 1.0 if router_share is None else router_share
-            loss, stats = self._router_terms(mb, routing, loss, stats, share, float(num_tokens))
         return loss, stats
 
     def _router_terms(self, mb: TrainBatch, routing, loss: torch.Tensor, stats: dict, share: float,
