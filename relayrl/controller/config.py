@@ -268,6 +268,28 @@ class RunConfig(Config):
         return self
 
     @model_validator(mode="after")
+    def _pp_fits(self) -> RunConfig:
+        """parallel.pp > 1 runs padded rows through the stages, in worker processes, for the actor and reference."""
+        pp, p = self.parallel.pp, self.parallel
+        if pp == 1:
+            return self
+        refusals = [
+            (self.trainer.padding_free, "its stages run padded rows", "set trainer.padding_free=false"),
+            (p.dp_mode != "fsdp" and p.dp_replicate * p.dp_shard > 1,
+             "its stages are data-parallel by FSDP", "set parallel.dp_mode=fsdp"),
+            (self.critic is not None, "the critic is not split into stages", "use pp with GRPO-style runs"),
+            (self.trainer.lora is not None, "LoRA is not wired with it", "remove trainer.lora or set parallel.pp=1"),
+            (self.algo.uses_router, "MoE routing does not cross stages yet (a dense model only)",
+             "set parallel.pp=1 for MoE models"),
+            (p.cp > 1 or p.ep > 1, "context and expert parallelism are not combined with it",
+             "set parallel.cp=1 and parallel.ep=1"),
+        ]
+        for bad, why, fix in refusals:
+            if bad:
+                raise ValueError(f"parallel.pp={pp}: {why}; {fix}")
+        return self
+
+    @model_validator(mode="after")
     def _batch_fits(self) -> RunConfig:
         n = self.rollout.prompts_per_step * self.rollout.group_size
         if self.trainer.mini_batches > n:

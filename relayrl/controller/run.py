@@ -60,6 +60,7 @@ from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
 from relayrl.parallel.context_parallel import check_ulysses_heads
 from relayrl.parallel.device import resolve_device
 from relayrl.parallel.expert_parallel import check_experts_divide
+from relayrl.parallel.pipeline_stages import SCHEDULE_STAGES
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
@@ -123,7 +124,8 @@ def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: Rollout
         return FullWeightSync(policy, engine, **lora_options(cfg.trainer.lora))
     par = cfg.parallel
     layout = (TrainerLayout() if par.backend == "none"
-              else TrainerLayout(par.tp, par.dp_shard * par.cp, par.dp_replicate, ep=par.ep))  # FSDP: dp_shard x cp
+              else TrainerLayout(par.tp, par.dp_shard * par.cp, par.dp_replicate, pp=par.pp,  # FSDP: dp_shard x cp
+                                 pp_schedule=par.pp_schedule, ep=par.ep))
     bf16_base = cfg.trainer.lora is not None and cfg.trainer.lora.base_dtype == "bfloat16"  # the trainer's compute
     # sync_shape keeps an MoE model's experts (ModelShape.of drops them)
     return PlannedWeightSync(policy, engine, shape=sync_shape(load_config(src)), trainer_layout=layout,
@@ -223,6 +225,7 @@ def check_fits_model(cfg: RunConfig, model: ModelConfig) -> None:
         except UserError as e:
             raise ConfigError(f"rollout.tp: {e}") from None
     check_fits_experts(cfg, model)
+    check_fits_stages(cfg, model)
     if cfg.env is not None and cfg.env.max_total_tokens > model.max_position_embeddings:
         raise ConfigError(f"env.max_total_tokens={cfg.env.max_total_tokens} exceeds the model's maximum length "
                           f"({model.max_position_embeddings} tokens, max_position_embeddings): lower it")
@@ -245,6 +248,22 @@ def check_fits_experts(cfg: RunConfig, model: ModelConfig) -> None:
             check_expert_placement(model, cfg.rollout.tp, cfg.rollout.expert_placement)
     except UserError as e:
         raise ConfigError(f"{'parallel.ep' if 'parallel.ep' in str(e) else 'rollout.expert_placement'}: {e}") from None
+
+
+def check_fits_stages(cfg: RunConfig, model: ModelConfig) -> None:
+    """parallel.pp against the model, before any process starts: every stage needs a decoder layer, and the
+    stages hold dense layers only."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return
+    stages = par.pp * SCHEDULE_STAGES[par.pp_schedule][0]
+    if stages > model.num_hidden_layers:
+        raise ConfigError(f"parallel.pp={par.pp}: {par.pp_schedule} cuts the model into {stages} stages, but it has "
+                          f"{model.num_hidden_layers} decoder layers; lower parallel.pp or pick a schedule with one "
+                          "stage per rank (1f1b, gpipe)")
+    if isinstance(model, MoEShape):
+        raise ConfigError(f"parallel.pp={par.pp}: {model.model_type} is an MoE model, and its routing does not cross "
+                          "pipeline stages yet; set parallel.pp=1 (parallel.ep splits its experts)")
 
 
 def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:

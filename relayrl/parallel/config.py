@@ -45,8 +45,9 @@ class ParallelConfig(Config):
     cp: int = Field(1, ge=1)
     cp_mode: Literal["ring", "ulysses"] = "ring"
     # pipeline parallelism (relayrl.parallel.pipeline, the planner's pp / pp_schedule): the decoder layers split
-    # into pp stages, micro-batches run by the schedule. The model side exists and is tested against one
-    # process; the Actor does not run its update through a pipeline yet, so a run refuses pp > 1
+    # into pp stages (outermost in the mesh), micro-batches of trainer.micro_batch_size rows run by the schedule,
+    # for the actor and the reference. Runs need padded rows (trainer.padding_free: false), dp_mode fsdp when
+    # dp > 1, a dense model, and have no critic, LoRA, cp or ep beside it
     pp: int = Field(1, ge=1)
     pp_schedule: str = "1f1b"
     # expert parallelism (relayrl.parallel.expert_parallel, the planner's ep): an MoE model's experts split over ep
@@ -71,14 +72,6 @@ class ParallelConfig(Config):
         if name not in PP_SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(PP_SCHEDULES)}")
         return name
-
-    @field_validator("pp")
-    @classmethod
-    def _pp_not_in_runs(cls, pp: int) -> int:
-        if pp > 1:
-            raise ValueError("pipeline parallelism is not wired into the trainer yet (the model side is "
-                             "relayrl.parallel.pipeline); set parallel.pp=1")
-        return pp
 
     @model_validator(mode="after")
     def _ep_fits(self) -> ParallelConfig:
