@@ -74,15 +74,19 @@ def test_pp2_with_tp2_takes_the_one_process_steps(tmp_path, single):
 @pytest.mark.parametrize("saved, resumed", [(dict(backend="local", pp=2), {}),
                                             ({}, dict(backend="local", pp=2, pp_schedule="zbv"))],
                          ids=["pp2_to_one_process", "one_process_to_pp2_zbv"])
-def test_resume_on_another_pp_degree(tmp_path, single, saved, resumed):
-    """Two steps saved on one layout, the third on another: its step is the never-stopped run's (weights, AdamW
-    state with the tied lm_head copy's, the LR schedule and the sampler's state all carried over)."""
+def test_resume_on_another_pp_degree(tmp_path, saved, resumed):
+    """Two steps saved on one layout, two more on another: they are the never-stopped run's (weights, AdamW state,
+    the LR schedule and the sampler's state carried over). Step 4's canary reads the trainer's last stage, whose tied
+    lm_head copy took step 3's update from its own AdamW state, against the engine's embedding: had the copy's state
+    not come from the checkpoint, the two would differ."""
+    ref = step_metrics(train(_cfg(tmp_path, "ref", steps=4), show_progress=False)["run_dir"])
     train(_cfg(tmp_path, "run", steps=2, save_every=2, **saved), show_progress=False)
-    got = train(_cfg(tmp_path, "run", steps=3, save_every=2, **resumed), resume=True, show_progress=False)
+    got = train(_cfg(tmp_path, "run", steps=4, save_every=2, **resumed), resume=True, show_progress=False)
     metrics = step_metrics(got["run_dir"])
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert_same_metrics(metrics[2:], single[1][2:])
-    _same_final(got["run_dir"], single[0])
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert_same_metrics(metrics[2:], ref[2:])
+    assert all(m["sync/canary_gap"] <= 1e-5 for m in metrics[2:])
+    _same_final(got["run_dir"], tmp_path / "ref")
 
 
 def test_refusals_name_parallel_pp(tmp_path):
