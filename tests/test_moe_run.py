@@ -16,14 +16,14 @@ MOE_KEYS = ("moe/routing_mismatch", "moe/load_max_over_mean", "moe/load_max_over
             "moe/load_max_over_mean/layer_1", "moe/z_loss")
 
 
-def _run(tmp_path, name: str, src, rollout=None, **parallel) -> list[dict]:
+def _run(tmp_path, name: str, src, rollout=None, steps=2, save_every=0, resume=False, **parallel) -> list[dict]:
     from relayrl.controller.run import train
 
-    cfg = cfg_for(tmp_path, name, model={"path": str(src)}, run={"steps": 2, "save_every": 0},
+    cfg = cfg_for(tmp_path, name, model={"path": str(src)}, run={"steps": steps, "save_every": save_every},
                   algo={"routing_replay": True, "kl_coef": 0.05, "moe_z_loss_coef": 1e-4},
                   reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]},
                   rollout=rollout or {}, parallel=parallel)
-    train(cfg, show_progress=False)
+    train(cfg, resume=resume, show_progress=False)
     return step_metrics(cfg.run.out_dir)
 
 
@@ -57,3 +57,18 @@ def test_fsdp2_run_with_engine_experts_by_tp_equals_one_process(moe_src, one_pro
     fsdp = _run(tmp_path, "fsdp2", moe_src, rollout={"tp": 2, "expert_placement": "tp"},
                 backend="local", dp_shard=2)
     _same(one_process, fsdp)
+
+
+EP2 = dict(rollout={"tp": 2, "expert_placement": "ep"}, backend="local", dp_shard=2, ep=2)
+
+
+@pytest.mark.parametrize("saved, resumed", [(EP2, {}), ({}, EP2)], ids=["ep2_to_one_process", "one_process_to_ep2"])
+def test_resume_across_expert_parallelism(moe_src, tmp_path, saved, resumed):
+    """Two steps saved with the experts split over 2 ep ranks (each holding its own whole experts and their AdamW
+    state), two more in one process, and the other way round: steps 3 and 4 are the never-stopped run's, and their
+    syncs pass the canary (the engine holds the experts the checkpoint gave back)."""
+    ref = _run(tmp_path, "ref", moe_src, steps=4)
+    _run(tmp_path, "run", moe_src, steps=2, save_every=2, **saved)
+    got = _run(tmp_path, "run", moe_src, steps=4, save_every=2, resume=True, **resumed)
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    _same(ref[2:], got[2:])
