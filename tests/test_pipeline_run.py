@@ -63,6 +63,18 @@ def test_pp2_with_fsdp2_takes_the_one_process_steps(tmp_path, single):
     assert all(m["sync/canary_gap"] <= 1e-5 for m in metrics)
 
 
+def test_a_bf16_pp2_run_computes_under_the_trainers_autocast(tmp_path):
+    """trainer.bf16: the pipeline's passes run under the trainer's autocast, as one process's do. The first sync's
+    canary (the trainer's bf16 logprobs of the start weights against the fp32 engine) shows the same gap, and the
+    update's loss agrees to bf16 rounding (the micro-batches' shapes differ)."""
+    one = step_metrics(train(_cfg(tmp_path, "one", steps=1, trainer={"bf16": True}), show_progress=False)["run_dir"])
+    pp = step_metrics(train(_cfg(tmp_path, "pp", steps=1, trainer={"bf16": True}, backend="local", pp=2),
+                            show_progress=False)["run_dir"])
+    assert one[0]["sync/canary_gap"] > 1e-3  # bf16 against the fp32 engine: a real gap
+    assert pp[0]["sync/canary_gap"] == pytest.approx(one[0]["sync/canary_gap"], rel=1e-5)
+    assert pp[0]["loss"] == pytest.approx(one[0]["loss"], rel=2e-2)
+
+
 @pytest.mark.slow
 def test_pp2_with_tp2_takes_the_one_process_steps(tmp_path, single):
     got = train(_cfg(tmp_path, "pp2_tp2", steps=3, backend="local", pp=2, tp=2), show_progress=False)

@@ -87,8 +87,9 @@ class Actor:
         """Logprobs [B, T] under the current weights, in micro-batches (no grad)."""
         if self.pipe is not None:
             self.model.eval()
-            return pipeline_logprobs(self.pipe, batch, self.temperature, self.cfg.micro_batch_size, self.device,
-                                     self.tp_group, self.dp_group)
+            with self._autocast():  # as the update's forward computes them
+                return pipeline_logprobs(self.pipe, batch, self.temperature, self.cfg.micro_batch_size, self.device,
+                                         self.tp_group, self.dp_group)
 
         def rows(b: TrainBatch) -> torch.Tensor:
             return self.per_token(b, lambda mb: token_logprobs(
