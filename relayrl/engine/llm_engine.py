@@ -7,27 +7,18 @@
              ──> run (model runner, every TP rank) ──> sample (per-sequence settings and seeds)
              ──> postprocess (append token, check stops, free finished sequences' blocks)
 
+This module keeps the requests' lifecycle; its parts live beside it: the ranks and their memory (ranks),
+a request's samples and their streams (samples), one batch's run and sampling (batch_runner), when a sample
+ends (stops), what a weight update does to requests in flight (weight_update) and the figures of stats()
+(stats), all under relayrl.engine. MoE models place their experts and record routing as __init__ says.
+
 New sequences join as others finish, so a long tail of lengths keeps the batch full. Every output
 carries `weights_version`, bumped by each `load_weights`, and every sample the version that sampled each
 of its tokens (`CompletionSample.versions`), so the driver knows which policy sampled.
 
 Asynchronous RL updates the weights between two steps with requests in flight; `partial` says what
-happens to them at `end_weight_update`:
-
-    None        refused (RuntimeError): abort them first (the synchronous loop's contract)
-    "keep_kv"   they keep their KV (computed by the old weights) and go on; their next tokens are
-                sampled by the new weights and recorded with the new version
-    "reprefill" every running one gives back its blocks and goes to the front of the waiting queue,
-                in order, keeping its tokens: its next prefill recomputes its KV under the new weights
-                (counted in stats() as engine/reprefills)
-
-Prefix-cache entries carry the version their KV was computed under (see block_manager), so a request
-admitted under new weights never reads KV of old ones.
-
-MoE models (relayrl.engine.moe) run with their experts placed by TP or EP (`expert_placement`). With
-`record_routing`, every sample carries the experts each token of prompt + completion was routed to
-(CompletionSample.routing, kept per KV slot so prefix-cache hits and forks carry theirs; relayrl.engine.routing),
-and its final token runs once more before it finishes so that it has a routing too.
+happens to them at `end_weight_update` (None: refused, "keep_kv", "reprefill"; relayrl.engine.weight_update),
+and the prefix cache never serves a request KV that older weights computed.
 
 For RL: `sleep()` frees the KV cache (level 2 also the weights), `wake()` restores it;
 `abort()` returns what requests produced so far and `add_request(..., prior=...)` resumes them.
@@ -54,31 +45,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from relayrl.engine.batch_runner import BatchRunner, sample_next
 from relayrl.engine.block_manager import BlockManager
-from relayrl.engine.model import EngineModel, check_weights
-from relayrl.engine.model_runner import (
-    ModelRunner,
-    available_memory,
-    check_kv_blocks,
-    kv_blocks,
-    kv_bytes_per_block,
-    prepare,
-)
-from relayrl.engine.moe import check_expert_placement, dense_intermediate
+from relayrl.engine.model import check_weights
+from relayrl.engine.model_runner import ModelRunner
 from relayrl.engine.outputs import CompletionSample, RequestOutput
-from relayrl.engine.parallel_state import TPInfo, check_tp, head_layout
 from relayrl.engine.protocols import RunnerGroup
+from relayrl.engine.ranks import EngineRanks
 from relayrl.engine.requests import prompt_ids
 from relayrl.engine.routing import RoutingStore
-from relayrl.engine.runner_groups import InProcessRunner
-from relayrl.engine.sampler import sample
+from relayrl.engine.samples import new_samples
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.engine.scheduler import Scheduler
-from relayrl.engine.sequence import Sequence, SequenceStatus, fork_rows
+from relayrl.engine.sequence import Sequence, SequenceStatus
+from relayrl.engine.stats import EngineStats
+from relayrl.engine.stops import StopChecker
+from relayrl.engine.weight_update import carry_over, check_in_flight, check_partial
 from relayrl.errors import ConfigError, KVCacheError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
 from relayrl.models.config import ModelConfig, MoEShape
-
-_PARTIAL = (None, "keep_kv", "reprefill")  # what a weight update does to requests in flight
 
 if TYPE_CHECKING:  # only the TP worker group (relayrl.engine.tp_workers) needs the single-controller layer
     from relayrl.single_controller.liveness import GroupOptions
@@ -101,7 +85,7 @@ class LLMEngine:
                                 disaggregated weight sync); group_options sets its deadlines
         otherwise               one ModelRunner in this process (InProcessRunner).
         The KV budget is checked before any process starts. `partial`: what a weight update does to
-        requests in flight (None, "keep_kv", "reprefill"; see the module docstring). fork_samples: the n
+        requests in flight (None, "keep_kv", "reprefill"; relayrl.engine.weight_update). fork_samples: the n
         samples of a prompt share one prefill (relayrl.engine.block_manager, forks); group_prefill: a
         prefill's attention runs in groups by length (relayrl.engine.attention). Both False: the
         previous engine (every sample prefilled alone, attention padded to the batch's longest).
@@ -111,50 +95,29 @@ class LLMEngine:
         record_routing: each sample's output carries the experts every token chose in every MoE layer
         (CompletionSample.routing; see relayrl.engine.routing) for routing replay in the trainer."""
         self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
-        self.block_size, self.tp_size = block_size, tensor_parallel_size
-        self.eos_ids = set(config.eos_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+        self.block_size, self.tp_size, self.expert_placement = block_size, tensor_parallel_size, expert_placement
         self.pad_id = config.pad_token_id or 0
-        check_tp(config.num_attention_heads, config.num_key_value_heads, tensor_parallel_size,
-                 dense_intermediate(config))
-        check_expert_placement(config, tensor_parallel_size, expert_placement)
-        self.expert_placement = expert_placement
-        _, kv_heads = head_layout(config.num_attention_heads, config.num_key_value_heads,
-                                  TPInfo(0, tensor_parallel_size))
-        self.kv_bytes_per_block = kv_bytes_per_block(config, dtype, block_size, len(kv_heads))
-        if num_blocks is None:
-            # ranks hosted elsewhere (colocated in the trainer's processes) report their own device's memory
-            free = runner_group.free_memory() if runner_group is not None else available_memory(device)
-            num_blocks = kv_blocks(config, self.kv_bytes_per_block, block_size, free_bytes=free,
-                                   kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
-                                   max_num_seqs=max_num_seqs)
-        check_kv_blocks(config, self.kv_bytes_per_block, block_size, num_blocks)
-        if runner_group is not None:
-            self.ranks: RunnerGroup = runner_group
-        elif tensor_parallel_size > 1 or own_processes:
-            from relayrl.engine.tp_workers import WorkerRanks
-
-            self.ranks = WorkerRanks(config, dtype, tensor_parallel_size, device=device, options=group_options,
-                                     expert_placement=expert_placement)
-        else:
-            self.ranks = InProcessRunner(ModelRunner(config, dtype, TPInfo(), device, expert_placement))
-        self.num_blocks, self.max_num_seqs = num_blocks, max_num_seqs
-        self.max_num_batched_tokens, self.enable_prefix_caching = max_num_batched_tokens, enable_prefix_caching
-        self.partial = partial
+        self.ranks = EngineRanks(config, dtype, tensor_parallel_size=tensor_parallel_size, device=device,
+                                 block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
+                                 kv_cache_fraction=kv_cache_fraction, max_num_seqs=max_num_seqs,
+                                 own_processes=own_processes, runner_group=runner_group,
+                                 group_options=group_options, expert_placement=expert_placement)
+        self.num_blocks, self.kv_bytes_per_block = self.ranks.num_blocks, self.ranks.kv_bytes_per_block
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.enable_prefix_caching, self.partial = enable_prefix_caching, partial
         self.fork_samples, self.group_prefill = fork_samples, group_prefill
         if record_routing and not isinstance(config, MoEShape):
             raise ConfigError(f"record_routing records the experts of an MoE model; {config.model_type} has none")
         self.record_routing = record_routing
-        self._routing = (RoutingStore(num_blocks * block_size, len(config.moe_layers), config.num_experts_per_tok,
+        self._routing = (RoutingStore(self.num_blocks * block_size, len(config.moe_layers), config.num_experts_per_tok,
                                       block_size, config.num_experts) if record_routing else None)
+        self._stops = StopChecker(config, tokenizer)
+        self._stats = EngineStats(config.sliding_window, expert_placement, tensor_parallel_size)
+        self._batches = BatchRunner(self._stats, self._routing, block_size=block_size,
+                                    sliding_window=config.sliding_window, group_prefill=group_prefill)
         self.weights_version = 0
         self._new_scheduler()
-        self._call("allocate_kv_cache", num_blocks, block_size)
-        with torch.device("meta"):  # names only: the same on every rank
-            self._expected_loads = EngineModel(config).expected_loads()
-        self.asleep = 0
-        self.has_weights = False  # built empty: the first load_weights / sync fills it
+        self.ranks.allocate_kv_cache()
         self._rng = random.Random(seed)
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -162,7 +125,6 @@ class LLMEngine:
         self._ready: list[int] = []  # requests complete on arrival (resumed after they had ended)
         # outputs of requests generate() did not add that ended inside it: the next step() returns them
         self._held: list[RequestOutput] = []
-        self.peak_used_fraction = self.utilisation_at_peak = 0.0
         self.num_steps = 0  # model runs so far: the clock of each sample's SampleCost
 
     # ---- construction ----
@@ -176,30 +138,24 @@ class LLMEngine:
             weights = check_weights(config, load_state_dict(path).items())
         except WeightShapeError as e:
             raise ModelDirError(f"{path}: {e}") from None
-        engine = cls(config, tokenizer, **kwargs)
+        return cls._built_with(weights, config, tokenizer, **kwargs)
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **kwargs) -> LLMEngine:
+        kwargs.setdefault("dtype", next(model.parameters()).dtype)
+        return cls._built_with(model.state_dict().items(), model.config, tokenizer, **kwargs)
+
+    @classmethod
+    def _built_with(cls, weights, *args, **kwargs) -> LLMEngine:
+        """An engine holding `weights` as version 0 (nothing in flight, nothing cached yet); closed if they fail."""
+        engine = cls(*args, **kwargs)
         try:
             engine.load_weights(weights)
         except BaseException:
             engine.close()
             raise
-        engine._as_version_zero()
+        engine.weights_version = engine.block_manager.version = 0
         return engine
-
-    @classmethod
-    def from_model(cls, model, tokenizer=None, **kwargs) -> LLMEngine:
-        kwargs.setdefault("dtype", next(model.parameters()).dtype)
-        engine = cls(model.config, tokenizer, **kwargs)
-        try:
-            engine.load_weights(model.state_dict().items())
-        except BaseException:
-            engine.close()
-            raise
-        engine._as_version_zero()
-        return engine
-
-    def _as_version_zero(self) -> None:
-        """The weights it was built with are version 0 (nothing is in flight and nothing cached yet)."""
-        self.weights_version = self.block_manager.version = 0
 
     @property
     def partial(self) -> str | None:
@@ -207,10 +163,7 @@ class LLMEngine:
 
     @partial.setter
     def partial(self, value: str | None) -> None:
-        if value not in _PARTIAL:
-            raise ConfigError(f"partial (rollout.partial) must be one of {', '.join(map(str, _PARTIAL))}, "
-                              f"got {value!r}")
-        self._partial = value
+        self._partial = check_partial(value)
 
     def _new_block_manager(self) -> BlockManager:
         bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
@@ -227,7 +180,16 @@ class LLMEngine:
     @property
     def runner(self) -> ModelRunner | None:
         """The ModelRunner, when the engine's one rank runs in this process (else None)."""
-        return self.ranks.runner if isinstance(self.ranks, InProcessRunner) else None
+        return self.ranks.runner
+
+    @property
+    def asleep(self) -> int:
+        """0 awake; 1 the KV cache freed; 2 the weights too (relayrl.engine.ranks)."""
+        return self.ranks.asleep
+
+    @property
+    def has_weights(self) -> bool:
+        return self.ranks.has_weights
 
     def _call(self, method: str, *args):
         return self.ranks.call(method, *args)
@@ -254,18 +216,12 @@ class LLMEngine:
         """Load (Hugging Face name, full logical tensor) pairs into every rank's shard. Every tensor
         must have exactly the logical shape the config implies and every one must be given (a partial
         sync is an error): a WeightShapeError names the first that is not, before any rank is written."""
-        weights = [(n, t.detach().cpu()) for n, t in check_weights(self.config, weights)]
-        self.begin_weight_update()
-        missing = self._expected_loads - self._call("load_weights", weights)
-        if missing:
-            raise KeyError(f"weight sync left {len(missing)} engine tensor(s) stale, "
-                           f"e.g. {sorted(missing, key=str)[0]}")
+        self.ranks.load([(n, t.detach().cpu()) for n, t in check_weights(self.config, weights)])
         return self.end_weight_update()  # weights are back; the KV cache comes back with wake()
 
     def begin_weight_update(self) -> None:
         """Call before a sync writes into the ranks' parameters: storage released by sleep(2) comes back."""
-        if self.asleep >= 2:
-            self._call("restore_weight_storage")
+        self.ranks.restore_weights()
 
     def end_weight_update(self) -> int:
         """Call after a complete sync: it starts a new weights version and returns its number.
@@ -273,58 +229,37 @@ class LLMEngine:
         The prefix cache is emptied: its blocks hold KV the old weights computed, and a later prompt
         sharing their prefix (a system prompt, a tool list, an episode's next turn) must not read it.
         Requests in flight are refused, kept on their KV or re-prefilled, as `partial` says."""
-        in_flight = self.scheduler.has_unfinished()
-        if in_flight and self.partial is None:
-            raise RuntimeError("weights changed with requests in flight: abort them before a weight update "
-                               "(or set the engine's partial to 'keep_kv' or 'reprefill')")
-        if self.asleep >= 2:
-            self.asleep = 1
-        self.has_weights = True
+        in_flight = check_in_flight(self.scheduler, self.partial)
+        self.ranks.weights_written()
         self.weights_version += 1
-        if self.asleep:  # asleep, nothing is in flight and the cache comes back empty with wake()
-            return self.weights_version
-        if in_flight and self.partial == "reprefill":
-            self.scheduler.reprefill()
-        if self.scheduler.running:  # keep_kv: they hold their blocks; the cache forgets the rest
-            self.block_manager.start_version(self.weights_version)
-        else:
-            self.block_manager.forget_cached()
-            self.block_manager.version = self.weights_version
+        if not self.asleep:  # asleep, nothing is in flight and the cache comes back empty with wake()
+            carry_over(self.scheduler, self.block_manager, self.weights_version, in_flight, self.partial)
         return self.weights_version
 
     def score(self, rows: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
         """Logprob of every token of `rows` given the ones before it, [B, L] (column 0: 0)."""
-        if self.asleep >= 2 or not self.has_weights:
-            raise RuntimeError("the engine holds no weights (never loaded, or released by sleep(level=2)): "
-                               "sync them before scoring")
-        return self._call("score", rows, temperature)
+        return self.ranks.score(rows, temperature)
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: free the KV cache (and the prefix cache with it). Level 2: also the weights,
         which must be reloaded with load_weights() before wake()."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("sleep() with requests in flight: abort them first")
-        self._call("free_kv_cache")
-        if level >= 2:
-            self._call("free_weights")
-        self.asleep = max(self.asleep, level)
+        self.ranks.sleep(level)
 
     def wake(self) -> None:
-        if self.asleep >= 2:
-            raise RuntimeError("the weights were released by sleep(level=2): load_weights() before wake()")
+        self.ranks.check_wakeable()
         if self.asleep:
             self._new_scheduler()  # cached prefixes died with the cache
             self.reset_stats()
-            self._call("allocate_kv_cache", self.num_blocks, self.block_size)
-            self.asleep = 0
+            self.ranks.wake()
 
     # ---- requests ----
     def add_request(self, prompt, params: SamplingParams, request_id: int | None = None,
                     prior: Seq[tuple] | None = None) -> int:
-        """Queue `params.n` samples of `prompt` (a string or token ids). `prior` resumes them from
-        partial completions (one (token_ids, logprobs) or (token_ids, logprobs, versions) per sample, e.g.
-        from `abort`; without versions, those tokens' version is -1, unknown): their seeded streams
-        continue where they stopped, so the result equals an uninterrupted run under the same weights.
+        """Queue `params.n` samples of `prompt` (a string or token ids). `prior` resumes them from partial
+        completions, one (token_ids, logprobs[, versions]) per sample as `abort` returns them: their streams
+        continue where they stopped, so the result equals an uninterrupted run (relayrl.engine.samples).
 
         Refused with nothing queued: invalid sampling settings (SamplingParamsError); an empty prompt,
         a token id outside the vocabulary, or a prompt that leaves no room for one completion token
@@ -342,25 +277,13 @@ class LLMEngine:
         rid = next(self._req_ids) if request_id is None else request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid} is already in flight")
-        seqs = []
-        for j in range(params.n):
-            done_tokens, done_lps, *done_versions = prior[j] if prior else ([], [])
-            if len(done_versions) > 1:
-                raise ValueError(f"{where}: a prior item is (token_ids, logprobs) or (token_ids, logprobs, "
-                                 f"versions), got {len(done_versions) + 2} fields")
-            stream = random.Random(f"{params.seed}:{j}" if params.seed is not None else self._rng.getrandbits(64))
-            for _ in done_tokens:
-                stream.random()
-            seqs.append(Sequence(next(self._seq_ids), ids, params, self.block_size, request_id=rid, sample_index=j,
-                                 rng=stream, completion_token_ids=list(done_tokens),
-                                 completion_logprobs=list(done_lps),
-                                 completion_versions=list(done_versions[0]) if done_versions else None))
-            seqs[-1].cost.added_step = self.num_steps
+        seqs = new_samples(ids, params, rid, prior, seq_ids=self._seq_ids, rng=self._rng, block_size=self.block_size,
+                           step=self.num_steps, where=where)
         self._requests[rid] = seqs
         try:
             for s in seqs:
                 # a resumed sample that had already ended (EOS, stop, max tokens) stays ended
-                reason = self._finish_reason(s) if s.num_completion_tokens else None
+                reason = self._stops.finish_reason(s) if s.num_completion_tokens else None
                 if reason is None:
                     self.scheduler.add(s)
                 else:
@@ -381,7 +304,7 @@ class LLMEngine:
     def _output(self, rid: int) -> RequestOutput:
         seqs = self._requests.pop(rid)
         samples = [CompletionSample(list(s.completion_token_ids), list(s.logprobs),
-                                    s.text if s.text is not None else self._decode(s.completion_token_ids),
+                                    s.text if s.text is not None else self._stops.decode(s.completion_token_ids),
                                     finish_reason=s.finish_reason, top_logprobs=list(s.top_logprobs),
                                     versions=list(s.versions), cost=replace(s.cost), routing=self._routing_of(s))
                    for s in seqs]
@@ -435,26 +358,8 @@ class LLMEngine:
 
     def _run_batch(self, seqs: list[Sequence], is_prefill: bool) -> set[int]:
         """Run one scheduled batch, sample and postprocess; the ids of the requests it completed."""
-        used = self.block_manager.used_fraction()
-        if used >= self.peak_used_fraction:  # at the peak: how full are the blocks in use? (the
-            # last step at the peak counts: blocks fill up while no new one is needed)
-            self.peak_used_fraction, self.utilisation_at_peak = used, self.block_manager.utilisation()
-        run, rows = fork_rows(seqs) if is_prefill else (seqs, None)  # forks read their parent's logits
-        input_ids, batch = prepare(run, is_prefill, self.block_size, self.config.sliding_window,
-                                   group=self.group_prefill, copies=self.block_manager.take_copies())
-        if self.record_routing:
-            logits, routing = self._call("run", input_ids, batch, True)
-            if batch.copy_from is not None:  # the KV's copy-on-write copies, mirrored before the batch's writes
-                self._routing.copy(batch.copy_from, batch.copy_to)
-            self._routing.write(batch.slot_mapping, routing)
-            for s in seqs:  # every token of each has run now (a fork's: its parent's, in the same slots)
-                s.num_routed = s.num_tokens
-        else:
-            logits = self._call("run", input_ids, batch)
-        if rows is not None:
-            logits = logits[rows]
+        logits = self._batches.run(seqs, is_prefill, self.block_manager, self._call)  # counted, routing recorded
         self.num_steps += 1
-        self._count(seqs, is_prefill)
         done_requests: set[int] = set()
         tails = [i for i, s in enumerate(seqs) if s.pending_finish is not None]
         if tails:  # samples that ran their final token for its routing only: they end now, nothing sampled
@@ -464,17 +369,10 @@ class LLMEngine:
             seqs, logits = [seqs[i] for i in keep], logits[keep]
             if not seqs:
                 return done_requests
-
-        def row(f, dt):  # one sampling parameter per sequence, as a column for the batched sampler
-            return torch.tensor([f(s.params) for s in seqs], dtype=dt)
-
-        u = torch.tensor([s.rng.random() for s in seqs], dtype=torch.float64).float()
-        tokens, logps = sample(logits, row(lambda p: p.temperature, torch.float32), row(lambda p: p.top_k, torch.long),
-                               row(lambda p: p.top_p, torch.float32), row(lambda p: p.min_p, torch.float32), u)
-        self._record_top_logprobs(seqs, logits)
-        for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist(), strict=True):
+        tokens, logps = sample_next(seqs, logits)
+        for s, t, lp in zip(seqs, tokens, logps, strict=True):
             s.append_token(t, lp, self.weights_version)
-            reason = self._finish_reason(s)
+            reason = self._stops.finish_reason(s)
             if reason is not None:
                 self._end(s, reason, done_requests)
         return done_requests
@@ -491,51 +389,6 @@ class LLMEngine:
         self.scheduler.finish(s, reason)
         if all(x.is_finished for x in self._requests[s.request_id]):
             done_requests.add(s.request_id)
-
-    def _count(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        """Add what this batch computed to each sequence's cost: the tokens prepare() ran (a prefill from the
-        first uncached token, a decode its newest), the keys each attended to (p + 1 at position p, at
-        most the sliding window) and one logit position (the model's lm_head runs at its last token only)."""
-        window = self.config.sliding_window
-        for s in seqs:
-            if is_prefill and s.fork_parent is not None:  # its parent computed it all
-                continue
-            start = s.num_cached_tokens if is_prefill else s.num_tokens - 1
-            s.cost.computed_tokens += s.num_tokens - start
-            s.cost.logit_positions += 1
-            if window is None:  # sum of p + 1 over p in [start, num_tokens)
-                s.cost.attended += (s.num_tokens * (s.num_tokens + 1) - start * (start + 1)) // 2
-            else:
-                s.cost.attended += sum(min(p + 1, window) for p in range(start, s.num_tokens))
-
-    @staticmethod
-    def _record_top_logprobs(seqs, logits: torch.Tensor) -> None:
-        k = max(s.params.logprobs for s in seqs)
-        if k == 0:
-            return
-        temp = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs])
-        top = (logits / temp[:, None]).log_softmax(-1).topk(k, dim=-1)
-        for i, s in enumerate(seqs):
-            n = s.params.logprobs
-            if n:
-                s.top_logprobs.append(dict(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist(), strict=True)))
-
-    def _decode(self, tokens) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    def _finish_reason(self, s: Sequence) -> str | None:
-        tok, sp = s.last_token, s.params
-        if (tok in self.eos_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
-            return "stop"
-        if sp.stop and self.tokenizer is not None:
-            text = self._decode(s.completion_token_ids)
-            hits = [i for i in (text.find(x) for x in sp.stop) if i >= 0]
-            if hits:
-                s.text = text[: min(hits)]
-                return "stop"
-        if s.num_completion_tokens >= sp.max_tokens or s.num_tokens >= self.config.max_position_embeddings:
-            return "length"
-        return None
 
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
         """Run prompts to completion; one output per prompt (in order), `params.n` samples each.
@@ -577,33 +430,11 @@ class LLMEngine:
         return [done[r] for r in rids]
 
     def reset_stats(self) -> None:
-        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
-        self.block_manager.forked_tokens = 0
-        self.scheduler.num_preemptions = self.scheduler.num_reprefills = 0
-        self.scheduler.num_prefill_tokens = self.scheduler.num_forks = 0
-        self.peak_used_fraction = self.utilisation_at_peak = 0.0
-        if self._routing is not None:
-            self._routing.load.zero_()
+        self._stats.reset(self.block_manager, self.scheduler, self._routing)
 
     def stats(self) -> dict[str, float]:
         """Since construction or the last wake(): prefix-cache hit rate (tokens), the peak share of
         blocks in use and how full those blocks were then (live KV slots / slots), preemptions, and
         sequences re-prefilled by a weight update (partial="reprefill"); tokens prefills computed, and
         samples forked from a sibling's prefill (fork_samples); with record_routing, the experts' load imbalance."""
-        return {"engine/prefix_hit_rate": self.block_manager.hit_rate,
-                "engine/peak_blocks_used": self.peak_used_fraction,
-                "engine/block_utilisation_at_peak": self.utilisation_at_peak,
-                "engine/preemptions": float(self.scheduler.num_preemptions),
-                "engine/reprefills": float(self.scheduler.num_reprefills),
-                "engine/prefill_tokens": float(self.scheduler.num_prefill_tokens),
-                "engine/forked_samples": float(self.scheduler.num_forks), **self._expert_stats()}
-
-    def _expert_stats(self) -> dict[str, float]:
-        """With record_routing: the expert load's imbalance (relayrl.engine.routing), over experts and, under
-        expert_placement "ep" at TP > 1, over the ranks (what the most loaded rank makes the others wait for)."""
-        if self._routing is None:
-            return {}
-        out = {"engine/expert_load_max_over_mean": self._routing.load_max_over_mean()}
-        if self.expert_placement == "ep" and self.tp_size > 1:
-            out["engine/ep_rank_load_max_over_mean"] = self._routing.load_max_over_mean(self.tp_size)
-        return out
+        return self._stats.report(self.block_manager, self.scheduler, self._routing)
