@@ -72,3 +72,11 @@ def test_resume_across_expert_parallelism(moe_src, tmp_path, saved, resumed):
     got = _run(tmp_path, "run", moe_src, steps=4, save_every=2, resume=True, **resumed)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     _same(ref[2:], got[2:])
+
+
+def test_tp2_moe_run_equals_one_process(moe_src, one_process, tmp_path):
+    """Tensor parallelism over an MoE model takes the one-process steps, the routing figures included. TP's plan
+    splits attention and the vocabulary; the MoE blocks (router and experts) stay whole on each TP rank (parallel.ep
+    is what splits experts)."""
+    tp = _run(tmp_path, "tp2", moe_src, backend="local", tp=2)
+    _same(one_process, tp)
