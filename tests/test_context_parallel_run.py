@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from relayrl.controller.base_model import base_model_dir
-from relayrl.controller.run import check_fits_model, train
+from relayrl.controller.preflight import check_fits_model
+from relayrl.controller.run import train
 from relayrl.errors import ConfigError
 from relayrl.models import load_config
 

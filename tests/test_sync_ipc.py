@@ -156,13 +156,13 @@ def test_handle_message_round_trip():
 
 
 def test_the_transport_by_device_and_backend(tmp_path, monkeypatch):
-    from relayrl.controller import run
+    from relayrl.controller import preflight
     from relayrl.errors import ConfigError
     from tests.helpers import cfg_for
 
     def transport(device: str, **sections) -> str:
-        monkeypatch.setattr(run, "resolve_device", lambda setting: device)
-        return run.sync_transport(cfg_for(tmp_path, "r", **sections))
+        monkeypatch.setattr(preflight, "resolve_device", lambda setting: device)
+        return preflight.sync_transport(cfg_for(tmp_path, "r", **sections))
 
     assert transport("cpu") == "gloo"  # a CPU run moves what it always moved
     assert transport("cuda") == transport("cuda", parallel={"backend": "local", "dp_shard": 2}) == "ipc"

@@ -1,6 +1,7 @@
 """`relayrl train`: build the roles, run the driver for `run.steps` steps, log, evaluate,
-checkpoint, and resume from the newest checkpoint that passes its manifest. It may import every layer
-below the CLI, and must never import relayrl.cli.
+checkpoint, and resume from the newest checkpoint that passes its manifest. What it checks before it writes or
+starts anything is relayrl.controller.preflight's. It may import every layer below the CLI, and must never
+import relayrl.cli.
 
     run_dir/
       config.yaml          the resolved config (resume reads it back)
@@ -40,28 +41,22 @@ from relayrl.controller.driver import Driver
 from relayrl.controller.evaluate import evaluate, evaluate_episodes
 from relayrl.controller.group_policy import GroupPolicy, group_options
 from relayrl.controller.local_policy import LocalPolicy
+from relayrl.controller.preflight import check_fits_model, check_roles, check_start, sync_transport
 from relayrl.controller.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
 from relayrl.controller.reward_model import CombinedScorer, ModelScorer, RemoteModelScorer, model_entries
 from relayrl.controller.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
-from relayrl.engine.moe import check_expert_placement, dense_intermediate
-from relayrl.engine.parallel_state import check_tp
 from relayrl.engine.protocols import RolloutEngine
-from relayrl.envs.base import make_env
-from relayrl.errors import ConfigError, UserError
+from relayrl.errors import UserError
 from relayrl.models import load_config, load_pretrained, save_pretrained
 from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.lora import merge_lora_state_dict
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
-from relayrl.observe.loggers import LoggerOptions, require_loggers
+from relayrl.observe.loggers import LoggerOptions
 from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
-from relayrl.parallel.context_parallel import check_ulysses_heads
 from relayrl.parallel.device import resolve_device
-from relayrl.parallel.expert_parallel import check_experts_divide
-from relayrl.parallel.pipeline_stages import SCHEDULE_STAGES
-from relayrl.parallel.tensor_parallel import check_tp_divisibility
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
 from relayrl.sync.experts import sync_shape
@@ -80,7 +75,7 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def build_engine(cfg: RunConfig, src: Path, policy: LocalPolicy | GroupPolicy) -> RolloutEngine:
+def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: LocalPolicy | GroupPolicy) -> RolloutEngine:
     """The rollout engine, its ranks where parallel.placement puts them:
 
         vllm                          vLLM's engine (its own workers; synced with full tensors)
@@ -96,19 +91,18 @@ def build_engine(cfg: RunConfig, src: Path, policy: LocalPolicy | GroupPolicy) -
         from relayrl.engine.vllm_backend import VLLMEngine
 
         return VLLMEngine(src, **kwargs)
-    config = load_config(src)
     kwargs.update(max_num_seqs=r.max_num_seqs, block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes,
                   tensor_parallel_size=r.tp, expert_placement=r.expert_placement,
-                  record_routing=records_routing(config))
+                  record_routing=records_routing(model))
     device = resolve_device(par.device)  # colocated ranks take the actor's device instead
     if par.rollout_worker:
         return RemoteEngine(src, kwargs, group_options(par), device=device)
     tokenizer = load_tokenizer(src)
     if par.placement == "disaggregated":
-        return LLMEngine(config, tokenizer, own_processes=True, group_options=group_options(par), device=device,
+        return LLMEngine(model, tokenizer, own_processes=True, group_options=group_options(par), device=device,
                          **kwargs)
-    hosted = policy.host_engine(config, kwargs["dtype"], r.tp, r.expert_placement)
-    return LLMEngine(config, tokenizer, runner_group=hosted, **kwargs)
+    hosted = policy.host_engine(model, kwargs["dtype"], r.tp, r.expert_placement)
+    return LLMEngine(model, tokenizer, runner_group=hosted, **kwargs)
 
 
 def records_routing(model: ModelConfig) -> bool:
@@ -118,7 +112,7 @@ def records_routing(model: ModelConfig) -> bool:
     return isinstance(model, MoEShape)
 
 
-def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: RolloutEngine) -> WeightSync:
+def build_weight_sync(cfg: RunConfig, model: ModelConfig, policy: Policy, engine: RolloutEngine) -> WeightSync:
     """The planned, verified sync for relayrl's engine; vLLM's loader takes full tensors."""
     if cfg.rollout.backend == "vllm":
         return FullWeightSync(policy, engine, **lora_options(cfg.trainer.lora))
@@ -128,28 +122,13 @@ def build_weight_sync(cfg: RunConfig, src: Path, policy: Policy, engine: Rollout
                                  pp_schedule=par.pp_schedule, ep=par.ep))
     bf16_base = cfg.trainer.lora is not None and cfg.trainer.lora.base_dtype == "bfloat16"  # the trainer's compute
     # sync_shape keeps an MoE model's experts (ModelShape.of drops them)
-    return PlannedWeightSync(policy, engine, shape=sync_shape(load_config(src)), trainer_layout=layout,
+    return PlannedWeightSync(policy, engine, shape=sync_shape(model), trainer_layout=layout,
                              engine_tp=cfg.rollout.tp, expert_placement=cfg.rollout.expert_placement,
                              ipc=sync_transport(cfg) == "ipc",
                              colocated=par.placement == "colocated" and not par.rollout_worker,
                              engine_dtype=DTYPES[cfg.rollout.engine_dtype],
                              trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 or bf16_base else torch.float32,
                              temperature=cfg.rollout.temperature, cfg=cfg.sync, **lora_options(cfg.trainer.lora))
-
-
-def sync_transport(cfg: RunConfig) -> str:
-    """gloo or ipc: how the sync's buckets cross between processes (sync.transport; auto is ipc on CUDA with local
-    processes, which see the same devices under the same numbers; Ray gives each worker a view of its own)."""
-    transport, device = cfg.sync.transport, resolve_device(cfg.parallel.device)
-    if transport == "ipc" and device != "cuda":
-        raise ConfigError(f"sync.transport=ipc shares CUDA memory between processes; with parallel.device={device} "
-                          "set sync.transport=gloo or auto")
-    if transport == "ipc" and cfg.parallel.backend == "ray":
-        raise ConfigError("sync.transport=ipc needs the processes of one machine (parallel.backend local or none); "
-                          "with parallel.backend=ray set sync.transport=gloo or auto")
-    if transport == "auto":
-        return "ipc" if device == "cuda" and cfg.parallel.backend != "ray" else "gloo"
-    return transport
 
 
 def build_scorer_for(cfg: RunConfig) -> Scorer | None:
@@ -204,81 +183,17 @@ def close_all(*roles) -> None:
         raise first
 
 
-def check_fits_model(cfg: RunConfig, model: ModelConfig) -> None:
-    """Layout against the model, before any process starts (one line naming the key, not an error
-    found inside the workers): the trainer's and the engine's tensor-parallel degrees must divide the
-    heads, KV heads, intermediate size (and, for the trainer's vocab-parallel logprobs, the vocabulary);
-    an episode's token budget must fit the model's maximum length."""
-    try:
-        check_tp_divisibility(model, cfg.parallel.tp)
-    except ConfigError as e:
-        raise ConfigError(f"parallel.tp: {e}") from None
-    if cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "ulysses":
-        try:
-            check_ulysses_heads(model.num_attention_heads // cfg.parallel.tp,
-                                max(1, model.num_key_value_heads // cfg.parallel.tp), cfg.parallel.cp)
-        except ConfigError as e:
-            raise ConfigError(f"parallel.cp_mode: {e}") from None
-    if cfg.rollout.backend == "relayrl":
-        try:
-            check_tp(model.num_attention_heads, model.num_key_value_heads, cfg.rollout.tp, dense_intermediate(model))
-        except UserError as e:
-            raise ConfigError(f"rollout.tp: {e}") from None
-    check_fits_experts(cfg, model)
-    check_fits_stages(cfg, model)
-    if cfg.env is not None and cfg.env.max_total_tokens > model.max_position_embeddings:
-        raise ConfigError(f"env.max_total_tokens={cfg.env.max_total_tokens} exceeds the model's maximum length "
-                          f"({model.max_position_embeddings} tokens, max_position_embeddings): lower it")
-
-
-def check_fits_experts(cfg: RunConfig, model: ModelConfig) -> None:
-    """The MoE settings against the model, before any process starts: the router's options need experts, and
-    parallel.ep and the engine's expert placement must divide them."""
-    a = cfg.algo
-    if not isinstance(model, MoEShape):
-        for key, on in (("algo.routing_replay", a.routing_replay), ("algo.moe_aux_loss_coef", a.moe_aux_loss_coef),
-                        ("algo.moe_z_loss_coef", a.moe_z_loss_coef), ("parallel.ep", cfg.parallel.ep > 1)):
-            if on:
-                raise ConfigError(f"{key} needs an MoE model (experts to route); {model.model_type} is dense: "
-                                  f"remove {key}")
-        return
-    try:
-        check_experts_divide(model.num_experts, cfg.parallel.ep)
-        if cfg.rollout.backend == "relayrl":
-            check_expert_placement(model, cfg.rollout.tp, cfg.rollout.expert_placement)
-    except UserError as e:
-        raise ConfigError(f"{'parallel.ep' if 'parallel.ep' in str(e) else 'rollout.expert_placement'}: {e}") from None
-
-
-def check_fits_stages(cfg: RunConfig, model: ModelConfig) -> None:
-    """parallel.pp against the model, before any process starts: every stage needs a decoder layer, and the
-    stages hold dense layers only."""
-    par = cfg.parallel
-    if par.pp == 1:
-        return
-    stages = par.pp * SCHEDULE_STAGES[par.pp_schedule][0]
-    if stages > model.num_hidden_layers:
-        raise ConfigError(f"parallel.pp={par.pp}: {par.pp_schedule} cuts the model into {stages} stages, but it has "
-                          f"{model.num_hidden_layers} decoder layers; lower parallel.pp or pick a schedule with one "
-                          "stage per rank (1f1b, gpipe)")
-    if isinstance(model, MoEShape):
-        raise ConfigError(f"parallel.pp={par.pp}: {model.model_type} is an MoE model, and its routing does not cross "
-                          "pipeline stages yet; set parallel.pp=1 (parallel.ep splits its experts)")
-
-
 def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
-    model = load_config(src)
+    model = load_config(src)  # read once: the checks, the engine, the sync plan and the driver share it
     check_fits_model(cfg, model)
     torch.manual_seed(cfg.run.seed)
     train_set, eval_set = build_datasets(cfg.data)
-    if cfg.env is not None:
-        make_env(cfg.env)  # an unknown environment, bad params or a missing sandbox: one line, before any process
-    model_entries(cfg.reward)  # a missing reward-model directory: one line, before any process
+    check_roles(cfg)
     policy, engine, sync, scorer, agent = build_policy(cfg, src), None, None, None, None
     try:
-        engine = build_engine(cfg, src, policy)
-        sync = build_weight_sync(cfg, src, policy, engine)
+        engine = build_engine(cfg, src, model, policy)
+        sync = build_weight_sync(cfg, model, policy, engine)
         scorer = build_scorer_for(cfg)
         agent = build_agent(cfg, engine)
         kind = Driver if cfg.rollout.mode == "sync" else AsyncDriver
@@ -354,11 +269,7 @@ def _eval(driver: Driver, eval_set, cfg: RunConfig, run_dir: Path, logger: Metri
 def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict:
     """Run (or resume) the job of `cfg`; returns {"eval_first", "eval_last", "run_dir", ...}."""
     run_dir = Path(cfg.run.out_dir)
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a "
-                        "new directory")
-    require_loggers(cfg.run.sinks)  # a missing wandb / mlflow package: one line, before any process starts
-    sync_transport(cfg)  # parallel.device=cuda without a GPU, ipc off CUDA: one line, before anything is written
+    check_start(cfg, run_dir, resume)  # one line, before anything is written
     ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))

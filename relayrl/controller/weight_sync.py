@@ -88,7 +88,7 @@ class PlannedWeightSync:
                  engine_tp: int, colocated: bool, engine_dtype: torch.dtype, trainer_dtype: torch.dtype,
                  temperature: float, cfg: SyncConfig | None = None, lora: AdapterShape | None = None,
                  lora_scaling: float = 1.0, ipc: bool = False, expert_placement: str = "tp"):
-        """ipc: buckets between processes cross as CUDA IPC handles (when: relayrl.controller.run.sync_transport).
+        """ipc: buckets between processes cross as CUDA IPC handles (when: relayrl.controller.preflight.sync_transport).
         shape: relayrl.sync.sync_shape of the model (an MoE model's keeps its experts); expert_placement: the
         engine's (rollout.expert_placement)."""
         cfg = cfg if cfg is not None else SyncConfig()
