@@ -12,12 +12,12 @@ the trainer, sync, the controller or the CLI.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from relayrl.engine.lora import LoRATerm
 from relayrl.engine.parallel_state import TPInfo, head_layout
 from relayrl.models.config import ModelConfig
+from relayrl.models.linear import linear
 
 
 def _copy_weight(param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
@@ -50,7 +50,7 @@ class QKVParallelLinear(nn.Module):
         param.data[dst].copy_(src)
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return self.lora.column(self, x, y) if self.lora is not None and self.lora.separate else y
 
 
@@ -72,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[i * self.local: (i + 1) * self.local].copy_(src)
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return self.lora.column(self, x, y) if self.lora is not None and self.lora.separate else y
 
 
@@ -97,7 +97,7 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(loaded[:, self.cols.start:self.cols.stop])
 
     def forward(self, x):
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight)
         if self.lora is not None and self.lora.separate:
             partial = self.lora.row(self, x, partial)
         if not self.reduce:  # the caller reduces (after adding its other partial terms); no bias then

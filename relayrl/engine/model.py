@@ -42,6 +42,7 @@ from relayrl.engine.parallel_state import TPInfo
 from relayrl.errors import WeightShapeError
 from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.fusion import FUSED_INTO
+from relayrl.models.linear import Linear
 from relayrl.models.moe import moe_block_name
 from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from relayrl.models.transformer import RMSNorm
@@ -180,7 +181,7 @@ class EngineModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(EngineLayer(cfg, i, tp, expert_placement) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)

@@ -54,6 +54,7 @@ from relayrl.engine.linear import ColumnParallelLinear, RowParallelLinear
 from relayrl.engine.parallel_state import TPInfo
 from relayrl.errors import TensorParallelError
 from relayrl.models.config import ModelConfig, MoEShape
+from relayrl.models.linear import linear
 from relayrl.models.moe import EXPERT_PLACEMENTS, expert_split_problem, moe_block_name
 
 PLACEMENTS = EXPERT_PLACEMENTS
@@ -148,8 +149,8 @@ class StackedExperts(nn.Module):
             if n == 0:
                 continue
             tok = pair // self.top_k
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights.reshape(-1)[pair, None]
+            gate, up = linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, self.down_proj[e]) * weights.reshape(-1)[pair, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 

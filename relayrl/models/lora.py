@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from relayrl.models.linear import Linear, linear
 from relayrl.models.lora_config import LORA_TARGETS, LoRAConfig
 
 __all__ = [
@@ -93,7 +94,7 @@ class LoRALinear(nn.Linear):
         self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if not self.lora_enabled:
             return y
         h = self.lora_dropout(x)
@@ -131,7 +132,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
     found = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if child_name in targets and type(child) is nn.Linear:
+            if child_name in targets and type(child) in (nn.Linear, Linear):
                 lora = LoRALinear.from_linear(child, rank=rank, alpha=alpha, dropout=dropout,
                                               adapter_dtype=adapter_dtype)
                 lora.reset_lora_parameters(g)

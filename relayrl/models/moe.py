@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from relayrl.models.config import MoEConfig, MoEShape
+from relayrl.models.linear import Linear
 
 
 class Routing:
@@ -84,9 +85,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -97,9 +98,9 @@ class MixtralExpert(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.w1 = nn.Linear(hidden, inter, bias=False)
-        self.w2 = nn.Linear(inter, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.w1 = Linear(hidden, inter, bias=False)
+        self.w2 = Linear(inter, hidden, bias=False)
+        self.w3 = Linear(hidden, inter, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -141,12 +142,12 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.weights_in_model_dtype = cfg.model_type != "mixtral"
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = nn.Linear(h, cfg.num_experts, bias=False)
+        self.gate = Linear(h, cfg.num_experts, bias=False)
         expert = MixtralExpert if cfg.model_type == "mixtral" else SwiGLU
         self.experts = nn.ModuleList(expert(h, inter) for _ in range(cfg.num_experts))
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(h, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+            self.shared_expert_gate = Linear(h, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from relayrl.errors import ModelDirError
 from relayrl.models.config import ModelConfig
 from relayrl.models.hf_io import load_config, load_state_dict
+from relayrl.models.linear import Linear
 from relayrl.models.rope import rope_inv_freq
 from relayrl.models.transformer import CausalLM
 
@@ -35,7 +35,7 @@ class ScoreModel(CausalLM):
         super().__init__(cfg)
         del self.lm_head  # never used: a [V, h] matrix would be a large dead weight
         self.num_labels = num_labels
-        self.score = nn.Linear(cfg.hidden_size, num_labels, bias=False)
+        self.score = Linear(cfg.hidden_size, num_labels, bias=False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,

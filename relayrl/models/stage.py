@@ -31,6 +31,7 @@ from torch import nn
 
 from relayrl.errors import ConfigError
 from relayrl.models.config import ModelConfig
+from relayrl.models.linear import Linear
 from relayrl.models.rope import rope_cos_sin
 from relayrl.models.transformer import CausalLM, build_attention_mask
 
@@ -121,7 +122,7 @@ def _head_copy(model: CausalLM) -> nn.Linear:
     original), so every stage's parameters are its own whatever parallelism is applied to it; the pipeline
     sums the two copies' gradients (relayrl.parallel.pipeline)."""
     weight = model.model.embed_tokens.weight
-    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    head = Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         head.weight.copy_(weight)
     head.weight.requires_grad_(weight.requires_grad)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from relayrl.models.config import ModelConfig, MoEShape
+from relayrl.models.linear import Linear
 from relayrl.models.moe import Routing, SparseMoeBlock, moe_block_name
 from relayrl.models.packed import PackedLayout
 from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -76,10 +77,10 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
+        self.q_proj = Linear(h, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -108,9 +109,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -188,7 +189,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer(

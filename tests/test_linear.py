@@ -1,0 +1,87 @@
+"""relayrl.models.linear: oneDNN's fp32 CPU linear equals torch's F.linear to fp32 rounding (outputs and every
+gradient), only where it applies; below MIN_MACS, under autocast and for DTensors it is F.linear itself; and a model
+built of it matches the same model on torch's kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relayrl.models import linear as lin
+from relayrl.models.linear import Linear, linear, uses_onednn
+
+from helpers import small_config
+
+pytestmark = pytest.mark.skipif(not lin._ONEDNN, reason="torch without oneDNN")
+
+
+def close(a, b, rel=1e-5):
+    assert (a - b).abs().max() <= rel * b.abs().max(), ((a - b).abs().max(), b.abs().max())
+
+
+@pytest.mark.parametrize("shape, n, bias", [((2, 300, 512), 384, True), ((1024, 256), 512, False),
+                                           ((64, 1536), 512, True)])
+def test_onednn_linear_equals_torch_in_output_and_gradients(shape, n, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(n, shape[-1], generator=g) / shape[-1] ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    up = torch.randn(*shape[:-1], n, generator=g)
+    assert uses_onednn(x, w)
+    grads = []
+    for fn in (linear, F.linear):
+        xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        bs = b.clone().requires_grad_(True) if bias else None
+        y = fn(xs, ws, bs)
+        (y * up).sum().backward()
+        grads.append((y.detach(), xs.grad, ws.grad, bs.grad if bias else None))
+    (y1, dx1, dw1, db1), (y0, dx0, dw0, db0) = grads
+    close(y1, y0)
+    close(dx1, dx0)
+    close(dw1, dw0)
+    if bias:
+        close(db1, db0)
+    # a frozen weight (a reference model, a LoRA base) takes no weight gradient; no grad at all runs the kernel alone
+    xs = x.clone().requires_grad_(True)
+    linear(xs, w, b).sum().backward()
+    close(xs.grad, (torch.ones(*shape[:-1], n) @ w).reshape(shape))
+    with torch.no_grad():
+        close(linear(x, w, b), F.linear(x, w, b))
+
+
+def test_where_it_does_not_apply_it_is_torchs_own():
+    g = torch.Generator().manual_seed(1)
+    small_x, small_w = torch.randn(16, 32, generator=g), torch.randn(32, 32, generator=g)
+    big_x, big_w = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
+    assert not uses_onednn(small_x, small_w) and uses_onednn(big_x, big_w)
+    assert torch.equal(linear(small_x, small_w), F.linear(small_x, small_w))  # the tests' tiny models
+    assert not uses_onednn(big_x.double(), big_w.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not uses_onednn(big_x, big_w)
+        assert torch.equal(linear(big_x, big_w), F.linear(big_x, big_w))
+
+
+def test_a_model_on_onednn_matches_torchs_kernels(monkeypatch):
+    """A CausalLM wide enough to take oneDNN: logits and every parameter gradient match the same model run with
+    oneDNN turned off (MIN_MACS out of reach)."""
+    from relayrl.models.transformer import CausalLM
+
+    cfg = small_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512)
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Linear)
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(2))
+    assert uses_onednn(torch.empty(4 * 64, 256), model.model.layers[0].mlp.up_proj.weight)
+    out = []
+    for min_macs in (lin.MIN_MACS, 1 << 62):
+        monkeypatch.setattr(lin, "MIN_MACS", min_macs)
+        model.zero_grad()
+        logits = model(ids)
+        logits.log_softmax(-1)[..., 0].sum().backward()
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l1, g1), (l0, g0) = out
+    close(l1, l0)
+    for n in g0:
+        close(g1[n], g0[n], rel=1e-4)
