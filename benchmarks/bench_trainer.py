@@ -1,6 +1,7 @@
 """Trainer throughput, MFU and per-rank memory: single process vs FSDP=2, and DDP=2 vs FSDP=2.
 
-    1. matmul peak    best GFLOP/s of square fp32 `a @ b` (--matmul-sizes), 1 thread and 2 threads in
+    1. matmul peak    best GFLOP/s of square fp32 `a @ b` (--matmul-sizes; torch's kernel and oneDNN's, the
+                      better: relayrl.models.linear runs oneDNN where it is faster), 1 thread and 2 threads in
                       this process, and 2 spawned processes x 1 thread at once (summed)
     2. throughput     one `Actor.update` (one AdamW step over the whole GRPO-shaped batch) timed after
                       --warmup updates; single process (1 rank x --threads threads) vs FSDP=2 (2 ranks
@@ -121,31 +122,43 @@ ALGO = dict(kl_coef=0.05, tis_cap=2.0)
 # 1. matmul peak
 
 
+def _kernels():
+    """The fp32 matmuls the peak takes the best of: torch's (MKL) and oneDNN's, which relayrl.models.linear runs
+    where it is faster (relayrl.observe.peak measures the same two)."""
+    out = [lambda a, b, o: torch.mm(a, b, out=o)]
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        out.append(lambda a, b, o: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+    return out
+
+
 def _matmul_gflops(n: int, reps: int) -> float:
-    """Best single-call GFLOP/s of an n x n fp32 matmul (after one warm-up call)."""
+    """Best single-call GFLOP/s of an n x n fp32 matmul, over both kernels (after one warm-up call each)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    torch.mm(a, b, out=out)
     best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - t)
+    for mm in _kernels():
+        mm(a, b, out)
+        for _ in range(reps):
+            t = time.perf_counter()
+            mm(a, b, out)
+            best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best / 1e9
 
 
 def _rank_matmul(rank: int, world: int, n: int, reps: int) -> float:
-    """All ranks at once: this rank's GFLOP/s over `reps` back-to-back matmuls (1 thread each)."""
+    """All ranks at once: this rank's GFLOP/s over `reps` back-to-back matmuls (1 thread each), the better
+    kernel."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    torch.mm(a, b, out=out)
     best = 0.0
-    for _ in range(3):
-        dist.barrier()
-        t = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, b, out=out)
-        best = max(best, reps * 2 * n**3 / (time.perf_counter() - t) / 1e9)
+    for mm in _kernels():
+        mm(a, b, out)
+        for _ in range(3):
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(reps):
+                mm(a, b, out)
+            best = max(best, reps * 2 * n**3 / (time.perf_counter() - t) / 1e9)
     return best
 
 

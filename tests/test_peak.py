@@ -38,7 +38,26 @@ def test_measured_once_then_read_from_the_cache(fake_measure, tmp_path):
 
 def test_key_names_host_processor_torch_threads_dtype():
     key = peak.cache_key("cpu", "bfloat16", 3)
-    assert f"torch {torch.__version__}" in key and "threads 3" in key and key.endswith("bfloat16")
+    # "mm+onednn": the peak is the better of torch's matmul and oneDNN's, so entries timed with torch's alone
+    # (before relayrl.models.linear ran oneDNN) are measured again
+    assert f"torch {torch.__version__}" in key and "threads 3" in key and key.endswith("bfloat16 | mm+onednn")
+
+
+def test_the_peak_is_the_fastest_kernel_and_cpu_fp32_times_onednn_too(monkeypatch):
+    """measure_gflops takes the fastest of the kernels it times (for the CPU in fp32: torch's mm and oneDNN's linear,
+    which relayrl.models.linear runs where it is faster)."""
+    import time as _time
+
+    def kernel(seconds):
+        return lambda a, b, out: _time.sleep(seconds)
+
+    monkeypatch.setattr(peak, "_kernels", lambda dev, dt: [kernel(0.05), kernel(0.01)])
+    got = peak.measure_gflops("cpu", "float32", 1, reps=2, budget_s=0.0)  # the first size only: n = 256
+    assert 2 * 256**3 / 0.012 / 1e9 < got <= 2 * 256**3 / 0.01 / 1e9
+    monkeypatch.undo()
+    names = len(peak._kernels(torch.device("cpu"), torch.float32))
+    assert names == (2 if torch.backends.mkldnn.is_available() else 1)
+    assert len(peak._kernels(torch.device("cpu"), torch.bfloat16)) == 1
 
 
 @pytest.mark.parametrize("content", [

@@ -3,7 +3,10 @@
     matmul_peak(device, dtype, threads) ──> best GFLOP/s of square `a @ b` over growing sizes
                                              (one warm-up call, then the fastest of `reps` calls; sizes stop
                                              growing once one call takes longer than `budget_s`, so bf16 on
-                                             a CPU without bf16 units stays cheap)
+                                             a CPU without bf16 units stays cheap); on the CPU in fp32 the
+                                             better of torch's default kernel (MKL) and oneDNN's, the one
+                                             relayrl.models.linear runs where it is faster (on AVX-512 cores
+                                             with full-width FMA units MKL's AVX2 path reaches half the rate)
 
 It is what this process can reach on this machine, not a datasheet figure: on a CPU, with `threads` intra-op
 threads (a worker rank of the local backend runs 1; the driver's own process torch's default); on CUDA, the
@@ -56,7 +59,16 @@ def _processor(device: str) -> str:
 
 def cache_key(device: str, dtype: str, threads: int) -> str:
     return " | ".join((socket.gethostname(), _processor(device), f"torch {torch.__version__}",
-                       f"threads {threads}", dtype))
+                       f"threads {threads}", dtype, "mm+onednn"))
+
+
+def _kernels(dev: torch.device, dt: torch.dtype) -> list:
+    """The matmuls to time: torch's, and on the CPU in fp32 oneDNN's (a @ b^T: the same FLOPs)."""
+    out = [lambda a, b, o: torch.mm(a, b, out=o)]
+    if dev.type == "cpu" and dt == torch.float32 and torch.backends.mkldnn.is_available() \
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        out.append(lambda a, b, o: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+    return out
 
 
 def measure_gflops(device: str = "cpu", dtype: str = "float32", threads: int | None = None, *,
@@ -72,14 +84,15 @@ def measure_gflops(device: str = "cpu", dtype: str = "float32", threads: int | N
         for n in CUDA_SIZES if dev.type == "cuda" else CPU_SIZES:
             a, b = torch.randn(n, n, device=dev).to(dt), torch.randn(n, n, device=dev).to(dt)
             out = torch.empty(n, n, device=dev, dtype=dt)
-            torch.mm(a, b, out=out)  # warm-up: allocations, kernel selection
-            sync()
             fastest = float("inf")
-            for _ in range(reps):
-                t = time.perf_counter()
-                torch.mm(a, b, out=out)
+            for mm in _kernels(dev, dt):
+                mm(a, b, out)  # warm-up: allocations, kernel selection
                 sync()
-                fastest = min(fastest, time.perf_counter() - t)
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    mm(a, b, out)
+                    sync()
+                    fastest = min(fastest, time.perf_counter() - t)
             best = max(best, 2 * n**3 / max(fastest, 1e-12) / 1e9)
             if fastest > budget_s:
                 break

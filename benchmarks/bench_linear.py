@@ -1,0 +1,90 @@
+"""The models' fp32 CPU linear (relayrl.models.linear: oneDNN) against torch's F.linear (MKL), side by side.
+
+For each shape (rows M, out N, in K): forward, and forward + backward (dx and dW) of y = x W^T, interleaved,
+the median of --repeats timings of each after a warm-up, in GFLOP/s, and the ratio oneDNN / torch. The shapes
+are those of the trainer's micro-batches (2048 token rows) and of the engine's decode (8-128 rows) for the
+benchmarks' models: the 27M model of bench_trainer.py (hidden 512, MLP 1536, vocab 4096), the 25m workload
+(hidden 512, MLP 2816, vocab 8192) and the demo's tiny model (hidden 128). Also the square-matmul peak of each
+kernel (the MFU denominator takes the better, relayrl.observe.peak).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_linear.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from relayrl.models.linear import linear, uses_onednn
+
+SHAPES = [  # (label, M, N, K)
+    ("27m qkv, train", 2048, 1024, 512), ("27m up, train", 2048, 1536, 512), ("27m down, train", 2048, 512, 1536),
+    ("27m lm_head, train", 2048, 4096, 512), ("25m up, train", 2048, 2816, 512),
+    ("25m lm_head, train", 2048, 8192, 512), ("25m up, decode 128", 128, 2816, 512),
+    ("25m qkv, decode 32", 32, 1024, 512), ("27m up, decode 8", 8, 1536, 512),
+    ("demo mlp, train", 2560, 512, 128), ("demo qkv, decode 256", 256, 256, 128),
+]
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def fwd(fn, x, w, up):
+    return lambda: fn(x, w)
+
+
+def fwd_bwd(fn, x, w, up):
+    def run():
+        xs, ws = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        (fn(xs, ws) * up).sum().backward()
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s); GFLOP/s, median of {args.repeats}")
+    print("| shape | M x N x K | oneDNN? | fwd torch | fwd relayrl | ratio | fwd+bwd torch | fwd+bwd relayrl | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for label, M, N, K in SHAPES:
+        g = torch.Generator().manual_seed(0)
+        x, w, up = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(M, N, generator=g)
+        fl = 2 * M * N * K
+        row = []
+        for make in (fwd, fwd_bwd):
+            base, ours = make(F.linear, x, w, up), make(linear, x, w, up)
+            tb, to = [], []
+            for _ in range(args.repeats):  # interleaved
+                tb.append(timed(base, 1))
+                to.append(timed(ours, 1))
+            mult = 1 if len(row) == 0 else 3
+            b, o = fl * mult / statistics.median(tb) / 1e9, fl * mult / statistics.median(to) / 1e9
+            row += [b, o, o / b]
+        ratios += [row[2], row[5]]
+        print(f"| {label} | {M} x {N} x {K} | {'yes' if uses_onednn(x, w) else 'no'} | {row[0]:.1f} | {row[1]:.1f} | "
+              f"**{row[2]:.2f}x** | {row[3]:.1f} | {row[4]:.1f} | **{row[5]:.2f}x** |")
+    print(f"worst ratio {min(ratios):.2f}x, best {max(ratios):.2f}x")
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    mm = 2 * n**3 / timed(lambda: a @ b, args.repeats) / 1e9
+    dnn = 2 * n**3 / timed(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""), args.repeats) / 1e9
+    print(f"square {n} matmul: torch (MKL) {mm:.1f} GFLOP/s, oneDNN {dnn:.1f} GFLOP/s ({dnn / mm:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
