@@ -85,3 +85,13 @@ def test_a_model_on_onednn_matches_torchs_kernels(monkeypatch):
     close(l1, l0)
     for n in g0:
         close(g1[n], g0[n], rel=1e-4)
+
+
+def test_row_buckets_by_hand():
+    """oneDNN compiles a kernel per shape: rows are padded to few buckets, at most 1/16 more rows."""
+    from relayrl.models.linear import bucket
+
+    assert [bucket(r) for r in (1, 63, 64, 65, 100, 128, 129, 600, 1000, 1024, 1025)] == \
+        [1, 63, 64, 68, 100, 128, 136, 608, 1024, 1024, 1088]
+    assert all(r <= bucket(r) <= r * 17 / 16 and bucket(bucket(r)) == bucket(r) for r in range(1, 5000))
+    assert len({bucket(r) for r in range(1025, 2049)}) == 16  # 1088, 1152, ..., 2048

@@ -11,6 +11,11 @@ rounding (about 1e-6 relative: tests/test_linear.py).
     dx = dy W               the same kernel, W^T as its weight (a strided view, no copy)
     dW = dy^T x             the same kernel over the transposed views;   db = sum over rows of dy
 
+Row buckets: oneDNN JIT-compiles a kernel for every new shape (about 5 ms on this machine) and caches it, and the
+trainer's packed rows and the engine's batches change their row count every call. So the rows are padded with
+zeros up to a bucket: exact below 64 rows, then 16 buckets per power of two (at most 1/16 padding), so a run meets
+a few dozen shapes per layer and each compiles once. Zero rows add nothing to dW and their outputs are cut off.
+
 Where it applies (else F.linear, unchanged): fp32 plain tensors (not DTensors: TP keeps torch's sharded ops) on
 the CPU, autocast off, torch built with oneDNN, and at least MIN_MACS multiply-adds: below that oneDNN's fixed
 cost per call (~12 us) loses to MKL (measured: the crossover sits near 2M MACs on this machine), so the small
@@ -31,23 +36,40 @@ MIN_MACS = 1 << 21  # rows x out x in at which oneDNN starts to beat MKL on the 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def bucket(rows: int) -> int:
+    """The row count a kernel is compiled for: `rows` up to 64, then rounded up to a sixteenth of its power of two."""
+    if rows <= 64:
+        return rows
+    step = 1 << (rows.bit_length() - 5)
+    return -(-rows // step) * step
+
+
+def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if t.shape[0] == rows else F.pad(t, (0, 0, 0, rows - t.shape[0]))
+
+
 def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] w[N, K]^T (+ b) by oneDNN; x and w may be strided views."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    """x [M, K] w[N, K]^T (+ b) by oneDNN (x's rows padded to their bucket); x and w may be strided views."""
+    rows = x.shape[0]
+    return torch.ops.mkldnn._linear_pointwise(_pad(x, bucket(rows)), w, b, "none", [], "")[:rows]
 
 
 class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x2, weight)
-        ctx.has_bias = bias is not None
-        return _mm(x2, weight, bias)
+        xp = _pad(x2, bucket(x2.shape[0]))
+        ctx.save_for_backward(xp, weight)
+        ctx.has_bias, ctx.rows = bias is not None, x2.shape[0]
+        return torch.ops.mkldnn._linear_pointwise(xp, weight, bias, "none", [], "")[:ctx.rows]
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2, weight = ctx.saved_tensors
-        dx = _mm(dy, weight.t()) if ctx.needs_input_grad[0] else None
-        dw = _mm(dy.t(), x2.t()) if ctx.needs_input_grad[1] else None
+        xp, weight = ctx.saved_tensors
+        dyp = _pad(dy, xp.shape[0])  # zero rows: no share of dW, and their dx is cut off
+        dx = _mm(dyp, weight.t())[:ctx.rows] if ctx.needs_input_grad[0] else None
+        # dW's rows are the layer's outputs, one fixed shape per layer: no bucket
+        dw = torch.ops.mkldnn._linear_pointwise(dyp.t(), xp.t(), None, "none", [], "") if ctx.needs_input_grad[1] \
+            else None
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db
 
