@@ -8,6 +8,8 @@ benchmarks' models: the 27M model of bench_trainer.py (hidden 512, MLP 1536, voc
 kernel (the MFU denominator takes the better, relayrl.observe.peak).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_linear.py
+    OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --update-ab 3   # also: bench_trainer's 27M actor update,
+                                                                       # oneDNN on and off, interleaved
 """
 
 from __future__ import annotations
@@ -51,10 +53,47 @@ def fwd_bwd(fn, x, w, up):
     return run
 
 
+def update_ab(rounds: int) -> None:
+    """bench_trainer.py's model, batch and Actor update, with oneDNN on and off (MIN_MACS out of reach), interleaved
+    in this process: the ratio of median update times."""
+    import argparse as _ap
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bench_trainer as bt
+
+    import relayrl.models.linear as lin
+    from relayrl.algorithms import AlgoConfig
+    from relayrl.trainer.actor import Actor
+
+    args = _ap.Namespace(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, vocab=4096,
+                         prompts=2, n=8, prompt_len=64, response_len=192, micro_batch=8, bf16=False,
+                         activation_checkpointing=False, seed=0)
+    mc = bt.model_config(args)
+    batch = bt.make_batch(args, mc)
+    actor = Actor(bt.build_model(mc), bt.trainer_cfg(args), AlgoConfig(**bt.ALGO), total_steps=100)
+    arms = {"oneDNN": lin.MIN_MACS, "torch": 1 << 62}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for r in range(rounds + 1):  # round 0 warms each arm up
+        for name, macs in arms.items():
+            lin.MIN_MACS = macs
+            t = time.perf_counter()
+            actor.update(batch)
+            if r:
+                times[name].append(time.perf_counter() - t)
+    lin.MIN_MACS = arms["oneDNN"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"27M actor update (4096 tokens), s: {({k: [round(x, 2) for x in v] for k, v in times.items()})}; "
+          f"torch / oneDNN: {med['torch'] / med['oneDNN']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--update-ab", type=int, default=0, metavar="ROUNDS",
+                    help="also time bench_trainer's actor update with oneDNN on and off, ROUNDS interleaved rounds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s); GFLOP/s, median of {args.repeats}")
@@ -84,6 +123,8 @@ def main() -> None:
     mm = 2 * n**3 / timed(lambda: a @ b, args.repeats) / 1e9
     dnn = 2 * n**3 / timed(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""), args.repeats) / 1e9
     print(f"square {n} matmul: torch (MKL) {mm:.1f} GFLOP/s, oneDNN {dnn:.1f} GFLOP/s ({dnn / mm:.2f}x)")
+    if args.update_ab:
+        update_ab(args.update_ab)
 
 
 if __name__ == "__main__":
