@@ -262,9 +262,7 @@ class RunConfig(Config):
             (p.pp > 1 or p.ep > 1, "pipeline and expert parallelism are not combined with it",
              "set parallel.pp=1 and parallel.ep=1"),
         ]
-        for bad, why, fix in refusals:
-            if bad:
-                raise ValueError(f"parallel.cp={cp}: {why}; {fix}")
+        _refuse(f"parallel.cp={cp}", refusals)
         return self
 
     @model_validator(mode="after")
@@ -284,9 +282,7 @@ class RunConfig(Config):
             (p.cp > 1 or p.ep > 1, "context and expert parallelism are not combined with it",
              "set parallel.cp=1 and parallel.ep=1"),
         ]
-        for bad, why, fix in refusals:
-            if bad:
-                raise ValueError(f"parallel.pp={pp}: {why}; {fix}")
+        _refuse(f"parallel.pp={pp}", refusals)
         return self
 
     @model_validator(mode="after")
@@ -303,3 +299,10 @@ class RunConfig(Config):
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     data = load_yaml(path) if path is not None else {}
     return RunConfig.from_dict(apply_overrides(data, list(overrides)))
+
+
+def _refuse(setting: str, refusals: list[tuple[bool, str, str]]) -> None:
+    """The first (bad, why, fix) that holds, as one line: "<setting>: <why>; <fix>"."""
+    for bad, why, fix in refusals:
+        if bad:
+            raise ValueError(f"{setting}: {why}; {fix}")
