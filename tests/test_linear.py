@@ -95,3 +95,15 @@ def test_row_buckets_by_hand():
         [1, 63, 64, 68, 100, 128, 136, 608, 1024, 1024, 1088]
     assert all(r <= bucket(r) <= r * 17 / 16 and bucket(bucket(r)) == bucket(r) for r in range(1, 5000))
     assert len({bucket(r) for r in range(1025, 2049)}) == 16  # 1088, 1152, ..., 2048
+
+
+def test_outputs_are_no_views():
+    """Like F.linear's, the output is no view (FSDP2 warns when a module returns one): padded or not, 2-D or 3-D."""
+    w = torch.randn(512, 512, requires_grad=True)
+    for shape in ((601, 512), (608, 512), (2, 301, 512)):
+        x = torch.randn(*shape, requires_grad=True)
+        assert uses_onednn(x, w)
+        y = linear(x, w)
+        assert y._base is None and y.shape == (*shape[:-1], 512)
+        y.sum().backward()
+        close(x.grad, torch.ones(*shape[:-1], 512) @ w.detach())

@@ -51,7 +51,13 @@ def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
 def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] w[N, K]^T (+ b) by oneDNN (x's rows padded to their bucket); x and w may be strided views."""
     rows = x.shape[0]
-    return torch.ops.mkldnn._linear_pointwise(_pad(x, bucket(rows)), w, b, "none", [], "")[:rows]
+    return _rows(torch.ops.mkldnn._linear_pointwise(_pad(x, bucket(rows)), w, b, "none", [], ""), rows)
+
+
+def _rows(y: torch.Tensor, rows: int) -> torch.Tensor:
+    """y's first `rows` rows: y itself when nothing was padded, else a copy (not a view: FSDP2 warns when a
+    module returns a view, as an in-place op on it would skip its hooks)."""
+    return y if y.shape[0] == rows else y[:rows].clone()
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -60,13 +66,13 @@ class _OneDNNLinear(torch.autograd.Function):
         xp = _pad(x2, bucket(x2.shape[0]))
         ctx.save_for_backward(xp, weight)
         ctx.has_bias, ctx.rows = bias is not None, x2.shape[0]
-        return torch.ops.mkldnn._linear_pointwise(xp, weight, bias, "none", [], "")[:ctx.rows]
+        return _rows(torch.ops.mkldnn._linear_pointwise(xp, weight, bias, "none", [], ""), ctx.rows)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         xp, weight = ctx.saved_tensors
         dyp = _pad(dy, xp.shape[0])  # zero rows: no share of dW, and their dx is cut off
-        dx = _mm(dyp, weight.t())[:ctx.rows] if ctx.needs_input_grad[0] else None
+        dx = _rows(_mm(dyp, weight.t()), ctx.rows) if ctx.needs_input_grad[0] else None
         # dW's rows are the layer's outputs, one fixed shape per layer: no bucket
         dw = torch.ops.mkldnn._linear_pointwise(dyp.t(), xp.t(), None, "none", [], "") if ctx.needs_input_grad[1] \
             else None
@@ -92,7 +98,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = _OneDNNLinear.apply(x2, weight, bias)
     else:
         y = _mm(x2, weight, bias)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    # as F.linear does: an unsafe view is no view to autograd (no _base), so a module returning it is not taken
+    # for one returning a view (FSDP2 warns of those, as an in-place op on a view would skip its hooks)
+    return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 
 
 class Linear(nn.Linear):
