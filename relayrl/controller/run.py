@@ -1,7 +1,7 @@
 """`relayrl train`: build the roles, run the driver for `run.steps` steps, log, evaluate,
 checkpoint, and resume from the newest checkpoint that passes its manifest. What it checks before it writes or
-starts anything is relayrl.controller.preflight's. It may import every layer below the CLI, and must never
-import relayrl.cli.
+starts anything is relayrl.controller.preflight's. It may import every layer below the CLI, and it must
+never import relayrl.cli.
 
     run_dir/
       config.yaml          the resolved config (resume reads it back)
