@@ -1,15 +1,19 @@
-"""The models' fp32 CPU linear (relayrl.models.linear: oneDNN) against torch's F.linear (MKL), side by side.
+"""The models' fp32 CPU linear (relayrl.models.linear) against torch's F.linear (MKL), side by side.
 
-For each shape (rows M, out N, in K): forward, and forward + backward (dx and dW) of y = x W^T, interleaved,
-the median of --repeats timings of each after a warm-up, in GFLOP/s, and the ratio oneDNN / torch. The shapes
+relayrl's linear runs each of its three products (forward, dx, dW) on oneDNN or on torch's kernel, whichever it
+measured faster on this machine by its margin (`kernel_choice()`, printed first; --kernels onednn forces all three
+on oneDNN, as RELAYRL_CPU_LINEAR=onednn does). For each shape (rows M, out N, in K): forward, and forward +
+backward (dx and dW) of y = x W^T, interleaved, the median of --repeats timings of each after a warm-up, in
+GFLOP/s, and the ratio relayrl / torch. The shapes
 are those of the trainer's micro-batches (2048 token rows) and of the engine's decode (8-128 rows) for the
 benchmarks' models: the 27M model of bench_trainer.py (hidden 512, MLP 1536, vocab 4096), the 25m workload
 (hidden 512, MLP 2816, vocab 8192) and the demo's tiny model (hidden 128). Also the square-matmul peak of each
 kernel (the MFU denominator takes the better, relayrl.observe.peak).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_linear.py
+    OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --kernels onednn   # every product on oneDNN
     OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --update-ab 3   # also: bench_trainer's 27M actor update,
-                                                                       # oneDNN on and off, interleaved
+                                                                       # the chosen kernels and torch's, interleaved
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import relayrl.models.linear as lin
 from relayrl.models.linear import linear, uses_onednn
 
 SHAPES = [  # (label, M, N, K)
@@ -54,8 +59,8 @@ def fwd_bwd(fn, x, w, up):
 
 
 def update_ab(rounds: int) -> None:
-    """bench_trainer.py's model, batch and Actor update, with oneDNN on and off (MIN_MACS out of reach), interleaved
-    in this process: the ratio of median update times."""
+    """bench_trainer.py's model, batch and Actor update, on the kernels chosen (as main() set them) and on torch's
+    alone, interleaved in this process: the ratio of median update times."""
     import argparse as _ap
     import sys
     from pathlib import Path
@@ -63,7 +68,6 @@ def update_ab(rounds: int) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_trainer as bt
 
-    import relayrl.models.linear as lin
     from relayrl.algorithms import AlgoConfig
     from relayrl.trainer.actor import Actor
 
@@ -73,31 +77,40 @@ def update_ab(rounds: int) -> None:
     mc = bt.model_config(args)
     batch = bt.make_batch(args, mc)
     actor = Actor(bt.build_model(mc), bt.trainer_cfg(args), AlgoConfig(**bt.ALGO), total_steps=100)
-    arms = {"oneDNN": lin.MIN_MACS, "torch": 1 << 62}
+    arms = {"relayrl": dict(lin.kernel_choice()), "torch": dict.fromkeys(lin.PRODUCTS, False)}
     times: dict[str, list[float]] = {k: [] for k in arms}
     for r in range(rounds + 1):  # round 0 warms each arm up
-        for name, macs in arms.items():
-            lin.MIN_MACS = macs
+        for name, choice in arms.items():
+            lin._choice = choice
             t = time.perf_counter()
             actor.update(batch)
             if r:
                 times[name].append(time.perf_counter() - t)
-    lin.MIN_MACS = arms["oneDNN"]
+    lin._choice = arms["relayrl"]
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"27M actor update (4096 tokens), s: {({k: [round(x, 2) for x in v] for k, v in times.items()})}; "
-          f"torch / oneDNN: {med['torch'] / med['oneDNN']:.2f}x")
+          f"torch / relayrl: {med['torch'] / med['relayrl']:.2f}x")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kernels", choices=["auto", "onednn"], default="auto",
+                    help="auto: the products relayrl measures faster on oneDNN; onednn: all three on oneDNN")
     ap.add_argument("--update-ab", type=int, default=0, metavar="ROUNDS",
                     help="also time bench_trainer's actor update with oneDNN on and off, ROUNDS interleaved rounds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kernels == "onednn":
+        lin._choice = dict.fromkeys(lin.PRODUCTS, True)
+    choice = lin.kernel_choice()
     print(f"torch {torch.__version__}, {args.threads} thread(s); GFLOP/s, median of {args.repeats}")
-    print("| shape | M x N x K | oneDNN? | fwd torch | fwd relayrl | ratio | fwd+bwd torch | fwd+bwd relayrl | ratio |")
+    print(f"kernels: {', '.join(f'{p} on ' + ('oneDNN' if on else 'torch') for p, on in choice.items())}"
+          + (f" (measured torch s / oneDNN s: {', '.join(f'{p} {r:.2f}' for p, r in lin._ratios.items())}; "
+             f"oneDNN where >= {lin.WIN})" if lin._ratios else " (forced)"))
+    print("| shape | M x N x K | oneDNN (fwd, dx, dw) | fwd torch | fwd relayrl | ratio | fwd+bwd torch "
+          "| fwd+bwd relayrl | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     ratios = []
     for label, M, N, K in SHAPES:
@@ -115,7 +128,8 @@ def main() -> None:
             b, o = fl * mult / statistics.median(tb) / 1e9, fl * mult / statistics.median(to) / 1e9
             row += [b, o, o / b]
         ratios += [row[2], row[5]]
-        print(f"| {label} | {M} x {N} x {K} | {'yes' if uses_onednn(x, w) else 'no'} | {row[0]:.1f} | {row[1]:.1f} | "
+        on = ", ".join("yes" if uses_onednn(x, w, p) else "no" for p in lin.PRODUCTS)
+        print(f"| {label} | {M} x {N} x {K} | {on} | {row[0]:.1f} | {row[1]:.1f} | "
               f"**{row[2]:.2f}x** | {row[3]:.1f} | {row[4]:.1f} | **{row[5]:.2f}x** |")
     print(f"worst ratio {min(ratios):.2f}x, best {max(ratios):.2f}x")
     n = 2048

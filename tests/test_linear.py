@@ -1,6 +1,10 @@
 """relayrl.models.linear: oneDNN's fp32 CPU linear equals torch's F.linear to fp32 rounding (outputs and every
-gradient), only where it applies; below MIN_MACS, under autocast and for DTensors it is F.linear itself; and a model
-built of it matches the same model on torch's kernels."""
+gradient), with any mix of the two kernels over its three products; only where it applies; below MIN_MACS, under
+autocast and for DTensors it is F.linear itself; a model built of it matches the same model on torch's kernels;
+and the kernel choice is the measured one, or the one RELAYRL_CPU_LINEAR names.
+
+The tests fix the choice (all three products on oneDNN unless a test says otherwise): which kernel this machine
+measures faster is not theirs to depend on."""
 
 from __future__ import annotations
 
@@ -16,19 +20,26 @@ from helpers import small_config
 pytestmark = pytest.mark.skipif(not lin._ONEDNN, reason="torch without oneDNN")
 
 
+@pytest.fixture(autouse=True)
+def all_on_onednn(monkeypatch):
+    monkeypatch.setattr(lin, "_choice", dict.fromkeys(lin.PRODUCTS, True))
+
+
 def close(a, b, rel=1e-5):
     assert (a - b).abs().max() <= rel * b.abs().max(), ((a - b).abs().max(), b.abs().max())
 
 
 @pytest.mark.parametrize("shape, n, bias", [((2, 300, 512), 384, True), ((1024, 256), 512, False),
                                            ((64, 1536), 512, True)])
-def test_onednn_linear_equals_torch_in_output_and_gradients(shape, n, bias):
+@pytest.mark.parametrize("on", ["fwd dx dw", "fwd", "dx dw", "dw"])
+def test_onednn_linear_equals_torch_in_output_and_gradients(shape, n, bias, on, monkeypatch):
+    monkeypatch.setattr(lin, "_choice", {p: p in on.split() for p in lin.PRODUCTS})
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
     w = torch.randn(n, shape[-1], generator=g) / shape[-1] ** 0.5
     b = torch.randn(n, generator=g) if bias else None
     up = torch.randn(*shape[:-1], n, generator=g)
-    assert uses_onednn(x, w)
+    assert uses_onednn(x, w) == ("fwd" in on) and lin.applies(x, w)
     grads = []
     for fn in (linear, F.linear):
         xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
@@ -107,3 +118,42 @@ def test_outputs_are_no_views():
         assert y._base is None and y.shape == (*shape[:-1], 512)
         y.sum().backward()
         close(x.grad, torch.ones(*shape[:-1], 512) @ w.detach())
+
+
+def test_kernel_choice_is_measured_or_named(monkeypatch):
+    """auto: each product runs on oneDNN exactly where the measurement found it WIN faster; torch / onednn fix it;
+    anything else is refused in one line naming the variable."""
+    for mode, want in (("torch", False), ("onednn", True)):
+        monkeypatch.setattr(lin, "_choice", None)
+        monkeypatch.setenv(lin.KERNEL_ENV, mode)
+        assert lin.kernel_choice() == dict.fromkeys(lin.PRODUCTS, want)
+    monkeypatch.setattr(lin, "_choice", None)
+    monkeypatch.setattr(lin, "_ratios", {})
+    monkeypatch.setenv(lin.KERNEL_ENV, "auto")
+    monkeypatch.setattr(lin, "measure_kernels", lambda: {"fwd": 1.3, "dx": 1.2, "dw": 0.6})
+    assert lin.kernel_choice() == {"fwd": True, "dx": False, "dw": False}
+    monkeypatch.setattr(lin, "_choice", None)
+    monkeypatch.setenv(lin.KERNEL_ENV, "mkl")
+    with pytest.raises(ValueError, match="RELAYRL_CPU_LINEAR='mkl': expected auto, torch or onednn"):
+        lin.kernel_choice()
+
+
+def test_measure_kernels_times_both_kernels():
+    """The measurement's ratios are torch seconds over oneDNN seconds of real calls: positive and finite."""
+    ratios = lin.measure_kernels(m=128, n=128, k=64, calls=1)
+    assert set(ratios) == set(lin.PRODUCTS) and all(0 < r < float("inf") for r in ratios.values())
+
+
+def test_all_on_torch_is_f_linear_itself(monkeypatch):
+    """With every product on torch's kernel (the choice on a machine where MKL is at full rate) the layer is
+    F.linear, bit for bit, with and without gradients."""
+    monkeypatch.setattr(lin, "_choice", dict.fromkeys(lin.PRODUCTS, False))
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(700, 512, generator=g, requires_grad=True), torch.randn(512, 512, generator=g)
+    assert lin.applies(x, w) and not uses_onednn(x, w, "dw")
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    linear(x, w).sum().backward()
+    dx = x.grad.clone()
+    x.grad = None
+    F.linear(x, w).sum().backward()
+    assert torch.equal(dx, x.grad)

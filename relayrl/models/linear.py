@@ -1,15 +1,24 @@
 """This module is the models' linear layer: nn.Linear, with the CPU's fp32 matmuls run by oneDNN where that is
-faster than torch's default.
+faster than torch's default on this machine.
 
-Why: torch's CPU wheels run an fp32 matmul through MKL's sgemm, which on AMD CPUs takes its AVX2 path. On an
-AVX-512 core with full-width FMA units (AMD Zen 5, recent Intel) that is half the core's fp32 rate; oneDNN, which
-torch ships too, JIT-compiles AVX-512 kernels and reaches it (benchmarks/bench_linear.py measures both, side by
-side). The numbers are fp32 either way; the sums run in another order, so results differ from MKL's at fp32
-rounding (about 1e-6 relative: tests/test_linear.py).
+Why: torch's CPU wheels run an fp32 matmul through MKL's sgemm, which on AMD CPUs takes its AVX2 path. On an AMD
+core with full-width AVX-512 FMA units (Zen 5) that is half the core's fp32 rate; oneDNN, which torch ships too,
+JIT-compiles AVX-512 kernels and reaches it (benchmarks/bench_linear.py measures both, side by side). The numbers
+are fp32 either way; the sums run in another order, so results differ from MKL's at fp32 rounding (about 1e-6
+relative: tests/test_linear.py).
 
     y  = x W^T + b          oneDNN (torch.ops.mkldnn._linear_pointwise)
     dx = dy W               the same kernel, W^T as its weight (a strided view, no copy)
     dW = dy^T x             the same kernel over the transposed views;   db = sum over rows of dy
+
+Which kernel wins depends on the CPU: on AMD Zen 5 oneDNN is about twice MKL's rate for all three products, on an
+Intel Xeon with AVX-512 MKL is at full rate and oneDNN is 0.6-1.0x of it (benchmarks/bench_linear.py, both
+machines recorded in RESULTS.md). So the first linear large enough to qualify measures, once per process, each
+of the three products on both kernels (a 1024 x 1024 x 512 case, best of a few calls each, about 0.2 s) and runs
+a product on oneDNN only where it wins by WIN (25%). Closer than that the measured winner flips from process to
+process with the machine's noise, and every flip changes the results' rounding; torch's own kernel is then kept.
+RELAYRL_CPU_LINEAR=torch | onednn fixes the choice instead (auto: measure, the default); `kernel_choice()` says
+what was chosen.
 
 Row buckets: oneDNN JIT-compiles a kernel for every new shape (about 5 ms on this machine) and caches it, and the
 trainer's packed rows and the engine's batches change their row count every call. So the rows are padded with
@@ -26,14 +35,22 @@ It imports torch only; it must never import another relayrl layer.
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 MIN_MACS = 1 << 21  # rows x out x in at which oneDNN starts to beat MKL on the CPU (bench_linear.py)
+WIN = 1.25  # oneDNN runs a product only when it is this much faster than torch's kernel on this machine
+KERNEL_ENV = "RELAYRL_CPU_LINEAR"
+PRODUCTS = ("fwd", "dx", "dw")  # y = x W^T, dx = dy W, dW = dy^T x
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_choice: dict[str, bool] | None = None  # product -> runs on oneDNN; measured or read from KERNEL_ENV once
+_ratios: dict[str, float] = {}  # product -> torch seconds / oneDNN seconds, when measured
 
 
 def bucket(rows: int) -> int:
@@ -54,6 +71,54 @@ def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torc
     return _rows(torch.ops.mkldnn._linear_pointwise(_pad(x, bucket(rows)), w, b, "none", [], ""), rows)
 
 
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def _torch_products(x, w, dy):
+    return {"fwd": lambda: F.linear(x, w), "dx": lambda: dy.mm(w), "dw": lambda: dy.t().mm(x)}
+
+
+def _onednn_products(x, w, dy):
+    return {"fwd": lambda: _onednn(x, w), "dx": lambda: _onednn(dy, w.t()), "dw": lambda: _onednn(dy.t(), x.t())}
+
+
+def measure_kernels(m: int = 1024, n: int = 1024, k: int = 512, calls: int = 3) -> dict[str, float]:
+    """torch seconds / oneDNN seconds for each product on an m x n x k case, the best of `calls` interleaved calls
+    of each after one warm-up (in this process's threads)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(m, n, generator=g)
+    base, ours = _torch_products(x, w, dy), _onednn_products(x, w, dy)
+    best = {p: [float("inf"), float("inf")] for p in PRODUCTS}
+    for rep in range(calls + 1):
+        for p in PRODUCTS:
+            for i, fn in enumerate((base[p], ours[p])):
+                t = time.perf_counter()
+                fn()
+                if rep:  # the first call of each compiles / warms up
+                    best[p][i] = min(best[p][i], time.perf_counter() - t)
+    return {p: best[p][0] / best[p][1] for p in PRODUCTS}
+
+
+def kernel_choice() -> dict[str, bool]:
+    """Which of the three products run on oneDNN in this process (for linears where it applies at all): measured
+    on first use (measure_kernels, WIN), or fixed by RELAYRL_CPU_LINEAR=torch | onednn."""
+    global _choice
+    if _choice is None:
+        mode = os.environ.get(KERNEL_ENV, "auto").strip().lower()
+        if mode not in ("auto", "torch", "onednn"):
+            raise ValueError(f"{KERNEL_ENV}={mode!r}: expected auto, torch or onednn")
+        if not _ONEDNN or mode == "torch":
+            _choice = dict.fromkeys(PRODUCTS, False)
+        elif mode == "onednn":
+            _choice = dict.fromkeys(PRODUCTS, True)
+        else:
+            with torch.no_grad():
+                _ratios.update(measure_kernels())
+            _choice = {p: _ratios[p] >= WIN for p in PRODUCTS}
+    return _choice
+
+
 def _rows(y: torch.Tensor, rows: int) -> torch.Tensor:
     """y's first `rows` rows: y itself when nothing was padded, else a copy (not a view: FSDP2 warns when a
     module returns a view, as an in-place op on it would skip its hooks)."""
@@ -61,43 +126,61 @@ def _rows(y: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class _OneDNNLinear(torch.autograd.Function):
+    """x W^T + b with each product on the kernel kernel_choice() names (at least one of them oneDNN)."""
+
     @staticmethod
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        xp = _pad(x2, bucket(x2.shape[0]))
-        ctx.save_for_backward(xp, weight)
-        ctx.has_bias, ctx.rows = bias is not None, x2.shape[0]
-        return _rows(torch.ops.mkldnn._linear_pointwise(xp, weight, bias, "none", [], ""), ctx.rows)
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias = bias is not None
+        return _mm(x2, weight, bias) if kernel_choice()["fwd"] else F.linear(x2, weight, bias)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        xp, weight = ctx.saved_tensors
-        dyp = _pad(dy, xp.shape[0])  # zero rows: no share of dW, and their dx is cut off
-        dx = _rows(_mm(dyp, weight.t()), ctx.rows) if ctx.needs_input_grad[0] else None
-        # dW's rows are the layer's outputs, one fixed shape per layer: no bucket
-        dw = torch.ops.mkldnn._linear_pointwise(dyp.t(), xp.t(), None, "none", [], "") if ctx.needs_input_grad[1] \
-            else None
-        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        x2, weight = ctx.saved_tensors
+        use = kernel_choice()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _mm(dy, weight.t()) if use["dx"] else dy.mm(weight)
+        if ctx.needs_input_grad[1]:
+            if use["dw"]:  # zero rows add nothing to dW; dW's rows are the layer's outputs, one shape per layer
+                rows = bucket(x2.shape[0])
+                dw = _onednn(_pad(dy, rows).t(), _pad(x2, rows).t())
+            else:
+                dw = dy.t().mm(x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
         return dx, dw, db
 
 
-def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear(x, weight) runs on oneDNN (see the module docstring)."""
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear(x, weight) may run on oneDNN at all (see the module docstring); kernel_choice() then says
+    which products do."""
     return (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and not isinstance(x, DTensor) and not isinstance(weight, DTensor)
             and not torch.is_autocast_enabled("cpu")
             and x.numel() * weight.shape[0] >= MIN_MACS)
 
 
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor, product: str = "fwd") -> bool:
+    """Whether `product` ("fwd", "dx" or "dw") of linear(x, weight) runs on oneDNN."""
+    return applies(x, weight) and kernel_choice()[product]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), on oneDNN where uses_onednn says so."""
-    if not uses_onednn(x, weight):
+    """F.linear(x, weight, bias), with the products kernel_choice() names on oneDNN where applies() says so."""
+    if not applies(x, weight):
         return F.linear(x, weight, bias)
+    use = kernel_choice()
     x2 = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
+        if not any(use.values()):
+            return F.linear(x, weight, bias)
         y = _OneDNNLinear.apply(x2, weight, bias)
-    else:
+    elif use["fwd"]:
         y = _mm(x2, weight, bias)
+    else:
+        return F.linear(x, weight, bias)
     # as F.linear does: an unsafe view is no view to autograd (no _base), so a module returning it is not taken
     # for one returning a view (FSDP2 warns of those, as an in-place op on a view would skip its hooks)
     return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
