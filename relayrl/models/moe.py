@@ -47,6 +47,7 @@ from torch import nn
 
 from relayrl.models.config import MoEConfig, MoEShape
 from relayrl.models.linear import Linear
+from relayrl.models.pointwise import swiglu
 
 
 class Routing:
@@ -90,7 +91,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class MixtralExpert(nn.Module):

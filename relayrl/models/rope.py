@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from relayrl.models.pointwise import rope
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -47,12 +49,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torc
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, head_dim]; cos/sin: [B, T, head_dim]."""
-    cos, sin = cos[:, None], sin[:, None]
-    return x * cos + rotate_half(x) * sin
+    """x: [B, heads, T, head_dim]; cos/sin: [B, T, head_dim] (x * cos + rotate_half(x) * sin, fused where
+    relayrl.models.pointwise applies)."""
+    return rope(x, cos[:, None], sin[:, None])

@@ -32,6 +32,7 @@ from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.linear import Linear
 from relayrl.models.moe import Routing, SparseMoeBlock, moe_block_name
 from relayrl.models.packed import PackedLayout
+from relayrl.models.pointwise import rms_norm, swiglu
 from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -51,10 +52,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def sdpa_attention(q, k, v, mask, enable_gqa: bool) -> torch.Tensor:
@@ -114,7 +112,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
