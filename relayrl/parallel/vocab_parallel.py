@@ -1,5 +1,5 @@
 """This module computes token logprobs (and entropy) from vocab-sharded logits, without gathering the
-vocabulary, and from whole-vocabulary logits with a backward of its own (token_logprobs_from_logits, at the end).
+vocabulary.
 
 Rank r of the TP group holds z[..., r*Vl : (r+1)*Vl] (Vl = V / tp, equal shards, as the TP plan
 requires). With z already divided by the temperature:
@@ -62,68 +62,3 @@ def vocab_parallel_logprobs_and_entropy(
     """(logp, entropy) [B, T] of the temperature-scaled full distribution, both differentiable (grad=False: the
     entropy without a graph, a statistic)."""
     return _parts(local_logits, targets, group, temperature, with_entropy=True, entropy_grad=grad)
-
-# ---------------------------------------------------------------------------------------------
-# The whole vocabulary on this rank:
-#
-#     z       = logits / temperature                       (no division at temperature 1)
-#     logp[r] = log_softmax(z[r])[t[r]] = (z[r, t] - m) - log s,   m = max z[r],  s = sum exp(z[r] - m)
-#     H[r]    = log s - sum_v p[r, v] (z[r, v] - m),     p = softmax(z[r]) = exp(z[r] - m) / s
-#     d logp[r] / d z[r] = onehot(t[r]) - p[r]
-#
-# Why not log_softmax, gather and autograd: that keeps the [rows, V] log_softmax output for backward, and its
-# backward fills a zero [rows, V] tensor for the gather, scatters into it, then reads it and the output again; the
-# division by the temperature adds a pass each way even at 1. Here the forward keeps p (one [rows, V] tensor, as
-# before) and backward is one pass (-g p) and a scatter of g into the targets' slots. The numbers are
-# log_softmax's formula; tests/test_token_logprob.py checks them and their gradients against log_softmax + gather.
-# A gradient through the entropy (entropy_coef != 0) takes the autograd form.
-
-
-class _TokenLogprob(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
-        zs = z - z.amax(-1, keepdim=True)  # z - m: <= 0, so the entropy's two terms below are both >= 0
-        zs_t = zs.gather(-1, targets[..., None]).squeeze(-1)
-        p = zs.exp() if with_entropy else zs.exp_()
-        s = p.sum(-1, keepdim=True)
-        log_s = s.log()
-        p.div_(s)
-        ctx.save_for_backward(p, targets)
-        logp = zs_t - log_s.squeeze(-1)
-        if not with_entropy:
-            return logp, None
-        ent = log_s.squeeze(-1) - zs.mul_(p).sum(-1)  # -sum p log p = log s - sum p (z - m)
-        ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor, _g_ent):
-        p, targets = ctx.saved_tensors
-        dz = p * -g[..., None]
-        dz.scatter_add_(-1, targets[..., None], g[..., None])
-        return dz, None, None
-
-
-def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                               with_entropy: bool = False, entropy_grad: bool = True):
-    """(logp [...], entropy [...] or None) of targets [...] under logits [..., V] / temperature, fp32.
-    entropy_grad=False: the entropy is a statistic (no gradient, no graph)."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    if with_entropy and entropy_grad:  # the entropy is part of the loss: autograd's form, which differentiates it
-        logp_all = z.log_softmax(-1)
-        return logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
-    if not torch.is_grad_enabled() or not z.requires_grad:  # nothing to keep for a backward
-        return _TokenLogprob.forward(_NoCtx(), z, targets, with_entropy)
-    return _TokenLogprob.apply(z, targets, with_entropy)
-
-
-class _NoCtx:
-    """A stand-in for autograd's ctx when nothing needs a gradient (a no-grad pass keeps nothing)."""
-
-    def save_for_backward(self, *tensors):
-        pass
-
-    def mark_non_differentiable(self, *tensors):
-        pass
