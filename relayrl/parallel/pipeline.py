@@ -50,7 +50,6 @@ trainer), so this module knows nothing of RL.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -71,7 +70,11 @@ from relayrl.errors import ConfigError
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.grad_norm import grad_norm, scale_grads
 from relayrl.parallel.pipeline_stages import SCHEDULE_STAGES, check_schedule, schedule_stages
-from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
+from relayrl.parallel.vocab_parallel import (
+    full_vocab_logprobs,
+    vocab_parallel_logprobs,
+    vocab_parallel_logprobs_and_entropy,
+)
 
 # name: (torch schedule, stages per rank, placement); the names are relayrl.parallel.config.PP_SCHEDULES, the
 # placement relayrl.parallel.pipeline_stages
@@ -124,12 +127,7 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperat
         else:
             logp, ent = vocab_parallel_logprobs(local, targets, tp_group, temperature), None
     else:
-        logp_all = (logits.float() / temperature).log_softmax(-1)
-        logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-        ent = None
-        if with_entropy:
-            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-                ent = -(logp_all.exp() * logp_all).sum(-1)
+        logp, ent = full_vocab_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
 
     def pad(x):
         return None if x is None else torch.nn.functional.pad(x, (1, 0))

@@ -33,7 +33,7 @@ from relayrl.parallel.collectives import all_reduce_max, reduce_from_group
 
 def _parts(local_logits: Tensor, targets: Tensor, group, temperature: float, with_entropy: bool,
            entropy_grad: bool = True):
-    z = local_logits.float() / temperature
+    z = scaled(local_logits, temperature)
     vl = z.shape[-1]
     start = dist.get_rank(group) * vl
     m = all_reduce_max(z.max(dim=-1).values, group)
@@ -62,3 +62,27 @@ def vocab_parallel_logprobs_and_entropy(
     """(logp, entropy) [B, T] of the temperature-scaled full distribution, both differentiable (grad=False: the
     entropy without a graph, a statistic)."""
     return _parts(local_logits, targets, group, temperature, with_entropy=True, entropy_grad=grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole vocabulary on this rank (no TP group): the trainer's and the pipeline's last stage's one form.
+
+
+def scaled(logits: Tensor, temperature: float) -> Tensor:
+    """logits / temperature in fp32. At temperature 1 no division: x / 1 is x exactly in IEEE arithmetic (and its
+    backward, g / 1, is g), so skipping it changes no bit and saves a [rows, V] pass each way."""
+    z = logits.float()
+    return z if temperature == 1.0 else z / temperature
+
+
+def full_vocab_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                        entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+    """(log_softmax(logits / temperature)[targets], entropy or None), fp32. entropy_grad=False: the entropy is a
+    statistic (no graph, so backward keeps no exp(log p) of [rows, V] beside log_softmax's output)."""
+    logp_all = scaled(logits, temperature).log_softmax(-1)
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with nullcontext() if entropy_grad else torch.no_grad():
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent

@@ -21,8 +21,6 @@ import the engine, sync, the controller or the CLI. The two sides share the defi
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -30,7 +28,11 @@ from torch.distributed.tensor import DTensor
 from relayrl.models import CausalLM
 from relayrl.models.moe import Routing
 from relayrl.models.packed import PackedLayout
-from relayrl.parallel.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
+from relayrl.parallel.vocab_parallel import (
+    full_vocab_logprobs,
+    vocab_parallel_logprobs,
+    vocab_parallel_logprobs_and_entropy,
+)
 from relayrl.trainer.batch import TrainBatch
 
 
@@ -41,15 +43,7 @@ def _from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float
         if with_entropy:
             return vocab_parallel_logprobs_and_entropy(local, targets, tp_group, temperature, grad=entropy_grad)
         return vocab_parallel_logprobs(local, targets, tp_group, temperature), None
-    logits = logits.float() / temperature
-    logp_all = logits.log_softmax(-1)
-    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    # a statistic only: no graph, so backward keeps no exp(log p) of [B, T, V] beside log_softmax's output
-    with nullcontext() if entropy_grad else torch.no_grad():
-        ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, ent
+    return full_vocab_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
 
 
 def _shift_pad(x: torch.Tensor | None) -> torch.Tensor | None:
