@@ -13,6 +13,10 @@ from relayrl.models import pointwise as pw
 from helpers import small_config
 
 
+class CompilerFailed(torch._dynamo.exc.TorchDynamoException):
+    pass
+
+
 def close(a, b, rel=2e-6):
     assert (a - b).abs().max() <= rel * max(1.0, b.abs().max()), (a - b).abs().max()
 
@@ -44,7 +48,7 @@ def test_fused_pieces_equal_the_eager_formulas(monkeypatch):
             close(a, b, rel=1e-5)
         with torch.no_grad():
             close(fused(*args), eager(*args))
-    assert not pw._broken and set(pw._compiled) >= {"rms_norm", "swiglu", "rope"}
+    assert pw._broken is None and set(pw._compiled) >= {"rms_norm", "swiglu", "rope"}
 
 
 def test_a_model_on_fused_pieces_matches_eager(monkeypatch):
@@ -63,7 +67,7 @@ def test_a_model_on_fused_pieces_matches_eager(monkeypatch):
         logits = model(ids)
         logits.log_softmax(-1)[..., 0].sum().backward()
         out.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    assert not pw._broken  # the "auto" pass ran compiled, not the eager fallback
+    assert pw._broken is None  # the "auto" pass ran compiled, not the eager fallback
     (l1, g1), (l0, g0) = out
     close(l1, l0, rel=1e-5)
     for n in g0:
@@ -87,15 +91,29 @@ def test_where_it_does_not_apply_it_is_the_eager_formula(monkeypatch):
 
 
 def test_a_failing_compiler_leaves_the_pieces_eager_with_one_warning(monkeypatch):
-    def broken(*a, **k):
-        raise RuntimeError("no C++ compiler\nmore")
+    def broken(*a, **k):  # what inductor raises without a C++ compiler derives from TorchDynamoException
+        raise CompilerFailed("no C++ compiler\nmore")
 
     monkeypatch.setattr(pw, "_compiled", {"swiglu": broken})
-    monkeypatch.setattr(pw, "_broken", [])
+    monkeypatch.setattr(pw, "_broken", None)
     monkeypatch.setattr(pw, "MIN_NUMEL", 16)
     monkeypatch.delenv(pw.COMPILE_ENV, raising=False)
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-    with pytest.warns(UserWarning, match=r"torch.compile failed \(RuntimeError: no C\+\+ compiler\)"):
+    with pytest.warns(UserWarning, match=r"torch.compile failed \(CompilerFailed: no C\+\+ compiler\)"):
         y = pw.swiglu(a, b)
     assert torch.equal(y, pw._swiglu(a, b)) and not pw.enabled() and not pw.applies(a)
+
+
+def test_an_error_that_is_not_the_compilers_propagates_and_keeps_compiling(monkeypatch):
+    def wrong_input(*a, **k):
+        raise RuntimeError("The size of tensor a (8) must match the size of tensor b (4)")
+
+    monkeypatch.setattr(pw, "_compiled", {"swiglu": wrong_input})
+    monkeypatch.setattr(pw, "_broken", None)
+    monkeypatch.setattr(pw, "MIN_NUMEL", 16)
+    monkeypatch.delenv(pw.COMPILE_ENV, raising=False)
+    a = torch.randn(8, 8)
+    with pytest.raises(RuntimeError, match="must match"):
+        pw.swiglu(a, a)
+    assert pw.enabled() and pw._broken is None

@@ -32,7 +32,6 @@ import the trainer, sync, the controller or the CLI.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from relayrl.engine.attention import PagedBatch, paged_attention
@@ -44,6 +43,7 @@ from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.fusion import FUSED_INTO
 from relayrl.models.linear import Linear
 from relayrl.models.moe import moe_block_name
+from relayrl.models.pointwise import swiglu
 from relayrl.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from relayrl.models.transformer import RMSNorm
 
@@ -148,7 +148,7 @@ class EngineMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))
 
 
 class EngineLayer(nn.Module):

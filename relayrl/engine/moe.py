@@ -47,7 +47,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from relayrl.engine.linear import ColumnParallelLinear, RowParallelLinear
@@ -56,6 +55,7 @@ from relayrl.errors import TensorParallelError
 from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.linear import linear
 from relayrl.models.moe import EXPERT_PLACEMENTS, expert_split_problem, moe_block_name
+from relayrl.models.pointwise import swiglu
 
 PLACEMENTS = EXPERT_PLACEMENTS
 
@@ -150,7 +150,7 @@ class StackedExperts(nn.Module):
                 continue
             tok = pair // self.top_k
             gate, up = linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = linear(F.silu(gate) * up, self.down_proj[e]) * weights.reshape(-1)[pair, None]
+            y = linear(swiglu(gate, up), self.down_proj[e]) * weights.reshape(-1)[pair, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
@@ -192,7 +192,7 @@ class EngineMoE(nn.Module):
         out = self.experts(x, weights, idx)
         if self.shared_expert is not None:
             gate, up = self.shared_expert.gate_up_proj(x).chunk(2, dim=-1)
-            shared = self.shared_expert.down_proj(F.silu(gate) * up)
+            shared = self.shared_expert.down_proj(swiglu(gate, up))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return self.tp.all_reduce(out), idx
 

@@ -16,8 +16,10 @@ parallelism keeps torch's sharded ops), autocast off, at least MIN_NUMEL element
 eager), not already inside a compiled region, and RELAYRL_COMPILE not "off". The fused kernels compute the same
 formula in another order: results equal the eager ones to fp32 rounding (tests/test_pointwise.py). Each piece is
 compiled once per process with dynamic shapes (a few seconds the first time; inductor caches the code on disk for
-later processes), once for passes with gradients and once without. If compiling fails (no C++ compiler), a
-warning says so once and every piece stays eager.
+later processes), once for passes with gradients and once without. If compiling fails (torch.compile's own
+errors, e.g. no C++ compiler), a warning says so once and every piece stays eager in this process; any other
+error (a wrong shape, say) is the caller's and propagates. The first compile sets inductor's compile_threads to 1,
+a process-wide setting: no pool of compiler processes is forked inside trainer workers.
 
 It imports torch only; it must never import another relayrl layer.
 """
@@ -30,13 +32,14 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.exc import TorchDynamoException
 from torch.distributed.tensor import DTensor
 
 MIN_NUMEL = 1 << 19  # elements below which a piece stays eager (compiled kernels gain little, and cost a compile)
 COMPILE_ENV = "RELAYRL_COMPILE"  # auto (default): fuse where it applies; off: always eager
 
 _compiled: dict[str, Callable] = {}
-_broken: list[str] = []  # why compiling failed in this process, once it has
+_broken: str | None = None  # why compiling failed in this process, once it has
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +66,7 @@ def enabled() -> bool:
     mode = os.environ.get(COMPILE_ENV, "auto").strip().lower()
     if mode not in ("auto", "off"):
         raise ValueError(f"{COMPILE_ENV}={mode!r}: expected auto or off")
-    return mode == "auto" and not _broken
+    return mode == "auto" and _broken is None
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -85,9 +88,10 @@ def _run(name: str, fn: Callable, *args):
         fused = _compiled[name] = torch.compile(fn, dynamic=True, fullgraph=True)
     try:
         return fused(*args)
-    except Exception as e:
-        _broken.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        warnings.warn(f"relayrl.models.pointwise: torch.compile failed ({_broken[0]}); the decoder's pointwise "
+    except TorchDynamoException as e:  # the compiler's failure (inductor's errors derive from it), not the caller's
+        global _broken
+        _broken = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        warnings.warn(f"relayrl.models.pointwise: torch.compile failed ({_broken}); the decoder's pointwise "
                       f"pieces stay eager in this process (set {COMPILE_ENV}=off to skip the attempt)", stacklevel=2)
         return fn(*args)
 
