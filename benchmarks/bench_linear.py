@@ -14,6 +14,8 @@ kernel (the MFU denominator takes the better, relayrl.observe.peak).
     OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --kernels onednn   # every product on oneDNN
     OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --update-ab 3   # also: bench_trainer's 27M actor update,
                                                                        # the chosen kernels and torch's, interleaved
+    OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --update-ab 3 --ab compile   # the same update with the
+                                                   # pointwise kernels compiled (RELAYRL_COMPILE=auto) and eager (off)
 """
 
 from __future__ import annotations
@@ -58,10 +60,12 @@ def fwd_bwd(fn, x, w, up):
     return run
 
 
-def update_ab(rounds: int) -> None:
-    """bench_trainer.py's model, batch and Actor update, on the kernels chosen (as main() set them) and on torch's
-    alone, interleaved in this process: the ratio of median update times."""
+def update_ab(rounds: int, ab: str = "kernels") -> None:
+    """bench_trainer.py's model, batch and Actor update in two arms, interleaved in this process (the arm switched
+    between updates): the ratio of median update times. ab "kernels": the linear kernels chosen (as main() set them)
+    against torch's alone; "compile": relayrl.models.pointwise compiled (RELAYRL_COMPILE=auto) against eager (off)."""
     import argparse as _ap
+    import os
     import sys
     from pathlib import Path
 
@@ -77,19 +81,46 @@ def update_ab(rounds: int) -> None:
     mc = bt.model_config(args)
     batch = bt.make_batch(args, mc)
     actor = Actor(bt.build_model(mc), bt.trainer_cfg(args), AlgoConfig(**bt.ALGO), total_steps=100)
-    arms = {"relayrl": dict(lin.kernel_choice()), "torch": dict.fromkeys(lin.PRODUCTS, False)}
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for r in range(rounds + 1):  # round 0 warms each arm up
-        for name, choice in arms.items():
+    from relayrl.models import pointwise
+
+    chosen = dict(lin.kernel_choice())
+    env_before = os.environ.get(pointwise.COMPILE_ENV)
+
+    def kernels(choice):
+        def set_arm():
             lin._choice = choice
-            t = time.perf_counter()
-            actor.update(batch)
-            if r:
-                times[name].append(time.perf_counter() - t)
-    lin._choice = arms["relayrl"]
+        return set_arm
+
+    def compile_mode(mode):
+        def set_arm():
+            os.environ[pointwise.COMPILE_ENV] = mode
+        return set_arm
+
+    if ab == "kernels":  # (arm B, the baseline, first in the ratio's numerator)
+        arms = {"torch": kernels(dict.fromkeys(lin.PRODUCTS, False)), "relayrl": kernels(chosen)}
+    else:
+        arms = {"eager": compile_mode("off"), "compiled": compile_mode("auto")}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    try:
+        for r in range(rounds + 1):  # round 0 warms each arm up (and compiles)
+            for name, set_arm in arms.items():
+                set_arm()
+                t = time.perf_counter()
+                actor.update(batch)
+                if r:
+                    times[name].append(time.perf_counter() - t)
+    finally:
+        lin._choice = chosen
+        if env_before is None:
+            os.environ.pop(pointwise.COMPILE_ENV, None)
+        else:
+            os.environ[pointwise.COMPILE_ENV] = env_before
+    if ab == "compile" and pointwise._broken is not None:
+        raise SystemExit(f"the compiled arm fell back to eager ({pointwise._broken}): no A/B to report")
     med = {k: statistics.median(v) for k, v in times.items()}
+    base, ours = list(arms)
     print(f"27M actor update (4096 tokens), s: {({k: [round(x, 2) for x in v] for k, v in times.items()})}; "
-          f"torch / relayrl: {med['torch'] / med['relayrl']:.2f}x")
+          f"{base} / {ours}: {med[base] / med[ours]:.2f}x")
 
 
 def main() -> None:
@@ -99,7 +130,10 @@ def main() -> None:
     ap.add_argument("--kernels", choices=["auto", "onednn"], default="auto",
                     help="auto: the products relayrl measures faster on oneDNN; onednn: all three on oneDNN")
     ap.add_argument("--update-ab", type=int, default=0, metavar="ROUNDS",
-                    help="also time bench_trainer's actor update with oneDNN on and off, ROUNDS interleaved rounds")
+                    help="also time bench_trainer's actor update in two arms (--ab), ROUNDS interleaved rounds")
+    ap.add_argument("--ab", choices=["kernels", "compile"], default="kernels",
+                    help="the update A/B's arms: kernels: the chosen linear kernels vs torch's; "
+                         "compile: the pointwise kernels compiled vs eager")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernels == "onednn":
@@ -138,7 +172,7 @@ def main() -> None:
     dnn = 2 * n**3 / timed(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""), args.repeats) / 1e9
     print(f"square {n} matmul: torch (MKL) {mm:.1f} GFLOP/s, oneDNN {dnn:.1f} GFLOP/s ({dnn / mm:.2f}x)")
     if args.update_ab:
-        update_ab(args.update_ab)
+        update_ab(args.update_ab, args.ab)
 
 
 if __name__ == "__main__":
