@@ -73,6 +73,7 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
     import bench_trainer as bt
 
     from relayrl.algorithms import AlgoConfig
+    from relayrl.models import pointwise
     from relayrl.trainer.actor import Actor
 
     args = _ap.Namespace(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, vocab=4096,
@@ -81,8 +82,6 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
     mc = bt.model_config(args)
     batch = bt.make_batch(args, mc)
     actor = Actor(bt.build_model(mc), bt.trainer_cfg(args), AlgoConfig(**bt.ALGO), total_steps=100)
-    from relayrl.models import pointwise
-
     chosen = dict(lin.kernel_choice())
     env_before = os.environ.get(pointwise.COMPILE_ENV)
 
@@ -96,7 +95,8 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
             os.environ[pointwise.COMPILE_ENV] = mode
         return set_arm
 
-    if ab == "kernels":  # (arm B, the baseline, first in the ratio's numerator)
+    # the baseline arm first: the ratio printed is baseline s / the other arm's s
+    if ab == "kernels":
         arms = {"torch": kernels(dict.fromkeys(lin.PRODUCTS, False)), "relayrl": kernels(chosen)}
     else:
         arms = {"eager": compile_mode("off"), "compiled": compile_mode("auto")}

@@ -105,6 +105,14 @@ def test_a_failing_compiler_leaves_the_pieces_eager_with_one_warning(monkeypatch
     assert torch.equal(y, pw._swiglu(a, b)) and not pw.enabled() and not pw.applies(a)
 
 
+def test_inductors_errors_are_the_ones_caught():
+    """A missing C++ compiler surfaces as inductor's InductorError (seen with CXX=/nonexistent); the fallback
+    catches TorchDynamoException, so it must stay a subclass of it."""
+    from torch._inductor.exc import InductorError
+
+    assert issubclass(InductorError, torch._dynamo.exc.TorchDynamoException)
+
+
 def test_an_error_that_is_not_the_compilers_propagates_and_keeps_compiling(monkeypatch):
     def wrong_input(*a, **k):
         raise RuntimeError("The size of tensor a (8) must match the size of tensor b (4)")

@@ -78,6 +78,7 @@ def applies(*tensors: torch.Tensor) -> bool:
 
 
 def _run(name: str, fn: Callable, *args):
+    global _broken
     if not applies(*(a for a in args if isinstance(a, torch.Tensor))):
         return fn(*args)
     fused = _compiled.get(name)
@@ -89,7 +90,6 @@ def _run(name: str, fn: Callable, *args):
     try:
         return fused(*args)
     except TorchDynamoException as e:  # the compiler's failure (inductor's errors derive from it), not the caller's
-        global _broken
         _broken = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         warnings.warn(f"relayrl.models.pointwise: torch.compile failed ({_broken}); the decoder's pointwise "
                       f"pieces stay eager in this process (set {COMPILE_ENV}=off to skip the attempt)", stacklevel=2)
