@@ -1,7 +1,7 @@
 """The models' fp32 CPU linear (relayrl.models.linear) against torch's F.linear (MKL), side by side.
 
 relayrl's linear runs each of its three products (forward, dx, dW) on oneDNN or on torch's kernel, whichever it
-measured faster on this machine by its margin (`kernel_choice()`, printed first; --kernels onednn forces all three
+chose for this CPU (`kernel_choice()` and why, printed first; --kernels onednn forces all three
 on oneDNN, as RELAYRL_CPU_LINEAR=onednn does). For each shape (rows M, out N, in K): forward, and forward +
 backward (dx and dW) of y = x W^T, interleaved, the median of --repeats timings of each after a warm-up, in
 GFLOP/s, and the ratio relayrl / torch. The shapes
@@ -140,9 +140,8 @@ def main() -> None:
         lin._choice = dict.fromkeys(lin.PRODUCTS, True)
     choice = lin.kernel_choice()
     print(f"torch {torch.__version__}, {args.threads} thread(s); GFLOP/s, median of {args.repeats}")
-    print(f"kernels: {', '.join(f'{p} on ' + ('oneDNN' if on else 'torch') for p, on in choice.items())}"
-          + (f" (measured torch s / oneDNN s: {', '.join(f'{p} {r:.2f}' for p, r in lin._ratios.items())}; "
-             f"oneDNN where >= {lin.WIN})" if lin._ratios else " (forced)"))
+    basis = "forced (--kernels onednn)" if args.kernels == "onednn" else lin.choice_basis()
+    print(f"kernels: {', '.join(f'{p} on ' + ('oneDNN' if on else 'torch') for p, on in choice.items())} ({basis})")
     print("| shape | M x N x K | oneDNN (fwd, dx, dw) | fwd torch | fwd relayrl | ratio | fwd+bwd torch "
           "| fwd+bwd relayrl | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")

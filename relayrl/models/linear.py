@@ -11,14 +11,24 @@ relative: tests/test_linear.py).
     dx = dy W               the same kernel, W^T as its weight (a strided view, no copy)
     dW = dy^T x             the same kernel over the transposed views;   db = sum over rows of dy
 
-Which kernel wins depends on the CPU: on AMD Zen 5 oneDNN is about twice MKL's rate for all three products, on an
-Intel Xeon with AVX-512 MKL is at full rate and oneDNN is 0.6-1.0x of it (benchmarks/bench_linear.py, both
-machines recorded in RESULTS.md). So the first linear large enough to qualify measures, once per process, each
-of the three products on both kernels (a 1024 x 1024 x 512 case, best of a few calls each, about 0.2 s) and runs
-a product on oneDNN only where it wins by WIN (25%). Closer than that the measured winner flips from process to
-process with the machine's noise, and every flip changes the results' rounding; torch's own kernel is then kept.
-RELAYRL_CPU_LINEAR=torch | onednn fixes the choice instead (auto: measure, the default); `kernel_choice()` says
-what was chosen.
+Which kernel wins depends on the CPU, and MKL's own dispatch says where: it runs its AVX-512 code on Intel CPUs
+only. Measured (benchmarks/bench_linear.py, each machine in RESULTS.md): on an Intel Xeon with AVX-512 MKL is at
+full rate and oneDNN 0.6-1.0x of it; on AMD Zen 5 oneDNN is about twice MKL's rate for all three products; on AMD
+Zen 4 (AVX-512 run at half width) oneDNN's forward is 1.1-1.4x MKL's, and interleaved in one process the 27M
+model's update ran 1.03-1.09x and the 25m model's rollout 1.08x faster.
+So the choice is a rule where the CPU is known, the same in every process of a machine (a data-parallel group's
+ranks all run the same kernels, and a rerun rounds as the run before it):
+
+    Intel (vendor GenuineIntel)              all three products on torch's kernel (MKL)
+    AMD (AuthenticAMD) with AVX-512          all three on oneDNN
+    any other CPU                            measured, once per process (measure_kernels: a 1024 x 1024 x 512
+                                             case, best of a few calls of each kernel, about 0.2 s); a product
+                                             runs on oneDNN only where it wins by WIN (25%)
+
+The measurement is the fallback, not the default, because it flips: on the Zen 4 machine three processes in a row
+measured the forward at 1.35x, 1.22x and 1.47x against the 1.25 margin, so each chose differently and rounded
+differently. RELAYRL_CPU_LINEAR=measure always measures; torch | onednn fixes the choice (auto: the rule, the
+default); `kernel_choice()` says what was chosen and `choice_basis()` why.
 
 Row buckets: oneDNN JIT-compiles a kernel for every new shape (about 5 ms on this machine) and caches it, and the
 trainer's packed rows and the engine's batches change their row count every call. So the rows are padded with
@@ -49,8 +59,10 @@ KERNEL_ENV = "RELAYRL_CPU_LINEAR"
 PRODUCTS = ("fwd", "dx", "dw")  # y = x W^T, dx = dy W, dW = dy^T x
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_choice: dict[str, bool] | None = None  # product -> runs on oneDNN; measured or read from KERNEL_ENV once
+_choice: dict[str, bool] | None = None  # product -> runs on oneDNN; by the rule, measured or named, once
+_basis = ""  # why _choice is what it is (choice_basis)
 _ratios: dict[str, float] = {}  # product -> torch seconds / oneDNN seconds, when measured
+MODES = ("auto", "measure", "torch", "onednn")
 
 
 def bucket(rows: int) -> int:
@@ -100,23 +112,56 @@ def measure_kernels(m: int = 1024, n: int = 1024, k: int = 512, calls: int = 3) 
     return {p: best[p][0] / best[p][1] for p in PRODUCTS}
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string (GenuineIntel, AuthenticAMD, ...) from /proc/cpuinfo; "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def rule(vendor: str, capability: str) -> dict[str, bool] | None:
+    """The kernel choice for a known CPU (see the module docstring), or None: measure. capability is torch's
+    (torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", ...)."""
+    if vendor == "GenuineIntel":
+        return dict.fromkeys(PRODUCTS, False)
+    if vendor == "AuthenticAMD" and capability.startswith("AVX512"):
+        return dict.fromkeys(PRODUCTS, True)
+    return None
+
+
 def kernel_choice() -> dict[str, bool]:
-    """Which of the three products run on oneDNN in this process (for linears where it applies at all): measured
-    on first use (measure_kernels, WIN), or fixed by RELAYRL_CPU_LINEAR=torch | onednn."""
-    global _choice
+    """Which of the three products run on oneDNN in this process (for linears where it applies at all): by the
+    CPU's rule, else measured (measure_kernels, WIN), or fixed by RELAYRL_CPU_LINEAR; decided on first use."""
+    global _choice, _basis
     if _choice is None:
         mode = os.environ.get(KERNEL_ENV, "auto").strip().lower()
-        if mode not in ("auto", "torch", "onednn"):
-            raise ValueError(f"{KERNEL_ENV}={mode!r}: expected auto, torch or onednn")
+        if mode not in MODES:
+            raise ValueError(f"{KERNEL_ENV}={mode!r}: expected {', '.join(MODES[:-1])} or {MODES[-1]}")
+        vendor, capability = cpu_vendor(), torch.backends.cpu.get_cpu_capability()
+        known = rule(vendor, capability) if mode == "auto" else None
         if not _ONEDNN or mode == "torch":
-            _choice = dict.fromkeys(PRODUCTS, False)
+            _choice, _basis = dict.fromkeys(PRODUCTS, False), f"{KERNEL_ENV}={mode}" if _ONEDNN else "no oneDNN"
         elif mode == "onednn":
-            _choice = dict.fromkeys(PRODUCTS, True)
+            _choice, _basis = dict.fromkeys(PRODUCTS, True), f"{KERNEL_ENV}=onednn"
+        elif known is not None:
+            _choice, _basis = known, f"the rule for {vendor} with {capability}"
         else:
             with torch.no_grad():
                 _ratios.update(measure_kernels())
             _choice = {p: _ratios[p] >= WIN for p in PRODUCTS}
+            _basis = "measured: torch s / oneDNN s " + ", ".join(f"{p} {_ratios[p]:.2f}" for p in PRODUCTS)
     return _choice
+
+
+def choice_basis() -> str:
+    """Why kernel_choice() is what it is: the rule and the CPU it matched, the measured ratios, or the variable."""
+    kernel_choice()
+    return _basis
 
 
 def _rows(y: torch.Tensor, rows: int) -> torch.Tensor:
