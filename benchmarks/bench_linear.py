@@ -16,6 +16,8 @@ kernel (the MFU denominator takes the better, relayrl.observe.peak).
                                                                        # the chosen kernels and torch's, interleaved
     OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --update-ab 3 --ab compile   # the same update with the
                                                    # pointwise kernels compiled (RELAYRL_COMPILE=auto) and eager (off)
+    OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --rollout-ab 5   # also: the 25m workload's rollout on the
+                                                                        # engine, the chosen kernels and torch's
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +70,6 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
     import argparse as _ap
     import os
     import sys
-    from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_trainer as bt
@@ -123,14 +125,59 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
           f"{base} / {ours}: {med[base] / med[ours]:.2f}x")
 
 
+def rollout_ab(rounds: int) -> None:
+    """The 25m workload's rollout (bench_grpo_trl.py's model shape, random weights: 16 prompts x n=8, 22 tokens
+    each, ignore_eos) on relayrl's engine with the linear kernels chosen against torch's alone, interleaved in this
+    process, each run from a cold KV cache: the ratio of median generate() times."""
+    import random
+    import tempfile
+
+    from relayrl.engine import LLMEngine, SamplingParams
+    from relayrl.models.config import TinyModelConfig
+    from relayrl.models.tiny import build_tiny_model
+    from relayrl.models.tokenizer import load_tokenizer
+
+    cfg = TinyModelConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                          num_key_value_heads=4, init_std=0.02)
+    chosen = dict(lin.kernel_choice())
+    with tempfile.TemporaryDirectory() as tmp:
+        d = build_tiny_model(Path(tmp) / "m25", "0123456789+-*= ", cfg)
+        tok, rng = load_tokenizer(d), random.Random(0)
+        prompts = [tok(f"{rng.randint(0, 999)}+{rng.randint(0, 999)}*{rng.randint(0, 99)}=",
+                       add_special_tokens=False)["input_ids"] for _ in range(16)]
+        engine = LLMEngine.from_pretrained(d, dtype=torch.float32, block_size=16, num_blocks=2048,
+                                           enable_prefix_caching=True, max_num_seqs=256)
+        params = [SamplingParams(n=8, temperature=1.0, max_tokens=22, ignore_eos=True, seed=i) for i in range(16)]
+        arms = {"torch": dict.fromkeys(lin.PRODUCTS, False), "relayrl": chosen}
+        times: dict[str, list[float]] = {k: [] for k in arms}
+        try:
+            for r in range(rounds + 1):  # round 0 warms each arm up (oneDNN compiles its shapes)
+                for name, choice in arms.items():
+                    lin._choice = choice
+                    engine.sleep(1)
+                    engine.wake()  # a cold KV and prefix cache, as a new RL step's prompts meet
+                    t = time.perf_counter()
+                    engine.generate(prompts, params)
+                    if r:
+                        times[name].append(time.perf_counter() - t)
+        finally:
+            lin._choice = chosen
+            engine.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"25m rollout (16 x 8 x 22 tokens), s: {({k: [round(x, 2) for x in v] for k, v in times.items()})}; "
+          f"torch / relayrl: {med['torch'] / med['relayrl']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kernels", choices=["auto", "onednn"], default="auto",
-                    help="auto: the products relayrl measures faster on oneDNN; onednn: all three on oneDNN")
+                    help="auto: the kernels relayrl chooses for this CPU; onednn: all three products on oneDNN")
     ap.add_argument("--update-ab", type=int, default=0, metavar="ROUNDS",
                     help="also time bench_trainer's actor update in two arms (--ab), ROUNDS interleaved rounds")
+    ap.add_argument("--rollout-ab", type=int, default=0, metavar="ROUNDS",
+                    help="also time the 25m rollout with the chosen kernels vs torch's, ROUNDS interleaved rounds")
     ap.add_argument("--ab", choices=["kernels", "compile"], default="kernels",
                     help="the update A/B's arms: kernels: the chosen linear kernels vs torch's; "
                          "compile: the pointwise kernels compiled vs eager")
@@ -172,6 +219,8 @@ def main() -> None:
     print(f"square {n} matmul: torch (MKL) {mm:.1f} GFLOP/s, oneDNN {dnn:.1f} GFLOP/s ({dnn / mm:.2f}x)")
     if args.update_ab:
         update_ab(args.update_ab, args.ab)
+    if args.rollout_ab:
+        rollout_ab(args.rollout_ab)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """relayrl.models.linear: oneDNN's fp32 CPU linear equals torch's F.linear to fp32 rounding (outputs and every
-gradient), with any mix of the two kernels over its three products; only where it applies; below MIN_MACS, under
-autocast and for DTensors it is F.linear itself; a model built of it matches the same model on torch's kernels;
-and the kernel choice is the CPU's rule, the measured one, or the one RELAYRL_CPU_LINEAR names.
+gradient), with any mix of the two kernels over its three products; only where it applies; below MIN_MACS or
+MIN_FEATURES, under autocast and for DTensors it is F.linear itself; a model built of it matches the same model on
+torch's kernels; and the kernel choice is the CPU's rule, the measured one, or the one RELAYRL_CPU_LINEAR names.
 
 The tests fix the choice (all three products on oneDNN unless a test says otherwise): which kernel this machine
 measures faster is not theirs to depend on."""
@@ -66,6 +66,9 @@ def test_where_it_does_not_apply_it_is_torchs_own():
     small_x, small_w = torch.randn(16, 32, generator=g), torch.randn(32, 32, generator=g)
     big_x, big_w = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
     assert not uses_onednn(small_x, small_w) and uses_onednn(big_x, big_w)
+    narrow_x, narrow_w = torch.randn(8192, 128, generator=g), torch.randn(512, 128, generator=g)  # the demo's width
+    assert narrow_x.numel() * narrow_w.shape[0] >= lin.MIN_MACS and not uses_onednn(narrow_x, narrow_w)
+    assert not uses_onednn(big_x, torch.randn(128, 512, generator=g))
     assert torch.equal(linear(small_x, small_w), F.linear(small_x, small_w))  # the tests' tiny models
     assert not uses_onednn(big_x.double(), big_w.double())
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -37,8 +37,11 @@ a few dozen shapes per layer and each compiles once. Zero rows add nothing to dW
 
 Where it applies (else F.linear, unchanged): fp32 plain tensors (not DTensors: TP keeps torch's sharded ops) on
 the CPU, autocast off, torch built with oneDNN, and at least MIN_MACS multiply-adds: below that oneDNN's fixed
-cost per call (~12 us) loses to MKL (measured: the crossover sits near 2M MACs on this machine), so the small
-models of the tests keep torch's kernels.
+cost per call (~12 us) loses to MKL (measured: the crossover sits near 2M MACs on the Zen 5 machine), so the small
+models of the tests keep torch's kernels; and in and out features both at least MIN_FEATURES (256): on the Zen 4
+machine oneDNN lost on the demo's 128-wide model (its products 0.79-1.09x of MKL's, the demo's GRPO step 7% slower
+on oneDNN, `benchmarks/bench_grpo_trl.py --workload demo` with RELAYRL_CPU_LINEAR=onednn against torch), and on
+the Zen 5 one such a model gained nothing from it.
 
 It imports torch only; it must never import another relayrl layer.
 """
@@ -54,6 +57,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 MIN_MACS = 1 << 21  # rows x out x in at which oneDNN starts to beat MKL on the CPU (bench_linear.py)
+MIN_FEATURES = 256  # in and out features below which a linear stays on torch's kernel (narrow models)
 WIN = 1.25  # oneDNN runs a product only when it is this much faster than torch's kernel on this machine
 KERNEL_ENV = "RELAYRL_CPU_LINEAR"
 PRODUCTS = ("fwd", "dx", "dw")  # y = x W^T, dx = dy W, dW = dy^T x
@@ -203,7 +207,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and not isinstance(x, DTensor) and not isinstance(weight, DTensor)
             and not torch.is_autocast_enabled("cpu")
-            and x.numel() * weight.shape[0] >= MIN_MACS)
+            and min(weight.shape) >= MIN_FEATURES and x.numel() * weight.shape[0] >= MIN_MACS)
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor, product: str = "fwd") -> bool:
