@@ -66,6 +66,7 @@ from relayrl.models.config import ModelShape, TinyModelConfig
 from relayrl.models.flops import matmul_params
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe.peak import matmul_peak
+from relayrl.parallel import host_memory
 from relayrl.rewards import RewardConfig, build_scorer
 
 STAGES = ("sync", "rollout", "reward", "old_logp", "update")
@@ -189,6 +190,7 @@ def main() -> None:
     args.data = w["data"]
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 renames used inside TRL
     torch.set_num_threads(args.threads)
+    print(f"host memory: {host_memory.apply()} (both systems, this process; RELAYRL_HOST_MEMORY=release for glibc's)")
     t_start = time.perf_counter()
 
     import transformers

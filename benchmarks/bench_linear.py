@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import relayrl.models.linear as lin
 from relayrl.models.linear import linear, uses_onednn
+from relayrl.parallel import host_memory
 
 SHAPES = [  # (label, M, N, K)
     ("27m qkv, train", 2048, 1024, 512), ("27m up, train", 2048, 1536, 512), ("27m down, train", 2048, 512, 1536),
@@ -183,6 +184,7 @@ def main() -> None:
                          "compile: the pointwise kernels compiled vs eager")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"host memory: {host_memory.apply()} (this process; RELAYRL_HOST_MEMORY=release for glibc's)")
     if args.kernels == "onednn":
         lin._choice = dict.fromkeys(lin.PRODUCTS, True)
     choice = lin.kernel_choice()

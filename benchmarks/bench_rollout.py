@@ -72,6 +72,7 @@ from relayrl.models import load_pretrained
 from relayrl.models.config import TinyModelConfig
 from relayrl.models.tiny import build_tiny_model
 from relayrl.models.tokenizer import load_tokenizer
+from relayrl.parallel import host_memory
 
 ALPHABET = "0123456789+-*= "
 PRESETS = {
@@ -355,6 +356,7 @@ def main() -> None:
                     help="also step (untimed) an engine with only forks and one with only grouped prefill")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"host memory: {host_memory.apply()} (this process; RELAYRL_HOST_MEMORY=release for glibc's)")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or build_tiny_model(Path(tmp) / args.preset, ALPHABET, PRESETS[args.preset])

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from relayrl.algorithms import AlgoConfig
 from relayrl.models import CausalLM, ModelConfig
+from relayrl.parallel import host_memory
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"host memory: {host_memory.apply()} (this process; RELAYRL_HOST_MEMORY=release for glibc's)")
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.repeats} timed updates per layout\n")
     print("| model | P | R | rows | tokens padded / real / shared | s padded | s packed | s shared | "
           "padded / shared | packed / shared |\n|---|---|---|---|---|---|---|---|---|---|")

@@ -56,6 +56,11 @@ core), so unfiltered single-vs-FSDP ratios mostly measure the load.
     python benchmarks/bench_trainer.py --rounds 3 --time-layouts single single1 fsdp ddp --mem-layouts single ddp fsdp
     python benchmarks/bench_trainer.py --skip peak time --activation-checkpointing --mem-layouts single ddp fsdp
     python benchmarks/bench_trainer.py --prompts 4 --skip peak time   # 2 micro-batches per rank
+    python benchmarks/bench_trainer.py --skip mem --rounds 3 --time-layouts single1 single1@release
+
+A layout named L@release runs L with RELAYRL_HOST_MEMORY=release (glibc's allocator defaults: freed blocks go
+back to the kernel and fault in again) against the default policy (relayrl.parallel.host_memory), in alternate
+processes, and its ratio against L is printed.
 """
 
 from __future__ import annotations
@@ -304,7 +309,11 @@ LAYOUT_DOC = {"single": "1 process x 2 threads", "single1": "1 process x 1 threa
 
 
 def run_layout(layout: str, args, mc, batch, *, steps: int, env: dict | None = None) -> list[dict]:
-    """single: 1 rank x --threads threads; single1: 1 rank x 1 thread; fsdp / ddp: 2 ranks x threads/2."""
+    """single: 1 rank x --threads threads; single1: 1 rank x 1 thread; fsdp / ddp: 2 ranks x threads/2;
+    L@release: L under glibc's allocator defaults."""
+    layout, _, policy = layout.partition("@")
+    if policy:
+        env = {**(env or {}), "RELAYRL_HOST_MEMORY": policy}
     world = 1 if layout.startswith("single") else 2
     threads = {"single": args.threads, "single1": 1}.get(layout, max(1, args.threads // 2))
     layout = "single" if layout == "single1" else layout
@@ -343,11 +352,12 @@ def summarise(times, shares, phases, tokens, flops, flops_6n, peak, peak1, min_s
         med[layout] = statistics.median(ts[i] for i in sel)
         fb = statistics.median(phases[layout][i][0] for i in sel)
         opt = statistics.median(phases[layout][i][1] for i in sel)
-        line = (f"  {layout:7s} ({LAYOUT_DOC[layout]}): n={len(sel)}, {med[layout]:.2f} s/update (fwd+bwd+clip "
+        doc = LAYOUT_DOC[layout.partition("@")[0]] + (", glibc's allocator defaults" if "@" in layout else "")
+        line = (f"  {layout:7s} ({doc}): n={len(sel)}, {med[layout]:.2f} s/update (fwd+bwd+clip "
                 f"{fb:.2f}, optimiser {opt:.3f}; CPU share {statistics.median(shares[layout][i] for i in sel):.2f}), "
                 f"{tokens / med[layout]:.0f} tokens/s, {flops / med[layout] / 1e9:.1f} GFLOP/s")
         if peak:
-            pk = peak1 if layout == "single1" else peak
+            pk = peak1 if layout.startswith("single1") else peak
             line += (f", MFU {flops / med[layout] / 1e9 / pk:.1%} of {pk:.0f} "
                      f"(6N only: {flops_6n / med[layout] / 1e9 / pk:.1%})")
         print(line)
@@ -359,6 +369,13 @@ def summarise(times, shares, phases, tokens, flops, flops_6n, peak, peak1, min_s
             paired = [s / f for s, f, ok1, ok2 in rounds if ok1 and ok2]
             print(f"  {layout} / single throughput: {med['single'] / med[layout]:.2f}x (ratio of medians); "
                   f"paired {[round(x, 2) for x in paired]}")
+    for layout in med:
+        base = layout.partition("@")[0]
+        if "@" in layout and base in med:
+            rounds = zip(times[base], times[layout], keep[base], keep[layout], strict=True)
+            paired = [r / b for b, r, ok1, ok2 in rounds if ok1 and ok2]
+            print(f"  {layout} / {base} time: {med[layout] / med[base]:.2f}x (the default allocator policy's "
+                  f"speed-up; ratio of medians); paired {[round(x, 2) for x in paired]}")
     if "single1" in med:
         for layout in ("single", "fsdp", "ddp"):
             if layout in med:
@@ -387,8 +404,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed updates per launch")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of alternating launches, one per --time-layouts")
     ap.add_argument("--time-layouts", nargs="+", default=["single", "single1", "fsdp"],
-                    choices=["single", "single1", "fsdp", "ddp"],
-                    help="single: 1 process x --threads; single1: 1 process x 1 thread (one core's rate)")
+                    choices=[f"{b}{p}" for b in ("single", "single1", "fsdp", "ddp") for p in ("", "@release")],
+                    help="single: 1 process x --threads; single1: 1 process x 1 thread (one core's rate); "
+                         "L@release: L with glibc's allocator defaults (RELAYRL_HOST_MEMORY=release)")
     ap.add_argument("--quiet-share", type=float, default=0.9,
                     help="also summarise only updates whose processes got at least this share of their cores")
     ap.add_argument("--mem-steps", type=int, default=2, help="updates per memory run (the last is reported)")
@@ -452,7 +470,8 @@ def main() -> None:
                 out = run_layout(layout, args, mc, batch, steps=steps)
                 for i in range(args.warmup, steps):
                     times[layout].append(max(o["steps"][i]["time"] for o in out))
-                    shares[layout].append(sum(o["steps"][i]["cpu"] for o in out) / times[layout][-1] / cores[layout])
+                    shares[layout].append(sum(o["steps"][i]["cpu"] for o in out) / times[layout][-1]
+                                          / cores[layout.partition("@")[0]])
                     phases[layout].append((max(o["steps"][i]["t_fb"] for o in out),
                                            max(o["steps"][i]["t_opt"] for o in out)))
                 losses[layout] = (round(out[0]["loss"], 6), round(out[0]["grad_norm"], 5))

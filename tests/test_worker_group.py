@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from relayrl.parallel import host_memory
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.launch import WorkerError
 from relayrl.single_controller.batch import DataBatch
@@ -49,7 +50,8 @@ class ToyWorker(Worker):
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def whoami(self) -> dict:
-        return dict(rank=self.rank, world_size=self.world_size, pid=os.getpid(), dist_rank=dist.get_rank())
+        return dict(rank=self.rank, world_size=self.world_size, pid=os.getpid(), dist_rank=dist.get_rank(),
+                    host_memory=host_memory.basis())
 
     @dispatch(Dispatch.RANK_ZERO)
     def all_reduce_sum(self, x: float) -> float:
@@ -183,6 +185,9 @@ class TestSPMD:
         assert [o["dist_rank"] for o in out] == [0, 1, 2, 3]
         assert {o["world_size"] for o in out} == {4}
         assert len({o["pid"] for o in out}) == 4
+        # every worker applied the allocator policy before it was built (the default, unless the run's
+        # environment names a glibc malloc setting)
+        assert [o["host_memory"] for o in out] == [host_memory.plan()] * 4
         assert toy.layout == [DPInfo(0, 2, True), DPInfo(0, 2, False), DPInfo(1, 2, True), DPInfo(1, 2, False)]
         assert toy.dp_size == 2
 

@@ -56,6 +56,7 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.observe.loggers import LoggerOptions
 from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
+from relayrl.parallel import host_memory
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
@@ -270,6 +271,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     """Run (or resume) the job of `cfg`; returns {"eval_first", "eval_last", "run_dir", ...}."""
     run_dir = Path(cfg.run.out_dir)
     check_start(cfg, run_dir, resume)  # one line, before anything is written
+    host_memory.apply()  # freed memory kept for the next step; a bad RELAYRL_HOST_MEMORY is one line here
     ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))

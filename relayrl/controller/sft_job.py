@@ -33,6 +33,7 @@ from relayrl.errors import DataError, UserError
 from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
+from relayrl.parallel import host_memory
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import RewardConfig, build_scorer
 from relayrl.trainer.batch import TrainBatch, build_rows
@@ -89,6 +90,7 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     if (run_dir / "metrics.jsonl").exists():
         raise UserError(f"{run_dir} already holds a run; set sft.out_dir to a new directory")
     device = resolve_device(cfg.sft.device, "sft.device")  # cuda without a GPU: one line, before anything is written
+    host_memory.apply()  # freed memory kept for the next step (relayrl.parallel.host_memory)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)

@@ -12,6 +12,7 @@
     vocab_parallel  logprobs / entropy from vocab-sharded logits, without gathering the vocab
     collectives     differentiable f / g / gather / scatter / sequence-parallel collectives
     launch          process-group setup and teardown; run a function on N local processes
+    host_memory     the process's allocator policy: freed memory kept for the next step, not re-faulted
 
 Import the submodules directly; this package imports nothing so that `relayrl.parallel.launch`
 stays cheap for code that only starts processes. Its modules import torch, the standard library and

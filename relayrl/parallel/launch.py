@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from relayrl.parallel import host_memory
 from relayrl.parallel.rendezvous import LOCALHOST, StoreAddress, join_store, serve_store
 
 __all__ = ["LOCALHOST", "WorkerError", "die_with_parent", "init_process_group", "launch", "shutdown_process_group",
@@ -188,6 +189,7 @@ def _rank_main(rank: int, world_size: int, store: StoreAddress, backend: str, th
     out = Path(result_dir) / f"rank{rank}.pkl"
     try:
         torch.set_num_threads(threads)
+        host_memory.apply()  # freed memory kept for the next step (relayrl.parallel.host_memory)
         init_process_group(rank, world_size, backend=backend, store=store)
         try:
             result = _call(fn, rank, world_size, args)

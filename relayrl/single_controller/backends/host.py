@@ -29,7 +29,7 @@ import traceback
 from typing import Any
 
 from relayrl.observe.trace import TRACE_ENV, NullTracer, Tracer, open_tracer
-from relayrl.parallel import launch
+from relayrl.parallel import host_memory, launch
 from relayrl.single_controller.dispatch import DPInfo
 from relayrl.single_controller.liveness import start_heartbeat
 from relayrl.single_controller.worker import WorkerInfo, construct
@@ -75,6 +75,7 @@ class WorkerHost:
             import torch
 
             torch.set_num_threads(threads)
+            host_memory.apply()  # freed memory kept for the next step (relayrl.parallel.host_memory)
             if info.device.startswith("cuda"):
                 torch.cuda.set_device(info.device)
             self.info = info
