@@ -203,3 +203,37 @@ def test_tensor_parallel_shared_prefix_equals_one_process():
         torch.testing.assert_close(ent[real], want[1][real], atol=2e-6, rtol=1e-5)
         for n, grad in want[2].items():
             torch.testing.assert_close(grads[n], grad, atol=1e-5 * float(grad.abs().max()), rtol=0, msg=n)
+
+
+def test_filler_rounds_the_packed_row_to_the_linear_bucket_and_changes_nothing(monkeypatch):
+    """Where the linears run on oneDNN the packed row ends in filler tokens up to its row bucket, so no linear pads
+    (and copies) its operands: the model sees bucket(N) tokens, and logprobs, entropies and every gradient equal
+    the row without filler."""
+    from relayrl.models import linear as lin
+    from relayrl.trainer import logprobs as lp
+
+    if not lin._ONEDNN:
+        pytest.skip("torch without oneDNN")
+    monkeypatch.setattr(lin, "_choice", dict.fromkeys(lin.PRODUCTS, True))
+    model = perturbed_model(small_config(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=128), seed=3)
+    b = _grouped(seed=5, prompts=8, G=6)
+    plens = prompt_lens(b.response_mask, b.attention_mask)
+    n = computed_tokens(b.input_ids, b.attention_mask, plens)
+    assert lin.bucket(n) > n > 64, n  # a row the linears would pad
+    seen = []
+    model.model.layers[0].mlp.up_proj.register_forward_pre_hook(lambda _m, a: seen.append(a[0].shape[-2]))
+    got = _forward_and_grads(model, b, padding_free=True, prefix_lens=plens)
+    monkeypatch.setattr(lp, "_filler_tokens", lambda *a: 0)
+    want = _forward_and_grads(model, b, padding_free=True, prefix_lens=plens)
+    assert seen == [lin.bucket(n), n]
+    for g, w in zip(got[:2], want[:2], strict=True):
+        torch.testing.assert_close(g, w, atol=2e-6, rtol=1e-5)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, atol=1e-5 * float(grad.abs().max()), rtol=0, msg=name)
+    # no filler where the linears are torch's: a narrow model, or every product on torch's kernel (Intel's rule)
+    monkeypatch.undo()
+    monkeypatch.setattr(lin, "_choice", dict.fromkeys(lin.PRODUCTS, True))
+    assert lp._filler_tokens(model, n, "cpu", None, None) == lin.bucket(n) - n
+    assert lp._filler_tokens(perturbed_model(small_config()), n, "cpu", None, None) == 0
+    monkeypatch.setattr(lin, "_choice", dict.fromkeys(lin.PRODUCTS, False))
+    assert lp._filler_tokens(model, n, "cpu", None, None) == 0

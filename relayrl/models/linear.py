@@ -34,6 +34,8 @@ Row buckets: oneDNN JIT-compiles a kernel for every new shape (about 5 ms on thi
 trainer's packed rows and the engine's batches change their row count every call. So the rows are padded with
 zeros up to a bucket: exact below 64 rows, then 16 buckets per power of two (at most 1/16 padding), so a run meets
 a few dozen shapes per layer and each compiles once. Zero rows add nothing to dW and their outputs are cut off.
+That padding copies each product's operands and its output; a caller that lays out its own tokens pads them once
+instead (`packed_rows`: the trainer's packed row gets a segment of filler tokens), and its linears copy nothing.
 
 Where it applies (else F.linear, unchanged): fp32 plain tensors (not DTensors: TP keeps torch's sharded ops) on
 the CPU, autocast off, torch built with oneDNN, and at least MIN_MACS multiply-adds: below that oneDNN's fixed
@@ -75,6 +77,17 @@ def bucket(rows: int) -> int:
         return rows
     step = 1 << (rows.bit_length() - 5)
     return -(-rows // step) * step
+
+
+def packed_rows(rows: int, width: int, dtype: torch.dtype, device: torch.device | str) -> int:
+    """How many rows a caller that lays out its own tokens (the trainer's packed row) should give a model of this
+    width, so that its linears meet a bucket and pad nothing: bucket(rows) where they run on oneDNN (fp32 on the
+    CPU, autocast off, wide enough, some product chosen for oneDNN), else rows. Padding inside `linear` copies
+    every product's operands and its output; padding the tokens once costs the same FLOPs and no copies."""
+    if not (_ONEDNN and torch.device(device).type == "cpu" and dtype == torch.float32 and width >= MIN_FEATURES
+            and not torch.is_autocast_enabled("cpu") and any(kernel_choice().values())):
+        return rows
+    return bucket(rows)
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from relayrl.models import CausalLM
+from relayrl.models.config import MoEShape
+from relayrl.models.linear import packed_rows
 from relayrl.models.moe import Routing
 from relayrl.models.packed import PackedLayout
 from relayrl.parallel.vocab_parallel import (
@@ -171,6 +173,17 @@ def shared_prefix_groups(input_ids: torch.Tensor, prefix_lens: list[int]) -> lis
     return [(key[0] if key[0] != "row" else 0, rows) for key, rows in groups.items()]
 
 
+def _filler_tokens(model, n: int, device, tp_group, routing) -> int:
+    """How many filler tokens round a packed row of n up to the row count its linears are compiled for
+    (relayrl.models.linear.packed_rows; 0 where they pad nothing). Filler is its own segment: it attends to itself
+    only and no logprob reads it, so nothing it computes reaches a loss or a gradient. None under tensor
+    parallelism (its linears are torch's sharded ops) or with an MoE model (filler would be routed to experts)."""
+    if tp_group is not None or routing is not None or isinstance(model.config, MoEShape):
+        return 0
+    dtype = next(model.parameters()).dtype
+    return packed_rows(n, model.config.hidden_size, dtype, device) - n
+
+
 def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy, tp_group=None, entropy_grad=True,
                      prefix_lens: list[int] | None = None, routing: Routing | None = None):
     """The padding-free forward; with prefix_lens, the shared-prefix one.
@@ -182,6 +195,7 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
         positions    0 1 2 3   4 5 6   4 5   4 5 6 7     parent is the prefix (it attends to the prefix too)
 
     and attention runs per segment over its gathered keys, so no token pays for another sequence's attention.
+    Where the linears run on oneDNN the row ends in filler tokens up to their row bucket (_filler_tokens).
     Token t of row i is read at the slot holding its token t - 1: a (slot, token) pair, which the prefix's rows
     share, except at its last slot, which predicts each member's first own token (one pair per member).
 
@@ -237,6 +251,11 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, with_entropy
             if k > 1:
                 src[i, p + 1:n] = pairs(torch.arange(off, off + k - 1), input_ids[i, p + 1:n])
             off += k
+    fill = _filler_tokens(model, N, device, tp_group, routing)
+    if fill:  # a segment of its own that no pair reads: the linears meet their row bucket and copy nothing
+        packed, pos = torch.cat([packed, torch.zeros(fill, dtype=packed.dtype)]), torch.cat([pos, torch.arange(fill)])
+        segments.append((N, N + fill, None))
+        N += fill
     empty = torch.zeros(0, dtype=torch.long)
     slots, tokens = torch.cat(pair_slots or [empty]), torch.cat(pair_tokens or [empty])
     layout = PackedLayout.build(segments, pos, model.config.sliding_window, device)
