@@ -157,3 +157,25 @@ def test_entropy_as_a_statistic_keeps_no_graph(tiny_model):
     ent = token_logprobs(m, b.input_ids, b.attention_mask, 1.0, with_entropy=True)[1]
     ent.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
+def test_adamw_runs_the_fused_kernel_and_takes_the_reference_step(tiny_model):
+    """build_optimizer picks the fused AdamW for plain tensors (adam_kernel), and its steps equal torch's
+    per-tensor loop to fp32 rounding."""
+    from relayrl.trainer.optim import build_optimizer
+
+    cfg = TrainerConfig(lr=1e-2, weight_decay=0.1)
+    models = [copy.deepcopy(tiny_model) for _ in range(2)]
+    opt, _ = build_optimizer(models[0], cfg, total_steps=10)
+    assert opt.param_groups[0]["fused"] and not opt.param_groups[0]["foreach"]
+    ref = torch.optim.AdamW(models[1].parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in models[0].parameters()]
+        for m, o in zip(models, (opt, ref), strict=True):
+            for p, gr in zip(m.parameters(), grads, strict=True):
+                p.grad = gr.clone()
+            o.step()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)

@@ -17,7 +17,7 @@ from typing import Any
 from relayrl.checkpoint import load_distributed, read_meta, save_distributed
 from relayrl.checkpoint.errors import CheckpointError
 from relayrl.trainer.actor import Actor
-from relayrl.trainer.optim import foreach_ok
+from relayrl.trainer.optim import adam_kernel
 
 
 def save_actor(actor: Actor, run_dir: str | Path, step: int, *, extra: Mapping[str, Any], meta: Mapping[str, Any],
@@ -37,7 +37,7 @@ def load_actor(actor: Actor, path: str | Path) -> dict[str, Any]:
     _check_lora(path, read_meta(path).get("lora"), actor.cfg.lora)
     extra = load_distributed(path, actor.model, actor.optimizer)
     for group in actor.optimizer.param_groups:  # the saved layout's choice does not fit this one
-        group["foreach"] = foreach_ok(group["params"])
+        group.update(adam_kernel(group["params"]))
     actor.scheduler.load_state_dict(extra["scheduler"])  # after the optimizer: its lr wins
     actor.shuffle_gen.set_state(extra["shuffle"])
     return extra
