@@ -18,6 +18,8 @@ kernel (the MFU denominator takes the better, relayrl.observe.peak).
                                                    # pointwise kernels compiled (RELAYRL_COMPILE=auto) and eager (off)
     OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --rollout-ab 5   # also: the 25m workload's rollout on the
                                                                         # engine, the chosen kernels and torch's
+    OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --floor   # also: the 25m step's matmuls alone against its
+                                                                 # FLOP floor (floor_25m)
 """
 
 from __future__ import annotations
@@ -169,6 +171,54 @@ def rollout_ab(rounds: int) -> None:
           f"torch / relayrl: {med['torch'] / med['relayrl']:.2f}x")
 
 
+def floor_25m(repeats: int, trained: int, rollout: int, prompt_rows: int, decode_rows: int) -> None:
+    """The 25m workload's matmuls alone (bench_grpo_trl.py --workload 25m), timed on the kernels relayrl runs, against
+    that workload's FLOP floor: how close a step could come to the floor if everything but the linears (attention,
+    norms, softmax, sampling, the optimiser, the host's bookkeeping) took no time at all.
+
+    update   every trainer linear (q, k, v, o, gate, up, down; 8 layers) forward + dx + dW over the packed row of
+             `trained` tokens, rounded up to the rows the trainer gives them (relayrl.models.linear.packed_rows)
+    rollout  every engine linear (qkv_proj, o_proj, gate_up_proj, down_proj) forward: one prefill of
+             `prompt_rows` rows, then the decode tokens in batches of `decode_rows` rows
+    floor    2N per rollout token + 6N per trained token at this process's fp32 matmul peak (flop_floor), N the
+             matmul weights; the lm_head (31 x 512, on torch's kernel) is counted in N and left out of the timing"""
+    from relayrl.observe.peak import matmul_peak
+
+    H, F_, layers, q, kv, vocab = 512, 1536, 8, 512, 256, 31
+    train = [(q, H), (kv, H), (kv, H), (H, q), (F_, H), (F_, H), (H, F_)]  # (out, in) of each trainer linear
+    engine = [(q + 2 * kv, H), (H, q), (2 * F_, H), (H, F_)]  # the engine's fused ones
+    N = layers * sum(o * i for o, i in train) + vocab * H
+    g = torch.Generator().manual_seed(0)
+    rows = lin.packed_rows(trained, H, torch.float32, "cpu")
+
+    def product_time(make, M, out, inp):
+        x, w = torch.randn(M, inp, generator=g), torch.randn(out, inp, generator=g)
+        return timed(make(linear, x, w, torch.randn(M, out, generator=g)), repeats)
+
+    def fwd_dx_dw(fn, x, w, dy):  # the three products, nothing else (no loss's pointwise work)
+        def run():
+            fn(x.detach().requires_grad_(True), w.detach().requires_grad_(True)).backward(dy)
+        return run
+
+    t_update = layers * sum(product_time(fwd_dx_dw, rows, o, i) for o, i in train)
+    decode = rollout - prompt_rows
+    batches = [decode_rows] * (decode // decode_rows) + ([decode % decode_rows] if decode % decode_rows else [])
+    with torch.no_grad():
+        per_rows = {m: sum(product_time(fwd, m, o, i) for o, i in engine) for m in {prompt_rows, *batches}}
+    t_rollout = layers * (per_rows[prompt_rows] + sum(per_rows[m] for m in batches))
+    peak = matmul_peak("cpu", "float32", torch.get_num_threads())
+    f_roll, f_upd = 2 * N * rollout / peak / 1e9, 6 * N * trained / peak / 1e9
+    floor = f_roll + f_upd
+    print(f"25m matmuls alone (N = {N / 1e6:.2f}M, {trained} trained tokens as {rows} rows, {rollout} rollout tokens "
+          f"= {prompt_rows} prefill rows + decode in batches of {decode_rows}; fp32 peak {peak:.1f} GFLOP/s):")
+    print(f"  update  {t_update:.3f} s against its 6N floor {f_upd:.3f} s ({t_update / f_upd:.2f}x)")
+    print(f"  rollout {t_rollout:.3f} s against its 2N floor {f_roll:.3f} s ({t_rollout / f_roll:.2f}x)")
+    both = t_update + t_rollout
+    print(f"  both {both:.3f} s against the floor {floor:.3f} s: **{both / floor:.2f}x** "
+          f"with nothing else taking any time; a step at 1.2x the floor leaves "
+          f"{1.2 * floor - both:.3f} s for everything else")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -179,6 +229,11 @@ def main() -> None:
                     help="also time bench_trainer's actor update in two arms (--ab), ROUNDS interleaved rounds")
     ap.add_argument("--rollout-ab", type=int, default=0, metavar="ROUNDS",
                     help="also time the 25m rollout with the chosen kernels vs torch's, ROUNDS interleaved rounds")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the 25m workload's matmuls alone against its FLOP floor (floor_25m)")
+    ap.add_argument("--floor-tokens", type=int, nargs=4, default=[3090, 3019, 176, 128],
+                    metavar=("TRAINED", "ROLLOUT", "PROMPT_ROWS", "DECODE_ROWS"),
+                    help="the 25m step's counts (defaults: the medians bench_grpo_trl.py prints)")
     ap.add_argument("--ab", choices=["kernels", "compile"], default="kernels",
                     help="the update A/B's arms: kernels: the chosen linear kernels vs torch's; "
                          "compile: the pointwise kernels compiled vs eager")
@@ -223,6 +278,8 @@ def main() -> None:
         update_ab(args.update_ab, args.ab)
     if args.rollout_ab:
         rollout_ab(args.rollout_ab)
+    if args.floor:
+        floor_25m(args.repeats, *args.floor_tokens)
 
 
 if __name__ == "__main__":
