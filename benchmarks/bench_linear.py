@@ -18,6 +18,9 @@ kernel (the MFU denominator takes the better, relayrl.observe.peak).
                                                    # pointwise kernels compiled (RELAYRL_COMPILE=auto) and eager (off)
     OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --rollout-ab 5   # also: the 25m workload's rollout on the
                                                                         # engine, the chosen kernels and torch's
+    OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --update-ab 5 --ab filler   # the 25m workload's packed
+                                                   # update without and with filler tokens (--ab adam: AdamW's
+                                                   # foreach path and its fused kernel)
     OMP_NUM_THREADS=1 python benchmarks/bench_linear.py --floor   # also: the 25m step's matmuls alone against its
                                                                  # FLOP floor (floor_25m)
 """
@@ -105,15 +108,8 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
         arms = {"torch": kernels(dict.fromkeys(lin.PRODUCTS, False)), "relayrl": kernels(chosen)}
     else:
         arms = {"eager": compile_mode("off"), "compiled": compile_mode("auto")}
-    times: dict[str, list[float]] = {k: [] for k in arms}
     try:
-        for r in range(rounds + 1):  # round 0 warms each arm up (and compiles)
-            for name, set_arm in arms.items():
-                set_arm()
-                t = time.perf_counter()
-                actor.update(batch)
-                if r:
-                    times[name].append(time.perf_counter() - t)
+        times = interleaved(arms, lambda: actor.update(batch), rounds)
     finally:
         lin._choice = chosen
         if env_before is None:
@@ -122,10 +118,82 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
             os.environ[pointwise.COMPILE_ENV] = env_before
     if ab == "compile" and pointwise._broken is not None:
         raise SystemExit(f"the compiled arm fell back to eager ({pointwise._broken}): no A/B to report")
+    report("27M actor update (4096 tokens)", times)
+
+
+def interleaved(arms: dict, run, rounds: int) -> dict[str, list[float]]:
+    """Seconds of run() under each arm (set by arms[name]()), the arms alternating, rounds + 1 times over; round 0
+    warms each arm up (and compiles) and is not kept."""
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for r in range(rounds + 1):
+        for name, set_arm in arms.items():
+            set_arm()
+            t = time.perf_counter()
+            run()
+            if r:
+                times[name].append(time.perf_counter() - t)
+    return times
+
+
+def report(what: str, times: dict[str, list[float]]) -> None:
+    """The arms' times and the ratio of the first arm's (the baseline's) median to the second's."""
     med = {k: statistics.median(v) for k, v in times.items()}
-    base, ours = list(arms)
-    print(f"27M actor update (4096 tokens), s: {({k: [round(x, 2) for x in v] for k, v in times.items()})}; "
+    base, ours = list(times)
+    print(f"{what}, s: {({k: [round(x, 2) for x in v] for k, v in times.items()})}; "
           f"{base} / {ours}: {med[base] / med[ours]:.2f}x")
+
+
+def packed_update_ab(rounds: int, ab: str) -> None:
+    """The 25m workload's update (bench_grpo_trl.py --workload 25m: its model shape, random weights; 16 prompts of
+    11 tokens x 8 samples of 14-32 tokens, the trainer's defaults: packed rows, shared prompts) in two arms,
+    interleaved: ab "filler": the packed row without filler tokens (each oneDNN product pads and copies) against with
+    them (relayrl.trainer.logprobs._filler_tokens); "adam": AdamW's foreach path against its fused kernel
+    (relayrl.trainer.optim.adam_kernel)."""
+    from relayrl.algorithms import AlgoConfig
+    from relayrl.models import CausalLM, ModelConfig
+    from relayrl.trainer import logprobs
+    from relayrl.trainer.actor import Actor
+    from relayrl.trainer.batch import TrainBatch, build_rows
+    from relayrl.trainer.config import TrainerConfig
+
+    mc = ModelConfig(model_type="qwen2", vocab_size=32, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
+    model = CausalLM(mc)
+    model.reset_parameters(std=0.02, seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts, responses = [], []
+    for _ in range(16):
+        p = torch.randint(3, 32, (11,), generator=g).tolist()
+        for _ in range(8):
+            prompts.append(p)
+            n = int(torch.randint(14, 33, (1,), generator=g))
+            responses.append(torch.randint(3, 32, (n,), generator=g).tolist())
+    ids, attn, resp = build_rows(prompts, responses)
+    actor = Actor(model, TrainerConfig(lr=1e-6, micro_batch_size=len(prompts)), AlgoConfig(kl_coef=0.0),
+                  total_steps=100)
+    old = actor.compute_logprobs(TrainBatch(ids, attn, resp))
+    batch = TrainBatch(ids, attn, resp, advantages=torch.randn(len(prompts), generator=g), old_logp=old,
+                       rollout_logp=old)
+    filler = logprobs._filler_tokens
+
+    def set_filler(on: bool):
+        def set_arm():
+            logprobs._filler_tokens = filler if on else (lambda *a: 0)
+        return set_arm
+
+    def set_adam(fused: bool):
+        def set_arm():
+            for group in actor.optimizer.param_groups:
+                group.update(fused=fused, foreach=not fused)
+        return set_arm
+
+    arms = ({"no filler": set_filler(False), "filler": set_filler(True)} if ab == "filler"
+            else {"foreach": set_adam(False), "fused": set_adam(True)})
+    try:
+        times = interleaved(arms, lambda: actor.update(batch), rounds)
+    finally:
+        logprobs._filler_tokens = filler
+    report(f"25m actor update ({ab}), packed rows", times)
 
 
 def rollout_ab(rounds: int) -> None:
@@ -234,9 +302,11 @@ def main() -> None:
     ap.add_argument("--floor-tokens", type=int, nargs=4, default=[3090, 3019, 176, 128],
                     metavar=("TRAINED", "ROLLOUT", "PROMPT_ROWS", "DECODE_ROWS"),
                     help="the 25m step's counts (defaults: the medians bench_grpo_trl.py prints)")
-    ap.add_argument("--ab", choices=["kernels", "compile"], default="kernels",
+    ap.add_argument("--ab", choices=["kernels", "compile", "filler", "adam"], default="kernels",
                     help="the update A/B's arms: kernels: the chosen linear kernels vs torch's; "
-                         "compile: the pointwise kernels compiled vs eager")
+                         "compile: the pointwise kernels compiled vs eager (both on bench_trainer's 27M update); "
+                         "filler: the packed row without vs with filler tokens; adam: AdamW foreach vs fused "
+                         "(both on the 25m workload's packed update)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"host memory: {host_memory.apply()} (this process; RELAYRL_HOST_MEMORY=release for glibc's)")
@@ -275,7 +345,10 @@ def main() -> None:
     dnn = 2 * n**3 / timed(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""), args.repeats) / 1e9
     print(f"square {n} matmul: torch (MKL) {mm:.1f} GFLOP/s, oneDNN {dnn:.1f} GFLOP/s ({dnn / mm:.2f}x)")
     if args.update_ab:
-        update_ab(args.update_ab, args.ab)
+        if args.ab in ("filler", "adam"):
+            packed_update_ab(args.update_ab, args.ab)
+        else:
+            update_ab(args.update_ab, args.ab)
     if args.rollout_ab:
         rollout_ab(args.rollout_ab)
     if args.floor:
