@@ -250,12 +250,24 @@ def floor_25m(repeats: int, trained: int, rollout: int, prompt_rows: int, decode
              `prompt_rows` rows, then the decode tokens in batches of `decode_rows` rows
     floor    2N per rollout token + 6N per trained token at this process's fp32 matmul peak (flop_floor), N the
              matmul weights; the lm_head (31 x 512, on torch's kernel) is counted in N and left out of the timing"""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_grpo_trl import flop_floor
+
+    from relayrl.models.config import ModelShape
+    from relayrl.models.flops import linear_dims, matmul_params
     from relayrl.observe.peak import matmul_peak
 
-    H, F_, layers, q, kv, vocab = 512, 1536, 8, 512, 256, 31
-    train = [(q, H), (kv, H), (kv, H), (H, q), (F_, H), (F_, H), (H, F_)]  # (out, in) of each trainer linear
-    engine = [(q + 2 * kv, H), (H, q), (2 * F_, H), (H, F_)]  # the engine's fused ones
-    N = layers * sum(o * i for o, i in train) + vocab * H
+    shape = ModelShape(vocab_size=31, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, qkv_bias=True,
+                       tie_word_embeddings=True)  # the 25m workload's model (its tokenizer's 31 ids)
+    dims = linear_dims(shape)  # {name: (in, out)}
+    train = [(o, i) for i, o in dims.values()]  # (out, in) of each trainer linear
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+             "o_proj": ("o_proj",), "down_proj": ("down_proj",)}  # the engine's linears, of the trainer's
+    engine = [(sum(dims[p][1] for p in parts), dims[parts[0]][0]) for parts in fused.values()]
+    N, H, layers = matmul_params(shape), shape.hidden_size, shape.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     rows = lin.packed_rows(trained, H, torch.float32, "cpu")
 
@@ -275,7 +287,7 @@ def floor_25m(repeats: int, trained: int, rollout: int, prompt_rows: int, decode
         per_rows = {m: sum(product_time(fwd, m, o, i) for o, i in engine) for m in {prompt_rows, *batches}}
     t_rollout = layers * (per_rows[prompt_rows] + sum(per_rows[m] for m in batches))
     peak = matmul_peak("cpu", "float32", torch.get_num_threads())
-    f_roll, f_upd = 2 * N * rollout / peak / 1e9, 6 * N * trained / peak / 1e9
+    f_roll, f_upd = flop_floor(shape, peak, rollout, 0), flop_floor(shape, peak, 0, trained)
     floor = f_roll + f_upd
     print(f"25m matmuls alone (N = {N / 1e6:.2f}M, {trained} trained tokens as {rows} rows, {rollout} rollout tokens "
           f"= {prompt_rows} prefill rows + decode in batches of {decode_rows}; fp32 peak {peak:.1f} GFLOP/s):")
