@@ -177,7 +177,8 @@ def _filler_tokens(model, n: int, device, tp_group, routing) -> int:
     """How many filler tokens round a packed row of n up to the row count its linears are compiled for
     (relayrl.models.linear.packed_rows; 0 where they pad nothing). Filler is its own segment: it attends to itself
     only and no logprob reads it, so nothing it computes reaches a loss or a gradient. None under tensor
-    parallelism (its linears are torch's sharded ops) or with an MoE model (filler would be routed to experts)."""
+    parallelism (its linears are torch's sharded ops), with an MoE model or routing replay (filler would be routed
+    to experts)."""
     if tp_group is not None or routing is not None or isinstance(model.config, MoEShape):
         return 0
     dtype = next(model.parameters()).dtype
