@@ -1,6 +1,6 @@
 """Asynchronous RL against synchronous, side by side: samples/s and held-out reward against wall time.
 
-Every run is `relayrl.controller.run.train` on the same workload, seed, prompts and steps; only the
+Every run is `relayrl.jobs.train.train` on the same workload, seed, prompts and steps; only the
 rollout mode differs:
 
     sync                  roll out, score, train, in turn (the default)
@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import relayrl.controller.run as run_mod
+import relayrl.jobs.train as run_mod
 from benchmarks.async_workload import build_model, write_prompts
 from relayrl.controller.config import RunConfig
 

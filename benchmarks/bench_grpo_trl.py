@@ -52,15 +52,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.config import RunConfig
-from relayrl.controller.demo import DATA, GRPO, SFT
-from relayrl.controller.evaluate import evaluate
-from relayrl.controller.prompts import encode_prompt
-from relayrl.controller.run import build_driver
-from relayrl.controller.sft_job import SFTJobConfig, run_sft
 from relayrl.data import DataConfig, PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
+from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.demo import DATA, GRPO, SFT
+from relayrl.jobs.sft import SFTJobConfig, run_sft
+from relayrl.jobs.train import build_driver
 from relayrl.models import load_pretrained
 from relayrl.models.config import ModelShape, TinyModelConfig
 from relayrl.models.flops import matmul_params
@@ -68,6 +66,8 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe.peak import matmul_peak
 from relayrl.parallel import host_memory
 from relayrl.rewards import RewardConfig, build_scorer
+from relayrl.rollout.evaluate import evaluate
+from relayrl.rollout.prompts import encode_prompt
 
 STAGES = ("sync", "rollout", "reward", "old_logp", "update")
 SORT_DATA = {"task": "sort", "task_params": {"min_len": 32, "max_len": 63}, "n_train": 3000, "n_eval": 100, "seed": 0}

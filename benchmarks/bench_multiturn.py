@@ -27,7 +27,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relayrl.controller.agent_loop import AgentLoop
 from relayrl.data import get_task
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.config import EnvConfig
@@ -35,6 +34,7 @@ from relayrl.models import load_pretrained
 from relayrl.models.config import TinyModelConfig
 from relayrl.models.tiny import build_tiny_model
 from relayrl.models.tokenizer import load_tokenizer
+from relayrl.rollout.agent_loop import AgentLoop
 
 SHAPES = [  # (name, tiny model, episodes, turns, tokens per turn)
     ("h64 x2, 4 turns x 16 tok", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2), 32, 4, 16),

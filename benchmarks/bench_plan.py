@@ -103,7 +103,7 @@ LAYOUTS = {
 
 def build(layout: RunLayout, mc: ModelConfig, world: int):
     """The model of bench_trainer (with trainer.lora when asked), parallelised as relayrl does: (model, dims or
-    None). LoRA comes first, as relayrl.controller.actor_workers.actor_model applies it before parallelism."""
+    None). LoRA comes first, as relayrl.roles.actor_workers.actor_model applies it before parallelism."""
     model = build_model(mc)
     if layout.lora_rank:
         apply_lora_config(model, LoRAConfig(rank=layout.lora_rank, base_dtype=layout.lora_base))

@@ -1,7 +1,7 @@
 """Routing replay (R3): a few GRPO steps of a tiny random MoE model with a bf16 engine and an fp32 trainer, with and
 without algo.routing_replay, and the trainer-engine gap each leaves.
 
-    for replay in (off, on):   relayrl.controller.run.train, one process, the same seed, model and prompts
+    for replay in (off, on):   relayrl.jobs.train.train, one process, the same seed, model and prompts
         mismatch/logp_abs_mean, mismatch/logp_abs_max, mismatch/k3    |trainer logp - engine logp| over response tokens
                                                                       (the update's own forward: one optimiser step)
         moe/routing_mismatch   share of (response token, MoE layer) choices whose top-k set the trainer's router
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from relayrl.controller.config import RunConfig
-from relayrl.controller.run import train
 from relayrl.data import DataConfig, build_task
+from relayrl.jobs.train import train
 from relayrl.models.tiny import build_tiny_moe_model
 from relayrl.observe import read_metrics
 

@@ -203,7 +203,7 @@ def report(name: str, results: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------- part 2: in a GRPO step
 def step_share(steps: int) -> list[str]:
     from relayrl.controller.config import RunConfig
-    from relayrl.controller.run import train
+    from relayrl.jobs.train import train
     from relayrl.observe import read_metrics
 
     base = {

@@ -16,7 +16,7 @@
    the trainer's, seconds.
 6. the whole GRPO loop on the device (parallel.device, one process, the engine colocated: its sync is in-place
    device copies), a few steps of each:
-     grpo_demo   the demo's job on its built-in defaults (relayrl.controller.demo: a few SFT steps of its
+     grpo_demo   the demo's job on its built-in defaults (relayrl.jobs.demo: a few SFT steps of its
                  warm-start, then its GRPO recipe) with a bf16 engine and the fp32 trainer
      grpo_0.5b   a random model of Qwen2.5-0.5B's shape (config only, no download: 24 layers, hidden 896,
                  14 heads / 2 KV heads, vocabulary 151936, tied embeddings) with a bf16 engine and a bf16
@@ -251,7 +251,7 @@ def random_05b_dir(small: bool) -> str:
 
 def run_loop(cfg, steps: int) -> list[dict]:
     """`steps` steps of the driver's loop (sync, rollout, reward, advantage, update; no eval or checkpoint)."""
-    from relayrl.controller.run import build_driver, close_all
+    from relayrl.jobs.train import build_driver, close_all
 
     run_dir = tempfile.mkdtemp()
     driver, _, _ = build_driver(cfg, Path(run_dir))
@@ -320,8 +320,8 @@ def greedy_parity(path: str, device: str, prompts_: list[list[int]], max_tokens:
 
 def check_grpo_demo(device: str, small: bool, steps: int | None) -> dict:
     """The demo's job: a few steps of its SFT warm-start, then its GRPO recipe, on the device."""
-    from relayrl.controller.demo import GRPO, SFT
-    from relayrl.controller.sft_job import SFTJobConfig, run_sft
+    from relayrl.jobs.demo import GRPO, SFT
+    from relayrl.jobs.sft import SFTJobConfig, run_sft
 
     steps = steps or (2 if small else 4)
     data = {**GRPO["data"], **({"n_train": 256, "n_eval": 8} if small else {})}

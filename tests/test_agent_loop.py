@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from relayrl.algorithms.config import AlgoConfig
-from relayrl.controller.agent_loop import POLL_S, AgentLoop
 from relayrl.data import Example, get_task
 from relayrl.data.agent_tasks import PRINTABLE
 from relayrl.engine import LLMEngine, SamplingParams
@@ -22,6 +21,7 @@ from relayrl.envs.base import StepResult, register_env
 from relayrl.envs.config import EnvConfig
 from relayrl.errors import EnvError
 from relayrl.models.tokenizer import build_char_tokenizer, load_tokenizer
+from relayrl.rollout.agent_loop import POLL_S, AgentLoop
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
@@ -285,7 +285,7 @@ def test_an_environment_past_its_deadline_ends_its_episode(setup):
 
 HANG_SCRIPT = """
 import time
-from relayrl.controller.agent_loop import POLL_S, AgentLoop
+from relayrl.rollout.agent_loop import POLL_S, AgentLoop
 from relayrl.data import Example
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.config import EnvConfig

@@ -7,8 +7,8 @@ import pytest
 
 from relayrl.controller import async_driver as async_mod
 from relayrl.controller.config import RunConfig
-from relayrl.controller.run import train
 from relayrl.errors import ConfigError
+from relayrl.jobs.train import train
 from relayrl.observe import read_metrics
 
 from helpers import cfg_for
@@ -171,8 +171,8 @@ def test_async_in_worker_groups_staleness_zero_equals_sync(tmp_path):
 def test_async_failures_stop_the_run_in_one_line_like_sync(tmp_path, monkeypatch):
     from test_env_training import env_cfg
 
-    from relayrl.controller import run as run_mod
     from relayrl.errors import EnvError, RewardError
+    from relayrl.jobs import train as run_mod
 
     monkeypatch.setattr(run_mod, "_eval", lambda *a, **k: {})  # the failure must come from the rollout stream
 

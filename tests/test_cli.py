@@ -103,7 +103,7 @@ def test_shipped_configs_validate():
 
     from relayrl.config import load_yaml
     from relayrl.controller.config import load_run_config
-    from relayrl.controller.sft_job import SFTJobConfig
+    from relayrl.jobs.sft import SFTJobConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"
     assert load_run_config(root / "grpo_arith.yaml").rollout.group_size == 8
@@ -142,7 +142,7 @@ def test_sync_plan_command(capsys):
 def test_a_bad_sync_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path, cfg_file, capsys, monkeypatch):
     """The third sync (the start of step 2) corrupts one weight in the engine: the canary stops the
     run with the piece named; the step-1 checkpoint and metrics stay, and the run resumes from them."""
-    import relayrl.controller.sync_steps as ws
+    import relayrl.roles.sync_steps as ws
 
     real, calls = ws.sync_step, {"n": 0}
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from relayrl.controller.run import train
+from relayrl.jobs.train import train
 from relayrl.observe import read_metrics
 from relayrl.observe.comm_profile import CommProfile, is_collective, union_seconds
 

@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from relayrl.controller.prompts import encode_prompt
 from relayrl.data import DataConfig, Example, build_datasets, format_prompt, load_dataset_file
 from relayrl.errors import ConfigError, DataError, RewardError
 from relayrl.models.tokenizer import build_char_tokenizer
+from relayrl.rollout.prompts import encode_prompt
 
 from helpers import importable, scorer
 

@@ -3,8 +3,8 @@
 import pytest
 
 from relayrl.controller.config import RunConfig
-from relayrl.controller.demo import GRPO, recipe, run_demo
 from relayrl.errors import UserError
+from relayrl.jobs.demo import GRPO, recipe, run_demo
 
 
 def test_the_lora_recipe_is_the_grpo_recipe_with_adapters():

@@ -14,10 +14,10 @@ import torch
 from torch.distributed.distributed_c10d import BackendConfig
 
 from relayrl.algorithms import AlgoConfig
-from relayrl.controller import run as run_module
-from relayrl.controller.base_model import base_model_dir
-from relayrl.controller.run import build_policy, train
 from relayrl.errors import ConfigError
+from relayrl.jobs import train as run_module
+from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.train import build_policy, train
 from relayrl.models.transformer import CausalLM
 from relayrl.observe import device_memory
 from relayrl.observe.device_memory import GIB, device_memory_metrics
@@ -170,7 +170,7 @@ def test_mfu_peaks_are_those_of_the_device_the_roles_compute_on(tmp_path, monkey
 
 
 def test_sft_refuses_cuda_before_writing_anything(tmp_path, monkeypatch):
-    from relayrl.controller.sft_job import SFTJobConfig, run_sft
+    from relayrl.jobs.sft import SFTJobConfig, run_sft
 
     _cuda(monkeypatch, False)
     cfg = SFTJobConfig.from_dict({"data": {"task": "arith", "n_train": 16, "n_eval": 4},

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from relayrl.algorithms import AlgoConfig
-from relayrl.controller.run import train
+from relayrl.jobs.train import train
 from relayrl.models.transformer import CausalLM
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.config import TrainerConfig

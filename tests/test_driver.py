@@ -4,8 +4,8 @@
 import pytest
 
 from relayrl.controller import driver as driver_mod
-from relayrl.controller.run import train
 from relayrl.errors import RewardError
+from relayrl.jobs.train import train
 from relayrl.observe import read_metrics
 
 from helpers import cfg_for
@@ -106,10 +106,10 @@ def test_a_prompt_row_sets_its_own_generation_budget(tmp_path):
 
 
 def test_evaluation_seeds_each_prompt_apart():
-    from relayrl.controller.evaluate import evaluate
     from relayrl.data import DataConfig, Example
     from relayrl.engine.outputs import CompletionSample, RequestOutput
     from relayrl.rewards.result import ScoreResult
+    from relayrl.rollout.evaluate import evaluate
 
     class Tokenizer:
         bos_token_id = None

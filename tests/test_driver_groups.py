@@ -8,7 +8,7 @@ import json
 import pytest
 
 from relayrl.cli.main import main
-from relayrl.controller.run import train
+from relayrl.jobs.train import train
 
 from helpers import assert_same_metrics, group_cfg, step_metrics
 

@@ -5,9 +5,9 @@ the run in one line."""
 
 import pytest
 
-from relayrl.controller.run import train
-from relayrl.controller.sft_job import SFTJobConfig, run_sft
 from relayrl.errors import EnvError
+from relayrl.jobs.sft import SFTJobConfig, run_sft
+from relayrl.jobs.train import train
 from relayrl.observe import read_metrics
 
 from helpers import cfg_for

@@ -71,7 +71,7 @@ def curve_path() -> Path:
 
 def run_curve(name: str, tmp: Path) -> list[dict]:
     """The run's metric lines (training steps and evaluations), machine figures left out."""
-    from relayrl.controller.run import train
+    from relayrl.jobs.train import train
     from relayrl.observe import read_metrics
 
     from helpers import cfg_for

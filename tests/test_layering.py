@@ -32,7 +32,13 @@ ALLOWED: dict[str, set[str]] = {
     "trainer": GROUND | {"parallel", "models", "algorithms", "checkpoint"},
     "planner": GROUND | {"models", "sync"},  # shapes and layouts as data: no devices, no trainer, no engine
 }
-ALLOWED["controller"] = set(ALLOWED) - {"controller"}  # the RL application: everything below the CLI
+# the RL application, by concern: producing samples, where roles run, the loop, the jobs that build and run it
+ALLOWED["rollout"] = GROUND | {"engine", "envs", "rewards", "data", "models", "observe", "algorithms"}
+ALLOWED["roles"] = set(ALLOWED) - {"planner"}  # roles run the rollout side too (a rollout worker's agent loop)
+# the loop is typed against the protocols below it and takes its batches from a rollout source; it never builds
+# or places a role (that is the jobs')
+ALLOWED["controller"] = set(ALLOWED) - {"roles", "planner"}
+ALLOWED["jobs"] = set(ALLOWED) - {"jobs"}
 ALLOWED["cli"] = set(ALLOWED) - {"cli"}
 
 
@@ -94,11 +100,11 @@ def test_the_check_fails_on_an_upward_import(tmp_path):
     assert upward_imports(pkg) == []
     # a model module reaching up into the trainer, one inside a function, and a relative one from sync
     (pkg / "models" / "bad.py").write_text("from relayrl.trainer.fine import Config\n")
-    (pkg / "models" / "lazy_bad.py").write_text("def f():\n    import relayrl.controller.run\n")
+    (pkg / "models" / "lazy_bad.py").write_text("def f():\n    import relayrl.jobs.train\n")
     (pkg / "sync" / "bad.py").write_text("from ..trainer import fine\n")
     assert upward_imports(pkg) == [
         "relayrl/models/bad.py imports relayrl.trainer",
-        "relayrl/models/lazy_bad.py imports relayrl.controller",
+        "relayrl/models/lazy_bad.py imports relayrl.jobs",
         "relayrl/sync/bad.py imports relayrl.trainer",
     ]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from relayrl.controller.config import RunConfig
-from relayrl.controller.run import train
 from relayrl.errors import UserError
+from relayrl.jobs.train import train
 from relayrl.observe import MetricsLogger, read_metrics
 from relayrl.observe.loggers import LoggerOptions, mlflow_key, require_loggers
 

@@ -243,7 +243,7 @@ def test_config_validation():
 
 
 def test_lora_refused_where_it_does_not_apply():
-    from relayrl.controller.sft_job import SFTJobConfig
+    from relayrl.jobs.sft import SFTJobConfig
     from relayrl.trainer.config import CriticConfig, TrainerConfig
 
     assert TrainerConfig.from_dict({"lora": {"rank": 2}}).lora.rank == 2

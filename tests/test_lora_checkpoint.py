@@ -14,12 +14,12 @@ import transformers
 from relayrl.algorithms import AlgoConfig
 from relayrl.checkpoint import export_hf, open_checkpoint
 from relayrl.cli.main import main as cli_main
-from relayrl.controller.actor_workers import actor_model
 from relayrl.errors import UserError
 from relayrl.models.lora import is_lora_param, lora_state
 from relayrl.models.lora_config import LoRAConfig
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
+from relayrl.roles.actor_workers import actor_model
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.checkpointing import load_actor, save_actor

@@ -10,11 +10,11 @@ import pytest
 import torch
 import transformers
 
-from relayrl.controller.group_policy import GroupPolicy
-from relayrl.controller.local_policy import LocalPolicy
-from relayrl.controller.run import build_policy
+from relayrl.jobs.train import build_policy
 from relayrl.models import load_pretrained
 from relayrl.models.lora import lora_modules
+from relayrl.roles.group_policy import GroupPolicy
+from relayrl.roles.local_policy import LocalPolicy
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.logprobs import frozen_logprobs
 
@@ -92,7 +92,7 @@ def test_full_finetuning_keeps_its_reference_model(base_dir, tmp_path):
 
 def test_first_step_kl_is_zero_through_the_driver(tmp_path):
     """`relayrl train` (its tiny model) with trainer.lora, a bf16 base and a KL term: step 1's KL is exactly 0."""
-    from relayrl.controller.run import train
+    from relayrl.jobs.train import train
 
     cfg = _cfg(tmp_path, "bfloat16")
     d = cfg.to_dict()

@@ -26,7 +26,7 @@ def _cfg(tmp_path, name, **parallel):
 
 
 def test_lora_run_single_and_fsdp_and_its_exports(tmp_path):
-    from relayrl.controller.run import train
+    from relayrl.jobs.train import train
 
     single = train(_cfg(tmp_path, "single"), show_progress=False)
     fsdp = train(_cfg(tmp_path, "fsdp2", backend="local", dp_shard=2), show_progress=False)

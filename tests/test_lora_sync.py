@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from relayrl.algorithms import AlgoConfig
-from relayrl.controller.local_policy import LocalPolicy
-from relayrl.controller.weight_sync import PlannedWeightSync, SyncVerificationError
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.engine.lora import enable_lora, merge_lora, sync_params
 from relayrl.engine.model import EngineModel
@@ -21,6 +19,8 @@ from relayrl.engine.parallel_state import TPInfo
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.models.config import ModelShape
 from relayrl.models.lora import apply_lora, lora_modules, merged_state
+from relayrl.roles.local_policy import LocalPolicy
+from relayrl.roles.weight_sync import PlannedWeightSync, SyncVerificationError
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.apply import execute_plan, shard_state_dict
 from relayrl.sync.config import SyncConfig
@@ -251,7 +251,7 @@ def test_a_lora_run_syncs_adapters_only_and_both_engine_modes_give_the_same_run(
     """trainer.lora set: every step's sync sends the adapters only (the base went with the sync before
     the first step), verified; the engine keeping them apart or merging them samples the same rollouts."""
     from relayrl.controller.config import RunConfig
-    from relayrl.controller.run import train
+    from relayrl.jobs.train import train
 
     from helpers import EXACT, group_cfg, step_metrics
 

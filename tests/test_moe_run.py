@@ -1,4 +1,4 @@
-"""MoE GRPO end to end through relayrl.controller.run.train, on a tiny random Qwen3-MoE (built, nothing downloaded):
+"""MoE GRPO end to end through relayrl.jobs.train.train, on a tiny random Qwen3-MoE (built, nothing downloaded):
 with routing replay and a reference model, 2 steps under expert parallelism (parallel.ep 2 over dp_shard 2, the
 colocated engine's experts placed by EP over its 2 ranks) and under FSDP 2 (the engine's placed by TP) take the
 one-process run's steps: the same samples, losses, gradient norms and MoE figures; every sync verified by the
@@ -17,7 +17,7 @@ MOE_KEYS = ("moe/routing_mismatch", "moe/load_max_over_mean", "moe/load_max_over
 
 
 def _run(tmp_path, name: str, src, rollout=None, steps=2, save_every=0, resume=False, **parallel) -> list[dict]:
-    from relayrl.controller.run import train
+    from relayrl.jobs.train import train
 
     cfg = cfg_for(tmp_path, name, model={"path": str(src)}, run={"steps": steps, "save_every": save_every},
                   algo={"routing_replay": True, "kl_coef": 0.05, "moe_z_loss_coef": 1e-4},

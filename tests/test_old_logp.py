@@ -11,8 +11,8 @@ import torch
 
 from relayrl.algorithms import AlgoConfig, mismatch_stats
 from relayrl.controller.config import RunConfig
-from relayrl.controller.run import train
 from relayrl.errors import ConfigError
+from relayrl.jobs.train import train
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.config import TrainerConfig
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relayrl.controller.base_model import base_model_dir
-from relayrl.controller.preflight import check_fits_model
-from relayrl.controller.run import train
 from relayrl.errors import ConfigError
+from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.preflight import check_fits_model
+from relayrl.jobs.train import train
 from relayrl.models import load_config
 
 from helpers import SMALL, assert_same_metrics, cfg_for, step_metrics

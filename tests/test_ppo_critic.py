@@ -5,7 +5,7 @@ ReMax and REINFORCE++ through the driver."""
 import pytest
 
 from relayrl.controller import driver as driver_mod
-from relayrl.controller.run import train
+from relayrl.jobs.train import train
 from relayrl.observe import read_metrics
 
 from helpers import assert_same_metrics, cfg_for, group_cfg, step_metrics

@@ -6,16 +6,16 @@ import pytest
 import torch
 import transformers
 
-from relayrl.controller.reward_model import ModelEntry, ModelScorer, render
-from relayrl.controller.run import build_scorer_for, train
 from relayrl.data.arith import ArithTask
 from relayrl.data.tasks import Example
 from relayrl.errors import ConfigError, DataError, ModelDirError
+from relayrl.jobs.train import build_scorer_for, train
 from relayrl.models import save_pretrained
 from relayrl.models.score import ScoreModel, save_score_model
 from relayrl.models.tokenizer import build_char_tokenizer
 from relayrl.observe import read_metrics
 from relayrl.rewards import task_reward
+from relayrl.roles.reward_model import ModelEntry, ModelScorer, render
 
 from helpers import cfg_for, perturbed_model, small_config
 

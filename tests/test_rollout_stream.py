@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from relayrl.controller.rollout_stream import RolloutStream
 from relayrl.data import Example, PromptSampler
 from relayrl.engine.outputs import CompletionSample, RequestOutput
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.rewards.result import ScoreResult
+from relayrl.rollout.stream import RolloutStream
 
 P, G = 2, 2
 

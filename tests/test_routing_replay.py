@@ -22,8 +22,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from relayrl.algorithms import AlgoConfig, policy_objective
 from relayrl.controller.config import RunConfig
-from relayrl.controller.preflight import check_fits_experts
 from relayrl.errors import ConfigError
+from relayrl.jobs.preflight import check_fits_experts
 from relayrl.models import CausalLM
 from relayrl.models.config import MoEConfig
 from relayrl.models.moe import Routing

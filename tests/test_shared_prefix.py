@@ -13,8 +13,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from relayrl.algorithms import AlgoConfig
-from relayrl.controller.run import train
 from relayrl.errors import ConfigError
+from relayrl.jobs.train import train
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.parallelize import parallelize_model
 from relayrl.trainer.actor import Actor

@@ -5,10 +5,10 @@ and a real run's flops/* and rollout/straggler_share against a hand count from i
 import pytest
 
 from relayrl.controller import driver as driver_mod
-from relayrl.controller.run import train
 from relayrl.controller.step_cost import StepCost, mfu, straggler_share
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.engine.outputs import CompletionSample, RequestOutput, SampleCost
+from relayrl.jobs.train import train
 from relayrl.models import CausalLM, ModelConfig, load_pretrained
 from relayrl.models.flops import adapter_params, lora_train_flops, matmul_params
 from relayrl.observe import read_metrics

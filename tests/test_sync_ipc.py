@@ -156,8 +156,8 @@ def test_handle_message_round_trip():
 
 
 def test_the_transport_by_device_and_backend(tmp_path, monkeypatch):
-    from relayrl.controller import preflight
     from relayrl.errors import ConfigError
+    from relayrl.jobs import preflight
     from tests.helpers import cfg_for
 
     def transport(device: str, **sections) -> str:

@@ -10,8 +10,8 @@ import os
 import pytest
 
 from relayrl.cli.main import main
-from relayrl.controller.run import train
 from relayrl.errors import UserError
+from relayrl.jobs.train import train
 from relayrl.observe import StageTimer, read_metrics
 from relayrl.observe.trace import TRACE_ENV, Tracer, merge_traces, open_tracer, trace_dir
 

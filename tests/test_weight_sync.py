@@ -8,13 +8,13 @@ import torch
 
 from relayrl.algorithms import AlgoConfig
 from relayrl.controller.config import RunConfig
-from relayrl.controller.local_policy import LocalPolicy
-from relayrl.controller.run import train
-from relayrl.controller.weight_sync import PlannedWeightSync, SyncVerificationError
 from relayrl.engine import LLMEngine
 from relayrl.errors import ConfigError
+from relayrl.jobs.train import train
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.models.config import ModelShape
+from relayrl.roles.local_policy import LocalPolicy
+from relayrl.roles.weight_sync import PlannedWeightSync, SyncVerificationError
 from relayrl.sync.config import SyncConfig
 from relayrl.sync.layout import TrainerLayout
 from relayrl.trainer.actor import Actor
@@ -265,8 +265,8 @@ def test_a_rank_killed_during_a_transfer_is_named_not_the_survivors_socket_error
     peer"; the sync then asks both sides, and the dead rank's own fault (role, rank, pid) is what it raises."""
     from types import SimpleNamespace
 
-    from relayrl.controller import sync_steps as steps
     from relayrl.errors import RunFault
+    from relayrl.roles import sync_steps as steps
     from relayrl.single_controller.liveness import WorkerLostError
 
     class _Engine(_Side):

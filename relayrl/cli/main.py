@@ -26,7 +26,7 @@ def _split_config(a) -> None:
 def _cmd_train(a) -> int:
     from relayrl.config import apply_overrides, load_yaml
     from relayrl.controller.config import RunConfig
-    from relayrl.controller.run import train
+    from relayrl.jobs.train import train
 
     _split_config(a)
     if a.resume:
@@ -49,7 +49,7 @@ def _cmd_train(a) -> int:
 
 def _cmd_sft(a) -> int:
     from relayrl.config import apply_overrides, load_yaml
-    from relayrl.controller.sft_job import SFTJobConfig, run_sft
+    from relayrl.jobs.sft import SFTJobConfig, run_sft
 
     _split_config(a)
     data = apply_overrides(load_yaml(a.config) if a.config else {}, a.overrides)
@@ -60,10 +60,10 @@ def _cmd_sft(a) -> int:
 
 
 def _cmd_eval(a) -> int:
-    from relayrl.controller.evaluate import evaluate
     from relayrl.data import DataConfig, build_datasets
     from relayrl.engine import LLMEngine, SamplingParams
     from relayrl.rewards import RewardConfig, build_scorer
+    from relayrl.rollout.evaluate import evaluate
 
     SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)  # bad flags: one line, at once
     try:
@@ -74,10 +74,10 @@ def _cmd_eval(a) -> int:
                                  "use_chat_template": a.env is not None, **({"path": a.path} if a.path else {})})
     _, eval_set = build_datasets(data)
     if a.env is not None:  # episodes in the environment, with its tools
-        from relayrl.controller.agent_loop import AgentLoop
-        from relayrl.controller.evaluate import evaluate_episodes
         from relayrl.envs.base import make_env
         from relayrl.envs.config import EnvConfig
+        from relayrl.rollout.agent_loop import AgentLoop
+        from relayrl.rollout.evaluate import evaluate_episodes
 
         env_cfg = EnvConfig(name=a.env)
         make_env(env_cfg)  # an unknown environment or a missing sandbox: one line, before the model loads
@@ -220,7 +220,7 @@ def _cmd_plan(a) -> int:
 
 
 def _cmd_demo(a) -> int:
-    from relayrl.controller.demo import run_demo
+    from relayrl.jobs.demo import run_demo
 
     run_demo(Path(a.out), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora)
     return 0

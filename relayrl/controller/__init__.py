@@ -1,6 +1,6 @@
-"""This package is the RL application: the driver (the loop), the roles (actor, reference, rollout,
-reward) in this process or as worker groups, the weight sync's orchestration, and the train / sft / demo
-jobs.
+"""This package is the RL loop alone: the Driver (sync weights, take a batch from the rollout source, advantages,
+logprobs, the update, the step's metrics), the run's config (RunConfig), the advantage stage and the step's cost.
 
-The controller may import every layer below the CLI; it must never import relayrl.cli, which imports it.
+It is typed against protocols owned by the layers below (Policy, RolloutEngine, Scorer, WeightSync, and the rollout
+source of relayrl.rollout); what builds the roles and runs the loop is relayrl.jobs.
 """

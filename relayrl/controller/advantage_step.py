@@ -11,8 +11,8 @@ the critic's values) to the advantages the update uses.
 
 It runs after the old and reference logprobs are in the batch (the KL in the reward needs them).
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of the loop's package, it reaches the layers below through their protocols; it never
+imports the roles, the jobs or relayrl.cli.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ A checkpoint after step k saves the sampler's state from before batch k was draw
 are discarded at a stop and regenerated on resume, by the resumed weights, so no prompt is lost or trained
 twice and the bound holds from the first resumed step.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of the loop's package, it reaches the layers below through their protocols; it never
+imports the roles, the jobs or relayrl.cli.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from __future__ import annotations
 import time
 
 from relayrl.algorithms import group_has_signal
-from relayrl.controller.agent_loop import AgentLoop
 from relayrl.controller.driver import Driver, Rollout, rollout_from_outputs, rollout_from_trajectories
-from relayrl.controller.prompts import encode_prompt
-from relayrl.controller.rollout_stream import RolloutStream
 from relayrl.errors import EnvError
 from relayrl.rewards.result import ScoreResult
+from relayrl.rollout.agent_loop import AgentLoop
+from relayrl.rollout.prompts import encode_prompt
+from relayrl.rollout.stream import RolloutStream
 
 
 class AsyncDriver(Driver):

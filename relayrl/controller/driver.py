@@ -12,15 +12,14 @@ one PPO epoch, one mini-batch) takes it from its own forward, detached, and repo
 An MoE model's samples carry the experts the engine routed each token to (batch.routing); with
 algo.routing_replay the trainer's forwards replay them (relayrl.trainer.routing).
 
-With an `env:` section a sample is an episode (relayrl.controller.agent_loop): rollout and reward are one
+With an `env:` section a sample is an episode (relayrl.rollout.agent_loop): rollout and reward are one
 stage, the environment's, and the loss mask keeps the observations between turns out of the update.
 
 Every stage is timed (`time/<stage>`). Sampling seeds derive from (run seed, step, round, prompt),
 so a run resumed from a checkpoint draws exactly the samples the uninterrupted run drew.
 
-It is typed against the protocols the layers below own (Policy, RolloutEngine, Scorer, WeightSync). Like
-the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+It is typed against the protocols the layers below own (Policy, RolloutEngine, Scorer, WeightSync). Like the
+rest of the loop's package, it never imports the roles, the jobs or relayrl.cli.
 """
 
 from __future__ import annotations
@@ -34,9 +33,7 @@ import torch
 from relayrl.algorithms import group_has_signal, mismatch_stats
 from relayrl.algorithms.registry import advantage_needs_greedy_baseline
 from relayrl.controller.advantage_step import compute_advantages
-from relayrl.controller.agent_loop import EpisodeRunner, episode_metrics
 from relayrl.controller.config import RunConfig
-from relayrl.controller.prompts import encode_prompt
 from relayrl.controller.step_cost import StepCost
 from relayrl.data import Example, PromptSampler
 from relayrl.engine.outputs import CompletionSample, RequestOutput
@@ -48,6 +45,8 @@ from relayrl.models.config import ModelShape
 from relayrl.observe import StageTimer
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
+from relayrl.rollout.agent_loop import EpisodeRunner, episode_metrics
+from relayrl.rollout.prompts import encode_prompt
 from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.batch import TrainBatch, build_rows, scatter_per_token, scatter_routing
 from relayrl.trainer.policy import Policy
@@ -143,9 +142,9 @@ class Driver:
                                                            process, GroupPolicy over worker groups)
         engine       relayrl.engine.protocols.RolloutEngine
         scorer       relayrl.rewards.protocol.Scorer      single-turn rewards
-        agent        relayrl.controller.agent_loop.EpisodeRunner   with an `env:` section: multi-turn
+        agent        relayrl.rollout.agent_loop.EpisodeRunner   with an `env:` section: multi-turn
                                                            episodes, rewarded by their environment
-        weight_sync  relayrl.sync.protocol.WeightSync     planned + verified (relayrl.controller.weight_sync)
+        weight_sync  relayrl.sync.protocol.WeightSync     planned + verified (relayrl.roles.weight_sync)
 
     The driver code is the same for every placement and backend."""
 

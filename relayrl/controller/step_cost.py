@@ -33,8 +33,8 @@
 MFU and the peaks are timing-dependent and sit under throughput/, beside the other rates; the FLOPs and the
 straggler share are functions of the samples and reproduce exactly.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of the loop's package, it reaches the layers below through their protocols; it never
+imports the roles, the jobs or relayrl.cli.
 """
 
 from __future__ import annotations

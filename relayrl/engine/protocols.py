@@ -2,13 +2,13 @@
 
     RolloutEngine   what the driver, the evaluator and the weight sync use: generate, score, sleep /
                     wake, the weight-update bracket, run_on_ranks, stats, close. LLMEngine is one;
-                    so are the rollout worker's proxy (relayrl.controller.remote) and vLLM's adapter.
+                    so are the rollout worker's proxy (relayrl.roles.remote) and vLLM's adapter.
     StepEngine      what the agent loop uses to drive episodes turn by turn: add a request, run one
                     engine step, collect the requests it completed (LLMEngine is one)
     RunnerGroup     where the engine's tensor-parallel ranks (ModelRunners) live, as the engine
                     sees them: in this process (InProcessRunner), in worker processes of their own
                     (a worker group, relayrl.engine.tp_workers), or hosted by the trainer's
-                    processes (relayrl.controller.engine_host). The engine calls every rank alike.
+                    processes (relayrl.roles.engine_host). The engine calls every rank alike.
 
 The engine module imports relayrl.models, relayrl.single_controller (its tensor-parallel ranks are a
 worker group) and relayrl's ground floor; it must never import the trainer, sync, controller or cli.

@@ -4,7 +4,7 @@ rank itself.
 An LLMEngine talks to its ranks only through a RunnerGroup (relayrl.engine.protocols). With
 tensor_parallel_size 1 and no worker processes asked for, that group is this one: one ModelRunner in
 the calling process, called directly (no pickling, no pipe). The weight sync's in-place copies and a
-colocated trainer in the driver's own process (relayrl.controller.local_policy) reach the runner
+colocated trainer in the driver's own process (relayrl.roles.local_policy) reach the runner
 through `run_fn` or `runner`.
 
 This module imports the engine's own modules only; like the whole engine, it must never import the

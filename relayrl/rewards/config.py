@@ -7,7 +7,7 @@ worker processes that run them.
                             `completions`: TRL's batch form); true / false say it (see relayrl.rewards.calls)
         - {name: model, path: DIR, weight: 1.0, params: {batch_size: 16, dtype: float32}}
                             a reward model: DIR is a sequence-classification directory (one label; its logit is
-                            the reward) scored by the controller (relayrl.controller.reward_model), not the pool
+                            the reward) scored by the controller (relayrl.roles.reward_model), not the pool
       timeout_s: 10         one call longer than this is killed and scored on_failure (counted in reward/timeouts);
                             a batch function's call scores one prompt's group of samples
       workers: 2            reward worker processes; 0 runs the functions in the driver (no isolation, no timeout)

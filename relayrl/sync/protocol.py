@@ -1,7 +1,7 @@
 """The seam between the driver and a weight sync, as a typing.Protocol.
 
 The driver calls `sync(label)` once per step (before the rollout) and reads `last_table` in debug
-mode; `close()` ends the sync's groups. relayrl.controller.weight_sync has the two implementations:
+mode; `close()` ends the sync's groups. relayrl.roles.weight_sync has the two implementations:
 the planned, verified shard-to-shard sync for relayrl's engine, and the full-tensor one vLLM's loader
 needs. The protocol imports nothing but typing; like all of sync, it must never import the trainer, the
 engine or the controller: the controller hands it plain tensors.

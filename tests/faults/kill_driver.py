@@ -49,7 +49,7 @@ def main() -> int:
 
     import relayrl.checkpoint.distributed as ckpt_distributed
     import relayrl.controller.driver as driver
-    import relayrl.controller.local_policy as local_policy
+    import relayrl.roles.local_policy as local_policy
     from relayrl.cli.main import main as cli
 
     if point == "rollout":

@@ -4,7 +4,7 @@ engine's ranks) and the reference model.
     ActorWorker       one rank of the actor: its (FSDP / DDP / TP) model, optimizer and schedule;
                       compute_logprobs and update split over data-parallel ranks; checkpoints;
                       run_on_rank(fn) for the weight sync; colocated, rank r < engine tp also hosts
-                      engine rank r (init_engine, engine_call, engine_run: relayrl.controller.engine_host)
+                      engine rank r (init_engine, engine_call, engine_run: relayrl.roles.engine_host)
     ReferenceWorker   one rank of the frozen reference model: compute_ref_logprobs (with trainer.lora
                       none is built: ActorWorker.compute_ref_logprobs runs the actor's base, adapters off)
     CriticWorker      one rank of PPO's value model (laid out like the actor): compute_values, update,
@@ -15,8 +15,8 @@ model is first cut into this rank's pipeline stages, each parallelized, and `mod
 model's names, run through `pipe`). TrainBatch and
 DataBatch convert field by field (`to_data` / `to_train`): DataBatch is what crosses processes.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
+jobs.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class _ParallelModelWorker(Worker):
         for m in parts:
             if parallelize_model(m, self.dims, mesh, dp_mode=par.dp_mode,
                                  activation_checkpointing=par.activation_checkpointing and trains) is not m:
-                raise RuntimeError("parallelize_model wrapped the model (DDP over dp ranks): relayrl.controller."
+                raise RuntimeError("parallelize_model wrapped the model (DDP over dp ranks): relayrl.roles."
                                    "actor_workers needs it in place; use dp_mode fsdp")
         if par.pp > 1:
             self.pipe = Pipeline(parts, self.dims, par.pp_schedule)
@@ -130,7 +130,7 @@ class _ParallelModelWorker(Worker):
         left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != mesh.device_type]
         if left:
             raise RuntimeError(f"after parallelize_model, {len(left)} tensors are not on {self.device} "
-                               f"(first: {left[0]}): relayrl.controller.actor_workers expected FSDP to move them")
+                               f"(first: {left[0]}): relayrl.roles.actor_workers expected FSDP to move them")
         # context parallelism swaps each attention's computation; forwards then go through self.cp
         self.cp = (apply_context_parallel(model, self.dims.cp_mesh.get_group(), par.cp_mode) if self.dims.cp > 1
                    else None)
@@ -157,7 +157,7 @@ class ActorWorker(_ParallelModelWorker):
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def run_on_rank(self, fn, args: tuple) -> Any:
-        """fn(self, *args): how the weight sync acts on this rank's shards (relayrl.controller.sync_steps)."""
+        """fn(self, *args): how the weight sync acts on this rank's shards (relayrl.roles.sync_steps)."""
         return fn(self, *args)
 
     # ---- the colocated engine: rank r of the engine's tensor-parallel group lives here (r < tp) ----

@@ -3,8 +3,7 @@ only). It writes this run directory:
 
     run_dir/  config.yaml  metrics.jsonl  eval.jsonl  model/ (Hugging Face directory)
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
 """
 
 from __future__ import annotations
@@ -18,24 +17,24 @@ import yaml
 from pydantic import Field, model_validator
 
 from relayrl.config import Config
-from relayrl.controller.agent_loop import AgentLoop
-from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.config import EvalConfig, ModelSection
-from relayrl.controller.evaluate import evaluate, evaluate_episodes
-from relayrl.controller.prompts import encode_answer, encode_prompt
-from relayrl.controller.run import write_atomic
 from relayrl.data import DataConfig, PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.envs.base import demonstration, make_env
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import ChatFormat, Trajectory, encode_conversation
 from relayrl.errors import DataError, UserError
+from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.train import write_atomic
 from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.parallel import host_memory
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import RewardConfig, build_scorer
+from relayrl.rollout.agent_loop import AgentLoop
+from relayrl.rollout.evaluate import evaluate, evaluate_episodes
+from relayrl.rollout.prompts import encode_answer, encode_prompt
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.sft import SFTTrainer

@@ -1,6 +1,6 @@
 """`relayrl train`: build the roles, run the driver for `run.steps` steps, log, evaluate,
 checkpoint, and resume from the newest checkpoint that passes its manifest. What it checks before it writes or
-starts anything is relayrl.controller.preflight's. It may import every layer below the CLI, and it must
+starts anything is relayrl.jobs.preflight's. It may import every layer below the CLI, and it must
 never import relayrl.cli.
 
     run_dir/
@@ -32,23 +32,15 @@ import torch
 import yaml
 
 from relayrl.checkpoint import capture_rng_state, latest_valid_checkpoint, restore_rng_state
-from relayrl.controller.actor_workers import actor_model, critic_model
-from relayrl.controller.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.controller.async_driver import AsyncDriver
-from relayrl.controller.base_model import base_model_dir
 from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
-from relayrl.controller.evaluate import evaluate, evaluate_episodes
-from relayrl.controller.group_policy import GroupPolicy, group_options
-from relayrl.controller.local_policy import LocalPolicy
-from relayrl.controller.preflight import check_fits_model, check_roles, check_start, sync_transport
-from relayrl.controller.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
-from relayrl.controller.reward_model import CombinedScorer, ModelScorer, RemoteModelScorer, model_entries
-from relayrl.controller.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.errors import UserError
+from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.preflight import check_fits_model, check_roles, check_start, sync_transport
 from relayrl.models import load_config, load_pretrained, save_pretrained
 from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.lora import merge_lora_state_dict
@@ -60,6 +52,14 @@ from relayrl.parallel import host_memory
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
+from relayrl.roles.actor_workers import actor_model, critic_model
+from relayrl.roles.group_policy import GroupPolicy, group_options
+from relayrl.roles.local_policy import LocalPolicy
+from relayrl.roles.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
+from relayrl.roles.reward_model import CombinedScorer, ModelScorer, RemoteModelScorer, model_entries
+from relayrl.roles.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
+from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
+from relayrl.rollout.evaluate import evaluate, evaluate_episodes
 from relayrl.sync.experts import sync_shape
 from relayrl.sync.layout import TrainerLayout
 from relayrl.sync.protocol import WeightSync
@@ -135,7 +135,7 @@ def build_weight_sync(cfg: RunConfig, model: ModelConfig, policy: Policy, engine
 def build_scorer_for(cfg: RunConfig) -> Scorer | None:
     """The reward scorer; none for environments, which reward their own episodes. Rule functions run in
     the reward pool (or N reward workers); reward models (`name: model` entries) in the driver's process
-    with parallel.backend none, else in a reward-model worker group of their own (controller.reward_model)."""
+    with parallel.backend none, else in a reward-model worker group of their own (relayrl.roles.reward_model)."""
     if cfg.env is not None:
         return None
     entries = model_entries(cfg.reward)  # a missing model directory fails here, before any process starts

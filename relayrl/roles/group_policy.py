@@ -7,12 +7,12 @@ processes or Ray, SPMD inside, behind the Policy protocol (relayrl.trainer.polic
                               with trainer.lora none: the actor's base (adapters off) is the reference
                           └─> critic: CriticWorker (PPO's value model), placed like the reference
 
-Every call is declared at the worker (relayrl.controller.actor_workers) and called here by the
+Every call is declared at the worker (relayrl.roles.actor_workers) and called here by the
 method itself, so a reader goes from the driver's call to its definition. `group_options` turns the
 run's `parallel.*` settings into the groups' deadlines and heartbeat timeout.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
+jobs.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from relayrl.controller.actor_workers import ActorWorker, CriticWorker, ReferenceWorker, to_data
-from relayrl.controller.engine_host import ActorHostedRanks
 from relayrl.models.config import ModelConfig
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.device import resolve_device
+from relayrl.roles.actor_workers import ActorWorker, CriticWorker, ReferenceWorker, to_data
+from relayrl.roles.engine_host import ActorHostedRanks
 from relayrl.single_controller.liveness import Deadlines, GroupOptions
 from relayrl.single_controller.placement import spawn_roles
 from relayrl.single_controller.resource_pool import ResourcePool

@@ -1,8 +1,8 @@
 """This module turns an example's prompt into token ids; it is the one place where both rollout and SFT turn
 examples into model input.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.rollout, it imports the engine, environments, rewards and data below it; never the
+loop, the roles or the jobs.
 """
 
 from __future__ import annotations

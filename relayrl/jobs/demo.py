@@ -17,8 +17,7 @@ It writes OUT/sft, OUT/grpo (a full run directory) and OUT/summary.json with acc
 accuracy_after and seconds (for an environment, accuracy is held-out success). The settings below are
 the demo's own; `relayrl train` and `relayrl sft` take the same sections from YAML.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
 """
 
 from __future__ import annotations
@@ -29,9 +28,9 @@ import time
 from pathlib import Path
 
 from relayrl.controller.config import RunConfig
-from relayrl.controller.run import train, write_atomic
-from relayrl.controller.sft_job import SFTJobConfig, run_sft
 from relayrl.errors import UserError
+from relayrl.jobs.sft import SFTJobConfig, run_sft
+from relayrl.jobs.train import train, write_atomic
 
 # one-digit operands, three of them ("7-3+8="): a tiny char model learns the format and part of the
 # skill in a short SFT; GRPO then sharpens what it samples into what it answers greedily.

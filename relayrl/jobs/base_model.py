@@ -1,8 +1,7 @@
 """This module decides where the policy starts from: a given Hugging Face directory, or the tiny model of
 a built-in task, which it builds into the run directory (nothing is downloaded).
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ modules (relayrl.engine.lora, kept apart or merged as sync.lora says); the first
 sleep(level=2) released the engine's weights, sends base + adapters, every other one the adapters
 only (the base is frozen). Checksums always cover base and adapters.
 
-What each rank runs is in relayrl.controller.sync_steps. The driver process hosts the sync group's
+What each rank runs is in relayrl.roles.sync_steps. The driver process hosts the sync group's
 rendezvous (on the address the trainer's workers reach it by, behind the run's token) and joins no
 group itself. Both classes here implement relayrl.sync.protocol.WeightSync.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
+jobs.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ import time
 
 import torch
 
-from relayrl.controller import sync_steps as steps
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.errors import RunFault, UserError
 from relayrl.models.config import ModelShape
 from relayrl.models.lora import merge_lora_state_dict
 from relayrl.models.lora_config import LoRAConfig
 from relayrl.parallel.rendezvous import serve_store
+from relayrl.roles import sync_steps as steps
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.checksums import describe_piece, first_mismatch
 from relayrl.sync.config import SyncConfig
@@ -88,7 +88,7 @@ class PlannedWeightSync:
                  engine_tp: int, colocated: bool, engine_dtype: torch.dtype, trainer_dtype: torch.dtype,
                  temperature: float, cfg: SyncConfig | None = None, lora: AdapterShape | None = None,
                  lora_scaling: float = 1.0, ipc: bool = False, expert_placement: str = "tp"):
-        """ipc: buckets between processes cross as CUDA IPC handles (when: relayrl.controller.preflight.sync_transport).
+        """ipc: buckets between processes cross as CUDA IPC handles (when: relayrl.jobs.preflight.sync_transport).
         shape: relayrl.sync.sync_shape of the model (an MoE model's keeps its experts); expert_placement: the
         engine's (rollout.expert_placement)."""
         cfg = cfg if cfg is not None else SyncConfig()

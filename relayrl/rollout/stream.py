@@ -22,8 +22,8 @@ group finish (no new admissions): one_step_off syncs that way, at batch boundari
 evaluation. What the engine does with requests in flight across a sync (keep their KV or recompute it) is
 its `partial` setting.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.rollout, it imports the engine, environments, rewards and data below it; never the
+loop, the roles or the jobs.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from relayrl.controller.agent_loop import AgentLoop
 from relayrl.data import Example, PromptSampler
 from relayrl.engine.outputs import RequestOutput
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.episode import Trajectory
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
+from relayrl.rollout.agent_loop import AgentLoop
 
 IDLE_POLL_S = 0.005  # how often the thread looks again while only environments have work
 

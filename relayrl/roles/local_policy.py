@@ -4,8 +4,8 @@
 The driver's process is trainer rank 0 of 1. Colocated, the engine's one rank lives here too:
 `host_engine` builds its ModelRunner beside the actor, so the weight sync copies every piece in place.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
+jobs.
 """
 
 from __future__ import annotations

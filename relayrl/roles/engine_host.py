@@ -6,8 +6,8 @@ shows them to the engine as a RunnerGroup (relayrl.engine.protocols).
 
 The actor group owns the processes, so closing the engine stops nothing here.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
+jobs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from relayrl.controller.actor_workers import ActorWorker
+from relayrl.roles.actor_workers import ActorWorker
 from relayrl.single_controller.worker_group import GroupHandle
 
 

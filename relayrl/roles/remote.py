@@ -12,15 +12,14 @@ four roles of the loop (actor, rollout, reference, reward) each run in their own
 local processes or Ray. A user error inside a worker (a reward function that fails on every sample,
 a bad prompt) comes back as itself, one line (relayrl.single_controller.worker_group).
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
+jobs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from relayrl.controller.agent_loop import AgentLoop
 from relayrl.data.tasks import Example
 from relayrl.engine import LLMEngine
 from relayrl.engine.sampling_params import SamplingParams
@@ -28,6 +27,7 @@ from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import Trajectory
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.rewards import ScoreResult, build_scorer
+from relayrl.rollout.agent_loop import AgentLoop
 from relayrl.single_controller.batch import DataBatch
 from relayrl.single_controller.dispatch import Dispatch, dispatch
 from relayrl.single_controller.liveness import GroupOptions

@@ -1,17 +1,17 @@
 """This module runs the held-out evaluation: it generates one completion per eval prompt, scores them, and
 reports accuracy, reward and response length.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.rollout, it imports the engine, environments, rewards and data below it; never the
+loop, the roles or the jobs.
 """
 
 from __future__ import annotations
 
-from relayrl.controller.agent_loop import EpisodeRunner
-from relayrl.controller.prompts import encode_prompt
 from relayrl.data import DataConfig, Example
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.rewards import Scorer
+from relayrl.rollout.agent_loop import EpisodeRunner
+from relayrl.rollout.prompts import encode_prompt
 
 
 def evaluate(

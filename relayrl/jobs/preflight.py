@@ -12,7 +12,7 @@ each refusal one line that names the key to change, so that no bad layout is fou
                                        directories exist
 
 It may import every layer below the CLI (what it checks is theirs), and must never import relayrl.cli or the
-train job (relayrl.controller.run), which calls it.
+train job (relayrl.jobs.train), which calls it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from relayrl.controller.config import RunConfig
-from relayrl.controller.reward_model import model_entries
 from relayrl.engine.moe import check_expert_placement, dense_intermediate
 from relayrl.engine.parallel_state import check_tp
 from relayrl.envs.base import make_env
@@ -32,6 +31,7 @@ from relayrl.parallel.device import resolve_device
 from relayrl.parallel.expert_parallel import check_experts_divide
 from relayrl.parallel.pipeline_stages import SCHEDULE_STAGES
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
+from relayrl.roles.reward_model import model_entries
 
 
 def check_start(cfg: RunConfig, run_dir: Path, resume: bool) -> None:

@@ -1,7 +1,7 @@
 """This module holds what each member of a weight sync runs on its own rank, trainer side and engine side,
 side by side.
 
-The driver's PlannedWeightSync (relayrl.controller.weight_sync) sends these functions to where the
+The driver's PlannedWeightSync (relayrl.roles.weight_sync) sends these functions to where the
 ranks are, with the same one call on both roles:
 
     policy.run_on_ranks(trainer_*, ...)   fn(trainer_rank, ...) on every trainer rank (relayrl.trainer.policy)

@@ -23,8 +23,8 @@ A non-finite logit (a model in bfloat16 that overflowed) scores reward.on_failur
 reward/failures, like a rule function's failure. Metrics name the first model entry `model` and later ones
 `model#<index in reward.functions>`, as the rule scorer names repeated functions.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
+jobs.
 """
 
 from __future__ import annotations

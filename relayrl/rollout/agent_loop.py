@@ -21,8 +21,8 @@ engine step and returns the groups whose last episode ended, so an asynchronous 
 weights between two steps and train on a group as soon as it is complete; run() is submit() then advance()
 until its one group is back. Each generated token records the weights version that sampled it.
 
-Like the rest of the controller, this module may import any layer below the CLI; it must never import
-relayrl.cli.
+Like the rest of relayrl.rollout, it imports the engine, environments, rewards and data below it; never the
+loop, the roles or the jobs.
 """
 
 from __future__ import annotations
