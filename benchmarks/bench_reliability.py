@@ -1,6 +1,6 @@
-"""The Reliability table of benchmarks/RESULTS.md: every fault of the fault-injection suite injected into
-a real `relayrl train` (the harness of tests/faults), and for each: did the run survive it (go on, or
-stop in one line and resume), how much was lost, and how long it took to notice.
+"""The Reliability table of benchmarks/HISTORY.md (its newest figure heads RESULTS.md): every fault of the
+fault-injection suite injected into a real `relayrl train` (the harness of tests/faults), and for each: did
+the run survive it (go on, or stop in one line and resume), how much was lost, and how long it took to notice.
 
     python benchmarks/bench_reliability.py [--out table.md]
 
