@@ -15,16 +15,19 @@ from CLI_MEANINGS.
 """
 
 from __future__ import annotations
+import __future__
 
 import argparse
 import ast
 import enum
 import importlib
+import importlib.util
 import inspect
 import io
 import json
 import os
 import re
+import sys
 import textwrap
 import tokenize
 import types
@@ -258,17 +261,49 @@ def config_reference() -> str:
 
 
 def _sft_config():
+    """The SFT job's config class. Importing the job module costs seconds of a build (torch, the engine,
+    transformers), so its config classes are compiled from the module's source in the namespace of the run
+    config's module, which imports every section they name; if that fails (a class names something else), the
+    module is imported after all."""
+    from relayrl.controller import config as run_config
+
     for module, name in SFT_CONFIG:
         try:
-            found = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:  # the module is there but something it imports is not: that is the error to show
-                raise
+            spec = importlib.util.find_spec(module)
+        except ModuleNotFoundError:
             continue
-        if hasattr(found, name):
-            return getattr(found, name)
+        if spec is None or not spec.origin:
+            continue
+        try:
+            found = _compile_configs(Path(spec.origin).read_text(), spec.origin, dict(vars(run_config)))
+        except (NameError, AttributeError, SyntaxError):
+            found = vars(importlib.import_module(module))
+        if name in found:
+            return found[name]
     raise RuntimeError(f"docs hook: the SFT job's config is not at any of {SFT_CONFIG}; update SFT_CONFIG in "
                        f"{Path(__file__).relative_to(ROOT)}")
+
+
+_SOURCES: dict[type, str] = {}  # classes compiled here: their source, which inspect cannot find
+
+
+def _compile_configs(source: str, filename: str, namespace: dict) -> dict:
+    """Run the module's top-level classes that derive from Config (or from one run before) in a module of the hook's
+    own that starts as `namespace`, with postponed annotations as in relayrl's sources; pydantic resolves them in
+    that module."""
+    module = types.ModuleType("_relayrl_docs_compiled")
+    module.__dict__.update(namespace, __name__=module.__name__)
+    sys.modules[module.__name__] = module
+    made: dict[str, type] = {}
+    for node in ast.parse(source).body:
+        bases = {b.id for b in node.bases if isinstance(b, ast.Name)} if isinstance(node, ast.ClassDef) else set()
+        if bases & ({"Config"} | set(made)):
+            code = compile(ast.Module([node], type_ignores=[]), filename, "exec",
+                           flags=__future__.annotations.compiler_flag, dont_inherit=True)
+            exec(code, module.__dict__)
+            made[node.name] = module.__dict__[node.name]
+            _SOURCES[made[node.name]] = "\n".join(source.splitlines()[node.lineno - 1:node.end_lineno])  # + comments
+    return made
 
 
 def _sft_tables(sft, run) -> list[str]:
@@ -470,9 +505,9 @@ def _bounds(field) -> str:
 def _field_comments(cls) -> dict[str, str]:
     """field name -> the comment beside it or the block just above it, for every class of cls's MRO."""
     out: dict[str, str] = {}
-    for klass in reversed([k for k in cls.__mro__ if k.__module__.startswith("relayrl")]):
+    for klass in reversed([k for k in cls.__mro__ if k.__module__.startswith("relayrl") or k in _SOURCES]):
         try:
-            src = textwrap.dedent(inspect.getsource(klass))
+            src = textwrap.dedent(_SOURCES.get(klass) or inspect.getsource(klass))
         except (OSError, TypeError):
             continue
         out.update(_comments_in_class(src))
