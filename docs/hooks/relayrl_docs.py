@@ -303,6 +303,9 @@ def _compile_configs(source: str, filename: str, namespace: dict) -> dict:
             exec(code, module.__dict__)
             made[node.name] = module.__dict__[node.name]
             _SOURCES[made[node.name]] = "\n".join(source.splitlines()[node.lineno - 1:node.end_lineno])  # + comments
+    unresolved = [n for n, c in made.items() if not c.__pydantic_complete__]  # an annotation naming something else
+    if unresolved:
+        raise NameError(f"{unresolved} name types the run config's module does not import")
     return made
 
 
