@@ -125,7 +125,7 @@ def relayrl_driver(model_dir: Path, args, run_dir: Path):
                     "micro_batch_size": args.prompts_per_step * args.group_size, "mini_batches": args.mini_batches},
         "run": {"steps": args.steps, "seed": args.seed, "out_dir": str(run_dir), "tensorboard": False},
     })
-    driver, _, _ = build_driver(cfg, run_dir)
+    driver, _, _, _ = build_driver(cfg, run_dir)
     return driver
 
 

@@ -251,14 +251,14 @@ def random_05b_dir(small: bool) -> str:
 
 def run_loop(cfg, steps: int) -> list[dict]:
     """`steps` steps of the driver's loop (sync, rollout, reward, advantage, update; no eval or checkpoint)."""
-    from relayrl.jobs.train import build_driver, close_all
+    from relayrl.jobs.train import build_driver
 
     run_dir = tempfile.mkdtemp()
-    driver, _, _ = build_driver(cfg, Path(run_dir))
+    driver, roles, _, _ = build_driver(cfg, Path(run_dir))
     try:
         return [driver.train_step() for _ in range(steps)]
     finally:
-        close_all(driver, driver.agent, driver.weight_sync, driver.scorer, driver.engine, driver.policy)
+        roles.close()
 
 
 def summarize(steps: list[dict]) -> dict:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from relayrl.controller import async_driver as async_mod
+from relayrl.controller import driver as driver_mod
 from relayrl.controller.config import RunConfig
 from relayrl.errors import ConfigError
 from relayrl.jobs.train import train
@@ -94,7 +94,7 @@ def test_async_bound_holds_and_every_prompt_is_trained_once_in_order(tmp_path, p
 
 def test_killed_async_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, monkeypatch):
     cfg = {"run": {"steps": 6, "save_every": 2}, "rollout": {"mode": "async", "max_staleness": 2}}
-    real = async_mod.AsyncDriver.train_step
+    real = driver_mod.Driver.train_step
     calls = {"n": 0}
 
     def dies_on_fourth(self):
@@ -103,11 +103,11 @@ def test_killed_async_run_resumes_without_losing_or_repeating_a_prompt(tmp_path,
             raise KeyboardInterrupt
         return real(self)
 
-    monkeypatch.setattr(async_mod.AsyncDriver, "train_step", dies_on_fourth)
+    monkeypatch.setattr(driver_mod.Driver, "train_step", dies_on_fourth)
     with pytest.raises(KeyboardInterrupt):
         train(cfg_for(tmp_path, "r", **cfg), show_progress=False)
     assert [s for s, _ in _prompts(tmp_path / "r")] == [1, 2, 3]
-    monkeypatch.setattr(async_mod.AsyncDriver, "train_step", real)
+    monkeypatch.setattr(driver_mod.Driver, "train_step", real)
     train(cfg_for(tmp_path, "r", **cfg), resume=True, show_progress=False)
     trained = _prompts(tmp_path / "r")
     assert [s for s, _ in trained] == [1, 2, 3, 4, 5, 6]  # step 3 (after the step-2 checkpoint) is redone

@@ -9,7 +9,9 @@ import torch
 
 from relayrl.algorithms.config import AlgoConfig
 from relayrl.algorithms.objective import policy_objective
-from relayrl.controller.driver import Driver, Rollout
+from relayrl.controller.driver import Driver
+from relayrl.rollout.sample import Rollout
+from relayrl.rollout.source import LockstepSource
 
 from helpers import cfg_for
 
@@ -79,7 +81,8 @@ class _Engine:
 def test_driver_hands_the_update_the_proximal_policy_it_is_told(tmp_path, proximal):
     cfg = cfg_for(tmp_path, "x", algo={"proximal": proximal}, rollout={"prompts_per_step": 1, "group_size": 2})
     policy = _Recorder()
-    d = Driver(cfg, policy=policy, engine=_Engine(), scorer=None, sampler=None, weight_sync=None)
+    source = LockstepSource(_Engine(), sampler=None, rollout=cfg.rollout, data=cfg.data, seed=0, scorer=object())
+    d = Driver(cfg, policy=policy, engine=source.engine, source=source, weight_sync=None)
     ro = Rollout(examples=[None, None], prompt_ids=[[5, 6], [5, 6]], response_ids=[[7, 8], [9]],
                  rollout_logp=[[-1.0, -2.0], [-3.0]], texts=["", ""], rewards=torch.tensor([1.0, 0.0]),
                  correct=[True, False], reward_metrics={}, response_mask=[[1, 1], [1]], versions=[[0, 0], [0]])

@@ -91,18 +91,19 @@ def test_all_rewards_failing_stops_the_run(tmp_path):
 
 
 def test_a_prompt_row_sets_its_own_generation_budget(tmp_path):
-    from relayrl.controller.driver import Driver
     from relayrl.data import Example
     from relayrl.errors import DataError
+    from relayrl.rollout.source import sampling_params
 
-    d = Driver(cfg_for(tmp_path, "b", rollout={"max_tokens": 12}), policy=None, engine=None, scorer=None,
-               sampler=None, weight_sync=None)
+    cfg = cfg_for(tmp_path, "b", rollout={"max_tokens": 12})
     from_file = Example(prompt="p", answer="a", meta={"row": 0, "fields": {"max_tokens": 5}})  # a dataset column
     from_task = Example(prompt="p", answer="a", meta={"max_tokens": 7})
     too_long = Example(prompt="p", answer="a", meta={"max_tokens": 99})
-    assert [d._params(0, 0, 0, ex).max_tokens for ex in (from_file, from_task, too_long, None)] == [5, 7, 12, 12]
+    assert [sampling_params(cfg.rollout, 0, 0, 0, 0, ex).max_tokens
+            for ex in (from_file, from_task, too_long, None)] == [5, 7, 12, 12]
     with pytest.raises(DataError, match="max_tokens must be a whole number"):
-        d._params(0, 0, 0, Example(prompt="p", answer="a", meta={"fields": {"max_tokens": "long"}}))
+        sampling_params(cfg.rollout, 0, 0, 0, 0,
+                        Example(prompt="p", answer="a", meta={"fields": {"max_tokens": "long"}}))
 
 
 def test_evaluation_seeds_each_prompt_apart():

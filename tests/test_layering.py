@@ -23,7 +23,9 @@ ALLOWED: dict[str, set[str]] = {
     "lazy": set(),
     "config": {"errors"},
     **{leaf: set(GROUND) for leaf in LEAVES},
-    "single_controller": GROUND | {"parallel", "observe"},  # generic: knows nothing of RL; traces its calls
+    # generic: knows nothing of RL; traces its calls; a process it starts hands its models their CPU kernels
+    # (process_setup: decided by parallel.cpu_kernels, taken by models.linear / pointwise as an argument)
+    "single_controller": GROUND | {"parallel", "observe", "models"},
     "rewards": GROUND | {"sandbox", "data"},
     "envs": GROUND | {"rewards", "sandbox", "data"},
     "checkpoint": GROUND | {"parallel", "models"},
@@ -123,8 +125,8 @@ def test_loading_a_run_config_imports_config_modules_only():
     # (algorithm functions and built-in tasks: pure functions of torch / the standard library)
     allowed_prefixes = ("relayrl.algorithms", "relayrl.data")
     allowed = {"relayrl", "relayrl.config", "relayrl.errors", "relayrl.lazy", "relayrl.controller",
-               "relayrl.envs", "relayrl.models", "relayrl.parallel", "relayrl.rewards", "relayrl.sync",
-               "relayrl.trainer"}
+               "relayrl.envs", "relayrl.models", "relayrl.parallel", "relayrl.rewards", "relayrl.rollout",
+               "relayrl.sync", "relayrl.trainer"}
     stray = [m for m in loaded
              if m not in allowed and not m.endswith((".config", "_config")) and not m.startswith(allowed_prefixes)]
     assert stray == []

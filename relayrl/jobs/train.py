@@ -26,15 +26,17 @@ import hashlib
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
+from relayrl.algorithms.registry import advantage_needs_greedy_baseline
 from relayrl.checkpoint import capture_rng_state, latest_valid_checkpoint, restore_rng_state
-from relayrl.controller.async_driver import AsyncDriver
 from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
+from relayrl.controller.step_cost import StepCost
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.engine.protocols import RolloutEngine
@@ -45,7 +47,7 @@ from relayrl.models import load_config, load_pretrained, save_pretrained
 from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.lora import merge_lora_state_dict
 from relayrl.models.tokenizer import load_tokenizer
-from relayrl.observe import MetricsLogger, Progress
+from relayrl.observe import MetricsLogger, Progress, StageTimer
 from relayrl.observe.loggers import LoggerOptions
 from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
 from relayrl.parallel import host_memory
@@ -60,6 +62,7 @@ from relayrl.roles.reward_model import CombinedScorer, ModelScorer, RemoteModelS
 from relayrl.roles.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
 from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.rollout.evaluate import evaluate, evaluate_episodes
+from relayrl.rollout.source import LockstepSource, RolloutSource, StreamingSource
 from relayrl.sync.experts import sync_shape
 from relayrl.sync.layout import TrainerLayout
 from relayrl.sync.protocol import WeightSync
@@ -184,29 +187,56 @@ def close_all(*roles) -> None:
         raise first
 
 
-def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, list, Path]:
+@dataclass
+class Roles:
+    """What a run builds around its driver, each closed on its own at the end (close_all)."""
+
+    policy: Policy
+    engine: RolloutEngine
+    weight_sync: WeightSync
+    scorer: Scorer | None  # single-turn rewards; None with an environment
+    agent: EpisodeRunner | None  # with an `env:` section: multi-turn episodes, rewarded by their environment
+    source: RolloutSource
+
+    def close(self) -> None:
+        close_all(self.source, self.agent, self.weight_sync, self.scorer, self.engine, self.policy)
+
+
+def build_source(cfg: RunConfig, engine: RolloutEngine, scorer: Scorer | None, agent: EpisodeRunner | None,
+                 sampler: PromptSampler, timer: StageTimer, cost: StepCost | None) -> RolloutSource:
+    """The rollout source of rollout.mode: lockstep (sync) or the stream (one_step_off, async)."""
+    common = dict(sampler=sampler, rollout=cfg.rollout, data=cfg.data, seed=cfg.run.seed, scorer=scorer, agent=agent,
+                  timer=timer, on_generated=cost.add if cost is not None else None)
+    if cfg.rollout.mode == "sync":
+        return LockstepSource(engine, filter_groups=cfg.algo.filter_groups,
+                              max_resample_rounds=cfg.algo.max_resample_rounds,
+                              greedy_baseline=advantage_needs_greedy_baseline(cfg.algo.advantage), **common)
+    return StreamingSource(engine, total_steps=cfg.run.steps, env_name=cfg.env.name if cfg.env else "", **common)
+
+
+def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Path]:
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
     model = load_config(src)  # read once: the checks, the engine, the sync plan and the driver share it
     check_fits_model(cfg, model)
     torch.manual_seed(cfg.run.seed)
     train_set, eval_set = build_datasets(cfg.data)
     check_roles(cfg)
-    policy, engine, sync, scorer, agent = build_policy(cfg, src), None, None, None, None
+    policy, engine, sync, scorer, agent, source = build_policy(cfg, src), None, None, None, None, None
     try:
         engine = build_engine(cfg, src, model, policy)
         sync = build_weight_sync(cfg, model, policy, engine)
         scorer = build_scorer_for(cfg)
         agent = build_agent(cfg, engine)
-        kind = Driver if cfg.rollout.mode == "sync" else AsyncDriver
-        driver = kind(cfg, policy=policy, engine=engine, scorer=scorer,
-                      sampler=PromptSampler(train_set, cfg.run.seed), weight_sync=sync, agent=agent, model=model)
+        timer, cost = StageTimer(), StepCost(cfg, model)
+        source = build_source(cfg, engine, scorer, agent, PromptSampler(train_set, cfg.run.seed), timer, cost)
+        driver = Driver(cfg, policy=policy, engine=engine, source=source, weight_sync=sync, cost=cost, timer=timer)
     except BaseException:
         try:  # no process outlives a failed start
-            close_all(agent, sync, scorer, engine, policy)
+            close_all(source, agent, sync, scorer, engine, policy)
         except Exception:
             pass
         raise
-    return driver, eval_set, src
+    return driver, Roles(policy, engine, sync, scorer, agent, source), eval_set, src
 
 
 def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
@@ -232,35 +262,32 @@ def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
 
 
 def _save(driver: Driver, run_dir: Path, cfg: RunConfig, src: Path) -> None:
-    # the sampler at the next untrained prompt: an asynchronous run's admitted batches are regenerated
-    extra = {"step": driver.step, "sampler": driver.sampler_state(), "rng": capture_rng_state(),
-             "rollout_mode": cfg.rollout.mode, "rollout_stream": driver.stream_record()}
+    extra = {**driver.state_dict(), "rng": capture_rng_state()}
     driver.policy.save(run_dir, driver.step, extra=extra, meta={"model_dir": str(src)}, keep_last=cfg.run.keep_last)
 
 
 def _restore(driver: Driver, ckpt: Path) -> int:
-    """Model and optimizer load into the current layout, whatever the saved one was."""
+    """Model and optimizer load into the current layout, whatever the saved one was; the driver loads its own."""
     extra = driver.policy.load(ckpt)
-    driver.sampler.load_state_dict(extra["sampler"])
+    driver.load_state_dict(extra)
     restore_rng_state(extra["rng"])
-    driver.step = int(extra["step"])
-    driver.restored()
     return driver.step
 
 
-def _eval(driver: Driver, eval_set, cfg: RunConfig, run_dir: Path, logger: MetricsLogger) -> dict[str, float]:
+def _eval(driver: Driver, roles: Roles, eval_set, cfg: RunConfig, run_dir: Path,
+          logger: MetricsLogger) -> dict[str, float]:
     driver.sync_weights()
-    with driver.evaluation():
-        if driver.agent is not None:
-            res = evaluate_episodes(driver.agent, eval_set, cfg.eval.max_tokens, cfg.eval.temperature,
+    with roles.source.evaluation():
+        if roles.agent is not None:
+            res = evaluate_episodes(roles.agent, eval_set, cfg.eval.max_tokens, cfg.eval.temperature,
                                     seed=cfg.run.seed, stop=cfg.rollout.stop)
         else:
-            res = evaluate(driver.engine, eval_set, cfg.data, driver.scorer, cfg.eval.max_tokens,
+            res = evaluate(roles.engine, eval_set, cfg.data, roles.scorer, cfg.eval.max_tokens,
                            cfg.eval.temperature, seed=cfg.run.seed, stop=cfg.rollout.stop)
         # the engine's figures (engine/*) are training's: an evaluation's prefills and blocks are not the next
         # step's (a resumed run replays a step without the evaluation before it). In an asynchronous run this also
         # drops what the engine generated for coming batches since the last step's figures, before the drain
-        driver.engine.reset_stats()
+        roles.engine.reset_stats()
     logger.log(driver.step, res)
     with open(run_dir / "eval.jsonl", "a") as f:
         f.write(json.dumps({"step": driver.step, **res}) + "\n")
@@ -283,16 +310,16 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
         os.environ[TRACE_ENV] = traces
     tracer = open_tracer(traces, "driver")
     try:
-        driver, eval_set, src = build_driver(cfg, run_dir)
+        driver, roles, eval_set, src = build_driver(cfg, run_dir)
         driver.timer.tracer = tracer if traces is not None else None
         failed = True
         try:
-            out = _run(driver, cfg, run_dir, src, eval_set, ckpt, show_progress, tracer)
+            out = _run(driver, roles, cfg, run_dir, src, eval_set, ckpt, show_progress, tracer)
             failed = False
             return out
         finally:
             try:
-                close_all(driver, driver.agent, driver.weight_sync, driver.scorer, driver.engine, driver.policy)
+                roles.close()
             except Exception:
                 if not failed:
                     raise
@@ -315,8 +342,8 @@ def resume_point(run_dir: Path) -> Path:
     return ckpt
 
 
-def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckpt, show_progress: bool,
-         tracer) -> dict:
+def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckpt,
+         show_progress: bool, tracer) -> dict:
     start = _restore(driver, ckpt) if ckpt is not None else 0
     r = cfg.run
     logger = MetricsLogger(run_dir, resume_step=start if ckpt else None, loggers=r.sinks, config=cfg.to_dict(),
@@ -331,7 +358,7 @@ def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckp
         first = None
         if start == 0:
             with tracer.span("eval", step=0):
-                first = _eval(driver, eval_set, cfg, run_dir, logger)
+                first = _eval(driver, roles, eval_set, cfg, run_dir, logger)
         last = first
         while driver.step < cfg.run.steps:
             with tracer.span("step", step=driver.step + 1):  # the driver's stages nest inside it
@@ -347,7 +374,7 @@ def _run(driver: Driver, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckp
             done = driver.step == cfg.run.steps
             if done or (cfg.eval.every and driver.step % cfg.eval.every == 0):
                 with tracer.span("eval", step=driver.step):
-                    last = _eval(driver, eval_set, cfg, run_dir, logger)
+                    last = _eval(driver, roles, eval_set, cfg, run_dir, logger)
             if done or (cfg.run.save_every and driver.step % cfg.run.save_every == 0):
                 with tracer.span("checkpoint", step=driver.step):
                     _save(driver, run_dir, cfg, src)

@@ -77,7 +77,7 @@ class RolloutStream:
         self.engine, self.sampler, self.scorer, self.agent = engine, sampler, scorer, agent
         self.P, self.total, self.staleness, self.max_inflight = prompts_per_step, total_batches, staleness, max_inflight
         self.make_params, self.encode = make_params, encode
-        if agent is not None:  # an environment failing everywhere is judged per step (AsyncDriver), as in sync
+        if agent is not None:  # an environment failing everywhere is judged per step (StreamingSource), as in sync
             agent.check_failures = False
         self.engine_lock = threading.Lock()
         self.cv = threading.Condition()

@@ -1,0 +1,52 @@
+"""How samples are produced: the batch's shape (prompts per step, group size), sampling, the engine's settings, and
+the rollout mode (lockstep, one-step-off, asynchronous; relayrl.rollout.source).
+
+It imports the config base only, so that loading a run's config stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from relayrl.config import Config
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+class RolloutConfig(Config):
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=2)  # samples per prompt: a group of one has no baseline
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(16, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    backend: Literal["relayrl", "vllm"] = "relayrl"  # vllm: GPU machines with vllm installed
+    engine_dtype: Dtype = "float32"  # bfloat16: the engine rounds, the trainer keeps fp32 masters
+    max_num_seqs: int = Field(256, ge=1)
+    block_size: int = Field(16, ge=1)
+    kv_cache_bytes: int | None = Field(None, ge=1)  # None: a share of free memory
+    enable_prefix_caching: bool = True
+    tp: int = Field(1, ge=1)  # the engine's tensor-parallel degree (its ranks: see parallel.placement)
+    # MoE models: where the engine's experts sit over its tp ranks, each expert's width sharded (tp) or whole experts
+    # per rank (ep; relayrl.engine.moe). The same results either way
+    expert_placement: Literal["tp", "ep"] = "tp"
+    # free the KV cache (1) or also the weights (2) while the trainer updates; woken (and verified) at the next sync
+    sleep_level: int = Field(0, ge=0, le=2)
+    # sync: roll out, then train, in turn. async: the engine generates continuously while the trainer
+    # updates; a batch is trained at most max_staleness policy versions after the weights that began
+    # it (relayrl.rollout.source). one_step_off: async with max_staleness 1, one batch in
+    # flight, and weights that change only between batches (no partial rollouts)
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)  # eta, in policy versions (async)
+    max_inflight: int | None = Field(None, ge=1)  # groups generating at once (None: what staleness allows)
+    # new weights arrive mid-generation (async): in-flight samples keep the KV the old weights computed,
+    # or recompute it (prompt and tokens so far) under the new ones
+    partial: Literal["keep_kv", "reprefill"] = "keep_kv"
+
+    @property
+    def staleness(self) -> int:
+        """The bound on the policy versions between a sample's first token and its update."""
+        return {"sync": 0, "one_step_off": 1, "async": self.max_staleness}[self.mode]
