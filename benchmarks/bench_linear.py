@@ -1,10 +1,10 @@
 """The models' fp32 CPU linear (relayrl.models.linear) against torch's F.linear (MKL), side by side.
 
-relayrl's linear runs each of its three products (forward, dx, dW) on oneDNN or on torch's kernel, whichever it
-chose for this CPU (`kernel_choice()` and why, printed first; --kernels onednn forces all three
-on oneDNN, as RELAYRL_CPU_LINEAR=onednn does). For each shape (rows M, out N, in K): forward, and forward +
-backward (dx and dW) of y = x W^T, interleaved, the median of --repeats timings of each after a warm-up, in
-GFLOP/s, and the ratio relayrl / torch. The shapes
+relayrl's linear runs each of its three products (forward, dx, dW) on oneDNN or on torch's kernel, whichever
+relayrl.parallel.cpu_kernels chose for this CPU and handed the models (what and why, printed first; --kernels onednn
+forces all three on oneDNN, as RELAYRL_CPU_LINEAR=onednn does). For each shape (rows M, out N, in K): forward,
+and forward + backward (dx and dW) of y = x W^T, interleaved, the median of --repeats timings of each after a
+warm-up, in GFLOP/s, and the ratio relayrl / torch. The shapes
 are those of the trainer's micro-batches (2048 token rows) and of the engine's decode (8-128 rows) for the
 benchmarks' models: the 27M model of bench_trainer.py (hidden 512, MLP 1536, vocab 4096), the 25m workload
 (hidden 512, MLP 2816, vocab 8192) and the demo's tiny model (hidden 128). Also the square-matmul peak of each
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 import relayrl.models.linear as lin
 from relayrl.models.linear import linear, uses_onednn
 from relayrl.parallel import host_memory
+from relayrl.single_controller.process_setup import configure_process
 
 SHAPES = [  # (label, M, N, K)
     ("27m qkv, train", 2048, 1024, 512), ("27m up, train", 2048, 1536, 512), ("27m down, train", 2048, 512, 1536),
@@ -74,7 +75,6 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
     between updates): the ratio of median update times. ab "kernels": the linear kernels chosen (as main() set them)
     against torch's alone; "compile": relayrl.models.pointwise compiled (RELAYRL_COMPILE=auto) against eager (off)."""
     import argparse as _ap
-    import os
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -90,17 +90,16 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
     mc = bt.model_config(args)
     batch = bt.make_batch(args, mc)
     actor = Actor(bt.build_model(mc), bt.trainer_cfg(args), AlgoConfig(**bt.ALGO), total_steps=100)
-    chosen = dict(lin.kernel_choice())
-    env_before = os.environ.get(pointwise.COMPILE_ENV)
+    chosen, compile_before = lin.kernels(), pointwise._compile
 
     def kernels(choice):
         def set_arm():
-            lin._choice = choice
+            lin.use_kernels(choice)
         return set_arm
 
     def compile_mode(mode):
         def set_arm():
-            os.environ[pointwise.COMPILE_ENV] = mode
+            pointwise.use_compile(mode == "auto")
         return set_arm
 
     # the baseline arm first: the ratio printed is baseline s / the other arm's s
@@ -111,11 +110,8 @@ def update_ab(rounds: int, ab: str = "kernels") -> None:
     try:
         times = interleaved(arms, lambda: actor.update(batch), rounds)
     finally:
-        lin._choice = chosen
-        if env_before is None:
-            os.environ.pop(pointwise.COMPILE_ENV, None)
-        else:
-            os.environ[pointwise.COMPILE_ENV] = env_before
+        lin.use_kernels(chosen)
+        pointwise.use_compile(compile_before)
     if ab == "compile" and pointwise._broken is not None:
         raise SystemExit(f"the compiled arm fell back to eager ({pointwise._broken}): no A/B to report")
     report("27M actor update (4096 tokens)", times)
@@ -210,7 +206,7 @@ def rollout_ab(rounds: int) -> None:
 
     cfg = TinyModelConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                           num_key_value_heads=4, init_std=0.02)
-    chosen = dict(lin.kernel_choice())
+    chosen = lin.kernels()
     with tempfile.TemporaryDirectory() as tmp:
         d = build_tiny_model(Path(tmp) / "m25", "0123456789+-*= ", cfg)
         tok, rng = load_tokenizer(d), random.Random(0)
@@ -224,7 +220,7 @@ def rollout_ab(rounds: int) -> None:
         try:
             for r in range(rounds + 1):  # round 0 warms each arm up (oneDNN compiles its shapes)
                 for name, choice in arms.items():
-                    lin._choice = choice
+                    lin.use_kernels(choice)
                     engine.sleep(1)
                     engine.wake()  # a cold KV and prefix cache, as a new RL step's prompts meet
                     t = time.perf_counter()
@@ -232,7 +228,7 @@ def rollout_ab(rounds: int) -> None:
                     if r:
                         times[name].append(time.perf_counter() - t)
         finally:
-            lin._choice = chosen
+            lin.use_kernels(chosen)
             engine.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"25m rollout (16 x 8 x 22 tokens), s: {({k: [round(x, 2) for x in v] for k, v in times.items()})}; "
@@ -322,11 +318,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"host memory: {host_memory.apply()} (this process; RELAYRL_HOST_MEMORY=release for glibc's)")
+    decided = configure_process()  # as every relayrl process that runs models: the choice, handed to them
     if args.kernels == "onednn":
-        lin._choice = dict.fromkeys(lin.PRODUCTS, True)
-    choice = lin.kernel_choice()
+        lin.use_kernels(dict.fromkeys(lin.PRODUCTS, True))
+    choice = lin.kernels()
     print(f"torch {torch.__version__}, {args.threads} thread(s); GFLOP/s, median of {args.repeats}")
-    basis = "forced (--kernels onednn)" if args.kernels == "onednn" else lin.choice_basis()
+    basis = "forced (--kernels onednn)" if args.kernels == "onednn" else decided.basis
     print(f"kernels: {', '.join(f'{p} on ' + ('oneDNN' if on else 'torch') for p, on in choice.items())} ({basis})")
     print("| shape | M x N x K | oneDNN (fwd, dx, dw) | fwd torch | fwd relayrl | ratio | fwd+bwd torch "
           "| fwd+bwd relayrl | ratio |")

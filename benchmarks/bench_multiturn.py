@@ -35,6 +35,7 @@ from relayrl.models.config import TinyModelConfig
 from relayrl.models.tiny import build_tiny_model
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.rollout.agent_loop import AgentLoop
+from relayrl.single_controller.process_setup import configure_process
 
 SHAPES = [  # (name, tiny model, episodes, turns, tokens per turn)
     ("h64 x2, 4 turns x 16 tok", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2), 32, 4, 16),
@@ -64,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
     task = get_task("guess", high=1000)
     print(f"{'shape':28s} {'reuse s':>8s} {'re-prefill s':>12s} {'ratio':>6s} {'hit rate':>8s} {'turns':>6s} "
           f"{'same':>5s}")

@@ -42,6 +42,7 @@ from relayrl.models.stage import split_model
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.launch import WorkerError, launch
 from relayrl.parallel.pipeline import SCHEDULES, Pipeline, TokenLoss, rank_stages
+from relayrl.single_controller.process_setup import configure_process
 
 _BUSY = [0.0]
 
@@ -80,6 +81,7 @@ def _batch(rows: int, seq: int):
 
 
 def _rank(rank, world_size, args, schedule, m):
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
     _instrument()
     dims = ParallelDims(pp=world_size, world_size=world_size)
     dims.build_mesh("cpu")

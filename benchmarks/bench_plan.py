@@ -57,6 +57,7 @@ from relayrl.models.lora_config import LoRAConfig
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.launch import launch
 from relayrl.parallel.parallelize import apply_activation_checkpointing, parallelize_model
+from relayrl.single_controller.process_setup import configure_process
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
@@ -185,6 +186,7 @@ def measure_layout(layout: RunLayout, mc: ModelConfig, batch: TrainBatch, tcfg: 
 
 def _rank_measure(rank: int, world: int, jobs: list[tuple[RunLayout, ModelConfig, TrainBatch]], tcfg: TrainerConfig,
                   steps: int) -> list[dict]:
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
     return [measure_layout(lay, mc, batch, tcfg, steps, world) for lay, mc, batch in jobs]
 
 
@@ -403,6 +405,7 @@ def report(args, measured: dict) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
     t0 = time.time()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()}")
     if args.load:

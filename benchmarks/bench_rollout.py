@@ -73,6 +73,7 @@ from relayrl.models.config import TinyModelConfig
 from relayrl.models.tiny import build_tiny_model
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.parallel import host_memory
+from relayrl.single_controller.process_setup import configure_process
 
 ALPHABET = "0123456789+-*= "
 PRESETS = {
@@ -357,6 +358,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"host memory: {host_memory.apply()} (this process; RELAYRL_HOST_MEMORY=release for glibc's)")
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or build_tiny_model(Path(tmp) / args.preset, ALPHABET, PRESETS[args.preset])

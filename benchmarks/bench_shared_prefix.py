@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from relayrl.algorithms import AlgoConfig
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.parallel import host_memory
+from relayrl.single_controller.process_setup import configure_process
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
@@ -67,6 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"host memory: {host_memory.apply()} (this process; RELAYRL_HOST_MEMORY=release for glibc's)")
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.repeats} timed updates per layout\n")
     print("| model | P | R | rows | tokens padded / real / shared | s padded | s packed | s shared | "
           "padded / shared | packed / shared |\n|---|---|---|---|---|---|---|---|---|---|")

@@ -50,6 +50,7 @@ from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.launch import launch
 from relayrl.parallel.parallelize import parallelize_model
 from relayrl.parallel.rendezvous import serve_store
+from relayrl.single_controller.process_setup import configure_process
 from relayrl.sync.apply import shard_state_dict
 from relayrl.sync.layout import EngineLayout, TrainerLayout
 from relayrl.sync.transfer import (
@@ -93,6 +94,7 @@ def _timed(fn) -> float:
 
 # ---------------------------------------------------------------------------- colocated: 2 processes
 def colocated(rank: int, world: int, store, hidden: int, layers: int, rounds: int, warmup: int) -> dict:
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
     cfg = model_config(hidden, layers)
     torch.manual_seed(0)
     dims = ParallelDims(dp_shard=2, world_size=2)
@@ -129,6 +131,7 @@ def colocated(rank: int, world: int, store, hidden: int, layers: int, rounds: in
 # ---------------------------------------------------------------------------- disaggregated: 4 processes
 def disaggregated(rank: int, world: int, store, hidden: int, layers: int, rounds: int, warmup: int,
                   fp8: bool = False) -> dict:
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
     cfg = model_config(hidden, layers)
     torch.manual_seed(0)
     full = {k: v.detach() for k, v in CausalLM(cfg).state_dict().items()}

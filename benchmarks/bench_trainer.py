@@ -84,6 +84,7 @@ from relayrl.models import CausalLM, ModelConfig
 from relayrl.parallel.dims import ParallelDims
 from relayrl.parallel.launch import launch
 from relayrl.parallel.parallelize import apply_activation_checkpointing, parallelize_model
+from relayrl.single_controller.process_setup import configure_process
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
@@ -254,6 +255,7 @@ def _held_bytes(model, optimizer) -> dict[str, int]:
 
 def _rank_run(rank: int, world: int, layout: str, mc: ModelConfig, batch: TrainBatch, tcfg: TrainerConfig,
               steps: int, activation_checkpointing: bool) -> dict:
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
     gc.collect()
     rss_base = _status()["VmRSS"]
     model = build_model(mc)
@@ -423,6 +425,7 @@ def main() -> None:
 
     t_start = time.time()
     torch.set_num_threads(args.threads)
+    configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
     mc = model_config(args)
     probe = build_model(mc)
     n_params = sum(p.numel() for p in probe.parameters())

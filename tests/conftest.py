@@ -2,8 +2,10 @@ import pytest
 import torch
 
 from relayrl.models import CausalLM, ModelConfig
+from relayrl.single_controller.process_setup import configure_process
 
 torch.set_num_threads(2)
+configure_process()  # the models' CPU kernels, as every relayrl process that runs models sets them up
 
 
 def tiny_config(**kw) -> ModelConfig:

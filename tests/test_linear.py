@@ -1,7 +1,8 @@
 """relayrl.models.linear: oneDNN's fp32 CPU linear equals torch's F.linear to fp32 rounding (outputs and every
 gradient), with any mix of the two kernels over its three products; only where it applies; below MIN_MACS or
 MIN_FEATURES, under autocast and for DTensors it is F.linear itself; a model built of it matches the same model on
-torch's kernels; and the kernel choice is the CPU's rule, the measured one, or the one RELAYRL_CPU_LINEAR names.
+torch's kernels; and it runs the products the choice it is handed names (use_kernels; the choice itself is made
+by relayrl.parallel.cpu_kernels: tests/test_cpu_kernels.py).
 
 The tests fix the choice (all three products on oneDNN unless a test says otherwise): which kernel this machine
 measures faster is not theirs to depend on."""
@@ -123,59 +124,16 @@ def test_outputs_are_no_views():
         close(x.grad, torch.ones(*shape[:-1], 512) @ w.detach())
 
 
-def _fresh(monkeypatch, mode: str, vendor: str = "", capability: str = "AVX2") -> dict[str, bool]:
-    monkeypatch.setattr(lin, "_choice", None)
-    monkeypatch.setattr(lin, "_ratios", {})
-    monkeypatch.setenv(lin.KERNEL_ENV, mode)
-    monkeypatch.setattr(lin, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    return lin.kernel_choice()
-
-
-def test_kernel_choice_is_the_rule_measured_or_named(monkeypatch):
-    """auto: Intel keeps torch's kernel for all three products, AMD with AVX-512 runs all three on oneDNN, without
-    measuring; any other CPU (AMD without AVX-512, an unknown vendor) measures, and each product runs on oneDNN
-    exactly where the measurement found it WIN faster; measure measures whatever the CPU; torch / onednn fix it;
-    anything else is refused in one line naming the variable. choice_basis() says which of these decided."""
-    calls = []
-
-    def measured():
-        calls.append(1)
-        return {"fwd": 1.3, "dx": 1.2, "dw": 0.6}
-
-    monkeypatch.setattr(lin, "measure_kernels", measured)
-    on, off, mixed = dict.fromkeys(lin.PRODUCTS, True), dict.fromkeys(lin.PRODUCTS, False), \
-        {"fwd": True, "dx": False, "dw": False}
-    for mode, vendor, cap, want, n_measured in (
-            ("auto", "GenuineIntel", "AVX512", off, 0), ("auto", "AuthenticAMD", "AVX512", on, 0),
-            ("auto", "AuthenticAMD", "AVX2", mixed, 1), ("auto", "", "DEFAULT", mixed, 1),
-            ("measure", "GenuineIntel", "AVX512", mixed, 1), ("measure", "AuthenticAMD", "AVX512", mixed, 1),
-            ("torch", "AuthenticAMD", "AVX512", off, 0), ("onednn", "GenuineIntel", "AVX512", on, 0)):
-        calls.clear()
-        assert _fresh(monkeypatch, mode, vendor, cap) == want, (mode, vendor, cap)
-        assert len(calls) == n_measured, (mode, vendor, cap)
-        basis = lin.choice_basis()
-        assert ("measured: torch s / oneDNN s fwd 1.30, dx 1.20, dw 0.60" == basis) == (n_measured == 1), basis
-    _fresh(monkeypatch, "auto", "AuthenticAMD", "AVX512")
-    assert lin.choice_basis() == "the rule for AuthenticAMD with AVX512"
-    with pytest.raises(ValueError, match="RELAYRL_CPU_LINEAR='mkl': expected auto, measure, torch or onednn"):
-        _fresh(monkeypatch, "mkl")
-
-
-def test_cpu_vendor_reads_cpuinfo():
-    """On Linux the vendor is /proc/cpuinfo's vendor_id (the rule's key); elsewhere "" (the rule then measures)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            want = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        want = ""
-    assert lin.cpu_vendor() == want
-
-
-def test_measure_kernels_times_both_kernels():
-    """The measurement's ratios are torch seconds over oneDNN seconds of real calls: positive and finite."""
-    ratios = lin.measure_kernels(m=128, n=128, k=64, calls=1)
-    assert set(ratios) == set(lin.PRODUCTS) and all(0 < r < float("inf") for r in ratios.values())
+def test_use_kernels_sets_what_runs(monkeypatch):
+    """The choice handed to use_kernels is the one the linears run, product by product (kernels() reports it);
+    a choice that does not name each product is refused."""
+    x, w = torch.randn(700, 512), torch.randn(512, 512)
+    lin.use_kernels({"fwd": False, "dx": True, "dw": False})
+    assert lin.kernels() == {"fwd": False, "dx": True, "dw": False}
+    assert [uses_onednn(x, w, p) for p in lin.PRODUCTS] == [False, True, False]
+    with pytest.raises(ValueError, match="a kernel choice names each of fwd, dx, dw"):
+        lin.use_kernels({"fwd": True, "dx": True})
+    assert lin.kernels() == {"fwd": False, "dx": True, "dw": False}
 
 
 def test_all_on_torch_is_f_linear_itself(monkeypatch):

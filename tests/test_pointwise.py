@@ -1,7 +1,7 @@
 """relayrl.models.pointwise: the fused (compiled) RMSNorm, SwiGLU and RoPE equal their eager formulas to fp32
 rounding, forward and every gradient, and a model built of them matches the same model run eagerly; where they do
-not apply (small tensors, other dtypes, autocast, RELAYRL_COMPILE=off) they are the eager formula itself, and a
-compiler that fails leaves them eager with one warning."""
+not apply (small tensors, other dtypes, autocast, compiling handed off: RELAYRL_COMPILE=off) they are the eager
+formula itself, and a compiler that fails leaves them eager with one warning."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _cases(g):
 
 def test_fused_pieces_equal_the_eager_formulas(monkeypatch):
     monkeypatch.setattr(pw, "MIN_NUMEL", 1024)
-    monkeypatch.delenv(pw.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(pw, "_compile", True)
     g = torch.Generator().manual_seed(0)
     for name, fused, eager, args in _cases(g):
         assert pw.applies(args[0]), name
@@ -60,9 +60,10 @@ def test_a_model_on_fused_pieces_matches_eager(monkeypatch):
     model = CausalLM(cfg)
     ids = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(pw, "MIN_NUMEL", 1024)
+    monkeypatch.setattr(pw, "_compile", True)  # restored after the test
     out = []
     for mode in ("auto", "off"):
-        monkeypatch.setenv(pw.COMPILE_ENV, mode)
+        pw.use_compile(mode == "auto")
         model.zero_grad()
         logits = model(ids)
         logits.log_softmax(-1)[..., 0].sum().backward()
@@ -77,17 +78,16 @@ def test_a_model_on_fused_pieces_matches_eager(monkeypatch):
 def test_where_it_does_not_apply_it_is_the_eager_formula(monkeypatch):
     g = torch.Generator().manual_seed(2)
     big = torch.randn(pw.MIN_NUMEL, generator=g)
-    monkeypatch.delenv(pw.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(pw, "_compile", True)
     assert pw.applies(big) and not pw.applies(big[:100]) and not pw.applies(big.double())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not pw.applies(big)
-    monkeypatch.setenv(pw.COMPILE_ENV, "off")
-    assert not pw.applies(big)
+    pw.use_compile(False)  # what RELAYRL_COMPILE=off hands the models (relayrl.parallel.cpu_kernels)
+    assert not pw.applies(big) and not pw.enabled()
+    assert torch.equal(pw.rms_norm(big.reshape(-1, 64), torch.ones(64), 1e-5),
+                       pw._rms_norm(big.reshape(-1, 64), torch.ones(64), 1e-5))
     x, w = torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
     assert torch.equal(pw.rms_norm(x, w, 1e-5), pw._rms_norm(x, w, 1e-5))
-    monkeypatch.setenv(pw.COMPILE_ENV, "always")
-    with pytest.raises(ValueError, match="RELAYRL_COMPILE='always': expected auto or off"):
-        pw.enabled()
 
 
 def test_a_failing_compiler_leaves_the_pieces_eager_with_one_warning(monkeypatch):
@@ -97,7 +97,7 @@ def test_a_failing_compiler_leaves_the_pieces_eager_with_one_warning(monkeypatch
     monkeypatch.setattr(pw, "_compiled", {"swiglu": broken})
     monkeypatch.setattr(pw, "_broken", None)
     monkeypatch.setattr(pw, "MIN_NUMEL", 16)
-    monkeypatch.delenv(pw.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(pw, "_compile", True)
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     with pytest.warns(UserWarning, match=r"torch.compile failed \(CompilerFailed: no C\+\+ compiler\)"):
@@ -120,7 +120,7 @@ def test_an_error_that_is_not_the_compilers_propagates_and_keeps_compiling(monke
     monkeypatch.setattr(pw, "_compiled", {"swiglu": wrong_input})
     monkeypatch.setattr(pw, "_broken", None)
     monkeypatch.setattr(pw, "MIN_NUMEL", 16)
-    monkeypatch.delenv(pw.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(pw, "_compile", True)
     a = torch.randn(8, 8)
     with pytest.raises(RuntimeError, match="must match"):
         pw.swiglu(a, a)

@@ -64,6 +64,7 @@ def _cmd_eval(a) -> int:
     from relayrl.engine import LLMEngine, SamplingParams
     from relayrl.rewards import RewardConfig, build_scorer
     from relayrl.rollout.evaluate import evaluate
+    from relayrl.single_controller.process_setup import configure_process
 
     SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)  # bad flags: one line, at once
     try:
@@ -73,6 +74,7 @@ def _cmd_eval(a) -> int:
     data = DataConfig.from_dict({"task": a.task, "task_params": task_params, "n_eval": a.n, "seed": a.seed,
                                  "use_chat_template": a.env is not None, **({"path": a.path} if a.path else {})})
     _, eval_set = build_datasets(data)
+    configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     if a.env is not None:  # episodes in the environment, with its tools
         from relayrl.envs.base import make_env
         from relayrl.envs.config import EnvConfig
@@ -99,12 +101,14 @@ def _cmd_eval(a) -> int:
 def _cmd_generate(a) -> int:
     from relayrl.engine import LLMEngine, SamplingParams
     from relayrl.errors import PromptError
+    from relayrl.single_controller.process_setup import configure_process
 
     # checked before the model loads: a bad flag is one line, at once
     params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
     for i, p in enumerate(a.prompts):
         if not p:  # the BOS token added below would otherwise make it a prompt
             raise PromptError(f"prompt {i} is empty: give some text to continue")
+    configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     engine = LLMEngine.from_pretrained(a.model)
     bos = [engine.tokenizer.bos_token_id] if engine.tokenizer.bos_token_id is not None else []
     prompts = [bos + engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in a.prompts]

@@ -35,6 +35,7 @@ from relayrl.rewards import RewardConfig, build_scorer
 from relayrl.rollout.agent_loop import AgentLoop
 from relayrl.rollout.evaluate import evaluate, evaluate_episodes
 from relayrl.rollout.prompts import encode_answer, encode_prompt
+from relayrl.single_controller.process_setup import configure_process
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.sft import SFTTrainer
@@ -90,6 +91,7 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
         raise UserError(f"{run_dir} already holds a run; set sft.out_dir to a new directory")
     device = resolve_device(cfg.sft.device, "sft.device")  # cuda without a GPU: one line, before anything is written
     host_memory.apply()  # freed memory kept for the next step (relayrl.parallel.host_memory)
+    configure_process()  # the models' CPU kernels, decided once in this process (relayrl.parallel.cpu_kernels)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)

@@ -63,6 +63,7 @@ from relayrl.roles.weight_sync import FullWeightSync, PlannedWeightSync, lora_op
 from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.rollout.evaluate import evaluate, evaluate_episodes
 from relayrl.rollout.source import LockstepSource, RolloutSource, StreamingSource
+from relayrl.single_controller.process_setup import configure_process
 from relayrl.sync.experts import sync_shape
 from relayrl.sync.layout import TrainerLayout
 from relayrl.sync.protocol import WeightSync
@@ -299,6 +300,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     run_dir = Path(cfg.run.out_dir)
     check_start(cfg, run_dir, resume)  # one line, before anything is written
     host_memory.apply()  # freed memory kept for the next step; a bad RELAYRL_HOST_MEMORY is one line here
+    configure_process()  # the models' CPU kernels, decided once in this process (relayrl.parallel.cpu_kernels)
     ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -11,24 +11,11 @@ relative: tests/test_linear.py).
     dx = dy W               the same kernel, W^T as its weight (a strided view, no copy)
     dW = dy^T x             the same kernel over the transposed views;   db = sum over rows of dy
 
-Which kernel wins depends on the CPU, and MKL's own dispatch says where: it runs its AVX-512 code on Intel CPUs
-only. Measured (benchmarks/bench_linear.py, each machine in RESULTS.md): on an Intel Xeon with AVX-512 MKL is at
-full rate and oneDNN 0.6-1.0x of it; on AMD Zen 5 oneDNN is about twice MKL's rate for all three products; on AMD
-Zen 4 (AVX-512 run at half width) oneDNN's forward is 1.1-1.4x MKL's, and interleaved in one process the 27M
-model's update ran 1.03-1.09x and the 25m model's rollout 1.08x faster.
-So the choice is a rule where the CPU is known, the same in every process of a machine (a data-parallel group's
-ranks all run the same kernels, and a rerun rounds as the run before it):
-
-    Intel (vendor GenuineIntel)              all three products on torch's kernel (MKL)
-    AMD (AuthenticAMD) with AVX-512          all three on oneDNN
-    any other CPU                            measured, once per process (measure_kernels: a 1024 x 1024 x 512
-                                             case, best of a few calls of each kernel, about 0.2 s); a product
-                                             runs on oneDNN only where it wins by WIN (25%)
-
-The measurement is the fallback, not the default, because it flips: on the Zen 4 machine three processes in a row
-measured the forward at 1.35x, 1.22x and 1.47x against the 1.25 margin, so each chose differently and rounded
-differently. RELAYRL_CPU_LINEAR=measure always measures; torch | onednn fixes the choice (auto: the rule, the
-default); `kernel_choice()` says what was chosen and `choice_basis()` why.
+Which products run on oneDNN is not this module's choice: it depends on the CPU, and it is made once per process
+by relayrl.parallel.cpu_kernels (the CPU's rule, a measurement, or RELAYRL_CPU_LINEAR) and handed here as an
+argument, `use_kernels(choice)`, by relayrl.single_controller.process_setup.configure_process, which every relayrl
+process that runs models calls when it starts. Until a choice is handed, every product runs on torch's kernel:
+this module reads neither the environment nor the CPU. `kernels()` says what it was handed.
 
 Row buckets: oneDNN JIT-compiles a kernel for every new shape (about 5 ms on this machine) and caches it, and the
 trainer's packed rows and the engine's batches change their row count every call. So the rows are padded with
@@ -50,8 +37,7 @@ It imports torch only; it must never import another relayrl layer.
 
 from __future__ import annotations
 
-import os
-import time
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -60,15 +46,10 @@ from torch.distributed.tensor import DTensor
 
 MIN_MACS = 1 << 21  # rows x out x in at which oneDNN starts to beat MKL on the CPU (bench_linear.py)
 MIN_FEATURES = 256  # in and out features below which a linear stays on torch's kernel (narrow models)
-WIN = 1.25  # oneDNN runs a product only when it is this much faster than torch's kernel on this machine
-KERNEL_ENV = "RELAYRL_CPU_LINEAR"
 PRODUCTS = ("fwd", "dx", "dw")  # y = x W^T, dx = dy W, dW = dy^T x
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_choice: dict[str, bool] | None = None  # product -> runs on oneDNN; by the rule, measured or named, once
-_basis = ""  # why _choice is what it is (choice_basis)
-_ratios: dict[str, float] = {}  # product -> torch seconds / oneDNN seconds, when measured
-MODES = ("auto", "measure", "torch", "onednn")
+_choice: dict[str, bool] = dict.fromkeys(PRODUCTS, False)  # product -> runs on oneDNN: handed by use_kernels
 
 
 def bucket(rows: int) -> int:
@@ -85,7 +66,7 @@ def packed_rows(rows: int, width: int, dtype: torch.dtype, device: torch.device 
     CPU, autocast off, wide enough, some product chosen for oneDNN), else rows. Padding inside `linear` copies
     every product's operands and its output; padding the tokens once costs the same FLOPs and no copies."""
     if not (_ONEDNN and torch.device(device).type == "cpu" and dtype == torch.float32 and width >= MIN_FEATURES
-            and not torch.is_autocast_enabled("cpu") and any(kernel_choice().values())):
+            and not torch.is_autocast_enabled("cpu") and any(_choice.values())):
         return rows
     return bucket(rows)
 
@@ -104,81 +85,19 @@ def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
-def _torch_products(x, w, dy):
-    return {"fwd": lambda: F.linear(x, w), "dx": lambda: dy.mm(w), "dw": lambda: dy.t().mm(x)}
+def use_kernels(choice: Mapping[str, bool]) -> None:
+    """Run each product ("fwd", "dx", "dw") on oneDNN where `choice` says True (for linears where oneDNN applies
+    at all), on torch's kernel elsewhere, in this process from now on. The choice is made outside the models
+    (relayrl.parallel.cpu_kernels) and handed here by relayrl.single_controller.process_setup.configure_process."""
+    global _choice
+    if set(choice) != set(PRODUCTS):
+        raise ValueError(f"a kernel choice names each of {', '.join(PRODUCTS)}: got {sorted(choice)}")
+    _choice = {p: bool(choice[p]) for p in PRODUCTS}
 
 
-def _onednn_products(x, w, dy):
-    return {"fwd": lambda: _onednn(x, w), "dx": lambda: _onednn(dy, w.t()), "dw": lambda: _onednn(dy.t(), x.t())}
-
-
-def measure_kernels(m: int = 1024, n: int = 1024, k: int = 512, calls: int = 3) -> dict[str, float]:
-    """torch seconds / oneDNN seconds for each product on an m x n x k case, the best of `calls` interleaved calls
-    of each after one warm-up (in this process's threads)."""
-    g = torch.Generator().manual_seed(0)
-    x, w, dy = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(m, n, generator=g)
-    base, ours = _torch_products(x, w, dy), _onednn_products(x, w, dy)
-    best = {p: [float("inf"), float("inf")] for p in PRODUCTS}
-    for rep in range(calls + 1):
-        for p in PRODUCTS:
-            for i, fn in enumerate((base[p], ours[p])):
-                t = time.perf_counter()
-                fn()
-                if rep:  # the first call of each compiles / warms up
-                    best[p][i] = min(best[p][i], time.perf_counter() - t)
-    return {p: best[p][0] / best[p][1] for p in PRODUCTS}
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor string (GenuineIntel, AuthenticAMD, ...) from /proc/cpuinfo; "" where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def rule(vendor: str, capability: str) -> dict[str, bool] | None:
-    """The kernel choice for a known CPU (see the module docstring), or None: measure. capability is torch's
-    (torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", ...)."""
-    if vendor == "GenuineIntel":
-        return dict.fromkeys(PRODUCTS, False)
-    if vendor == "AuthenticAMD" and capability.startswith("AVX512"):
-        return dict.fromkeys(PRODUCTS, True)
-    return None
-
-
-def kernel_choice() -> dict[str, bool]:
-    """Which of the three products run on oneDNN in this process (for linears where it applies at all): by the
-    CPU's rule, else measured (measure_kernels, WIN), or fixed by RELAYRL_CPU_LINEAR; decided on first use."""
-    global _choice, _basis
-    if _choice is None:
-        mode = os.environ.get(KERNEL_ENV, "auto").strip().lower()
-        if mode not in MODES:
-            raise ValueError(f"{KERNEL_ENV}={mode!r}: expected {', '.join(MODES[:-1])} or {MODES[-1]}")
-        vendor, capability = cpu_vendor(), torch.backends.cpu.get_cpu_capability()
-        known = rule(vendor, capability) if mode == "auto" else None
-        if not _ONEDNN or mode == "torch":
-            _choice, _basis = dict.fromkeys(PRODUCTS, False), f"{KERNEL_ENV}={mode}" if _ONEDNN else "no oneDNN"
-        elif mode == "onednn":
-            _choice, _basis = dict.fromkeys(PRODUCTS, True), f"{KERNEL_ENV}=onednn"
-        elif known is not None:
-            _choice, _basis = known, f"the rule for {vendor} with {capability}"
-        else:
-            with torch.no_grad():
-                _ratios.update(measure_kernels())
-            _choice = {p: _ratios[p] >= WIN for p in PRODUCTS}
-            _basis = "measured: torch s / oneDNN s " + ", ".join(f"{p} {_ratios[p]:.2f}" for p in PRODUCTS)
-    return _choice
-
-
-def choice_basis() -> str:
-    """Why kernel_choice() is what it is: the rule and the CPU it matched, the measured ratios, or the variable."""
-    kernel_choice()
-    return _basis
+def kernels() -> dict[str, bool]:
+    """The kernel choice this process's linears run: product -> on oneDNN (all False until use_kernels)."""
+    return dict(_choice)
 
 
 def _rows(y: torch.Tensor, rows: int) -> torch.Tensor:
@@ -188,18 +107,18 @@ def _rows(y: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """x W^T + b with each product on the kernel kernel_choice() names (at least one of them oneDNN)."""
+    """x W^T + b with each product on the kernel the handed choice names (at least one of them oneDNN)."""
 
     @staticmethod
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x2, weight)
         ctx.has_bias = bias is not None
-        return _mm(x2, weight, bias) if kernel_choice()["fwd"] else F.linear(x2, weight, bias)
+        return _mm(x2, weight, bias) if _choice["fwd"] else F.linear(x2, weight, bias)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight = ctx.saved_tensors
-        use = kernel_choice()
+        use = _choice
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = _mm(dy, weight.t()) if use["dx"] else dy.mm(weight)
@@ -215,8 +134,8 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear(x, weight) may run on oneDNN at all (see the module docstring); kernel_choice() then says
-    which products do."""
+    """Whether linear(x, weight) may run on oneDNN at all (see the module docstring); the handed choice (kernels())
+    then says which products do."""
     return (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and not isinstance(x, DTensor) and not isinstance(weight, DTensor)
             and not torch.is_autocast_enabled("cpu")
@@ -225,14 +144,14 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor, product: str = "fwd") -> bool:
     """Whether `product` ("fwd", "dx" or "dw") of linear(x, weight) runs on oneDNN."""
-    return applies(x, weight) and kernel_choice()[product]
+    return applies(x, weight) and _choice[product]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), with the products kernel_choice() names on oneDNN where applies() says so."""
+    """F.linear(x, weight, bias), with the products the handed choice names on oneDNN where applies() says so."""
     if not applies(x, weight):
         return F.linear(x, weight, bias)
-    use = kernel_choice()
+    use = _choice
     x2 = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):

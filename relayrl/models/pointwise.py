@@ -13,7 +13,11 @@ the 27M model's micro-batch shapes, forward + backward (benchmarks/RESULTS.md): 
 
 Where it applies (else the eager formula, the same code): plain fp32 CPU tensors (not DTensors: tensor / sequence
 parallelism keeps torch's sharded ops), autocast off, at least MIN_NUMEL elements (the tests' tiny models stay
-eager), not already inside a compiled region, and RELAYRL_COMPILE not "off". The fused kernels compute the same
+eager), not already inside a compiled region, and compiling on. Whether it is on is not this module's choice: it
+is made once per process by relayrl.parallel.cpu_kernels (RELAYRL_COMPILE=auto|off) and handed here as an argument,
+`use_compile(on)`, by relayrl.single_controller.process_setup.configure_process, which every relayrl process that
+runs models calls when it starts; until then it is on (auto, the variable's default): this module reads no
+environment. The fused kernels compute the same
 formula in another order: results equal the eager ones to fp32 rounding (tests/test_pointwise.py). Each piece is
 compiled once per process with dynamic shapes (a few seconds the first time; inductor caches the code on disk for
 later processes), once for passes with gradients and once without. If compiling fails (torch.compile's own
@@ -26,7 +30,6 @@ It imports torch only; it must never import another relayrl layer.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 
@@ -36,8 +39,8 @@ from torch._dynamo.exc import TorchDynamoException
 from torch.distributed.tensor import DTensor
 
 MIN_NUMEL = 1 << 19  # elements below which a piece stays eager (compiled kernels gain little, and cost a compile)
-COMPILE_ENV = "RELAYRL_COMPILE"  # auto (default): fuse where it applies; off: always eager
 
+_compile = True  # fuse where it applies (handed by use_compile; on until then, as RELAYRL_COMPILE's default)
 _compiled: dict[str, Callable] = {}
 _broken: str | None = None  # why compiling failed in this process, once it has
 
@@ -62,11 +65,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotate_half(x) * sin
 
 
+def use_compile(on: bool) -> None:
+    """Fuse the pieces where they apply (on) or keep them eager (off), in this process from now on. The choice is
+    made outside the models (relayrl.parallel.cpu_kernels) and handed here by
+    relayrl.single_controller.process_setup.configure_process."""
+    global _compile
+    _compile = bool(on)
+
+
 def enabled() -> bool:
-    mode = os.environ.get(COMPILE_ENV, "auto").strip().lower()
-    if mode not in ("auto", "off"):
-        raise ValueError(f"{COMPILE_ENV}={mode!r}: expected auto or off")
-    return mode == "auto" and _broken is None
+    """Whether the pieces are fused where they apply: compiling is on and has not failed in this process."""
+    return _compile and _broken is None
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -92,7 +101,7 @@ def _run(name: str, fn: Callable, *args):
     except TorchDynamoException as e:  # the compiler's failure (inductor's errors derive from it), not the caller's
         _broken = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         warnings.warn(f"relayrl.models.pointwise: torch.compile failed ({_broken}); the decoder's pointwise "
-                      f"pieces stay eager in this process (set {COMPILE_ENV}=off to skip the attempt)", stacklevel=2)
+                      f"pieces stay eager in this process (set RELAYRL_COMPILE=off to skip the attempt)", stacklevel=2)
         return fn(*args)
 
 

@@ -13,6 +13,8 @@
     collectives     differentiable f / g / gather / scatter / sequence-parallel collectives
     launch          process-group setup and teardown; run a function on N local processes
     host_memory     the process's allocator policy: freed memory kept for the next step, not re-faulted
+    cpu_kernels     the process's CPU kernels, chosen once (oneDNN or MKL per linear product, pointwise compiled
+                    or eager); the models take the choice (relayrl.single_controller.process_setup hands it over)
 
 Import the submodules directly; this package imports nothing so that `relayrl.parallel.launch`
 stays cheap for code that only starts processes. Its modules import torch, the standard library and

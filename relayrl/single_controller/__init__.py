@@ -8,8 +8,10 @@
     spawn_roles     the groups of a placement (colocated roles share processes)
     DataBatch       rows of tensors plus per-row Python objects, split and concatenated by dispatch
     backends        where the processes run: local (spawned here) or Ray
+    process_setup   configure_process: what a process that runs models sets up at its start (their CPU kernels)
 
 This package is generic and knows nothing of RL: it imports relayrl.parallel (process launch and
-teardown, rendezvous), relayrl.config and relayrl.errors only, never controller, trainer, engine,
-rewards, sync or any other RL layer. Import the submodules directly.
+teardown, rendezvous, the CPU kernel choice), relayrl.observe (traces), relayrl.models (process_setup
+hands them their CPU kernels), relayrl.config and relayrl.errors only, never controller, trainer,
+engine, rewards, sync or any other RL layer. Import the submodules directly.
 """

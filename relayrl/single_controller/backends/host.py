@@ -15,9 +15,9 @@ Why close drops the worker before the barrier: objects that reference the proces
 modules, DTensors, meshes) must be gone before destroy_process_group(), or gloo aborts at exit
 about half the time (relayrl.parallel.launch explains the order).
 
-It imports torch, relayrl.parallel and the rest of single_controller only; like all of
-single_controller, it knows nothing of RL and must never import the RL layers (controller, trainer,
-engine, rewards, sync, ...).
+It imports torch, relayrl.parallel, relayrl.observe and the rest of single_controller only (the models through
+process_setup, which hands them their CPU kernels); like all of single_controller, it knows nothing of RL and must
+never import the RL layers (controller, trainer, engine, rewards, sync, ...).
 """
 
 from __future__ import annotations
@@ -74,8 +74,12 @@ class WorkerHost:
             self.tracer = open_tracer(info.trace_dir, info.name, info.rank)
             import torch
 
+            # imports the models: in the worker's process, not wherever single_controller is imported
+            from relayrl.single_controller.process_setup import configure_process
+
             torch.set_num_threads(threads)
             host_memory.apply()  # freed memory kept for the next step (relayrl.parallel.host_memory)
+            configure_process()  # the models' CPU kernels, decided once in this process (process_setup)
             if info.device.startswith("cuda"):
                 torch.cuda.set_device(info.device)
             self.info = info
