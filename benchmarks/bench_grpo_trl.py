@@ -68,6 +68,7 @@ from relayrl.parallel import host_memory
 from relayrl.rewards import RewardConfig, build_scorer
 from relayrl.rollout.evaluate import evaluate
 from relayrl.rollout.prompts import encode_prompt
+from relayrl.single_controller.process_setup import configure_process
 
 STAGES = ("sync", "rollout", "reward", "old_logp", "update")
 SORT_DATA = {"task": "sort", "task_params": {"min_len": 32, "max_len": 63}, "n_train": 3000, "n_eval": 100, "seed": 0}
@@ -191,6 +192,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 renames used inside TRL
     torch.set_num_threads(args.threads)
     print(f"host memory: {host_memory.apply()} (both systems, this process; RELAYRL_HOST_MEMORY=release for glibc's)")
+    configure_process()  # relayrl's models' CPU kernels, as every relayrl process that runs models sets them up
     t_start = time.perf_counter()
 
     import transformers
