@@ -63,14 +63,6 @@ class Collective:
     explanation: str
 
 
-def _crosses(layout: Layout, dims: tuple[str, ...], net: Network) -> bool:
-    stride = layout.stride(dims[0])
-    size = 1
-    for d in dims:
-        size *= getattr(layout, d)
-    return stride * size > net.gpus_per_node
-
-
 def _coll(name, layout, dims, nbytes, net, overlapped, why) -> Collective:
     size = 1
     for d in dims:

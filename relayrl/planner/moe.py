@@ -40,10 +40,6 @@ DENSE_LAYERS_REFUSED = ("relayrl plan models MoE checkpoints whose every layer i
                         "between them (decoder_sparse_step / mlp_only_layers / first_k_dense_replace)")
 
 
-def is_moe(shape: ModelShape) -> bool:
-    return isinstance(shape, MoEShape)
-
-
 def plan_shape(shape: ModelShape) -> ModelShape:
     """What the planner's cached tables take: an MoEShape (of an MoEConfig too), anything else as its ModelShape.
     Dense layers between MoE ones are refused, as in moe_shape_from_hf."""

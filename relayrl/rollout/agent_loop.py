@@ -65,6 +65,7 @@ class StreamingEpisodeRunner(EpisodeRunner, Protocol):
     """An EpisodeRunner driven one engine step at a time (asynchronous training): an AgentLoop."""
 
     busy: bool  # a submission not returned yet
+    check_failures: bool  # advance() raises when a whole submission failed (a stream judges per step instead)
 
     def submit(self, examples: list[Example], params: list[SamplingParams], tag: Hashable) -> None:
         """Queue params[i].n episodes of examples[i], to be returned together under `tag`."""

@@ -36,7 +36,7 @@ from relayrl.errors import DataError, EnvError
 from relayrl.observe import StageTimer
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
-from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
+from relayrl.rollout.agent_loop import EpisodeRunner, StreamingEpisodeRunner
 from relayrl.rollout.config import RolloutConfig
 from relayrl.rollout.prompts import encode_prompt
 from relayrl.rollout.sample import Rollout, rollout_from_outputs, rollout_from_trajectories
@@ -233,7 +233,7 @@ class StreamingSource:
     streaming = True
 
     def __init__(self, engine, *, sampler: PromptSampler, rollout: RolloutConfig, data: DataConfig, seed: int,
-                 total_steps: int, scorer: Scorer | None = None, agent: AgentLoop | None = None,
+                 total_steps: int, scorer: Scorer | None = None, agent: StreamingEpisodeRunner | None = None,
                  timer: StageTimer | None = None, on_generated: OnGenerated | None = None, env_name: str = ""):
         r = rollout
         self.engine, self.sampler, self.r, self.env_name = engine, sampler, r, env_name

@@ -44,7 +44,7 @@ from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.episode import Trajectory
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
-from relayrl.rollout.agent_loop import AgentLoop
+from relayrl.rollout.agent_loop import StreamingEpisodeRunner
 
 IDLE_POLL_S = 0.005  # how often the thread looks again while only environments have work
 
@@ -71,7 +71,8 @@ class RolloutStream:
 
     def __init__(self, engine, *, sampler: PromptSampler, prompts_per_step: int, total_batches: int,
                  staleness: int, max_inflight: int | None, make_params: Callable[[int, int, Example], SamplingParams],
-                 encode: Callable[[Example], Any], scorer: Scorer | None = None, agent: AgentLoop | None = None):
+                 encode: Callable[[Example], Any], scorer: Scorer | None = None,
+                 agent: StreamingEpisodeRunner | None = None):
         if (scorer is None) == (agent is None):
             raise ValueError("a rollout stream scores single-turn samples (scorer) or runs episodes (agent)")
         self.engine, self.sampler, self.scorer, self.agent = engine, sampler, scorer, agent

@@ -170,9 +170,6 @@ class ColocatedWorker(Worker):
         # "" too: a subclass may add @dispatch methods that use several roles at once (weight sync)
         return {"": cls} | {name: RoleSpec.of(spec).cls for name, spec in roles.items()}
 
-    def role_objects(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.role_names}
-
     def teardown(self) -> None:
         for name in reversed(self.role_names):
             obj = getattr(self, name)

@@ -113,10 +113,6 @@ class SyncPlan:
         """What engine `rank` receives (all of it: the plan covers each of its parameters exactly)."""
         return self._by_dst[rank]
 
-    def for_src(self, rank: int) -> tuple[Transfer, ...]:
-        """What trainer `rank` sends, in plan order."""
-        return tuple(t for t in self.transfers if t.src_rank == rank)
-
     @cached_property
     def _pairs(self) -> dict[tuple[int, int], tuple[Transfer, ...]]:
         out = defaultdict(list)
