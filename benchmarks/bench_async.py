@@ -91,7 +91,7 @@ def config(out: Path, model: Path, data: Path, L: int, sleep_s: float, steps: in
         "rollout": {"prompts_per_step": P, "group_size": G, "max_tokens": 8 * L, **rollout},
         "trainer": {"lr": lr, "micro_batch_size": 16, "mini_batches": 2},
         "eval": {"max_tokens": 2 * L, "every": eval_every, "temperature": 1.0},
-        "run": {"steps": steps, "seed": seed, "out_dir": str(out), "save_every": 0, "tensorboard": False},
+        "run": {"steps": steps, "seed": seed, "out_dir": str(out), "save_every": 0, "loggers": []},
         "parallel": {"backend": "local", "placement": "disaggregated"},
     })
 

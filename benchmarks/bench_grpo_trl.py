@@ -124,7 +124,7 @@ def relayrl_driver(model_dir: Path, args, run_dir: Path):
         "algo": {**GRPO["algo"], "tis_cap": None, "kl_coef": 0.0, "old_logp": args.old_logp},
         "trainer": {**GRPO["trainer"], "lr": args.lr, "warmup_steps": 0, "schedule": "constant",
                     "micro_batch_size": args.prompts_per_step * args.group_size, "mini_batches": args.mini_batches},
-        "run": {"steps": args.steps, "seed": args.seed, "out_dir": str(run_dir), "tensorboard": False},
+        "run": {"steps": args.steps, "seed": args.seed, "out_dir": str(run_dir), "loggers": []},
     })
     driver, _, _, _ = build_driver(cfg, run_dir)
     return driver

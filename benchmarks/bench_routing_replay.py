@@ -48,7 +48,7 @@ def run(src: Path, out_dir: Path, replay: bool, steps: int) -> list[dict]:
         "rollout": {"prompts_per_step": 8, "group_size": 4, "max_tokens": 8, "engine_dtype": "bfloat16"},
         "trainer": {"lr": 1e-3, "micro_batch_size": 16},  # fp32 trainer; one optimiser step: the update's forward
         "eval": {"max_tokens": 4},
-        "run": {"steps": steps, "out_dir": str(out_dir), "save_every": 0, "tensorboard": False, "trace": False},
+        "run": {"steps": steps, "out_dir": str(out_dir), "save_every": 0, "loggers": [], "trace": False},
     })
     train(cfg, show_progress=False)
     return [m for m in read_metrics(out_dir) if "reward/mean" in m]

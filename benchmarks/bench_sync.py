@@ -216,7 +216,7 @@ def step_share(steps: int) -> list[str]:
         "rollout": {"prompts_per_step": 8, "group_size": 4, "max_tokens": 12},
         "trainer": {"lr": 1e-4, "micro_batch_size": 16},
         "eval": {"max_tokens": 4},
-        "run": {"steps": steps, "save_every": 0, "tensorboard": False},
+        "run": {"steps": steps, "save_every": 0, "loggers": []},
     }
     layouts = {
         "one process, colocated (engine TP 1)": {},

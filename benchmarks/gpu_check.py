@@ -280,7 +280,7 @@ def grpo_config(model: dict, device: str, *, rollout: dict, trainer: dict, data:
         "model": model, "data": data, "algo": algo or {},
         "rollout": {**rollout, "engine_dtype": "bfloat16", "backend": backend},
         "trainer": trainer, "parallel": {"device": device.split(":")[0]}, "sync": sync or {},
-        "run": {"steps": 1000, "tensorboard": False, "out_dir": tempfile.mkdtemp()},
+        "run": {"steps": 1000, "loggers": [], "out_dir": tempfile.mkdtemp()},
     })
 
 

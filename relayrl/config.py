@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from relayrl.errors import ConfigError
 
@@ -65,6 +65,18 @@ class Config(BaseModel):
     """Base for every config section: unknown keys and wrong types are errors."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False)
+    # settings renamed or replaced: the old key -> what to write instead. Refused in one line for a release, so a
+    # config written for the old name fails naming the new one instead of as an unknown key
+    RENAMED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, instead in cls.RENAMED.items():
+                if old in data:
+                    raise ValueError(f"'{old}' was replaced: {instead}")
+        return data
 
     @classmethod
     def from_dict(cls: type[C], data: dict[str, Any]) -> C:

@@ -31,7 +31,7 @@ SMALL = {
     "rollout": {"prompts_per_step": 4, "group_size": 4, "max_tokens": 6},
     "trainer": {"lr": 1e-3, "micro_batch_size": 8, "mini_batches": 2},
     "eval": {"max_tokens": 4},
-    "run": {"steps": 4, "save_every": 2, "tensorboard": False},
+    "run": {"steps": 4, "save_every": 2, "loggers": []},
 }
 
 

@@ -8,7 +8,7 @@ from relayrl.cli.main import main
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=1",
         "data.n_train=32", "data.n_eval=8", "rollout.prompts_per_step=2", "rollout.group_size=2",
-        "rollout.max_tokens=4", "eval.max_tokens=4", "run.tensorboard=false"]
+        "rollout.max_tokens=4", "eval.max_tokens=4", "run.loggers=[]"]
 
 
 def run_cli(capsys, *argv):

@@ -355,7 +355,7 @@ def test_each_layout_trains_and_logs_the_functions_rewards(rw, tiny_model, tmp_p
             {"name": f"{rdir}/fmt_rewards.py:compute_score", "weight": 0.5}]},
     }))
     argv = ["train", str(tmp_path / "run.yaml"), "data.task=file", f"data.path={path}", "data.n_eval=2",
-            f"model.path={tiny_model}", "run.steps=1", "run.save_every=0", "run.tensorboard=false",
+            f"model.path={tiny_model}", "run.steps=1", "run.save_every=0", "run.loggers=[]",
             f"run.out_dir={tmp_path / 'run'}", *extra]
     assert main(argv) == 0, capsys.readouterr().err
     (step,) = [m for m in read_metrics(tmp_path / "run") if "reward/mean" in m]

@@ -39,7 +39,7 @@ def test_resume_on_another_layout_from_the_command_line(tmp_path, capsys):
     out = tmp_path / "run"
     common = [f"run.out_dir={out}", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
               "model.tiny.num_hidden_layers=2", "data.n_train=32", "data.n_eval=8", "rollout.prompts_per_step=4",
-              "rollout.group_size=4", "rollout.max_tokens=4", "eval.max_tokens=4", "run.tensorboard=false",
+              "rollout.group_size=4", "rollout.max_tokens=4", "eval.max_tokens=4", "run.loggers=[]",
               "run.save_every=1"]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("{}")

@@ -1,7 +1,7 @@
 """The metrics sinks beside metrics.jsonl: W&B offline and MLflow's file store get the same values, read
 back with each tool's own format (W&B's .wandb record log, MLflow's client); a resumed run continues
-the same runs without logging a step twice; a missing package is one line; run.tensorboard and
-run.loggers combine."""
+the same runs without logging a step twice; a missing package is one line; run.loggers lists
+each sink once, and the old run.tensorboard switch is refused naming run.loggers."""
 
 from __future__ import annotations
 
@@ -148,14 +148,17 @@ def test_a_missing_package_is_one_line_naming_the_install(monkeypatch):
     assert "\n" not in str(e.value) and "mlflow" in str(e.value)
 
 
-def test_run_tensorboard_false_drops_tensorboard_from_the_loggers():
+def test_run_loggers_name_each_sink_once_and_the_old_switch_is_refused_naming_them():
+    from relayrl.errors import ConfigError
+
     run = RunConfig.from_dict({}).run
     assert run.sinks == ["tensorboard"]
-    assert RunConfig.from_dict({"run": {"tensorboard": False}}).run.sinks == []
+    assert RunConfig.from_dict({"run": {"loggers": []}}).run.sinks == []
     both = RunConfig.from_dict({"run": {"loggers": ["wandb", "tensorboard", "wandb", "mlflow"]}}).run
     assert both.sinks == ["wandb", "tensorboard", "mlflow"]
-    assert RunConfig.from_dict({"run": {"loggers": ["wandb", "tensorboard"], "tensorboard": False}}).run.sinks \
-        == ["wandb"]
+    with pytest.raises(ConfigError, match=r"^config error: run: .*'tensorboard' was replaced: .*run\.loggers") as e:
+        RunConfig.from_dict({"run": {"tensorboard": False}})
+    assert "\n" not in str(e.value)
     with pytest.raises(Exception, match="run.loggers"):
         RunConfig.from_dict({"run": {"loggers": ["neptune"]}})
 

@@ -44,12 +44,13 @@ class EvalConfig(Config):
 
 
 class RunSection(Config):
+    RENAMED = {"tensorboard": "list the loggers in run.loggers (loggers: [] for none beside metrics.jsonl)"}
+
     steps: int = Field(20, ge=1)
     seed: int = 0
     out_dir: str = "runs/grpo"
     save_every: int = Field(0, ge=0)  # 0: only at the end
     keep_last: int | None = Field(2, ge=1)
-    tensorboard: bool = True  # false drops tensorboard from run.loggers (the older switch, kept)
     # where metrics go besides metrics.jsonl (relayrl.observe.loggers): tensorboard, wandb (offline), mlflow
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
     wandb_project: str = "relayrl"
@@ -65,8 +66,8 @@ class RunSection(Config):
 
     @property
     def sinks(self) -> list[str]:
-        """The loggers that run: run.loggers, each once, without tensorboard when run.tensorboard is false."""
-        return [n for n in dict.fromkeys(self.loggers) if n != "tensorboard" or self.tensorboard]
+        """The loggers that run: run.loggers, each once."""
+        return list(dict.fromkeys(self.loggers))
 
 
 class RunConfig(Config):

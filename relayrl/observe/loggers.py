@@ -2,7 +2,7 @@
 MLflow (a local file store). MetricsLogger (relayrl.observe.metrics) fans each record out to them.
 
     run.loggers: [tensorboard, wandb, mlflow]
-      tensorboard   run_dir/tb/                     torch's SummaryWriter (also needs run.tensorboard: true)
+      tensorboard   run_dir/tb/                     torch's SummaryWriter
       wandb         run_dir/wandb/offline-run-*/    W&B in offline mode: no network, never a login prompt;
                                                     upload later with `wandb sync run_dir/wandb/offline-run-*`
       mlflow        run_dir/mlruns/ (file: store)   or run.mlflow_tracking_uri (sqlite:///..., a server); view with

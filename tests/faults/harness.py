@@ -37,7 +37,7 @@ TINY = {
     "trainer": {"micro_batch_size": 8, "lr": 1e-3},
     "eval": {"max_tokens": 2},
     "reward": {"workers": 1},
-    "run": {"steps": 1000, "save_every": 0, "tensorboard": False},
+    "run": {"steps": 1000, "save_every": 0, "loggers": []},
 }
 
 # a user reward function whose calls 9-13 of a run misbehave (1-8 are the first held-out evaluation's):
