@@ -111,22 +111,40 @@ def test_the_check_fails_on_an_upward_import(tmp_path):
     ]
 
 
+def _loaded_after(code: str) -> tuple[list[str], str]:
+    """The modules a fresh interpreter holds after `code` (relayrl's and the heavy third-party ones), and what
+    `code` printed before them."""
+    probe = ("; import json, sys; print(json.dumps(sorted(m for m in sys.modules if m.startswith('relayrl') "
+             "or m in ('torch', 'transformers', 'numpy'))))")
+    out = subprocess.run([sys.executable, "-c", code + probe], cwd=ROOT.parent, capture_output=True, text=True,
+                         check=True)
+    *before, last = out.stdout.strip().splitlines()
+    return json.loads(last), "\n".join(before)
+
+
 def test_loading_a_run_config_imports_config_modules_only():
-    """RunConfig composes each layer's config section: loading it must not import the engine, the
-    trainer, checkpoints, worker groups or the weight sync."""
-    code = ("import json, sys; from relayrl.controller.config import load_run_config; "
-            "load_run_config('configs/grpo_arith.yaml', ['trainer.lr=3e-3']); "
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('relayrl'))))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, check=True)
-    loaded = json.loads(out.stdout)
+    """RunConfig composes each layer's config section: loading it must not import torch, the engine, the
+    trainer, checkpoints, worker groups or the weight sync (a typo in a YAML file is reported at once)."""
+    loaded, _ = _loaded_after("from relayrl.controller.config import load_run_config; "
+                              "load_run_config('configs/grpo_arith.yaml', ['trainer.lr=3e-3'])")
     assert "relayrl.controller.config" in loaded
+    assert "torch" not in loaded and "transformers" not in loaded
     # config modules (`config`, or `<thing>_config` beside a module of that thing: models.lora_config), the
-    # package __init__s on their way, and the registries names are checked against
-    # (algorithm functions and built-in tasks: pure functions of torch / the standard library)
-    allowed_prefixes = ("relayrl.algorithms", "relayrl.data")
+    # package __init__s on their way, the registry names are checked against (it knows the built-in names
+    # without importing their modules), and the built-in tasks (pure functions of the standard library)
+    allowed_prefixes = ("relayrl.data",)
     allowed = {"relayrl", "relayrl.config", "relayrl.errors", "relayrl.lazy", "relayrl.controller",
-               "relayrl.envs", "relayrl.models", "relayrl.parallel", "relayrl.rewards", "relayrl.rollout",
-               "relayrl.sync", "relayrl.trainer"}
-    stray = [m for m in loaded
-             if m not in allowed and not m.endswith((".config", "_config")) and not m.startswith(allowed_prefixes)]
+               "relayrl.algorithms", "relayrl.algorithms.registry", "relayrl.envs", "relayrl.models",
+               "relayrl.parallel", "relayrl.rewards", "relayrl.rollout", "relayrl.sync", "relayrl.trainer"}
+    stray = [m for m in loaded if m not in ("torch", "transformers", "numpy")
+             and m not in allowed and not m.endswith((".config", "_config")) and not m.startswith(allowed_prefixes)]
     assert stray == []
+
+
+def test_a_broken_config_is_refused_before_torch_is_imported(tmp_path):
+    """`relayrl train broken.yaml`: one line and exit 2, before the jobs (torch, every layer) are imported."""
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("trainer: {lr: -1}\nrollout: {group_size: 8}\n")
+    loaded, printed = _loaded_after(f"from relayrl.cli.main import main; print(main(['train', {str(bad)!r}]))")
+    assert printed == "2"
+    assert "torch" not in loaded and "relayrl.jobs.train" not in loaded

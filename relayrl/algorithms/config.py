@@ -5,9 +5,9 @@ naming the key and listing the choices:
 
     config error: loss: Value error, unknown loss 'ppo2'; known: gspo, ppo (got 'ppo2')
 
-It imports pydantic, relayrl.config and the algorithm modules whose registries it checks names against;
-it must never import another relayrl layer: the algorithms are a leaf, which the trainer and the
-controller import.
+It imports pydantic, relayrl.config and the registry it checks names against (which knows the built-in names
+without importing their modules or torch); it must never import another relayrl layer: the algorithms are a
+leaf, which the trainer and the controller import.
 """
 
 from __future__ import annotations
@@ -16,13 +16,6 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-# Imported for their side effect: each module fills its registry as it loads, and the validators below look names up.
-from relayrl.algorithms import advantages as _advantages  # noqa: F401 - registers the advantage estimators
-from relayrl.algorithms import aggregation as _aggregation  # noqa: F401 - registers the loss aggregations
-from relayrl.algorithms import gae as _gae  # noqa: F401 - registers gae
-from relayrl.algorithms import kl as _kl  # noqa: F401 - registers the KL estimators
-from relayrl.algorithms import policy_loss as _policy_loss  # noqa: F401 - registers the policy losses
-from relayrl.algorithms import token_advantages as _token_advantages  # noqa: F401 - registers REINFORCE++
 from relayrl.algorithms.registry import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -38,8 +31,7 @@ NonNegFloat = Annotated[float, Field(ge=0)]
 
 
 def _check_name(registry: Registry, name: str) -> str:
-    registry.get(name)  # raises ValueError listing the known names
-    return name
+    return registry.check(name)  # raises ValueError listing the known names
 
 
 class AlgoConfig(Config):

@@ -9,7 +9,9 @@ registered under its name instead of a string branch inside the trainer:
     loss_fn = get_loss(cfg.loss)
 
 Looking up an unknown name raises ValueError listing the known names, so a typo in a config is
-reported with the alternatives.
+reported with the alternatives. The built-in names are declared here with the module that registers each
+(BUILTINS), so a config's names are checked without importing any of those modules (or torch): the module is
+imported the first time its function is looked up.
 
 It imports the standard library only; it must never import another relayrl layer: the algorithms are a
 leaf, which the trainer and the controller import.
@@ -17,45 +19,67 @@ leaf, which the trainer and the controller import.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 F = TypeVar("F", bound=Callable)
 
 
 class Registry:
-    """A named table of functions of one kind (advantage, loss, aggregation, kl)."""
+    """A named table of functions of one kind (advantage, loss, aggregation, kl). `builtins` declares the
+    built-in names and the module that registers each, imported on the first look-up of one of its names."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, builtins: Mapping[str, str] = {}) -> None:
         self.kind = kind
+        self.builtins = dict(builtins)
         self._fns: dict[str, Callable] = {}
 
     def register(self, name: str) -> Callable[[F], F]:
         def deco(fn: F) -> F:
             if name in self._fns:
                 raise ValueError(f"{self.kind} '{name}' is already registered")
+            if name in self.builtins and fn.__module__ != self.builtins[name]:
+                raise ValueError(f"{self.kind} '{name}' is a built-in name (from {self.builtins[name]})")
             self._fns[name] = fn
             return fn
 
         return deco
 
     def get(self, name: str) -> Callable:
+        if name not in self._fns and name in self.builtins:
+            importlib.import_module(self.builtins[name])  # registers it
         try:
             return self._fns[name]
         except KeyError:
             raise ValueError(f"unknown {self.kind} '{name}'; known: {', '.join(self.names())}") from None
 
+    def check(self, name: str) -> str:
+        """`name` when it is known (built in or registered), else the ValueError get() raises; imports nothing."""
+        if name not in self:
+            self.get(name)
+        return name
+
     def names(self) -> list[str]:
-        return sorted(self._fns)
+        return sorted(set(self._fns) | set(self.builtins))
 
     def __contains__(self, name: object) -> bool:
-        return name in self._fns
+        return name in self._fns or name in self.builtins
 
 
-ADVANTAGES = Registry("advantage")
-LOSSES = Registry("loss")
-AGGREGATIONS = Registry("aggregation")
-KL_ESTIMATORS = Registry("kl estimator")
+_A = "relayrl.algorithms."
+ADVANTAGES = Registry("advantage", {"grpo": _A + "advantages", "dr_grpo": _A + "advantages", "rloo": _A + "advantages",
+                                    "remax": _A + "advantages", "reinforce_pp": _A + "token_advantages",
+                                    "reinforce_pp_baseline": _A + "token_advantages", "gae": _A + "gae"})
+LOSSES = Registry("loss", {"ppo": _A + "policy_loss", "gspo": _A + "policy_loss"})
+AGGREGATIONS = Registry("aggregation", dict.fromkeys(("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+                                                      _A + "aggregation"))
+KL_ESTIMATORS = Registry("kl estimator", dict.fromkeys(("k1", "k2", "k3"), _A + "kl"))
+# how the driver calls each built-in estimator (register_advantage's flags), known without importing it; its
+# registration must say the same
+BUILTIN_ADVANTAGE_FLAGS = {"remax": {"needs_greedy_baseline": True}, "reinforce_pp": {"token_level": True},
+                           "reinforce_pp_baseline": {"token_level": True},
+                           "gae": {"token_level": True, "needs_critic": True}}
 
 
 def register_advantage(name: str, *, token_level: bool = False, needs_greedy_baseline: bool = False,
@@ -71,6 +95,9 @@ def register_advantage(name: str, *, token_level: bool = False, needs_greedy_bas
     needs_critic=True (gae): token-level, from the critic's values; the run trains a critic beside the actor.
     """
     reg = ADVANTAGES.register(name)
+    flags = {"token_level": token_level, "needs_greedy_baseline": needs_greedy_baseline, "needs_critic": needs_critic}
+    if name in ADVANTAGES.builtins and {k: v for k, v in flags.items() if v} != BUILTIN_ADVANTAGE_FLAGS.get(name, {}):
+        raise ValueError(f"advantage '{name}' registers {flags}, but BUILTIN_ADVANTAGE_FLAGS says otherwise")
 
     def deco(fn: F) -> F:
         fn.token_level = token_level  # type: ignore[attr-defined]
@@ -85,19 +112,25 @@ def get_advantage(name: str) -> Callable:
     return ADVANTAGES.get(name)
 
 
+def _flag(name: str, flag: str) -> bool:
+    if name in ADVANTAGES.builtins:  # known without importing the estimator's module
+        return BUILTIN_ADVANTAGE_FLAGS.get(name, {}).get(flag, False)
+    return bool(getattr(ADVANTAGES.get(name), flag, False))
+
+
 def advantage_is_token_level(name: str) -> bool:
     """True when `name` takes token-level inputs (outcome, mask, KL) and returns [B, T] advantages."""
-    return bool(getattr(ADVANTAGES.get(name), "token_level", False))
+    return _flag(name, "token_level")
 
 
 def advantage_needs_greedy_baseline(name: str) -> bool:
     """True when `name` needs the rewards of one greedy (temperature 0) sample per prompt as `baseline=`."""
-    return bool(getattr(ADVANTAGES.get(name), "needs_greedy_baseline", False))
+    return _flag(name, "needs_greedy_baseline")
 
 
 def advantage_needs_critic(name: str) -> bool:
     """True when `name` needs a critic's values (gae): the run then trains one."""
-    return bool(getattr(ADVANTAGES.get(name), "needs_critic", False))
+    return _flag(name, "needs_critic")
 
 
 def register_loss(name: str):

@@ -24,9 +24,7 @@ def _split_config(a) -> None:
 
 
 def _cmd_train(a) -> int:
-    from relayrl.config import apply_overrides, load_yaml
-    from relayrl.controller.config import RunConfig
-    from relayrl.jobs.train import train
+    from relayrl.controller.config import load_run_config
 
     _split_config(a)
     if a.resume:
@@ -35,12 +33,14 @@ def _cmd_train(a) -> int:
             raise UserError(f"{run_dir} is not a run directory (no config.yaml); pass the run's out_dir to --resume")
         if a.config:
             raise UserError("with --resume the run's own config.yaml is used; give only key=value overrides")
-        data = apply_overrides(load_yaml(run_dir / "config.yaml"), a.overrides + [f"run.out_dir={run_dir}"])
+        cfg = load_run_config(run_dir / "config.yaml", a.overrides + [f"run.out_dir={run_dir}"])
     else:
         if not a.config:
             raise UserError("relayrl train needs a CONFIG.yaml (or --resume RUN_DIR)")
-        data = apply_overrides(load_yaml(a.config), a.overrides)
-    res = train(RunConfig.from_dict(data), resume=bool(a.resume))
+        cfg = load_run_config(a.config, a.overrides)
+    from relayrl.jobs.train import train  # torch and every layer: only once the config is known to be good
+
+    res = train(cfg, resume=bool(a.resume))
     last = res["eval_last"] or {}
     accuracy = last.get("eval/accuracy", float("nan"))
     print(f"run: {res['run_dir']}  steps: {res['steps']}  held-out accuracy: {accuracy:.3f}")
