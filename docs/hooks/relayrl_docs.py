@@ -15,19 +15,15 @@ from CLI_MEANINGS.
 """
 
 from __future__ import annotations
-import __future__
 
 import argparse
 import ast
 import enum
-import importlib
-import importlib.util
 import inspect
 import io
 import json
 import os
 import re
-import sys
 import textwrap
 import tokenize
 import types
@@ -198,10 +194,6 @@ CLI_MEANINGS = {
     ("demo", "out"): "The demo's output directory.",
 }
 
-# Where the SFT job's config lives (the first that imports).
-SFT_CONFIG = [("relayrl.jobs.sft", "SFTJobConfig"), ("relayrl.controller.sft_job", "SFTJobConfig")]
-
-
 # ---------------------------------------------------------------------------------------------------- mkdocs hooks
 
 def on_config(config):
@@ -247,66 +239,17 @@ def _escape_tags(line: str) -> str:
 
 def config_reference() -> str:
     from relayrl.controller.config import RunConfig
+    from relayrl.jobs.sft_config import SFTJobConfig  # config modules only: no torch
 
     out = ["## `relayrl train`", "",
            "`relayrl train CONFIG.yaml key=value ...` reads a `RunConfig`: the sections below, each optional in "
            "the file (a missing section takes its defaults).", ""]
     out += _model_tables(RunConfig, prefix="", level=3)
-    sft = _sft_config()
     out += ["## `relayrl sft`", "",
             "`relayrl sft [CONFIG.yaml] key=value ...` reads its own config. Its sections share the classes of "
             "`relayrl train`'s, with the defaults listed here where they differ.", ""]
-    out += _sft_tables(sft, RunConfig)
+    out += _sft_tables(SFTJobConfig, RunConfig)
     return "\n".join(out)
-
-
-def _sft_config():
-    """The SFT job's config class. Importing the job module costs seconds of a build (torch, the engine,
-    transformers), so its config classes are compiled from the module's source in the namespace of the run
-    config's module, which imports every section they name; if that fails (a class names something else), the
-    module is imported after all."""
-    from relayrl.controller import config as run_config
-
-    for module, name in SFT_CONFIG:
-        try:
-            spec = importlib.util.find_spec(module)
-        except ModuleNotFoundError:
-            continue
-        if spec is None or not spec.origin:
-            continue
-        try:
-            found = _compile_configs(Path(spec.origin).read_text(), spec.origin, dict(vars(run_config)))
-        except (NameError, AttributeError, SyntaxError):
-            found = vars(importlib.import_module(module))
-        if name in found:
-            return found[name]
-    raise RuntimeError(f"docs hook: the SFT job's config is not at any of {SFT_CONFIG}; update SFT_CONFIG in "
-                       f"{Path(__file__).relative_to(ROOT)}")
-
-
-_SOURCES: dict[type, str] = {}  # classes compiled here: their source, which inspect cannot find
-
-
-def _compile_configs(source: str, filename: str, namespace: dict) -> dict:
-    """Run the module's top-level classes that derive from Config (or from one run before) in a module of the hook's
-    own that starts as `namespace`, with postponed annotations as in relayrl's sources; pydantic resolves them in
-    that module."""
-    module = types.ModuleType("_relayrl_docs_compiled")
-    module.__dict__.update(namespace, __name__=module.__name__)
-    sys.modules[module.__name__] = module
-    made: dict[str, type] = {}
-    for node in ast.parse(source).body:
-        bases = {b.id for b in node.bases if isinstance(b, ast.Name)} if isinstance(node, ast.ClassDef) else set()
-        if bases & ({"Config"} | set(made)):
-            code = compile(ast.Module([node], type_ignores=[]), filename, "exec",
-                           flags=__future__.annotations.compiler_flag, dont_inherit=True)
-            exec(code, module.__dict__)
-            made[node.name] = module.__dict__[node.name]
-            _SOURCES[made[node.name]] = "\n".join(source.splitlines()[node.lineno - 1:node.end_lineno])  # + comments
-    unresolved = [n for n, c in made.items() if not c.__pydantic_complete__]  # an annotation naming something else
-    if unresolved:
-        raise NameError(f"{unresolved} name types the run config's module does not import")
-    return made
 
 
 def _sft_tables(sft, run) -> list[str]:
@@ -508,9 +451,9 @@ def _bounds(field) -> str:
 def _field_comments(cls) -> dict[str, str]:
     """field name -> the comment beside it or the block just above it, for every class of cls's MRO."""
     out: dict[str, str] = {}
-    for klass in reversed([k for k in cls.__mro__ if k.__module__.startswith("relayrl") or k in _SOURCES]):
+    for klass in reversed([k for k in cls.__mro__ if k.__module__.startswith("relayrl")]):
         try:
-            src = textwrap.dedent(_SOURCES.get(klass) or inspect.getsource(klass))
+            src = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
         out.update(_comments_in_class(src))

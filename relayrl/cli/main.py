@@ -49,11 +49,13 @@ def _cmd_train(a) -> int:
 
 def _cmd_sft(a) -> int:
     from relayrl.config import apply_overrides, load_yaml
-    from relayrl.jobs.sft import SFTJobConfig, run_sft
+    from relayrl.jobs.sft_config import SFTJobConfig
 
     _split_config(a)
-    data = apply_overrides(load_yaml(a.config) if a.config else {}, a.overrides)
-    res = run_sft(SFTJobConfig.from_dict(data))
+    cfg = SFTJobConfig.from_dict(apply_overrides(load_yaml(a.config) if a.config else {}, a.overrides))
+    from relayrl.jobs.sft import run_sft  # torch and every layer: only once the config is known to be good
+
+    res = run_sft(cfg)
     print(f"model: {res['model_dir']}  held-out accuracy: {res['eval_first']['eval/accuracy']:.3f} -> "
           f"{res['eval_last']['eval/accuracy']:.3f}")
     return 0

@@ -10,62 +10,31 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
 
 import torch
 import yaml
-from pydantic import Field, model_validator
 
-from relayrl.config import Config
-from relayrl.controller.config import EvalConfig, ModelSection
-from relayrl.data import DataConfig, PromptSampler, build_datasets
+from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.envs.base import demonstration, make_env
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import ChatFormat, Trajectory, encode_conversation
 from relayrl.errors import DataError, UserError
 from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.sft_config import SFTJobConfig
 from relayrl.jobs.train import write_atomic
 from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.parallel import host_memory
 from relayrl.parallel.device import resolve_device
-from relayrl.rewards import RewardConfig, build_scorer
+from relayrl.rewards import build_scorer
 from relayrl.rollout.agent_loop import AgentLoop
 from relayrl.rollout.evaluate import evaluate, evaluate_episodes
 from relayrl.rollout.prompts import encode_answer, encode_prompt
 from relayrl.single_controller.process_setup import configure_process
 from relayrl.trainer.batch import TrainBatch, build_rows
-from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.sft import SFTTrainer
-
-
-class SFTSection(Config):
-    steps: int = Field(200, ge=1)
-    batch_size: int = Field(64, ge=1)
-    seed: int = 0
-    out_dir: str = "runs/sft"
-    tensorboard: bool = True
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # as parallel.device: auto is cuda when torch sees a GPU
-
-
-class SFTJobConfig(Config):
-    model: ModelSection = Field(default_factory=ModelSection)
-    data: DataConfig = Field(default_factory=DataConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)  # scores the held-out eval
-    trainer: TrainerConfig = Field(default_factory=lambda: TrainerConfig(lr=1e-3, micro_batch_size=64))
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    sft: SFTSection = Field(default_factory=SFTSection)
-    env: EnvConfig | None = None  # SFT on the environment's demonstrations (multi-turn traces)
-
-    @model_validator(mode="after")
-    def _env_fits(self) -> SFTJobConfig:
-        if self.env is not None and not self.data.use_chat_template:
-            raise ValueError("env: traces are conversations; set data.use_chat_template=true")
-        if self.trainer.lora is not None:  # SFT trains the full model; LoRA is the RL trainer's (relayrl train)
-            raise ValueError("trainer.lora: SFT trains the full model; remove trainer.lora from the SFT config")
-        return self
 
 
 def demonstrations(env_cfg: EnvConfig, tok):
