@@ -13,7 +13,7 @@ from relayrl.cli.main import main
 from relayrl.errors import UserError
 from relayrl.jobs.train import train
 from relayrl.observe import StageTimer, read_metrics
-from relayrl.observe.trace import TRACE_ENV, Tracer, merge_traces, open_tracer, trace_dir
+from relayrl.observe.trace import Tracer, merge_traces, open_tracer, trace_dir
 
 from helpers import group_cfg
 
@@ -114,9 +114,9 @@ def _within(inner: dict, outer: dict) -> bool:
 
 
 def test_a_run_on_two_worker_ranks_traces_driver_and_workers_on_one_timeline(tmp_path, capsys):
-    before = os.environ.get(TRACE_ENV)
+    before = dict(os.environ)
     out = train(group_cfg(tmp_path, "run", backend="local", dp_shard=2), show_progress=False)
-    assert os.environ.get(TRACE_ENV) == before  # the run does not leak its directory to the next one
+    assert dict(os.environ) == before  # the directory travels as an argument: nothing leaks to the next run
     run_dir = out["run_dir"]
     files = sorted(p.name.rsplit("-", 2)[0] for p in trace_dir(run_dir).glob("*.jsonl"))
     assert files == ["actor-0", "actor-1", "driver-0"]

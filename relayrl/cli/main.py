@@ -347,9 +347,6 @@ def _one_line(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from relayrl.parallel import host_memory
-
-        host_memory.apply()  # every command's process keeps its freed memory for the next step
         return args.fn(args)
     except UserError as e:
         if args.debug:

@@ -31,6 +31,7 @@ from relayrl.controller.config import RunConfig
 from relayrl.errors import UserError
 from relayrl.jobs.sft import SFTJobConfig, run_sft
 from relayrl.jobs.train import train, write_atomic
+from relayrl.single_controller.process_setup import configure_process
 
 # one-digit operands, three of them ("7-3+8="): a tiny char model learns the format and part of the
 # skill in a short SFT; GRPO then sharpens what it samples into what it answers greedily.
@@ -124,6 +125,7 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
         raise UserError("relayrl demo --lora trains the policy's adapters with GRPO; drop --algo ppo "
                         "(the critic trains in full)")
     sft_recipe, grpo_recipe, what = recipe(env, algo, lora)
+    configure_process()  # a bad RELAYRL_HOST_MEMORY / RELAYRL_CPU_LINEAR is one line here, before anything is written
     measure = "success" if env else "accuracy"
     start = time.perf_counter()
     for sub in ("sft", "grpo"):

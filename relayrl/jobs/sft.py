@@ -26,7 +26,6 @@ from relayrl.jobs.train import write_atomic
 from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
-from relayrl.parallel import host_memory
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import build_scorer
 from relayrl.rollout.agent_loop import AgentLoop
@@ -59,7 +58,6 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     if (run_dir / "metrics.jsonl").exists():
         raise UserError(f"{run_dir} already holds a run; set sft.out_dir to a new directory")
     device = resolve_device(cfg.sft.device, "sft.device")  # cuda without a GPU: one line, before anything is written
-    host_memory.apply()  # freed memory kept for the next step (relayrl.parallel.host_memory)
     configure_process()  # the models' CPU kernels, decided once in this process (relayrl.parallel.cpu_kernels)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))

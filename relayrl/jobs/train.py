@@ -49,8 +49,7 @@ from relayrl.models.lora import merge_lora_state_dict
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress, StageTimer
 from relayrl.observe.loggers import LoggerOptions
-from relayrl.observe.trace import TRACE_ENV, open_tracer, trace_dir
-from relayrl.parallel import host_memory
+from relayrl.observe.trace import open_tracer, trace_dir
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import build_scorer
 from relayrl.rewards.protocol import Scorer
@@ -63,6 +62,7 @@ from relayrl.roles.weight_sync import FullWeightSync, PlannedWeightSync, lora_op
 from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.rollout.evaluate import evaluate, evaluate_episodes
 from relayrl.rollout.source import LockstepSource, RolloutSource, StreamingSource
+from relayrl.single_controller.liveness import GroupOptions
 from relayrl.single_controller.process_setup import configure_process
 from relayrl.sync.experts import sync_shape
 from relayrl.sync.layout import TrainerLayout
@@ -80,7 +80,8 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: LocalPolicy | GroupPolicy) -> RolloutEngine:
+def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: LocalPolicy | GroupPolicy,
+                 options: GroupOptions) -> RolloutEngine:
     """The rollout engine, its ranks where parallel.placement puts them:
 
         vllm                          vLLM's engine (its own workers; synced with full tensors)
@@ -100,12 +101,12 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: LocalPol
                   tensor_parallel_size=r.tp, expert_placement=r.expert_placement,
                   record_routing=records_routing(model))
     device = resolve_device(par.device)  # colocated ranks take the actor's device instead
-    if par.rollout_worker:
-        return RemoteEngine(src, kwargs, group_options(par), device=device)
+    if par.rollout_worker:  # a tensor-parallel engine's own group, started in the worker, traces there too
+        return RemoteEngine(src, {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)}, options,
+                            device=device)
     tokenizer = load_tokenizer(src)
     if par.placement == "disaggregated":
-        return LLMEngine(model, tokenizer, own_processes=True, group_options=group_options(par), device=device,
-                         **kwargs)
+        return LLMEngine(model, tokenizer, own_processes=True, group_options=options, device=device, **kwargs)
     hosted = policy.host_engine(model, kwargs["dtype"], r.tp, r.expert_placement)
     return LLMEngine(model, tokenizer, runner_group=hosted, **kwargs)
 
@@ -136,7 +137,7 @@ def build_weight_sync(cfg: RunConfig, model: ModelConfig, policy: Policy, engine
                              temperature=cfg.rollout.temperature, cfg=cfg.sync, **lora_options(cfg.trainer.lora))
 
 
-def build_scorer_for(cfg: RunConfig) -> Scorer | None:
+def build_scorer_for(cfg: RunConfig, options: GroupOptions) -> Scorer | None:
     """The reward scorer; none for environments, which reward their own episodes. Rule functions run in
     the reward pool (or N reward workers); reward models (`name: model` entries) in the driver's process
     with parallel.backend none, else in a reward-model worker group of their own (relayrl.roles.reward_model)."""
@@ -145,7 +146,7 @@ def build_scorer_for(cfg: RunConfig) -> Scorer | None:
     entries = model_entries(cfg.reward)  # a missing model directory fails here, before any process starts
     rule_cfg = cfg.reward.rule_config()
     if cfg.parallel.reward_workers:
-        rules: Scorer = RemoteScorer(rule_cfg, cfg.parallel.reward_workers, group_options(cfg.parallel))
+        rules: Scorer = RemoteScorer(rule_cfg, cfg.parallel.reward_workers, options)
     else:
         rules = build_scorer(rule_cfg)
     if not entries:
@@ -155,7 +156,7 @@ def build_scorer_for(cfg: RunConfig) -> Scorer | None:
         if cfg.parallel.backend == "none":
             models: ModelScorer | RemoteModelScorer = ModelScorer(entries, device=device)
         else:
-            models = RemoteModelScorer(entries, group_options(cfg.parallel), device=device)
+            models = RemoteModelScorer(entries, options, device=device)
     except BaseException:
         rules.close()
         raise
@@ -215,6 +216,11 @@ def build_source(cfg: RunConfig, engine: RolloutEngine, scorer: Scorer | None, a
     return StreamingSource(engine, total_steps=cfg.run.steps, env_name=cfg.env.name if cfg.env else "", **common)
 
 
+def run_trace_dir(cfg: RunConfig, run_dir: Path) -> str | None:
+    """Where the run's processes append their spans (run.trace), or None."""
+    return str(trace_dir(run_dir).resolve()) if cfg.run.trace else None
+
+
 def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Path]:
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
     model = load_config(src)  # read once: the checks, the engine, the sync plan and the driver share it
@@ -222,11 +228,12 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Pa
     torch.manual_seed(cfg.run.seed)
     train_set, eval_set = build_datasets(cfg.data)
     check_roles(cfg)
-    policy, engine, sync, scorer, agent, source = build_policy(cfg, src), None, None, None, None, None
+    options = group_options(cfg.parallel, run_trace_dir(cfg, run_dir))  # every worker group's
+    policy, engine, sync, scorer, agent, source = build_policy(cfg, src, options), None, None, None, None, None
     try:
-        engine = build_engine(cfg, src, model, policy)
+        engine = build_engine(cfg, src, model, policy, options)
         sync = build_weight_sync(cfg, model, policy, engine)
-        scorer = build_scorer_for(cfg)
+        scorer = build_scorer_for(cfg, options)
         agent = build_agent(cfg, engine)
         timer, cost = StageTimer(), StepCost(cfg, model)
         source = build_source(cfg, engine, scorer, agent, PromptSampler(train_set, cfg.run.seed), timer, cost)
@@ -240,7 +247,7 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Pa
     return driver, Roles(policy, engine, sync, scorer, agent, source), eval_set, src
 
 
-def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
+def build_policy(cfg: RunConfig, src: Path, options: GroupOptions | None = None) -> LocalPolicy | GroupPolicy:
     """The trainer in this process (parallel.backend none), or as worker groups (local / ray); with PPO's
     critic (algo.advantage gae) beside the actor, laid out like it."""
     with_ref = cfg.algo.kl_coef > 0
@@ -259,7 +266,7 @@ def build_policy(cfg: RunConfig, src: Path) -> LocalPolicy | GroupPolicy:
                            micro_batch_size=cfg.trainer.micro_batch_size, critic=critic, ref_in_actor=ref_in_actor)
     return GroupPolicy(src, par=cfg.parallel, trainer_cfg=cfg.trainer, algo_cfg=cfg.algo, total_steps=cfg.run.steps,
                        temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=with_ref,
-                       critic_cfg=cfg.critic)
+                       critic_cfg=cfg.critic, options=options)
 
 
 def _save(driver: Driver, run_dir: Path, cfg: RunConfig, src: Path) -> None:
@@ -299,17 +306,11 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     """Run (or resume) the job of `cfg`; returns {"eval_first", "eval_last", "run_dir", ...}."""
     run_dir = Path(cfg.run.out_dir)
     check_start(cfg, run_dir, resume)  # one line, before anything is written
-    host_memory.apply()  # freed memory kept for the next step; a bad RELAYRL_HOST_MEMORY is one line here
-    configure_process()  # the models' CPU kernels, decided once in this process (relayrl.parallel.cpu_kernels)
+    configure_process()  # heap policy and the models' CPU kernels, once in this process (a bad variable: here)
     ckpt = resume_point(run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    traces = str(trace_dir(run_dir).resolve()) if cfg.run.trace else None
-    # the worker groups read it when they start (relayrl.observe.trace); restored after, so a later run
-    # in this process does not trace into this one's directory
-    previous = os.environ.pop(TRACE_ENV, None)
-    if traces is not None:
-        os.environ[TRACE_ENV] = traces
+    traces = run_trace_dir(cfg, run_dir)  # the worker groups get it in their options (build_driver)
     tracer = open_tracer(traces, "driver")
     try:
         driver, roles, eval_set, src = build_driver(cfg, run_dir)
@@ -327,9 +328,6 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
                     raise
     finally:
         tracer.close()
-        os.environ.pop(TRACE_ENV, None)
-        if previous is not None:
-            os.environ[TRACE_ENV] = previous
 
 
 def resume_point(run_dir: Path) -> Path:

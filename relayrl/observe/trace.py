@@ -19,9 +19,9 @@ the skew mean nothing. Each node writes where run_dir is on that node: the merge
 process only when run_dir is on a filesystem the nodes share (the host name in each file's name keeps
 two nodes' processes with the same pid apart there).
 
-The worker processes learn the directory from the environment variable RELAYRL_TRACE_DIR, which the
-driver sets before it starts its worker groups (and the groups copy into each worker's WorkerInfo, so
-Ray actors, which do not inherit the driver's environment, get it too).
+The worker processes learn the directory as an argument: the run hands it to its worker groups in their
+options (relayrl.single_controller.liveness.GroupOptions.trace_dir), and each group puts it in its workers'
+WorkerInfo, on every backend (Ray's actors included).
 
 It imports the standard library and relayrl.errors only; it must never import another relayrl layer:
 observe is a leaf, which the controller, the worker groups and the CLI import.
@@ -43,7 +43,6 @@ from typing import Any
 from relayrl.errors import UserError
 
 TRACE_DIR = "trace"
-TRACE_ENV = "RELAYRL_TRACE_DIR"
 TRACE_FILE = "trace.json"  # the merged trace, in run_dir/report/
 
 

@@ -36,10 +36,10 @@ from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import CriticConfig
 
 
-def group_options(par: ParallelConfig) -> GroupOptions:
-    """The worker groups' options from the run's `parallel:` section."""
+def group_options(par: ParallelConfig, trace_dir: str | None = None) -> GroupOptions:
+    """The worker groups' options from the run's `parallel:` section, and where their workers trace (None: off)."""
     t = par.call_timeout_s
-    return GroupOptions(backend=par.backend, heartbeat_timeout_s=par.heartbeat_timeout_s,
+    return GroupOptions(backend=par.backend, heartbeat_timeout_s=par.heartbeat_timeout_s, trace_dir=trace_dir,
                         deadlines=Deadlines(build=t.build, compute=t.compute, control=t.control, close=t.close))
 
 
@@ -47,7 +47,9 @@ class GroupPolicy:
     """The actor (and reference) as worker groups; the same protocol as LocalPolicy."""
 
     def __init__(self, model_dir: str | Path, *, par: ParallelConfig, trainer_cfg, algo_cfg, total_steps: int,
-                 temperature: float, seed: int, with_reference: bool, critic_cfg: CriticConfig | None = None):
+                 temperature: float, seed: int, with_reference: bool, critic_cfg: CriticConfig | None = None,
+                 options: GroupOptions | None = None):
+        """options: the groups' (group_options(par) when None)."""
         device = resolve_device(par.device)  # worker r computes on <device>:r (cpu: every one on the host)
         pool = ResourcePool([par.world_size], device=device, name="actor")
         placement = {"actor": pool}
@@ -69,7 +71,7 @@ class GroupPolicy:
                                    else ResourcePool([par.world_size], device=device, name="critic"))
             roles["critic"] = RoleSpec(CriticWorker, (str(model_dir), par, critic_cfg, algo_cfg),
                                        dict(total_steps=total_steps, seed=seed))
-        self.roles = spawn_roles(placement, roles, options=group_options(par))
+        self.roles = spawn_roles(placement, roles, options=options or group_options(par))
         self.actor = self.roles["actor"]
         self.ref = self.roles["reference"] if "reference" in roles else None
         self.critic = self.roles["critic"] if critic_cfg is not None else None

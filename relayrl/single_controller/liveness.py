@@ -51,13 +51,15 @@ class GroupOptions:
 
     heartbeat_timeout_s: a worker that sent no heartbeat for this long is reported stopped or hung
     (None: heartbeats are not checked). error_grace_s: after one rank failed, how long to wait for
-    the others before declaring them stuck. threads: torch threads per worker process."""
+    the others before declaring them stuck. threads: torch threads per worker process. trace_dir: where
+    each worker appends its spans (relayrl.observe.trace; None: off); it travels in the WorkerInfo."""
 
     backend: str = "local"
     deadlines: Deadlines = field(default_factory=Deadlines)
     heartbeat_timeout_s: float | None = 30.0
     error_grace_s: float = 10.0
     threads: int = 1
+    trace_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s is not None and self.heartbeat_timeout_s < 2 * HEARTBEAT_S:

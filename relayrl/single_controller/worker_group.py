@@ -27,7 +27,6 @@ trainer, engine, rewards, ...).
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
 import warnings
@@ -35,7 +34,6 @@ from collections.abc import Callable
 from typing import Any
 
 from relayrl.errors import UserError
-from relayrl.observe.trace import TRACE_ENV
 from relayrl.parallel.launch import WorkerError
 from relayrl.parallel.rendezvous import serve_store
 from relayrl.single_controller.dispatch import (
@@ -217,11 +215,9 @@ class WorkerGroup(GroupHandle):
 
     def _info(self, rank: int) -> WorkerInfo:
         node, local = self.pool.locate(rank)
-        # the trace directory travels in the WorkerInfo, not only the environment: Ray's actors do not
-        # inherit the driver's environment (relayrl.observe.trace)
         return WorkerInfo(rank=rank, world_size=self.pool.world_size, local_rank=local, node=node,
                           device=self._backend.device_for(rank), store=self._hosted.address, name=self.name,
-                          trace_dir=os.environ.get(TRACE_ENV) or None)
+                          trace_dir=self.options.trace_dir)
 
     @property
     def world_size(self) -> int:

@@ -28,8 +28,8 @@ import sys
 import traceback
 from typing import Any
 
-from relayrl.observe.trace import TRACE_ENV, NullTracer, Tracer, open_tracer
-from relayrl.parallel import host_memory, launch
+from relayrl.observe.trace import NullTracer, Tracer, open_tracer
+from relayrl.parallel import launch
 from relayrl.single_controller.dispatch import DPInfo
 from relayrl.single_controller.liveness import start_heartbeat
 from relayrl.single_controller.worker import WorkerInfo, construct
@@ -68,9 +68,6 @@ class WorkerHost:
         try:
             if info.store is not None:
                 start_heartbeat(info.store, info.rank)
-            if info.trace_dir is not None:
-                # groups this worker starts (an engine's tensor-parallel ranks) trace into the same directory
-                os.environ[TRACE_ENV] = info.trace_dir
             self.tracer = open_tracer(info.trace_dir, info.name, info.rank)
             import torch
 
@@ -78,7 +75,6 @@ class WorkerHost:
             from relayrl.single_controller.process_setup import configure_process
 
             torch.set_num_threads(threads)
-            host_memory.apply()  # freed memory kept for the next step (relayrl.parallel.host_memory)
             configure_process()  # the models' CPU kernels, decided once in this process (process_setup)
             if info.device.startswith("cuda"):
                 torch.cuda.set_device(info.device)
