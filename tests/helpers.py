@@ -73,6 +73,17 @@ def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
                 assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), k
 
 
+# ---------------------------------------------------------------------------- advantages
+def advantages_of(name: str, rewards: torch.Tensor, group_size: int, norm_std: bool = True, **inputs) -> torch.Tensor:
+    """The registered estimator `name` (one signature for all: relayrl.algorithms.estimate) on sequence rewards;
+    `inputs` are AdvantageInputs' optional fields (baseline=...)."""
+    from relayrl.algorithms import AdvantageInputs, AlgoConfig, get_advantage
+
+    mask = torch.ones(len(rewards), 1)
+    algo = AlgoConfig(advantage=name, norm_std=norm_std)
+    return get_advantage(name)(AdvantageInputs(rewards, mask, group_size, **inputs), algo).advantages
+
+
 # ---------------------------------------------------------------------------- training batches
 def random_train_batch(n: int = 8, seed: int = 0, generator: torch.Generator | None = None):
     """n right-padded rows of 2-5 prompt and 1-8 response tokens (ids 3-59) with random advantages, drawn

@@ -26,6 +26,8 @@ from relayrl.algorithms import (
 )
 from relayrl.errors import ConfigError
 
+from helpers import advantages_of
+
 D = torch.float64
 
 
@@ -64,29 +66,29 @@ REWARDS = t([1, 0, 0, 1, 2, 2, 2, 2])
 def test_grpo_hand_computed():
     # group 1: mean 0.5, deviations +-0.5, sample std = sqrt(4 * 0.25 / 3) = sqrt(1/3)
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)  # = 0.86602...
-    close(get_advantage("grpo")(REWARDS, 4), [a, -a, -a, a, 0, 0, 0, 0])
+    close(advantages_of("grpo", REWARDS, 4), [a, -a, -a, a, 0, 0, 0, 0])
     # a lopsided group of 3: [0, 1, 5], mean 2, deviations [-2, -1, 3], var = (4+1+9)/2 = 7
     s = math.sqrt(7) + 1e-6
-    close(get_advantage("grpo")(t([0, 1, 5]), 3), [-2 / s, -1 / s, 3 / s])
+    close(advantages_of("grpo", t([0, 1, 5]), 3), [-2 / s, -1 / s, 3 / s])
 
 
 def test_dr_grpo_is_centered_only():
-    close(get_advantage("dr_grpo")(REWARDS, 4), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
-    close(get_advantage("grpo")(REWARDS, 4, norm_std=False), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
-    close(get_advantage("dr_grpo")(t([0, 1, 5]), 3, norm_std=True), [-2, -1, 3])
+    close(advantages_of("dr_grpo", REWARDS, 4), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    close(advantages_of("grpo", REWARDS, 4, norm_std=False), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    close(advantages_of("dr_grpo", t([0, 1, 5]), 3, norm_std=True), [-2, -1, 3])
 
 
 def test_rloo_leave_one_out():
     # r_i - mean of the other three: 1 - 1/3, 0 - 2/3, 0 - 2/3, 1 - 1/3
-    close(get_advantage("rloo")(REWARDS, 4), [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0])
+    close(advantages_of("rloo", REWARDS, 4), [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0])
     # [0, 1, 5]: 0 - 3, 1 - 2.5, 5 - 0.5
-    close(get_advantage("rloo")(t([0, 1, 5]), 3, norm_std=True), [-3, -1.5, 4.5])
+    close(advantages_of("rloo", t([0, 1, 5]), 3, norm_std=True), [-3, -1.5, 4.5])
 
 
 def test_advantages_reject_partial_groups():
     for name in ("grpo", "dr_grpo", "rloo"):
         with pytest.raises(ValueError, match="whole number of groups"):
-            get_advantage(name)(t([1, 0, 1]), 2)
+            advantages_of(name, t([1, 0, 1]), 2)
 
 
 # ----------------------------------------------------------------------------- aggregation

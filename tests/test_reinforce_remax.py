@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from relayrl.algorithms import (
+    AdvantageInputs,
     AlgoConfig,
     advantage_is_token_level,
     advantage_needs_greedy_baseline,
@@ -23,7 +24,7 @@ from relayrl.algorithms import (
 from relayrl.algorithms.gae import token_rewards
 from relayrl.errors import ConfigError
 
-from helpers import random_multiturn_mask
+from helpers import advantages_of, random_multiturn_mask
 
 D = torch.float64
 
@@ -187,7 +188,7 @@ def test_remax_by_hand():
     # G = 1 (the paper's setting): one sample and one greedy response per prompt
     close(remax(t([0.5, 1.0]), 1, baseline=t([1.0, 0.0])), [-0.5, 1.0])
     # norm_std is accepted and ignored (no std division)
-    close(get_advantage("remax")(t([2, 0, 1, 1]), 2, norm_std=True, baseline=t([0.5, 3])), [1.5, -0.5, -2, -2])
+    close(advantages_of("remax", t([2, 0, 1, 1]), 2, norm_std=True, baseline=t([0.5, 3])), [1.5, -0.5, -2, -2])
     with pytest.raises(ValueError, match=r"baseline must be \[N/G\] = \[2\]"):
         remax(t([1, 0, 1, 0]), 2, baseline=t([1, 0, 1]))
     with pytest.raises(TypeError):  # the greedy baseline is not optional
@@ -202,7 +203,10 @@ def test_flags_tell_the_driver_how_to_call_each_estimator():
     assert not any(advantage_is_token_level(n) for n in ("grpo", "dr_grpo", "rloo", "remax"))
     assert advantage_needs_greedy_baseline("remax")
     assert not any(advantage_needs_greedy_baseline(n) for n in ("grpo", "rloo", "reinforce_pp"))
-    assert get_advantage("reinforce_pp") is reinforce_pp
+    # the registered estimator (one signature for all) computes the plain function's advantages
+    outcome, mask = t([1.0, 0.0, 2.0, 1.0]), torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]])
+    registered = get_advantage("reinforce_pp")(AdvantageInputs(outcome, mask, 2), AlgoConfig(advantage="reinforce_pp"))
+    assert torch.equal(registered.advantages, reinforce_pp(outcome, mask)) and registered.returns is None
     with pytest.raises(ValueError, match="unknown advantage"):
         advantage_is_token_level("nope")
 

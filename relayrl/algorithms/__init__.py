@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 from relayrl.lazy import lazy_exports
 
 _EXPORTS = {
+    "AdvantageInputs": "relayrl.algorithms.estimate",
+    "Advantages": "relayrl.algorithms.estimate",
+    "estimate_advantages": "relayrl.algorithms.estimate",
     "dr_grpo": "relayrl.algorithms.advantages",
     "grpo": "relayrl.algorithms.advantages",
     "remax": "relayrl.algorithms.advantages",
@@ -56,13 +59,13 @@ _EXPORTS = {
     "reinforce_pp_baseline": "relayrl.algorithms.token_advantages",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = ["advantage_is_token_level", "advantage_needs_greedy_baseline", "ADVANTAGES", "aggregate", "AGGREGATIONS",
-    "AlgoConfig", "discounted_returns", "dr_grpo", "entropy_from_logits", "get_advantage", "get_aggregation",
-    "get_kl", "get_loss", "global_whiten", "group_has_signal", "grpo", "gspo", "KL_ESTIMATORS", "kl_penalty",
-    "LOSSES", "masked_is_sequences", "masked_max", "masked_mean", "mismatch_stats", "no_signal_fraction",
-    "policy_objective", "ppo", "register_advantage", "register_aggregation", "register_kl", "register_loss",
-    "Registry", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo", "select_signal_groups",
-    "sequence_log_ratio", "truncated_is_weights"]
+__all__ = ["advantage_is_token_level", "advantage_needs_greedy_baseline", "AdvantageInputs", "Advantages",
+    "ADVANTAGES", "aggregate", "AGGREGATIONS", "AlgoConfig", "discounted_returns", "dr_grpo", "entropy_from_logits",
+    "estimate_advantages", "get_advantage", "get_aggregation", "get_kl", "get_loss", "global_whiten",
+    "group_has_signal", "grpo", "gspo", "KL_ESTIMATORS", "kl_penalty", "LOSSES", "masked_is_sequences", "masked_max",
+    "masked_mean", "mismatch_stats", "no_signal_fraction", "policy_objective", "ppo", "register_advantage",
+    "register_aggregation", "register_kl", "register_loss", "Registry", "reinforce_pp", "reinforce_pp_baseline",
+    "remax", "rloo", "select_signal_groups", "sequence_log_ratio", "truncated_is_weights"]
 
 if TYPE_CHECKING:  # what editors and type checkers follow to the definitions
     from relayrl.algorithms.advantages import dr_grpo, grpo, remax, rloo
@@ -75,6 +78,7 @@ if TYPE_CHECKING:  # what editors and type checkers follow to the definitions
         truncated_is_weights,
     )
     from relayrl.algorithms.entropy import entropy_from_logits
+    from relayrl.algorithms.estimate import AdvantageInputs, Advantages, estimate_advantages
     from relayrl.algorithms.filtering import group_has_signal, no_signal_fraction, select_signal_groups
     from relayrl.algorithms.kl import kl_penalty
     from relayrl.algorithms.objective import policy_objective

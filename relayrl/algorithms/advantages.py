@@ -20,8 +20,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relayrl.algorithms.registry import register_advantage
-
 
 def _groups(rewards: Tensor, group_size: int, min_size: int = 1) -> Tensor:
     """[N] -> [N/G, G], checking that N is a whole number of groups."""
@@ -36,7 +34,6 @@ def _groups(rewards: Tensor, group_size: int, min_size: int = 1) -> Tensor:
     return rewards.view(-1, group_size)
 
 
-@register_advantage("grpo")
 def grpo(rewards: Tensor, group_size: int, norm_std: bool = True, eps: float = 1e-6) -> Tensor:
     """GRPO (Shao et al., 2024):  A_i = (r_i - mean_g r) / (std_g r + eps).
 
@@ -51,7 +48,6 @@ def grpo(rewards: Tensor, group_size: int, norm_std: bool = True, eps: float = 1
     return centered.reshape(-1)
 
 
-@register_advantage("dr_grpo")
 def dr_grpo(rewards: Tensor, group_size: int, norm_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Dr. GRPO (Liu et al., 2025):  A_i = r_i - mean_g r.
 
@@ -61,7 +57,6 @@ def dr_grpo(rewards: Tensor, group_size: int, norm_std: bool = True, eps: float 
     return grpo(rewards, group_size, norm_std=False, eps=eps)
 
 
-@register_advantage("rloo")
 def rloo(rewards: Tensor, group_size: int, norm_std: bool = True) -> Tensor:
     """REINFORCE leave-one-out (Ahmadian et al., 2024):  A_i = r_i - (1/(G-1)) sum_{j != i} r_j.
 
@@ -74,7 +69,6 @@ def rloo(rewards: Tensor, group_size: int, norm_std: bool = True) -> Tensor:
     return (g - others_mean).reshape(-1)
 
 
-@register_advantage("remax", needs_greedy_baseline=True)
 def remax(rewards: Tensor, group_size: int, norm_std: bool = True, *, baseline: Tensor) -> Tensor:
     """ReMax (Li et al., 2023):  A_i = r_i - r_greedy(prompt of i).
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relayrl.algorithms.registry import register_advantage
-
 WHITEN_EPS = 1e-8
 
 
@@ -66,7 +64,6 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
     return advantages, returns
 
 
-@register_advantage("gae", token_level=True, needs_critic=True)
 def gae_advantages(outcome: Tensor, mask: Tensor, *, values: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0,
                    gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> tuple[Tensor, Tensor]:
     """(advantages, returns) [B, T] of PPO with a critic: token rewards (outcome on the last model token, minus

@@ -40,7 +40,7 @@ class Registry:
             if name in self._fns:
                 raise ValueError(f"{self.kind} '{name}' is already registered")
             if name in self.builtins and fn.__module__ != self.builtins[name]:
-                raise ValueError(f"{self.kind} '{name}' is a built-in name (from {self.builtins[name]})")
+                raise ValueError(f"{self.kind} '{name}' is already registered (built in: {self.builtins[name]})")
             self._fns[name] = fn
             return fn
 
@@ -68,9 +68,8 @@ class Registry:
 
 
 _A = "relayrl.algorithms."
-ADVANTAGES = Registry("advantage", {"grpo": _A + "advantages", "dr_grpo": _A + "advantages", "rloo": _A + "advantages",
-                                    "remax": _A + "advantages", "reinforce_pp": _A + "token_advantages",
-                                    "reinforce_pp_baseline": _A + "token_advantages", "gae": _A + "gae"})
+ADVANTAGES = Registry("advantage", dict.fromkeys(("grpo", "dr_grpo", "rloo", "remax", "reinforce_pp",
+                                                  "reinforce_pp_baseline", "gae"), _A + "estimate"))
 LOSSES = Registry("loss", {"ppo": _A + "policy_loss", "gspo": _A + "policy_loss"})
 AGGREGATIONS = Registry("aggregation", dict.fromkeys(("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
                                                       _A + "aggregation"))
@@ -84,15 +83,14 @@ BUILTIN_ADVANTAGE_FLAGS = {"remax": {"needs_greedy_baseline": True}, "reinforce_
 
 def register_advantage(name: str, *, token_level: bool = False, needs_greedy_baseline: bool = False,
                        needs_critic: bool = False):
-    """Register an advantage estimator. The two flags tell the driver how to call it, and are set as
-    attributes on the function:
+    """Register an advantage estimator: fn(x: AdvantageInputs, algo: AlgoConfig) -> Advantages, every one alike
+    (relayrl.algorithms.estimate). The flags say what it takes and gives, and are set as attributes on it:
 
-    token_level=False (grpo, dr_grpo, rloo, remax):  fn(rewards [N], group_size, norm_std=True) -> [N]
-    token_level=True  (reinforce_pp, reinforce_pp_baseline):
-        fn(outcome [B], mask [B, T], *, group_size, kl=None, kl_coef=0.0, gamma=1.0, norm_std=True) -> [B, T]
+    token_level=True (reinforce_pp, reinforce_pp_baseline, gae): [N, T] advantages from token rewards (the KL
+        may be in them: algo.kl_in_reward); else one advantage per sample, [N]
     needs_greedy_baseline=True (remax): the driver also generates one greedy sample per prompt, scores it,
-        and passes its rewards as `baseline=` [N/G].
-    needs_critic=True (gae): token-level, from the critic's values; the run trains a critic beside the actor.
+        and passes its rewards as x.baseline [N/G]
+    needs_critic=True (gae): from the critic's values (x.values); the run trains a critic beside the actor
     """
     reg = ADVANTAGES.register(name)
     flags = {"token_level": token_level, "needs_greedy_baseline": needs_greedy_baseline, "needs_critic": needs_critic}

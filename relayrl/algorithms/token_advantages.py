@@ -48,7 +48,6 @@ import torch
 from torch import Tensor
 
 from relayrl.algorithms.gae import token_rewards
-from relayrl.algorithms.registry import register_advantage
 
 VAR_FLOOR = 1e-8  # OpenRLHF's clamp of the variance: an all-equal batch gets advantage 0, never NaN
 
@@ -92,7 +91,6 @@ def _check(outcome: Tensor, mask: Tensor, kl: Tensor | None) -> Tensor:
     return outcome if outcome.is_floating_point() else outcome.to(torch.float32)
 
 
-@register_advantage("reinforce_pp", token_level=True)
 def reinforce_pp(outcome: Tensor, mask: Tensor, *, group_size: int = 1, kl: Tensor | None = None,
                  kl_coef: float = 0.0, gamma: float = 1.0, norm_std: bool = True) -> Tensor:
     """REINFORCE++ (OpenRLHF `reinforce`, verl `reinforce_plus_plus`): whitened discounted token returns.
@@ -106,7 +104,6 @@ def reinforce_pp(outcome: Tensor, mask: Tensor, *, group_size: int = 1, kl: Tens
     return global_whiten(discounted_returns(rewards, mask, gamma), mask, norm_std)
 
 
-@register_advantage("reinforce_pp_baseline", token_level=True)
 def reinforce_pp_baseline(outcome: Tensor, mask: Tensor, *, group_size: int, kl: Tensor | None = None,
                           kl_coef: float = 0.0, gamma: float = 1.0, norm_std: bool = True) -> Tensor:
     """REINFORCE++-baseline (OpenRLHF `reinforce_baseline`, verl `reinforce_plus_plus_baseline`).
