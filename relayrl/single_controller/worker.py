@@ -94,9 +94,9 @@ class Worker:
         if dist.is_initialized():
             return
         if self._info.store is None:
-            raise RuntimeError(f"{type(self).__name__} was not created by a WorkerGroup (no rendezvous "
-                               "address); build it through WorkerGroup, or skip init_distributed when running it "
-                               "in one process")
+            raise RuntimeError(f"{type(self).__name__} has no rendezvous address: it was built directly, or by "
+                               "an inline worker group (the driver's own process, which is no group's rank); run "
+                               "it on the local or ray backend, or skip init_distributed in one process")
         launch.init_process_group(self.rank, self.world_size, backend=backend or process_group_backend(self.device),
                                   store=self._info.store, timeout_s=timeout_s)
 

@@ -48,10 +48,13 @@ from relayrl.single_controller.liveness import CallDeadlineError, GroupOptions, 
 from relayrl.single_controller.resource_pool import ResourcePool
 from relayrl.single_controller.worker import WorkerInfo, check_role_name
 
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "ray", "inline")
 
 
 def _make_backend(name: str, pool: ResourcePool):
+    if name == "inline":
+        from relayrl.single_controller.backends.inline import InlineBackend
+        return InlineBackend(pool)
     if name == "local":
         from relayrl.single_controller.backends.local import LocalBackend
         return LocalBackend(pool)
@@ -164,11 +167,13 @@ class WorkerGroup(GroupHandle):
             self._iface = worker_cls.group_interface(*init_args, **init_kwargs) \
                 if hasattr(worker_cls, "group_interface") else {"": worker_cls}
             # the driver hosts the rendezvous (relayrl.parallel.launch explains why), on one interface
-            # and behind the run's token (relayrl.parallel.rendezvous)
+            # and behind the run's token (relayrl.parallel.rendezvous); inline workers need none
             deadline = options.deadlines.build
-            self._hosted = serve_store(self._backend.master_addr, pool.world_size + 1,
-                                       timeout_s=deadline if deadline is not None else 3600.0)
-            self._liveness = Liveness(self._hosted.store, pool.world_size, options.heartbeat_timeout_s)
+            if options.backend != "inline":
+                self._hosted = serve_store(self._backend.master_addr, pool.world_size + 1,
+                                           timeout_s=deadline if deadline is not None else 3600.0)
+            self._liveness = Liveness(self._hosted.store if self._hosted else None, pool.world_size,
+                                      options.heartbeat_timeout_s)
             self._pids = {r: self._backend.pid(r) for r in range(pool.world_size)}
             calls = {r: ("construct", (self._info(r), worker_cls, init_args, init_kwargs, options.threads))
                      for r in range(pool.world_size)}
@@ -216,7 +221,8 @@ class WorkerGroup(GroupHandle):
     def _info(self, rank: int) -> WorkerInfo:
         node, local = self.pool.locate(rank)
         return WorkerInfo(rank=rank, world_size=self.pool.world_size, local_rank=local, node=node,
-                          device=self._backend.device_for(rank), store=self._hosted.address, name=self.name,
+                          device=self._backend.device_for(rank),
+                          store=self._hosted.address if self._hosted else None, name=self.name,
                           trace_dir=self.options.trace_dir)
 
     @property
