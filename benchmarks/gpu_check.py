@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from relayrl.engine import LLMEngine, SamplingParams
-from relayrl.engine.model_runner import prepare
+from relayrl.engine.model_runner import ModelRunner, prepare
 from relayrl.engine.sequence import Sequence
 from relayrl.models import load_pretrained
 from relayrl.models.config import TinyModelConfig
@@ -86,13 +86,14 @@ def check_nccl(path: str, device: str) -> dict:
     workers = WorkerRanks(local.config, torch.float32, 1, device=device)
     from relayrl.models import load_state_dict
 
-    workers.call("load_weights", list(load_state_dict(path).items()))
-    workers.call("allocate_kv_cache", 256, local.block_size)
+    workers.call(ModelRunner.load_weights, list(load_state_dict(path).items()))
+    workers.call(ModelRunner.allocate_kv_cache, 256, local.block_size)
     seqs = [Sequence(i, p, SamplingParams(), local.block_size) for i, p in enumerate(prompts(4))]
     for s in seqs:
         local.block_manager.allocate(s)
     ids, batch = prepare(seqs, True, local.block_size, None)
-    diff = (workers.call("run", ids, batch) - local._call("run", ids, batch)).abs().max().item()
+    logits = [ranks.call(ModelRunner.run, ids, batch) for ranks in (workers, local.ranks.group)]
+    diff = (logits[0] - logits[1]).abs().max().item()
     workers.close()
     return {"all_reduce_ok": bool(x.sum().item() == 4), "worker_vs_inprocess_max_abs": diff}
 

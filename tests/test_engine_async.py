@@ -140,7 +140,7 @@ def test_prefix_cache_without_update_hits(tiny_model):
         eng.step()
     _, hits = new_request_hits(eng, PROMPTS[0])
     assert hits == 8
-    seq = eng._requests[first][0]
+    seq = eng.requests.samples[first][0]
     assert [eng.block_manager.blocks[b].hash for b in seq.block_table[:2]] == chain(-1, PROMPTS[0])
 
 
@@ -152,7 +152,7 @@ def test_keep_kv_never_shares_stale_blocks(tiny_model, new_model):
     eng.load_weights(new_model.state_dict().items())
     for _ in range(8):  # the old sequence fills blocks after the update: still registered under version 0
         eng.step()
-    old = eng._requests[old_rid][0]
+    old = eng.requests.samples[old_rid][0]
     assert old.kv_version == 0 and old.num_tokens == 9 + 11
     full = old.num_tokens // 4 - 1  # full blocks whose successor has opened (hashed by may_append)
     assert [eng.block_manager.blocks[b].hash for b in old.block_table[:full]] == chain(-1, old.token_ids[:4 * full])
@@ -160,12 +160,12 @@ def test_keep_kv_never_shares_stale_blocks(tiny_model, new_model):
     # over it, for the blocks filled after the update), so none of it is shared
     new_rid, hits = new_request_hits(eng, old.token_ids[:16] + [3])
     assert hits == 0
-    new = eng._requests[new_rid][0]
+    new = eng.requests.samples[new_rid][0]
     assert new.kv_version == 1
     assert [eng.block_manager.blocks[b].hash for b in new.block_table[:4]] == chain(version_salt(1), new.token_ids[:16])
     third_rid, hits = new_request_hits(eng, PROMPTS[0])
     assert hits == 8  # blocks computed under version 1 are shared under version 1
-    third = eng._requests[third_rid][0]
+    third = eng.requests.samples[third_rid][0]
     assert third.block_table[:2] == new.block_table[:2] and not set(third.block_table) & set(old.block_table)
 
 
@@ -176,14 +176,14 @@ def test_reprefill_recomputes_under_the_new_version_and_shares_it(tiny_model, ne
         eng.step()
     queries = eng.block_manager.prefix_queries
     eng.load_weights(new_model.state_dict().items())
-    old = eng._requests[old_rid][0]
+    old = eng.requests.samples[old_rid][0]
     assert old.block_table == [] and list(eng.scheduler.waiting) == [old]
     eng.step()  # its recompute: nothing of version 0 to hit
     assert eng.block_manager.prefix_queries - queries == 9 + 3 and old.num_tokens == 9 + 4
     assert old.kv_version == 1
     assert [eng.block_manager.blocks[b].hash for b in old.block_table[:3]] == chain(version_salt(1), old.token_ids[:12])
     rid, hits = new_request_hits(eng, PROMPTS[0])
-    assert hits == 8 and eng._requests[rid][0].block_table[:2] == old.block_table[:2]
+    assert hits == 8 and eng.requests.samples[rid][0].block_table[:2] == old.block_table[:2]
     assert eng.stats()["engine/reprefills"] == 1 and eng.stats()["engine/preemptions"] == 0
 
 

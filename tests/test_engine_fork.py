@@ -7,7 +7,7 @@ import torch
 
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.engine.attention import GROUP_FILL, build_batch, group_rows
-from relayrl.engine.model_runner import prepare
+from relayrl.engine.model_runner import ModelRunner, prepare
 from relayrl.engine.outputs import SampleCost
 from relayrl.engine.sequence import Sequence
 from relayrl.models import CausalLM
@@ -69,7 +69,7 @@ def _fresh_kv(model, tokens):
     eng = engine(model, enable_prefix_caching=False, **PREVIOUS)
     s = Sequence(0, tokens, SamplingParams(), eng.block_size)
     eng.block_manager.allocate(s)
-    eng._call("run", *prepare([s], True, eng.block_size, None))
+    eng.ranks.group.call(ModelRunner.run, *prepare([s], True, eng.block_size, None))
     return _kv_of(eng, s, len(tokens))
 
 
@@ -195,7 +195,7 @@ def test_grouped_prefill_equals_the_padded_form(window):
     assert len(padded.groups) == 1
     for name in ("positions", "slot_mapping", "last_index"):
         assert torch.equal(getattr(grouped, name), getattr(padded, name))
-    a, b = eng._call("run", ids, grouped), eng._call("run", ids, padded)
+    a, b = (eng.ranks.group.call(ModelRunner.run, ids, batch) for batch in (grouped, padded))
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # and the plain model, prompt by prompt (no window in CausalLM's reference: compare the windowless one)
     if window is None:

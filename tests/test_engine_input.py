@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.engine.block_manager import BlockManager
 from relayrl.engine.model import check_weights, logical_shapes
+from relayrl.engine.model_runner import ModelRunner
 from relayrl.engine.parallel_state import check_tp
 from relayrl.engine.scheduler import Scheduler
 from relayrl.engine.sequence import Sequence
@@ -291,15 +292,15 @@ def test_failed_step_aborts_the_call_and_the_engine_serves_the_next(short_model,
     want = tokens(engine(short_model).generate(PROMPTS, SAMPLED))
     eng = engine(short_model)
     other = eng.add_request(PROMPTS[2], SAMPLED)  # another caller's request, in flight
-    real, calls = eng._call, []
+    real, calls = eng.ranks.group.call, []
 
-    def failing(method, *args):
-        if method == "run":
-            calls.append(method)
+    def failing(fn, *args):
+        if fn is ModelRunner.run:
+            calls.append(fn)
             if len(calls) == fail_at:
                 raise RuntimeError("injected")
-        return real(method, *args)
-    monkeypatch.setattr(eng, "_call", failing)
+        return real(fn, *args)
+    monkeypatch.setattr(eng.ranks.group, "call", failing)
     with pytest.raises(RuntimeError, match="injected"):
         eng.generate(PROMPTS[:2], SAMPLED)
     # only the other caller's request is left; a prefill that failed left no cached block behind

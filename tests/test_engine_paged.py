@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from relayrl.engine import LLMEngine, SamplingParams
-from relayrl.engine.model_runner import prepare
+from relayrl.engine.model_runner import ModelRunner, prepare
 from relayrl.engine.sequence import Sequence
 from relayrl.models import CausalLM
 
@@ -115,7 +115,7 @@ def _prefill_logits(eng, prompts):
     for s in seqs:
         eng.block_manager.allocate(s)
     ids, batch = prepare(seqs, True, eng.block_size, eng.config.sliding_window)
-    out = eng._call("run", ids, batch)
+    out = eng.ranks.group.call(ModelRunner.run, ids, batch)
     for s in seqs:
         eng.block_manager.deallocate(s)
     return out

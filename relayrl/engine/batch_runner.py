@@ -7,7 +7,7 @@
           logprobs when params.logprobs asks for them)
 
 The batch is counted in the engine's stats as it runs (relayrl.engine.stats). What the new tokens do to their
-requests (stops, finishing, outputs) is the engine's (relayrl.engine.llm_engine).
+requests (stops, finishing, outputs) is the request table's (relayrl.engine.request_table).
 
 It imports torch and the engine's own modules; like the whole engine, it must never import the trainer, sync,
 the controller or the CLI.
@@ -15,13 +15,11 @@ the controller or the CLI.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from relayrl.engine.block_manager import BlockManager
-from relayrl.engine.model_runner import prepare
+from relayrl.engine.model_runner import ModelRunner, prepare
+from relayrl.engine.protocols import RunnerGroup
 from relayrl.engine.routing import RoutingStore
 from relayrl.engine.sampler import sample
 from relayrl.engine.sequence import Sequence, fork_rows
@@ -37,22 +35,21 @@ class BatchRunner:
         self.block_size, self.sliding_window, self.group_prefill = block_size, sliding_window, group_prefill
 
     def run(self, seqs: list[Sequence], is_prefill: bool, block_manager: BlockManager,
-            call: Callable[..., Any]) -> torch.Tensor:
-        """The batch's logits, one row per sequence of `seqs`; call(method, *args): ModelRunner.method on every
-        rank, rank 0's result (the engine's, looked up at each batch)."""
+            ranks: RunnerGroup) -> torch.Tensor:
+        """The batch's logits, one row per sequence of `seqs`, run by ModelRunner.run on every one of `ranks`."""
         self.stats.observe_blocks(block_manager)
         run, rows = fork_rows(seqs) if is_prefill else (seqs, None)  # forks read their parent's logits
         input_ids, batch = prepare(run, is_prefill, self.block_size, self.sliding_window,
                                    group=self.group_prefill, copies=block_manager.take_copies())
         if self.routing is not None:
-            logits, routing = call("run", input_ids, batch, True)
+            logits, routing = ranks.call(ModelRunner.run, input_ids, batch, True)
             if batch.copy_from is not None:  # the KV's copy-on-write copies, mirrored before the batch's writes
                 self.routing.copy(batch.copy_from, batch.copy_to)
             self.routing.write(batch.slot_mapping, routing)
             for s in seqs:  # every token of each has run now (a fork's: its parent's, in the same slots)
                 s.num_routed = s.num_tokens
         else:
-            logits = call("run", input_ids, batch)
+            logits = ranks.call(ModelRunner.run, input_ids, batch)
         if rows is not None:
             logits = logits[rows]
         self.stats.count(seqs, is_prefill)

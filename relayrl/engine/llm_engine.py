@@ -4,13 +4,16 @@
     step():  schedule (prefill first, under a token budget; the n samples of a prompt: one prefilled,
              n - 1 forked from it with copy-on-write of the shared last block; else decode; preempt
              when out of blocks)
-             ──> run (model runner, every TP rank) ──> sample (per-sequence settings and seeds)
-             ──> postprocess (append token, check stops, free finished sequences' blocks)
+             ──> run (model runner, every TP rank; batch_runner) ──> sample (per-sequence settings and seeds)
+             ──> postprocess (append token, check stops, free finished sequences' blocks; request_table)
 
-This module keeps the requests' lifecycle; its parts live beside it: the ranks and their memory (ranks),
-a request's samples and their streams (samples), one batch's run and sampling (batch_runner), when a sample
-ends (stops), what a weight update does to requests in flight (weight_update) and the figures of stats()
-(stats), all under relayrl.engine. MoE models place their experts and record routing as __init__ says.
+This module keeps the engine's lifecycle (built, weights loaded and updated, asleep / awake) and its step;
+its parts live beside it, all under relayrl.engine: what runs next (scheduler) and where it lives
+(block_manager); the ranks that run it and their memory (ranks); one batch's run and sampling (batch_runner);
+the requests in flight, what new tokens do to them and their outputs (request_table), a request's samples
+and their streams (samples), when a sample ends (stops); what a weight update does to requests in flight
+(weight_update) and the figures of stats() (stats). MoE models place their experts and record routing as
+__init__ says.
 
 New sequences join as others finish, so a long tail of lengths keeps the batch full. Every output
 carries `weights_version`, bumped by each `load_weights`, and every sample the version that sampled each
@@ -36,11 +39,8 @@ the CLI.
 
 from __future__ import annotations
 
-import itertools
-import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,19 +49,19 @@ from relayrl.engine.batch_runner import BatchRunner, sample_next
 from relayrl.engine.block_manager import BlockManager
 from relayrl.engine.model import check_weights
 from relayrl.engine.model_runner import ModelRunner
-from relayrl.engine.outputs import CompletionSample, RequestOutput
+from relayrl.engine.outputs import RequestOutput
 from relayrl.engine.protocols import RunnerGroup
 from relayrl.engine.ranks import EngineRanks
+from relayrl.engine.request_table import RequestTable
 from relayrl.engine.requests import prompt_ids
 from relayrl.engine.routing import RoutingStore
-from relayrl.engine.samples import new_samples
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.engine.scheduler import Scheduler
-from relayrl.engine.sequence import Sequence, SequenceStatus
+from relayrl.engine.sequence import Sequence
 from relayrl.engine.stats import EngineStats
 from relayrl.engine.stops import StopChecker
 from relayrl.engine.weight_update import carry_over, check_in_flight, check_partial
-from relayrl.errors import ConfigError, KVCacheError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
+from relayrl.errors import ConfigError, ModelDirError, PromptError, SamplingParamsError, WeightShapeError
 from relayrl.models.config import ModelConfig, MoEShape
 
 if TYPE_CHECKING:  # only the TP worker group (relayrl.engine.tp_workers) needs the single-controller layer
@@ -111,20 +111,13 @@ class LLMEngine:
         self.record_routing = record_routing
         self._routing = (RoutingStore(self.num_blocks * block_size, len(config.moe_layers), config.num_experts_per_tok,
                                       block_size, config.num_experts) if record_routing else None)
-        self._stops = StopChecker(config, tokenizer)
         self._stats = EngineStats(config.sliding_window, expert_placement, tensor_parallel_size)
         self._batches = BatchRunner(self._stats, self._routing, block_size=block_size,
                                     sliding_window=config.sliding_window, group_prefill=group_prefill)
         self.weights_version = 0
         self._new_scheduler()
         self.ranks.allocate_kv_cache()
-        self._rng = random.Random(seed)
-        self._seq_ids = itertools.count()
-        self._req_ids = itertools.count()
-        self._requests: dict[int, list[Sequence]] = {}
-        self._ready: list[int] = []  # requests complete on arrival (resumed after they had ended)
-        # outputs of requests generate() did not add that ended inside it: the next step() returns them
-        self._held: list[RequestOutput] = []
+        self.requests = RequestTable(StopChecker(config, tokenizer), self._routing, seed=seed, block_size=block_size)
         self.num_steps = 0  # model runs so far: the clock of each sample's SampleCost
 
     # ---- construction ----
@@ -191,13 +184,10 @@ class LLMEngine:
     def has_weights(self) -> bool:
         return self.ranks.has_weights
 
-    def _call(self, method: str, *args):
-        return self.ranks.call(method, *args)
-
     def run_on_ranks(self, fn, *args) -> list:
         """fn(model_runner, *args) on every tensor-parallel rank, wherever it lives; results by rank.
         The weight sync uses it to write each rank's parameters in place."""
-        return self.ranks.run_fn(fn, *args)
+        return self.ranks.group.call_all(fn, *args)
 
     def close(self) -> None:
         ranks = getattr(self, "ranks", None)  # absent when the constructor failed early
@@ -272,73 +262,21 @@ class LLMEngine:
     def _add(self, ids: list[int], params: SamplingParams, request_id, prior, where: str) -> int:
         if not self.has_weights:
             raise RuntimeError("the engine holds no weights yet: load_weights() (or a weight sync) first")
-        if prior is not None and len(prior) != params.n:
-            raise ValueError(f"{where}: prior holds {len(prior)} partial completions for n={params.n} samples")
-        rid = next(self._req_ids) if request_id is None else request_id
-        if rid in self._requests:
-            raise ValueError(f"request id {rid} is already in flight")
-        seqs = new_samples(ids, params, rid, prior, seq_ids=self._seq_ids, rng=self._rng, block_size=self.block_size,
-                           step=self.num_steps, where=where)
-        self._requests[rid] = seqs
-        try:
-            for s in seqs:
-                # a resumed sample that had already ended (EOS, stop, max tokens) stays ended
-                reason = self._stops.finish_reason(s) if s.num_completion_tokens else None
-                if reason is None:
-                    self.scheduler.add(s)
-                else:
-                    s.status, s.finish_reason = SequenceStatus.FINISHED, reason
-        except BaseException as e:
-            self.scheduler.abort({s.seq_id for s in seqs})  # nothing of a refused request stays queued
-            del self._requests[rid]
-            if isinstance(e, KVCacheError):
-                raise KVCacheError(f"{where}: {e}") from None
-            raise
-        if all(s.is_finished for s in seqs):
-            self._ready.append(rid)
-        return rid
+        return self.requests.add(ids, params, request_id, prior, self.scheduler, step=self.num_steps, where=where)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._ready) or bool(self._held)
-
-    def _output(self, rid: int) -> RequestOutput:
-        seqs = self._requests.pop(rid)
-        samples = [CompletionSample(list(s.completion_token_ids), list(s.logprobs),
-                                    s.text if s.text is not None else self._stops.decode(s.completion_token_ids),
-                                    finish_reason=s.finish_reason, top_logprobs=list(s.top_logprobs),
-                                    versions=list(s.versions), cost=replace(s.cost), routing=self._routing_of(s))
-                   for s in seqs]
-        return RequestOutput(rid, seqs[0].token_ids[: seqs[0].num_prompt_tokens], samples, self.weights_version)
-
-    def _routing_of(self, s: Sequence):
-        """The sample's routing record (relayrl.engine.routing); None without record_routing."""
-        if not self.record_routing:
-            return None
-        return s.routing if s.routing is not None else self._routing.gather(s)
+        return self.scheduler.has_unfinished() or self.requests.has_outputs()
 
     def abort(self, request_ids: Iterable[int]) -> list[RequestOutput]:
-        ids = set(request_ids)
-        seqs = [s for rid in ids if rid in self._requests for s in self._requests[rid]]
-        if self.record_routing:  # before their blocks (and the routing in their slots) are freed
-            for s in seqs:
-                if not s.is_finished:
-                    s.routing = self._routing.gather(s)
-        self.scheduler.abort({s.seq_id for s in seqs})
-        for s in seqs:  # a sample that had ended and waited only to run its final token for routing stays ended
-            if s.pending_finish is not None:
-                s.finish_reason = s.pending_finish
-        self._ready = [rid for rid in self._ready if rid not in ids]  # an ended request is returned here, once
-        held = [o for o in self._held if o.request_id in ids]
-        self._held = [o for o in self._held if o.request_id not in ids]
-        return sorted(held + [self._output(rid) for rid in ids if rid in self._requests], key=lambda o: o.request_id)
+        """Drop requests; what they produced so far (finish_reason "abort" for samples still running)."""
+        return self.requests.abort(request_ids, self.scheduler, self.weights_version)
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; the requests completed since the last step() (those that ended inside
         a generate() that did not add them come first)."""
         out = self._step()
-        held, self._held = self._held, []
-        return held + out
+        return self.requests.take_held() + out
 
     def _step(self) -> list[RequestOutput]:
         if self.asleep:
@@ -353,42 +291,19 @@ class LLMEngine:
             self.block_manager = self._new_block_manager()
             self.scheduler.restart(self.block_manager)
             raise
-        ready, self._ready = [self._output(rid) for rid in self._ready], []
-        return ready + [self._output(rid) for rid in sorted(done_requests)]
+        return self.requests.outputs(done_requests, self.weights_version)
 
     def _run_batch(self, seqs: list[Sequence], is_prefill: bool) -> set[int]:
         """Run one scheduled batch, sample and postprocess; the ids of the requests it completed."""
-        logits = self._batches.run(seqs, is_prefill, self.block_manager, self._call)  # counted, routing recorded
+        logits = self._batches.run(seqs, is_prefill, self.block_manager, self.ranks.group)  # counted, routing kept
         self.num_steps += 1
-        done_requests: set[int] = set()
-        tails = [i for i, s in enumerate(seqs) if s.pending_finish is not None]
-        if tails:  # samples that ran their final token for its routing only: they end now, nothing sampled
-            for i in tails:
-                self._end(seqs[i], seqs[i].pending_finish, done_requests)
-            keep = [i for i, s in enumerate(seqs) if s.pending_finish is None]
-            seqs, logits = [seqs[i] for i in keep], logits[keep]
-            if not seqs:
-                return done_requests
-        tokens, logps = sample_next(seqs, logits)
-        for s, t, lp in zip(seqs, tokens, logps, strict=True):
-            s.append_token(t, lp, self.weights_version)
-            reason = self._stops.finish_reason(s)
-            if reason is not None:
-                self._end(s, reason, done_requests)
-        return done_requests
-
-    def _end(self, s: Sequence, reason: str, done_requests: set[int]) -> None:
-        """s is done for `reason`. With record_routing, a final token that has not run yet runs once more first
-        (s.pending_finish; relayrl.engine.routing), and the routing is gathered before the blocks are freed."""
-        if self.record_routing:
-            if s.num_routed < s.num_tokens:
-                s.pending_finish = reason
-                return
-            s.routing = self._routing.gather(s)
-        s.cost.finished_step = self.num_steps
-        self.scheduler.finish(s, reason)
-        if all(x.is_finished for x in self._requests[s.request_id]):
-            done_requests.add(s.request_id)
+        done: set[int] = set()
+        seqs, logits = self.requests.end_tails(seqs, logits, self.scheduler, step=self.num_steps, done=done)
+        if seqs:
+            tokens, logps = sample_next(seqs, logits)
+            self.requests.postprocess(seqs, tokens, logps, self.scheduler, version=self.weights_version,
+                                      step=self.num_steps, done=done)
+        return done
 
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
         """Run prompts to completion; one output per prompt (in order), `params.n` samples each.
@@ -417,13 +332,13 @@ class LLMEngine:
             done: dict[int, RequestOutput] = {}
             own = set(rids)
             while not own <= done.keys():
-                if not self.scheduler.has_unfinished() and not self._ready:
+                if not self.scheduler.has_unfinished() and not self.requests.ready:
                     raise RuntimeError(f"generate: requests {sorted(own - done.keys())} left the engine unreturned")
                 for out in self._step():
                     if out.request_id in own:
                         done[out.request_id] = out
                     else:  # another caller's: kept for its next step() (appended now, so a failure loses none)
-                        self._held.append(out)
+                        self.requests.held.append(out)
         except BaseException:
             self.abort(rids)
             raise

@@ -8,7 +8,8 @@
     RunnerGroup     where the engine's tensor-parallel ranks (ModelRunners) live, as the engine
                     sees them: in this process (InProcessRunner), in worker processes of their own
                     (a worker group, relayrl.engine.tp_workers), or hosted by the trainer's
-                    processes (relayrl.roles.engine_host). The engine calls every rank alike.
+                    processes (relayrl.roles.engine_host). The engine calls every rank alike, with
+                    a function, never a method's name: call(ModelRunner.run, ...).
 
 The engine module imports relayrl.models, relayrl.single_controller (its tensor-parallel ranks are a
 worker group) and relayrl's ground floor; it must never import the trainer, sync, controller or cli.
@@ -17,25 +18,29 @@ worker group) and relayrl's ground floor; it must never import the trainer, sync
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from relayrl.engine.outputs import RequestOutput
 from relayrl.engine.sampling_params import SamplingParams
 
+T = TypeVar("T")
+
 
 class RunnerGroup(Protocol):
-    """The engine's tensor-parallel ranks, each holding a ModelRunner shard."""
+    """The engine's tensor-parallel ranks, each holding a ModelRunner shard.
 
-    def call(self, method: str, *args) -> Any:
-        """ModelRunner.method(*args) on every rank; rank 0's result (all ranks compute the same)."""
+    Calls go by reference, never by a method's name: `fn` is a ModelRunner method or a module-level
+    function (`group.call(ModelRunner.run, ids, batch)`), pickled by its qualified name where the ranks
+    live in other processes, so a reader goes from the call to the definition. Every rank runs it (a
+    forward all-reduces across them)."""
 
-    def call_all(self, method: str, *args) -> list:
-        """ModelRunner.method(*args) on every rank; every rank's result, by rank."""
+    def call(self, fn: Callable[..., T], *args) -> T:
+        """fn(runner, *args) on every rank; rank 0's result (all ranks compute the same; the others send none)."""
 
-    def run_fn(self, fn: Callable, *args) -> list:
-        """fn(runner, *args) on every rank (fn: a module-level function); results by rank."""
+    def call_all(self, fn: Callable[..., T], *args) -> list[T]:
+        """fn(runner, *args) on every rank; every rank's result, by rank (e.g. a weight sync's per-rank figures)."""
 
     def free_memory(self) -> int:
         """The least free bytes over the ranks' devices (the KV cache budget's base)."""

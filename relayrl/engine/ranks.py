@@ -1,7 +1,8 @@
 """This module keeps the rollout engine's ranks and what their memory holds: the device side of an LLMEngine.
 
     built      the layout checked (TP against the heads, the experts' placement, a KV budget that holds one
-               sequence) before any process starts; the ranks placed (a RunnerGroup, relayrl.engine.protocols);
+               sequence) before any process starts; the ranks placed (`group`, a RunnerGroup,
+               relayrl.engine.protocols: group.call(ModelRunner.load_weights, ...) runs it on every rank);
                the KV cache allocated; no weights yet
     asleep     0 awake; 1 the KV cache freed (sleep(1)); 2 the weights' storage freed too (sleep(2)): a
                weight load brings the storage back (level 1), wake() the KV cache (level 0)
@@ -16,7 +17,6 @@ an annotation); like the whole engine, it must never import the trainer, sync, t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,12 +71,6 @@ class EngineRanks:
         self.asleep = 0
         self.has_weights = False  # built empty: the first load / sync fills it
 
-    def call(self, method: str, *args):
-        return self.group.call(method, *args)
-
-    def run_fn(self, fn: Callable, *args) -> list:
-        return self.group.run_fn(fn, *args)
-
     @property
     def runner(self) -> ModelRunner | None:
         return self.group.runner if isinstance(self.group, InProcessRunner) else None
@@ -84,7 +78,7 @@ class EngineRanks:
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Write checked (name, full tensor) pairs into every rank's shard; a KeyError names one left unwritten."""
         self.restore_weights()
-        missing = self._expected_loads - self.call("load_weights", weights)
+        missing = self._expected_loads - self.group.call(ModelRunner.load_weights, weights)
         if missing:
             raise KeyError(f"weight sync left {len(missing)} engine tensor(s) stale, "
                            f"e.g. {sorted(missing, key=str)[0]}")
@@ -92,7 +86,7 @@ class EngineRanks:
     def restore_weights(self) -> None:
         """Before a sync writes into the parameters: storage released by sleep(2) comes back."""
         if self.asleep >= 2:
-            self.call("restore_weight_storage")
+            self.group.call(ModelRunner.restore_weight_storage)
 
     def weights_written(self) -> None:
         """After a complete sync: the ranks hold weights (asleep at level 2 becomes 1: the KV cache is still freed)."""
@@ -104,15 +98,15 @@ class EngineRanks:
         if self.asleep >= 2 or not self.has_weights:
             raise RuntimeError("the engine holds no weights (never loaded, or released by sleep(level=2)): "
                                "sync them before scoring")
-        return self.call("score", rows, temperature)
+        return self.group.call(ModelRunner.score, rows, temperature)
 
     def allocate_kv_cache(self) -> None:
-        self.call("allocate_kv_cache", self.num_blocks, self.block_size)
+        self.group.call(ModelRunner.allocate_kv_cache, self.num_blocks, self.block_size)
 
     def sleep(self, level: int) -> None:
-        self.call("free_kv_cache")
+        self.group.call(ModelRunner.free_kv_cache)
         if level >= 2:
-            self.call("free_weights")
+            self.group.call(ModelRunner.free_weights)
         self.asleep = max(self.asleep, level)
 
     def check_wakeable(self) -> None:

@@ -3,9 +3,9 @@ rank itself.
 
 An LLMEngine talks to its ranks only through a RunnerGroup (relayrl.engine.protocols). With
 tensor_parallel_size 1 and no worker processes asked for, that group is this one: one ModelRunner in
-the calling process, called directly (no pickling, no pipe). The weight sync's in-place copies and a
-colocated trainer in the driver's own process (relayrl.roles.local_policy) reach the runner
-through `run_fn` or `runner`.
+the calling process, called directly (no pickling, no pipe): `call(fn, *args)` is fn(runner, *args).
+The weight sync's in-place copies and a colocated trainer in the driver's own process
+(relayrl.roles.local_policy) reach the runner through `call_all` or `runner`.
 
 This module imports the engine's own modules only; like the whole engine, it must never import the
 trainer, sync, the controller or the CLI.
@@ -25,13 +25,10 @@ class InProcessRunner:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def call(self, method: str, *args) -> Any:
-        return getattr(self.runner, method)(*args)
+    def call(self, fn: Callable[..., Any], *args) -> Any:
+        return fn(self.runner, *args)
 
-    def call_all(self, method: str, *args) -> list:
-        return [self.call(method, *args)]
-
-    def run_fn(self, fn: Callable, *args) -> list:
+    def call_all(self, fn: Callable[..., Any], *args) -> list:
         return [fn(self.runner, *args)]
 
     def free_memory(self) -> int:

@@ -4,11 +4,11 @@ ModelRunners.
     driver process (scheduler, sampler) ── WorkerGroup ──> rank 0: RunnerWorker ┐ gloo / nccl
                                                        ──> rank 1: RunnerWorker ├ all-reduce inside
                                                        ──> ...                  ┘ the forward
-    call(method)      every rank runs it; rank 0's result comes back (all ranks compute the same
-                      logits, so the others answer None instead of sending theirs)
-    call_all(method)  every rank's result (e.g. a weight sync's per-rank figures)
-    run_fn(fn, ...)   fn(runner, *args) on every rank — how the layers above the engine (the weight
-                      sync) act on a rank's parameters without the engine importing them
+    call(fn, ...)      fn(runner, *args) on every rank (fn: a ModelRunner method, e.g. ModelRunner.run, or a
+                       module-level function; pickled by its qualified name); rank 0's result comes back
+                       (all ranks compute the same logits, so the others answer None instead of sending theirs)
+    call_all(fn, ...)  every rank's result — how the layers above the engine (the weight sync) act on a
+                       rank's parameters without the engine importing them
 
 The ranks are an ordinary relayrl.single_controller worker group, so they start, rendezvous (the
 group's own store: no free-port race), are watched (deadlines, heartbeats) and stop like every other
@@ -47,13 +47,10 @@ class RunnerWorker(Worker):
                                   expert_placement)
 
     @dispatch(Dispatch.ONE_TO_ALL)
-    def run_method(self, method: str, args: tuple, every_rank: bool) -> Any:
-        result = getattr(self.runner, method)(*args)
+    def run_on_rank(self, fn: Callable[..., Any], args: tuple, every_rank: bool) -> Any:
+        """fn(this rank's runner, *args); None from ranks other than 0 unless every_rank."""
+        result = fn(self.runner, *args)
         return result if every_rank or self.rank == 0 else None
-
-    @dispatch(Dispatch.ONE_TO_ALL)
-    def run_fn(self, fn: Callable, args: tuple) -> Any:
-        return fn(self.runner, *args)
 
     @dispatch(Dispatch.ONE_TO_ALL, deadline="control")
     def free_memory(self) -> int:
@@ -71,14 +68,11 @@ class WorkerRanks:
         pool = ResourcePool([tp_size], device=device, name="rollout-tp")
         self.group = WorkerGroup(pool, RunnerWorker, cfg, dtype, expert_placement, options=options)
 
-    def call(self, method: str, *args) -> Any:
-        return self.group.call(RunnerWorker.run_method, method, args, False)[0]
+    def call(self, fn: Callable[..., Any], *args) -> Any:
+        return self.group.call(RunnerWorker.run_on_rank, fn, args, False)[0]
 
-    def call_all(self, method: str, *args) -> list:
-        return self.group.call(RunnerWorker.run_method, method, args, True)
-
-    def run_fn(self, fn: Callable, *args) -> list:
-        return self.group.call(RunnerWorker.run_fn, fn, args)
+    def call_all(self, fn: Callable[..., Any], *args) -> list:
+        return self.group.call(RunnerWorker.run_on_rank, fn, args, True)
 
     def free_memory(self) -> int:
         return min(self.group.call(RunnerWorker.free_memory))

@@ -4,7 +4,7 @@ engine's ranks) and the reference model.
     ActorWorker       one rank of the actor: its (FSDP / DDP / TP) model, optimizer and schedule;
                       compute_logprobs and update split over data-parallel ranks; checkpoints;
                       run_on_rank(fn) for the weight sync; colocated, rank r < engine tp also hosts
-                      engine rank r (init_engine, engine_call, engine_run: relayrl.roles.engine_host)
+                      engine rank r (init_engine, run_on_engine_rank: relayrl.roles.engine_host)
     ReferenceWorker   one rank of the frozen reference model: compute_ref_logprobs (with trainer.lora
                       none is built: ActorWorker.compute_ref_logprobs runs the actor's base, adapters off)
     CriticWorker      one rank of PPO's value model (laid out like the actor): compute_values, update,
@@ -176,12 +176,13 @@ class ActorWorker(_ParallelModelWorker):
         return None
 
     @dispatch(Dispatch.ONE_TO_ALL)
-    def engine_call(self, method: str, args: tuple) -> Any:
-        return None if self.engine_runner is None else getattr(self.engine_runner, method)(*args)
-
-    @dispatch(Dispatch.ONE_TO_ALL)
-    def engine_run(self, fn, args: tuple) -> Any:
-        return None if self.engine_runner is None else fn(self.engine_runner, *args)
+    def run_on_engine_rank(self, fn, args: tuple, every_rank: bool) -> Any:
+        """fn(this rank's engine runner, *args) (fn: e.g. ModelRunner.run); None from ranks hosting none, and from
+        engine ranks other than 0 unless every_rank (they all compute the same)."""
+        if self.engine_runner is None:
+            return None
+        result = fn(self.engine_runner, *args)
+        return result if every_rank or self.rank == 0 else None
 
     # ---- the RL step ----
     @dispatch(Dispatch.DP_SPLIT)

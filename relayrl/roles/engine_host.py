@@ -1,8 +1,9 @@
 """This module hosts the engine's tensor-parallel ranks in the actor's processes (placement colocated), and
 shows them to the engine as a RunnerGroup (relayrl.engine.protocols).
 
-    LLMEngine ──RunnerGroup──> ActorHostedRanks ──ActorWorker.engine_call / engine_run──> actor ranks
-                                                   0..tp-1 each hold one ModelRunner; ranks >= tp answer None
+    LLMEngine ──RunnerGroup──> ActorHostedRanks ──ActorWorker.run_on_engine_rank(fn)──> actor ranks
+              call(ModelRunner.run, ...)             0..tp-1 each hold one ModelRunner and run fn(runner, ...);
+                                                     ranks >= tp answer None
 
 The actor group owns the processes, so closing the engine stops nothing here.
 
@@ -28,14 +29,11 @@ class ActorHostedRanks:
     def free_memory(self) -> int:
         return self.free_bytes
 
-    def call(self, method: str, *args) -> Any:
-        return self.actor.call(ActorWorker.engine_call, method, args)[0]
+    def call(self, fn: Callable[..., Any], *args) -> Any:
+        return self.actor.call(ActorWorker.run_on_engine_rank, fn, args, False)[0]
 
-    def call_all(self, method: str, *args) -> list:
-        return self.actor.call(ActorWorker.engine_call, method, args)[: self.tp]
-
-    def run_fn(self, fn: Callable, *args) -> list:
-        return self.actor.call(ActorWorker.engine_run, fn, args)[: self.tp]
+    def call_all(self, fn: Callable[..., Any], *args) -> list:
+        return self.actor.call(ActorWorker.run_on_engine_rank, fn, args, True)[: self.tp]
 
     def close(self) -> None:
         pass  # the actor group owns the processes

@@ -57,9 +57,10 @@ class RolloutWorker(Worker):
         return self.engine.load_weights(weights)
 
     @dispatch(Dispatch.RANK_ZERO)
-    def engine_method(self, method: str, args: tuple):
-        """run_on_ranks, begin/end_weight_update, score, sleep, wake: the engine's own methods."""
-        return getattr(self.engine, method)(*args)
+    def run_on_engine(self, fn: Callable, args: tuple):
+        """fn(this worker's engine, *args): LLMEngine.score, .sleep, .wake, .run_on_ranks, the weight-update
+        bracket — the engine's own methods, passed by reference."""
+        return fn(self.engine, *args)
 
     @dispatch(Dispatch.RANK_ZERO, deadline="control")
     def stats(self, reset: bool) -> dict:
@@ -97,8 +98,9 @@ class RemoteEngine:
         self.weights_version = 0
         self.asleep = 0
 
-    def _engine(self, method: str, *args):
-        return self.group.call(RolloutWorker.engine_method, method, args)
+    def _engine(self, fn: Callable, *args):
+        """fn(the worker's LLMEngine, *args), e.g. LLMEngine.score."""
+        return self.group.call(RolloutWorker.run_on_engine, fn, args)
 
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]):
         return self.group.call(RolloutWorker.generate, prompts, params)
@@ -108,24 +110,24 @@ class RemoteEngine:
         return self.weights_version
 
     def run_on_ranks(self, fn: Callable, *args) -> list:
-        return self._engine("run_on_ranks", fn, *args)
+        return self._engine(LLMEngine.run_on_ranks, fn, *args)
 
     def begin_weight_update(self) -> None:
-        self._engine("begin_weight_update")
+        self._engine(LLMEngine.begin_weight_update)
 
     def end_weight_update(self) -> int:
-        self.weights_version = self._engine("end_weight_update")
+        self.weights_version = self._engine(LLMEngine.end_weight_update)
         return self.weights_version
 
     def score(self, rows, temperature: float = 1.0):
-        return self._engine("score", rows, temperature)
+        return self._engine(LLMEngine.score, rows, temperature)
 
     def sleep(self, level: int = 1) -> None:
-        self._engine("sleep", level)
+        self._engine(LLMEngine.sleep, level)
         self.asleep = max(self.asleep, level)
 
     def wake(self) -> None:
-        self._engine("wake")
+        self._engine(LLMEngine.wake)
         self.asleep = 0
 
     def stats(self) -> dict:
