@@ -28,8 +28,7 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import build_scorer
-from relayrl.rollout.agent_loop import AgentLoop
-from relayrl.rollout.evaluate import evaluate, evaluate_episodes
+from relayrl.rollout.evaluate import episode_agent, evaluate_set
 from relayrl.rollout.prompts import encode_answer, encode_prompt
 from relayrl.single_controller.process_setup import configure_process
 from relayrl.trainer.batch import TrainBatch, build_rows
@@ -79,15 +78,9 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
 
         def run_eval(step: int) -> dict:
             engine = LLMEngine.from_model(model, tok, max_num_seqs=len(eval_set), device=device)
-            if cfg.env is not None:
-                agent = AgentLoop(engine, cfg.env)
-                try:
-                    res = evaluate_episodes(agent, eval_set, cfg.eval.max_tokens, cfg.eval.temperature, cfg.sft.seed)
-                finally:
-                    agent.close()
-            else:
-                res = evaluate(engine, eval_set, cfg.data, scorer, cfg.eval.max_tokens, cfg.eval.temperature,
-                               cfg.sft.seed)
+            with episode_agent(engine, cfg.env) as agent:
+                res = evaluate_set(engine, eval_set, data=cfg.data, scorer=scorer, agent=agent,
+                                   max_tokens=cfg.eval.max_tokens, temperature=cfg.eval.temperature, seed=cfg.sft.seed)
             logger.log(step, res)
             with open(run_dir / "eval.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, **res}) + "\n")

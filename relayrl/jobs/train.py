@@ -60,7 +60,7 @@ from relayrl.roles.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
 from relayrl.roles.reward_model import CombinedScorer, ModelScorer, RemoteModelScorer, model_entries
 from relayrl.roles.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
 from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
-from relayrl.rollout.evaluate import evaluate, evaluate_episodes
+from relayrl.rollout.evaluate import evaluate_set
 from relayrl.rollout.source import LockstepSource, RolloutSource, StreamingSource
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.single_controller.process_setup import configure_process
@@ -286,12 +286,9 @@ def _eval(driver: Driver, roles: Roles, eval_set, cfg: RunConfig, run_dir: Path,
           logger: MetricsLogger) -> dict[str, float]:
     driver.sync_weights()
     with roles.source.evaluation():
-        if roles.agent is not None:
-            res = evaluate_episodes(roles.agent, eval_set, cfg.eval.max_tokens, cfg.eval.temperature,
-                                    seed=cfg.run.seed, stop=cfg.rollout.stop)
-        else:
-            res = evaluate(roles.engine, eval_set, cfg.data, roles.scorer, cfg.eval.max_tokens,
-                           cfg.eval.temperature, seed=cfg.run.seed, stop=cfg.rollout.stop)
+        res = evaluate_set(roles.engine, eval_set, data=cfg.data, scorer=roles.scorer, agent=roles.agent,
+                           max_tokens=cfg.eval.max_tokens, temperature=cfg.eval.temperature, seed=cfg.run.seed,
+                           stop=cfg.rollout.stop)
         # the engine's figures (engine/*) are training's: an evaluation's prefills and blocks are not the next
         # step's (a resumed run replays a step without the evaluation before it). In an asynchronous run this also
         # drops what the engine generated for coming batches since the last step's figures, before the drain

@@ -13,7 +13,7 @@ engine's ranks) and the reference model.
 Both build their model the same way (load, then parallelize_model by `parallel.*`; with parallel.pp > 1 the
 model is first cut into this rank's pipeline stages, each parallelized, and `model` is their merge under the full
 model's names, run through `pipe`). TrainBatch and
-DataBatch convert field by field (`to_data` / `to_train`): DataBatch is what crosses processes.
+DataBatch convert by TrainBatch's own fields (`to_data` / `to_train`): DataBatch is what crosses processes.
 
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
 jobs.
@@ -50,16 +50,14 @@ from relayrl.trainer.critic import Critic
 from relayrl.trainer.logprobs import frozen_logprobs
 from relayrl.trainer.pipelined import pipeline_logprobs
 
-FIELDS = ("input_ids", "attention_mask", "response_mask", "advantages", "old_logp", "rollout_logp", "ref_logp",
-          "values", "returns", "routing")
-
 
 def to_data(batch: TrainBatch) -> DataBatch:
-    return DataBatch({k: getattr(batch, k) for k in FIELDS if getattr(batch, k) is not None})
+    """The training batch as it crosses to the workers: its set fields, by name (TrainBatch.tensors)."""
+    return DataBatch(batch.tensors())
 
 
 def to_train(batch: DataBatch) -> TrainBatch:
-    return TrainBatch(**{k: batch.tensors.get(k) for k in FIELDS})
+    return TrainBatch.from_tensors(batch.tensors)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

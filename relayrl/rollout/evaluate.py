@@ -1,5 +1,12 @@
-"""This module runs the held-out evaluation: it generates one completion per eval prompt, scores them, and
-reports accuracy, reward and response length.
+"""This module runs the held-out evaluation: one greedy (by default) sample per eval example, scored, and
+reported as accuracy, reward and response length. `evaluate_set` is the one path every evaluation takes
+(`relayrl train`'s, `relayrl sft`'s and `relayrl eval`'s):
+
+    evaluate_set(engine, examples, data=, scorer=, agent=, max_tokens=, temperature=, seed=, stop=)
+        agent given   one episode per example in its environment, rewarded by it    (evaluate_episodes)
+        else          one completion per example, rewarded by the scorer              (evaluate)
+
+Example i samples with seed + i: at temperature > 0 one shared seed would draw the same uniforms for every prompt.
 
 Like the rest of relayrl.rollout, it imports the engine, environments, rewards and data below it; never the
 loop, the roles or the jobs.
@@ -7,23 +14,59 @@ loop, the roles or the jobs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
 from relayrl.data import DataConfig, Example
-from relayrl.engine import LLMEngine, SamplingParams
+from relayrl.engine import SamplingParams
+from relayrl.engine.protocols import RolloutEngine, StepEngine
+from relayrl.envs.config import EnvConfig
 from relayrl.rewards import Scorer
-from relayrl.rollout.agent_loop import EpisodeRunner
+from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.rollout.prompts import encode_prompt
 
 
-def evaluate(
-    engine: LLMEngine, examples: list[Example], data: DataConfig, scorer: Scorer,
-    max_tokens: int, temperature: float = 0.0, seed: int = 0, stop: list[str] = (),
+def evaluate_set(
+    engine: RolloutEngine, examples: list[Example], *, data: DataConfig, scorer: Scorer | None = None,
+    agent: EpisodeRunner | None = None, max_tokens: int, temperature: float = 0.0, seed: int = 0,
+    stop: Sequence[str] = (),
 ) -> dict[str, float]:
+    """The eval/* figures of `examples`: episodes with `agent` (an environment's, on `engine`), else single
+    completions from `engine` scored by `scorer`."""
+    if agent is not None:
+        return evaluate_episodes(agent, examples, max_tokens, temperature, seed, stop)
+    if scorer is None:
+        raise ValueError("evaluate_set needs a scorer, or an agent whose environment rewards its episodes")
+    return evaluate(engine, examples, data, scorer, max_tokens, temperature, seed, stop)
+
+
+@contextmanager
+def episode_agent(engine: StepEngine, env: EnvConfig | None) -> Iterator[EpisodeRunner | None]:
+    """An agent loop of `env` on `engine` for an evaluation (None without an environment), closed after it."""
+    if env is None:
+        yield None
+        return
+    agent = AgentLoop(engine, env)
+    try:
+        yield agent
+    finally:
+        agent.close()
+
+
+def sampling(n: int, max_tokens: int, temperature: float, seed: int, stop: Sequence[str]) -> list[SamplingParams]:
+    """One sample for each of n examples, example i seeded with seed + i."""
+    return [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, stop=list(stop))
+            for i in range(n)]
+
+
+def evaluate(
+    engine: RolloutEngine, examples: list[Example], data: DataConfig, scorer: Scorer,
+    max_tokens: int, temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = (),
+) -> dict[str, float]:
+    """One completion per example: accuracy and reward (the scorer's), response length in tokens."""
     tok = engine.tokenizer
     prompts = [encode_prompt(tok, ex, data) for ex in examples]
-    # a seed per prompt: at temperature > 0 one shared seed would draw the same uniforms for every prompt
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, stop=list(stop))
-              for i in range(len(prompts))]
-    outs = engine.generate(prompts, params)
+    outs = engine.generate(prompts, sampling(len(prompts), max_tokens, temperature, seed, stop))
     texts = [o.samples[0].text for o in outs]
     res = scorer.score(texts, examples)
     n = max(len(examples), 1)
@@ -37,12 +80,10 @@ def evaluate(
 
 
 def evaluate_episodes(agent: EpisodeRunner, examples: list[Example], max_tokens: int, temperature: float = 0.0,
-                      seed: int = 0, stop: list[str] = ()) -> dict[str, float]:
+                      seed: int = 0, stop: Sequence[str] = ()) -> dict[str, float]:
     """One episode per eval example in its environment (greedy by default): success rate, reward, the
     model's tokens per episode, turns and tool calls per episode."""
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, stop=list(stop))
-              for i in range(len(examples))]
-    trajs = agent.run(examples, params)
+    trajs = agent.run(examples, sampling(len(examples), max_tokens, temperature, seed, stop))
     n = max(len(trajs), 1)
     return {
         "eval/accuracy": sum(t.success for t in trajs) / n,

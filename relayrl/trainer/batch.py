@@ -45,6 +45,18 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields that are set, by name: what crosses between processes (a worker group's DataBatch)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> TrainBatch:
+        """The batch whose tensors() these are; a name that is no field is an error, never dropped."""
+        unknown = set(tensors) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"not TrainBatch fields: {sorted(unknown)}")
+        return cls(**tensors)
+
     def select(self, idx: torch.Tensor | slice) -> TrainBatch:
         return TrainBatch(**{
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx])
