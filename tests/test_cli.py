@@ -167,3 +167,91 @@ def test_a_bad_sync_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path,
     monkeypatch.setattr(ws, "sync_step", real)
     code, err = run_cli(capsys, "train", "--resume", str(out))
     assert code == 0, err
+
+
+# ---------------------------------------------------------------------------- relayrl eval of a run
+ARITH_RANGE = {"digits": 1, "ops": "+-", "num_operands": 3}  # not arith's defaults, as the demo's
+
+
+@pytest.fixture(scope="module")
+def arith_run(tmp_path_factory):
+    """A 2-step run on a non-default arith range, rewarded by a user function with spread (so eval/reward and the
+    response lengths say which completions were drawn): its directory and its last evaluation line."""
+    from relayrl.jobs.train import train
+
+    from helpers import cfg_for
+
+    tmp = tmp_path_factory.mktemp("eval_run")
+    cfg = cfg_for(tmp, "run", data={"task_params": ARITH_RANGE}, run={"steps": 2, "save_every": 0},
+                  reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]})
+    train(cfg, show_progress=False)
+    run = tmp / "run"
+    last = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2
+    return run, {k: v for k, v in last.items() if k != "step"}
+
+
+def printed(res: dict) -> str:
+    return "  ".join(f"{k}={v:.4g}" for k, v in res.items())
+
+
+def test_eval_of_a_run_is_its_last_evaluation(arith_run, capsys):
+    """`relayrl eval --run RUN` evaluates the final model with the run's task parameters, reward, eval settings and
+    engine: the figures of the run's own last evaluation, exactly (same greedy decoding, same examples)."""
+    from relayrl.data import build_datasets
+    from relayrl.jobs.eval import run_eval
+    from relayrl.jobs.eval_config import Flags, eval_job
+
+    run, last = arith_run
+    job, notice = eval_job(None, str(run))
+    assert notice is None and job.model_dir == str(run / "final_model")
+    assert job.data.task_params == ARITH_RANGE and job.data.n_eval == 16 and job.max_tokens == 4
+    assert run_eval(job) == last
+    # the run's problems, not the task's defaults
+    _, defaults = build_datasets(eval_job(None, str(run), Flags(task_params={}))[0].data)
+    assert [ex.prompt for ex in build_datasets(job.data)[1]] != [ex.prompt for ex in defaults]
+    for argv in (["--run", str(run)], ["--model", str(run)]):  # a run directory given as --model: the same
+        assert main(["eval", *argv]) == 0
+        out = capsys.readouterr()
+        assert out.out.strip() == printed(last) and out.err == ""
+    # flags override the run's settings
+    assert main(["eval", "--run", str(run), "--n", "4", "--max-tokens", "2"]) == 0
+    figures = dict(kv.split("=") for kv in capsys.readouterr().out.split())
+    assert figures["eval/n"] == "4" and float(figures["eval/response_length"]) <= 2
+
+
+def test_eval_of_a_runs_model_directory_says_it_uses_the_run(arith_run, tmp_path, capsys):
+    """--model RUN/final_model: the run's settings, and one line on stderr saying so. A bare copy of the model on a
+    built-in task without --task-params: the task's defaults, and one line saying they may not be the run's."""
+    import shutil
+
+    run, last = arith_run
+    assert main(["eval", "--model", str(run / "final_model")]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == printed(last)
+    assert out.err == (f"relayrl: {run / 'final_model'} is the model of run {run}: evaluating with that run's "
+                       f"settings ({run / 'config.yaml'}); flags given override them\n")
+    bare = shutil.copytree(run / "final_model", tmp_path / "bare")
+    assert main(["eval", "--model", str(bare), "--task", "arith", "--n", "4", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr()
+    assert "eval/accuracy=" in out.out
+    assert out.err == (f"relayrl: note: {bare} has no run config beside it, so task 'arith' uses its default "
+                       "parameters, which may differ from the training run's; give --task-params, or --run RUN_DIR\n")
+    argv = ["eval", "--model", str(bare), "--task-params", json.dumps(ARITH_RANGE), "--n", "4", "--max-tokens", "3"]
+    assert main(argv) == 0 and capsys.readouterr().err == ""  # the parameters given: nothing to say
+    code, err = run_cli(capsys, "eval", "--run", str(bare))
+    assert code == 2 and err == f"relayrl: error: {bare} is not a run directory (no config.yaml); give --run the " \
+                                "run's out_dir"
+    code, err = run_cli(capsys, "eval")
+    assert code == 2 and err == "relayrl: error: relayrl eval needs --model MODEL_DIR or --run RUN_DIR"
+
+
+def test_eval_of_an_sft_run_is_its_last_evaluation(tmp_path, capsys):
+    """An SFT run directory: its model/ with its settings (rule rewards only, as its own evaluation)."""
+    out = tmp_path / "s"
+    code, _ = run_cli(capsys, "sft", f"sft.out_dir={out}", "sft.steps=1", "sft.batch_size=8", *TINY[:3],
+                      "data.n_eval=4", "data.task_params={digits: 1}", "eval.max_tokens=3", "sft.tensorboard=false")
+    assert code == 0
+    last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    assert main(["eval", "--run", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == printed({k: v for k, v in last.items() if k != "step"})

@@ -62,40 +62,22 @@ def _cmd_sft(a) -> int:
 
 
 def _cmd_eval(a) -> int:
-    from relayrl.data import DataConfig, build_datasets
-    from relayrl.engine import LLMEngine, SamplingParams
-    from relayrl.rewards import RewardConfig, build_scorer
-    from relayrl.rollout.evaluate import evaluate
-    from relayrl.single_controller.process_setup import configure_process
+    from relayrl.jobs.eval_config import Flags, eval_job
 
-    SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)  # bad flags: one line, at once
-    try:
-        task_params = json.loads(a.task_params)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--task-params is not JSON: {e.msg} (e.g. '{{\"digits\": [2, 2, 2]}}')") from None
-    data = DataConfig.from_dict({"task": a.task, "task_params": task_params, "n_eval": a.n, "seed": a.seed,
-                                 "use_chat_template": a.env is not None, **({"path": a.path} if a.path else {})})
-    _, eval_set = build_datasets(data)
-    configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
-    if a.env is not None:  # episodes in the environment, with its tools
-        from relayrl.envs.base import make_env
-        from relayrl.envs.config import EnvConfig
-        from relayrl.rollout.agent_loop import AgentLoop
-        from relayrl.rollout.evaluate import evaluate_episodes
-
-        env_cfg = EnvConfig(name=a.env)
-        make_env(env_cfg)  # an unknown environment or a missing sandbox: one line, before the model loads
-        engine = LLMEngine.from_pretrained(a.model)
-        agent = AgentLoop(engine, env_cfg)
+    task_params = None
+    if a.task_params is not None:
         try:
-            res = evaluate_episodes(agent, eval_set, a.max_tokens, a.temperature, a.seed)
-        finally:
-            agent.close()
-            engine.close()
-    else:
-        engine = LLMEngine.from_pretrained(a.model)
-        with build_scorer(RewardConfig()) as scorer:
-            res = evaluate(engine, eval_set, data, scorer, a.max_tokens, a.temperature, a.seed)
+            task_params = json.loads(a.task_params)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--task-params is not JSON: {e.msg} (e.g. '{{\"digits\": [2, 2, 2]}}')") from None
+    flags = Flags(task=a.task, task_params=task_params, path=a.path, n=a.n, seed=a.seed, max_tokens=a.max_tokens,
+                  temperature=a.temperature, env=a.env)
+    job, notice = eval_job(a.model, a.run, flags)  # config modules only: a bad run directory or flag, at once
+    if notice:
+        print(notice, file=sys.stderr)
+    from relayrl.jobs.eval import run_eval  # torch and every layer: only once the job is known to be good
+
+    res = run_eval(job)
     print("  ".join(f"{k}={v:.4g}" for k, v in res.items()))
     return 0
 
@@ -248,17 +230,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*")
     s.set_defaults(fn=_cmd_sft)
 
-    e = sub.add_parser("eval", help="held-out accuracy of a model directory on a task")
-    e.add_argument("--model", required=True)
-    e.add_argument("--task", default="arith")
+    e = sub.add_parser("eval", help="held-out accuracy of a run's final model with the run's settings (--run "
+                       "RUN_DIR), or of a model directory on a task", description="A run (--run RUN_DIR, --model "
+                       "RUN_DIR or --model RUN_DIR/final_model) is evaluated with its own settings: its data section "
+                       "(task, task_params, dataset file, chat template, n_eval, seed), its reward or environment, "
+                       "eval.max_tokens, eval.temperature and rollout.stop; flags given override them. A bare model "
+                       "directory takes the flags' settings.")
+    e.add_argument("--model", help="a Hugging Face model directory; a run directory, or a run's final_model/ (sft's "
+                   "model/), evaluates with that run's settings")
+    e.add_argument("--run", metavar="RUN_DIR", help="a run's out_dir (relayrl train's or sft's): its settings, and "
+                   "its model unless --model names another")
+    e.add_argument("--task", help="a built-in task, or file (with --path); default: the run's data.task, else arith")
     e.add_argument("--path", help="dataset file when --task file")
-    e.add_argument("--n", type=int, default=200)
-    e.add_argument("--max-tokens", type=int, default=16)
-    e.add_argument("--temperature", type=float, default=0.0)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--task-params", default="{}", help="the task's parameters as JSON")
-    e.add_argument("--env", default=None, help="evaluate episodes in this environment (e.g. calculator), "
-                   "max-tokens per turn")
+    e.add_argument("--n", type=int, help="held-out prompts; default: the run's data.n_eval, else 200")
+    e.add_argument("--max-tokens", type=int, help="generation budget per prompt (per turn with --env); default: the "
+                   "run's eval.max_tokens, else 16")
+    e.add_argument("--temperature", type=float, help="0: greedy; default: the run's eval.temperature, else 0")
+    e.add_argument("--seed", type=int, help="seed of the task's generator and of sampling; default: the run's "
+                   "data.seed and run.seed, else 0")
+    e.add_argument("--task-params", help="the task's parameters as JSON; default: the run's data.task_params, else "
+                   "the task's defaults")
+    e.add_argument("--env", help="evaluate episodes in this environment (e.g. calculator), max-tokens per turn; "
+                   "default: the run's env section")
     e.set_defaults(fn=_cmd_eval)
 
     g = sub.add_parser("generate", help="sample completions: relayrl generate --model DIR PROMPT ...")

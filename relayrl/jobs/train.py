@@ -51,7 +51,7 @@ from relayrl.observe import MetricsLogger, Progress, StageTimer
 from relayrl.observe.loggers import LoggerOptions
 from relayrl.observe.trace import open_tracer, trace_dir
 from relayrl.parallel.device import resolve_device
-from relayrl.rewards import build_scorer
+from relayrl.rewards import RewardConfig, build_scorer
 from relayrl.rewards.protocol import Scorer
 from relayrl.roles.actor_workers import actor_model, critic_model
 from relayrl.roles.group_policy import GroupPolicy, group_options
@@ -137,30 +137,37 @@ def build_weight_sync(cfg: RunConfig, model: ModelConfig, policy: Policy, engine
                              temperature=cfg.rollout.temperature, cfg=cfg.sync, **lora_options(cfg.trainer.lora))
 
 
-def build_scorer_for(cfg: RunConfig, options: GroupOptions) -> Scorer | None:
-    """The reward scorer; none for environments, which reward their own episodes. Rule functions run in
-    the reward pool (or N reward workers); reward models (`name: model` entries) in the driver's process
-    with parallel.backend none, else in a reward-model worker group of their own (relayrl.roles.reward_model)."""
+def build_scorer_for(cfg: RunConfig, options: GroupOptions | None = None) -> Scorer | None:
+    """The run's reward scorer (reward_scorer); none for environments, which reward their own episodes."""
     if cfg.env is not None:
         return None
-    entries = model_entries(cfg.reward)  # a missing model directory fails here, before any process starts
-    rule_cfg = cfg.reward.rule_config()
-    if cfg.parallel.reward_workers:
-        rules: Scorer = RemoteScorer(rule_cfg, cfg.parallel.reward_workers, options)
+    groups = None if cfg.parallel.backend == "none" else options or group_options(cfg.parallel)
+    return reward_scorer(cfg.reward, cfg.parallel.device, groups, cfg.parallel.reward_workers)
+
+
+def reward_scorer(reward: RewardConfig, device: str, groups: GroupOptions | None = None,
+                  reward_workers: int = 0) -> Scorer:
+    """Rule functions run in the reward pool (or `reward_workers` reward workers); reward models (`name: model`
+    entries) on `device` (a parallel.device setting), in this process without worker-group options (`groups`),
+    else in a reward-model worker group of their own (relayrl.roles.reward_model)."""
+    entries = model_entries(reward)  # a missing model directory fails here, before any process starts
+    rule_cfg = reward.rule_config()
+    if reward_workers:  # RunConfig allows them with worker groups only (not with parallel.backend none)
+        rules: Scorer = RemoteScorer(rule_cfg, reward_workers, groups)
     else:
         rules = build_scorer(rule_cfg)
     if not entries:
         return rules
-    device = resolve_device(cfg.parallel.device)  # reward models compute where the trainer does
+    device = resolve_device(device)  # reward models compute where the trainer does
     try:
-        if cfg.parallel.backend == "none":
+        if groups is None:
             models: ModelScorer | RemoteModelScorer = ModelScorer(entries, device=device)
         else:
-            models = RemoteModelScorer(entries, options, device=device)
+            models = RemoteModelScorer(entries, groups, device=device)
     except BaseException:
         rules.close()
         raise
-    return CombinedScorer(rules, models, entries, on_failure=cfg.reward.on_failure)
+    return CombinedScorer(rules, models, entries, on_failure=reward.on_failure)
 
 
 def build_agent(cfg: RunConfig, engine: RolloutEngine) -> EpisodeRunner | None:

@@ -1,0 +1,48 @@
+"""`relayrl eval`: an EvalJob (relayrl.jobs.eval_config: a run's settings, or the command line's) evaluated — the
+held-out set built from its data section, the model loaded into an engine with the run's engine settings, scored by
+its reward (or its environment), greedy by default: on a run's final model, the figures of the run's last
+evaluation.
+
+Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, closing
+
+import torch
+
+from relayrl.data import build_datasets
+from relayrl.engine import LLMEngine, SamplingParams
+from relayrl.envs.base import make_env
+from relayrl.jobs.eval_config import EvalJob
+from relayrl.jobs.train import reward_scorer
+from relayrl.parallel.device import resolve_device
+from relayrl.rollout.evaluate import episode_agent, evaluate_set
+from relayrl.single_controller.process_setup import configure_process
+
+
+def engine_options(job: EvalJob) -> dict:
+    """LLMEngine's settings of the job's rollout section (one process: its tensor-parallel degree aside)."""
+    r = job.rollout
+    return dict(dtype=getattr(torch, r.engine_dtype), enable_prefix_caching=r.enable_prefix_caching, seed=job.seed,
+                max_num_seqs=r.max_num_seqs, block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes,
+                device=resolve_device(job.device))
+
+
+def run_eval(job: EvalJob) -> dict[str, float]:
+    """The eval/* figures of `job` (relayrl.rollout.evaluate.evaluate_set)."""
+    # a bad setting, an empty dataset, an unknown environment or a missing sandbox: one line, before the model loads
+    SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed)
+    _, eval_set = build_datasets(job.data)
+    if job.env is not None:
+        make_env(job.env)
+    configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
+    with ExitStack() as stack:
+        # an environment rewards its own episodes; otherwise the run's reward (its rule functions in the reward
+        # pool, its reward models in this process)
+        scorer = None if job.env is not None else stack.enter_context(closing(reward_scorer(job.reward, job.device)))
+        engine = stack.enter_context(closing(LLMEngine.from_pretrained(job.model_dir, **engine_options(job))))
+        agent = stack.enter_context(episode_agent(engine, job.env))
+        return evaluate_set(engine, eval_set, data=job.data, scorer=scorer, agent=agent, max_tokens=job.max_tokens,
+                            temperature=job.temperature, seed=job.seed, stop=job.rollout.stop)
