@@ -56,9 +56,9 @@ from relayrl.controller.config import RunConfig
 from relayrl.data import DataConfig, PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.build import build_driver
 from relayrl.jobs.demo import DATA, GRPO, SFT
 from relayrl.jobs.sft import SFTJobConfig, run_sft
-from relayrl.jobs.train import build_driver
 from relayrl.models import load_pretrained
 from relayrl.models.config import ModelShape, TinyModelConfig
 from relayrl.models.flops import matmul_params

@@ -252,7 +252,7 @@ def random_05b_dir(small: bool) -> str:
 
 def run_loop(cfg, steps: int) -> list[dict]:
     """`steps` steps of the driver's loop (sync, rollout, reward, advantage, update; no eval or checkpoint)."""
-    from relayrl.jobs.train import build_driver
+    from relayrl.jobs.build import build_driver
 
     run_dir = tempfile.mkdtemp()
     driver, roles, _, _ = build_driver(cfg, Path(run_dir))

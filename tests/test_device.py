@@ -15,9 +15,10 @@ from torch.distributed.distributed_c10d import BackendConfig
 
 from relayrl.algorithms import AlgoConfig
 from relayrl.errors import ConfigError
-from relayrl.jobs import train as run_module
+from relayrl.jobs import build as build_module
 from relayrl.jobs.base_model import base_model_dir
-from relayrl.jobs.train import build_policy, train
+from relayrl.jobs.build import build_policy
+from relayrl.jobs.train import train
 from relayrl.models.transformer import CausalLM
 from relayrl.observe import device_memory
 from relayrl.observe.device_memory import GIB, device_memory_metrics
@@ -118,7 +119,7 @@ def test_autocast_takes_the_device_type_of_the_model():
 
 def test_a_single_process_policy_builds_every_model_on_the_resolved_device(tmp_path, monkeypatch):
     """The actor, the reference and PPO's critic (backend none): meta stands in for the GPU resolve_device picks."""
-    monkeypatch.setattr(run_module, "resolve_device", lambda setting, key="parallel.device": "meta")
+    monkeypatch.setattr(build_module, "resolve_device", lambda setting, key="parallel.device": "meta")
     cfg = cfg_for(tmp_path, "run", algo={"kl_coef": 0.1, "advantage": "gae"}, critic={})
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, tmp_path / "run")
     policy = build_policy(cfg, src)
@@ -185,16 +186,15 @@ def test_reward_models_are_built_on_the_resolved_device(tmp_path, monkeypatch):
     built = []
 
     class Recorder:
-        def __init__(self, entries, *options, device: str = "cpu"):
-            built.append((type(self).__name__, device))
+        def __init__(self, entries, options=None, device: str = "cpu"):
+            built.append((options.backend if options is not None else None, device))
 
         def close(self):
             pass
 
-    monkeypatch.setattr(run_module, "resolve_device", lambda setting, key="parallel.device": "cuda")
-    monkeypatch.setattr(run_module, "model_entries", lambda reward_cfg: ["an entry"])
-    monkeypatch.setattr(run_module, "ModelScorer", type("ModelScorer", (Recorder,), {}))
-    monkeypatch.setattr(run_module, "RemoteModelScorer", type("RemoteModelScorer", (Recorder,), {}))
+    monkeypatch.setattr(build_module, "resolve_device", lambda setting, key="parallel.device": "cuda")
+    monkeypatch.setattr(build_module, "model_entries", lambda reward_cfg: ["an entry"])
+    monkeypatch.setattr(build_module, "ModelScorer", Recorder)
     for backend in ("none", "local"):
-        run_module.build_scorer_for(cfg_for(tmp_path, backend, parallel={"backend": backend})).close()
-    assert built == [("ModelScorer", "cuda"), ("RemoteModelScorer", "cuda")]
+        build_module.build_scorer_for(cfg_for(tmp_path, backend, parallel={"backend": backend})).close()
+    assert built == [(None, "cuda"), ("local", "cuda")]  # inline (no options) in the driver, else its own process

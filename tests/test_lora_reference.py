@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from relayrl.jobs.train import build_policy
+from relayrl.jobs.build import build_policy
 from relayrl.models import load_pretrained
 from relayrl.models.lora import lora_modules
 from relayrl.roles.group_policy import GroupPolicy

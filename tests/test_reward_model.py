@@ -9,13 +9,14 @@ import transformers
 from relayrl.data.arith import ArithTask
 from relayrl.data.tasks import Example
 from relayrl.errors import ConfigError, DataError, ModelDirError
-from relayrl.jobs.train import build_scorer_for, train
+from relayrl.jobs.build import build_scorer_for
+from relayrl.jobs.train import train
 from relayrl.models import save_pretrained
 from relayrl.models.score import ScoreModel, save_score_model
 from relayrl.models.tokenizer import build_char_tokenizer
 from relayrl.observe import read_metrics
 from relayrl.rewards import task_reward
-from relayrl.roles.reward_model import ModelEntry, ModelScorer, render
+from relayrl.roles.reward_model import ModelEntry, ModelScorer, RewardModel, render
 
 from helpers import cfg_for, perturbed_model, small_config
 
@@ -74,8 +75,8 @@ def _score_once(cfg, completions, examples):
 
 
 def test_scores_equal_transformers_on_padded_batches_and_truncation(rm_dir):
-    scorer = ModelScorer([ModelEntry(name="model", key="k", path=str(rm_dir), weight=1.0, batch_size=2)])
-    rm = scorer.models[0]
+    entry = ModelEntry(name="model", key="k", path=str(rm_dir), weight=1.0, batch_size=2)
+    scorer, rm = ModelScorer([entry]), RewardModel(entry)  # the scorer's worker group (inline); rm: its tokenizer
     prompts = ["1+2=", "12*3-4=", "what is 7?", "a", "9-8="]
     completions = ["3", "32", " seven", "bcdefghijklmnopqrstuvwxyz0123456789" * 2, ""]
     examples = [Example(p, "") for p in prompts]
@@ -91,8 +92,8 @@ def test_scores_equal_transformers_on_padded_batches_and_truncation(rm_dir):
 
 
 def test_chat_prompts_render_the_conversation_and_match_transformers(rm_dir):
-    scorer = ModelScorer([ModelEntry(name="model", key="k", path=str(rm_dir), weight=1.0)])
-    tok = scorer.models[0].tokenizer
+    entry = ModelEntry(name="model", key="k", path=str(rm_dir), weight=1.0)
+    scorer, tok = ModelScorer([entry]), RewardModel(entry).tokenizer
     examples = [Example([{"role": "user", "content": "1+2="}], ""),
                 Example([{"role": "system", "content": "be exact"}, {"role": "user", "content": "9*9="}], "")]
     completions = ["3", "81"]
@@ -150,12 +151,12 @@ def test_worker_group_equals_driver_process(tmp_path, rm_dir):
         cfg = cfg_for(tmp_path, backend, reward={"functions": fns, "workers": 0}, parallel={"backend": backend})
         scorer = build_scorer_for(cfg)
         try:
-            kind = type(scorer.models).__name__
+            kind = scorer.models.group.backend_name  # one role class; where it runs is the group's backend
             results.append((kind, scorer.score(completions, examples)))
         finally:
             scorer.close()
     (k0, a), (k1, b) = results
-    assert (k0, k1) == ("ModelScorer", "RemoteModelScorer")
+    assert (k0, k1) == ("inline", "local")
     assert b.per_function["model"] == pytest.approx(a.per_function["model"], abs=1e-6)
     assert b.rewards == pytest.approx(a.rewards, abs=1e-6) and b.correct == a.correct
 

@@ -15,8 +15,8 @@ import torch
 from relayrl.data import build_datasets
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.base import make_env
+from relayrl.jobs.build import reward_scorer
 from relayrl.jobs.eval_config import EvalJob
-from relayrl.jobs.train import reward_scorer
 from relayrl.parallel.device import resolve_device
 from relayrl.rollout.evaluate import episode_agent, evaluate_set
 from relayrl.single_controller.process_setup import configure_process

@@ -26,254 +26,30 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
-from relayrl.algorithms.registry import advantage_needs_greedy_baseline
 from relayrl.checkpoint import capture_rng_state, latest_valid_checkpoint, restore_rng_state
 from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
-from relayrl.controller.step_cost import StepCost
-from relayrl.data import PromptSampler, build_datasets
-from relayrl.engine import LLMEngine
-from relayrl.engine.protocols import RolloutEngine
 from relayrl.errors import UserError
-from relayrl.jobs.base_model import base_model_dir
-from relayrl.jobs.preflight import check_fits_model, check_roles, check_start, sync_transport
-from relayrl.models import load_config, load_pretrained, save_pretrained
-from relayrl.models.config import ModelConfig, MoEShape
+from relayrl.jobs.build import Roles, build_driver, run_trace_dir
+from relayrl.jobs.preflight import check_start
+from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.lora import merge_lora_state_dict
-from relayrl.models.tokenizer import load_tokenizer
-from relayrl.observe import MetricsLogger, Progress, StageTimer
+from relayrl.observe import MetricsLogger, Progress
 from relayrl.observe.loggers import LoggerOptions
-from relayrl.observe.trace import open_tracer, trace_dir
-from relayrl.parallel.device import resolve_device
-from relayrl.rewards import RewardConfig, build_scorer
-from relayrl.rewards.protocol import Scorer
-from relayrl.roles.actor_workers import actor_model, critic_model
-from relayrl.roles.group_policy import GroupPolicy, group_options
-from relayrl.roles.local_policy import LocalPolicy
-from relayrl.roles.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
-from relayrl.roles.reward_model import CombinedScorer, ModelScorer, RemoteModelScorer, model_entries
-from relayrl.roles.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
-from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
+from relayrl.observe.trace import open_tracer
 from relayrl.rollout.evaluate import evaluate_set
-from relayrl.rollout.source import LockstepSource, RolloutSource, StreamingSource
-from relayrl.single_controller.liveness import GroupOptions
 from relayrl.single_controller.process_setup import configure_process
-from relayrl.sync.experts import sync_shape
-from relayrl.sync.layout import TrainerLayout
-from relayrl.sync.protocol import WeightSync
-from relayrl.trainer.actor import Actor
-from relayrl.trainer.critic import Critic
-from relayrl.trainer.policy import Policy
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: LocalPolicy | GroupPolicy,
-                 options: GroupOptions) -> RolloutEngine:
-    """The rollout engine, its ranks where parallel.placement puts them:
-
-        vllm                          vLLM's engine (its own workers; synced with full tensors)
-        colocated                     in the trainer's processes: beside the actor in this one
-                                      (backend none), or ranks 0..tp-1 of the actor workers
-        disaggregated                 processes of its own (a worker group of its ranks; or the
-                                      whole engine in a rollout worker)
-
-    Colocated engines start empty: the first (verified) sync gives them the policy's weights."""
-    r, par = cfg.rollout, cfg.parallel
-    kwargs = dict(dtype=DTYPES[r.engine_dtype], enable_prefix_caching=r.enable_prefix_caching, seed=cfg.run.seed)
-    if r.backend == "vllm":
-        from relayrl.engine.vllm_backend import VLLMEngine
-
-        return VLLMEngine(src, **kwargs)
-    kwargs.update(max_num_seqs=r.max_num_seqs, block_size=r.block_size, kv_cache_bytes=r.kv_cache_bytes,
-                  tensor_parallel_size=r.tp, expert_placement=r.expert_placement,
-                  record_routing=records_routing(model))
-    device = resolve_device(par.device)  # colocated ranks take the actor's device instead
-    if par.rollout_worker:  # a tensor-parallel engine's own group, started in the worker, traces there too
-        return RemoteEngine(src, {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)}, options,
-                            device=device)
-    tokenizer = load_tokenizer(src)
-    if par.placement == "disaggregated":
-        return LLMEngine(model, tokenizer, own_processes=True, group_options=options, device=device, **kwargs)
-    hosted = policy.host_engine(model, kwargs["dtype"], r.tp, r.expert_placement)
-    return LLMEngine(model, tokenizer, runner_group=hosted, **kwargs)
-
-
-def records_routing(model: ModelConfig) -> bool:
-    """relayrl's engine records an MoE model's routing always: algo.routing_replay replays it, and without replay
-    the update still compares its own routing against it (moe/routing_mismatch). Its cost: a host int16 per (KV
-    slot, MoE layer, slot k), and one more decode position per sample (its final token; relayrl.engine.routing)."""
-    return isinstance(model, MoEShape)
-
-
-def build_weight_sync(cfg: RunConfig, model: ModelConfig, policy: Policy, engine: RolloutEngine) -> WeightSync:
-    """The planned, verified sync for relayrl's engine; vLLM's loader takes full tensors."""
-    if cfg.rollout.backend == "vllm":
-        return FullWeightSync(policy, engine, **lora_options(cfg.trainer.lora))
-    par = cfg.parallel
-    layout = (TrainerLayout() if par.backend == "none"
-              else TrainerLayout(par.tp, par.dp_shard * par.cp, par.dp_replicate, pp=par.pp,  # FSDP: dp_shard x cp
-                                 pp_schedule=par.pp_schedule, ep=par.ep))
-    bf16_base = cfg.trainer.lora is not None and cfg.trainer.lora.base_dtype == "bfloat16"  # the trainer's compute
-    # sync_shape keeps an MoE model's experts (ModelShape.of drops them)
-    return PlannedWeightSync(policy, engine, shape=sync_shape(model), trainer_layout=layout,
-                             engine_tp=cfg.rollout.tp, expert_placement=cfg.rollout.expert_placement,
-                             ipc=sync_transport(cfg) == "ipc",
-                             colocated=par.placement == "colocated" and not par.rollout_worker,
-                             engine_dtype=DTYPES[cfg.rollout.engine_dtype],
-                             trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 or bf16_base else torch.float32,
-                             temperature=cfg.rollout.temperature, cfg=cfg.sync, **lora_options(cfg.trainer.lora))
-
-
-def build_scorer_for(cfg: RunConfig, options: GroupOptions | None = None) -> Scorer | None:
-    """The run's reward scorer (reward_scorer); none for environments, which reward their own episodes."""
-    if cfg.env is not None:
-        return None
-    groups = None if cfg.parallel.backend == "none" else options or group_options(cfg.parallel)
-    return reward_scorer(cfg.reward, cfg.parallel.device, groups, cfg.parallel.reward_workers)
-
-
-def reward_scorer(reward: RewardConfig, device: str, groups: GroupOptions | None = None,
-                  reward_workers: int = 0) -> Scorer:
-    """Rule functions run in the reward pool (or `reward_workers` reward workers); reward models (`name: model`
-    entries) on `device` (a parallel.device setting), in this process without worker-group options (`groups`),
-    else in a reward-model worker group of their own (relayrl.roles.reward_model)."""
-    entries = model_entries(reward)  # a missing model directory fails here, before any process starts
-    rule_cfg = reward.rule_config()
-    if reward_workers:  # RunConfig allows them with worker groups only (not with parallel.backend none)
-        rules: Scorer = RemoteScorer(rule_cfg, reward_workers, groups)
-    else:
-        rules = build_scorer(rule_cfg)
-    if not entries:
-        return rules
-    device = resolve_device(device)  # reward models compute where the trainer does
-    try:
-        if groups is None:
-            models: ModelScorer | RemoteModelScorer = ModelScorer(entries, device=device)
-        else:
-            models = RemoteModelScorer(entries, groups, device=device)
-    except BaseException:
-        rules.close()
-        raise
-    return CombinedScorer(rules, models, entries, on_failure=reward.on_failure)
-
-
-def build_agent(cfg: RunConfig, engine: RolloutEngine) -> EpisodeRunner | None:
-    """With an `env:` section, the agent loop: beside the engine in this process, or in the rollout worker."""
-    if cfg.env is None:
-        return None
-    if isinstance(engine, RemoteEngine):
-        return RemoteAgentLoop(engine, cfg.env)
-    assert isinstance(engine, LLMEngine)  # RunConfig refuses env with the vllm backend
-    return AgentLoop(engine, cfg.env)
-
-
-def close_all(*roles) -> None:
-    """Close every role, each on its own: one that fails (a dead worker group) must not keep the
-    others (the engine's processes, the reward pool) from closing. The first error is re-raised
-    after all were tried, unless an error is already on its way out."""
-    first = None
-    for role in roles:
-        if role is None:
-            continue
-        try:
-            role.close()
-        except Exception as e:
-            first = first or e
-    if first is not None:
-        raise first
-
-
-@dataclass
-class Roles:
-    """What a run builds around its driver, each closed on its own at the end (close_all)."""
-
-    policy: Policy
-    engine: RolloutEngine
-    weight_sync: WeightSync
-    scorer: Scorer | None  # single-turn rewards; None with an environment
-    agent: EpisodeRunner | None  # with an `env:` section: multi-turn episodes, rewarded by their environment
-    source: RolloutSource
-
-    def close(self) -> None:
-        close_all(self.source, self.agent, self.weight_sync, self.scorer, self.engine, self.policy)
-
-
-def build_source(cfg: RunConfig, engine: RolloutEngine, scorer: Scorer | None, agent: EpisodeRunner | None,
-                 sampler: PromptSampler, timer: StageTimer, cost: StepCost | None) -> RolloutSource:
-    """The rollout source of rollout.mode: lockstep (sync) or the stream (one_step_off, async)."""
-    common = dict(sampler=sampler, rollout=cfg.rollout, data=cfg.data, seed=cfg.run.seed, scorer=scorer, agent=agent,
-                  timer=timer, on_generated=cost.add if cost is not None else None)
-    if cfg.rollout.mode == "sync":
-        return LockstepSource(engine, filter_groups=cfg.algo.filter_groups,
-                              max_resample_rounds=cfg.algo.max_resample_rounds,
-                              greedy_baseline=advantage_needs_greedy_baseline(cfg.algo.advantage), **common)
-    return StreamingSource(engine, total_steps=cfg.run.steps, env_name=cfg.env.name if cfg.env else "", **common)
-
-
-def run_trace_dir(cfg: RunConfig, run_dir: Path) -> str | None:
-    """Where the run's processes append their spans (run.trace), or None."""
-    return str(trace_dir(run_dir).resolve()) if cfg.run.trace else None
-
-
-def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Path]:
-    src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
-    model = load_config(src)  # read once: the checks, the engine, the sync plan and the driver share it
-    check_fits_model(cfg, model)
-    torch.manual_seed(cfg.run.seed)
-    train_set, eval_set = build_datasets(cfg.data)
-    check_roles(cfg)
-    options = group_options(cfg.parallel, run_trace_dir(cfg, run_dir))  # every worker group's
-    policy, engine, sync, scorer, agent, source = build_policy(cfg, src, options), None, None, None, None, None
-    try:
-        engine = build_engine(cfg, src, model, policy, options)
-        sync = build_weight_sync(cfg, model, policy, engine)
-        scorer = build_scorer_for(cfg, options)
-        agent = build_agent(cfg, engine)
-        timer, cost = StageTimer(), StepCost(cfg, model)
-        source = build_source(cfg, engine, scorer, agent, PromptSampler(train_set, cfg.run.seed), timer, cost)
-        driver = Driver(cfg, policy=policy, engine=engine, source=source, weight_sync=sync, cost=cost, timer=timer)
-    except BaseException:
-        try:  # no process outlives a failed start
-            close_all(source, agent, sync, scorer, engine, policy)
-        except Exception:
-            pass
-        raise
-    return driver, Roles(policy, engine, sync, scorer, agent, source), eval_set, src
-
-
-def build_policy(cfg: RunConfig, src: Path, options: GroupOptions | None = None) -> LocalPolicy | GroupPolicy:
-    """The trainer in this process (parallel.backend none), or as worker groups (local / ray); with PPO's
-    critic (algo.advantage gae) beside the actor, laid out like it."""
-    with_ref = cfg.algo.kl_coef > 0
-    # trainer.lora: the reference is the actor's frozen base (its adapters off), not a second model
-    ref_in_actor = with_ref and cfg.trainer.lora is not None
-    if cfg.parallel.backend == "none":
-        device = resolve_device(cfg.parallel.device)  # every model on it before its optimiser is built
-        actor = Actor(actor_model(str(src), cfg.trainer.lora, cfg.run.seed).to(device), cfg.trainer, cfg.algo,
-                      total_steps=cfg.run.steps, temperature=cfg.rollout.temperature, seed=cfg.run.seed)
-        ref = load_pretrained(src).to(device).eval().requires_grad_(False) if with_ref and not ref_in_actor else None
-        critic = None
-        if cfg.critic is not None:
-            critic = Critic(critic_model(str(src), cfg.critic, cfg.run.seed).to(device), cfg.critic, cfg.algo,
-                            total_steps=cfg.run.steps, seed=cfg.run.seed)
-        return LocalPolicy(actor, ref, temperature=cfg.rollout.temperature,
-                           micro_batch_size=cfg.trainer.micro_batch_size, critic=critic, ref_in_actor=ref_in_actor)
-    return GroupPolicy(src, par=cfg.parallel, trainer_cfg=cfg.trainer, algo_cfg=cfg.algo, total_steps=cfg.run.steps,
-                       temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=with_ref,
-                       critic_cfg=cfg.critic, options=options)
 
 
 def _save(driver: Driver, run_dir: Path, cfg: RunConfig, src: Path) -> None:

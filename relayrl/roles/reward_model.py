@@ -13,8 +13,8 @@ with the tokenizer's own special tokens (a BOS where the tokenizer adds one), as
 
     CombinedScorer (a relayrl.rewards.protocol.Scorer)
       rules:  RewardScorer / RemoteScorer over the rule entries   ──> their weighted sum, per function, correct
-      models: ModelScorer (in the driver's process, parallel.backend none)
-              or RemoteModelScorer (a reward-model worker group of one process, backend local / ray)
+      models: ModelScorer, the reward models' worker group: inline in the driver's process (parallel.backend
+              none) or one process of its own (backend local / ray)
       reward[i]  = rules' sum[i] + sum_m weight_m * logit_m[i]
       correct[i] = the task's score >= 1.0, from the rule side as always (accuracy is a metric, not a reward):
                    with only model entries configured the pool still computes the task score for it
@@ -140,40 +140,30 @@ class RewardModel:
         return out
 
 
-class ModelScorer:
-    """Every reward model of the run in this process: `score(...) -> {name: logits}`."""
-
-    def __init__(self, entries: Sequence[ModelEntry], device: str = "cpu"):
-        self.models = [RewardModel(e, device) for e in entries]
-
-    def score(self, completions: Sequence[str], examples: Sequence[Example]) -> dict[str, list[float]]:
-        return {m.entry.name: m.scores(completions, examples) for m in self.models}
-
-    def close(self) -> None:
-        self.models = []
-
-
 class RewardModelWorker(Worker):
-    """The reward models in a worker process of their own, on the worker's device."""
+    """Every reward model of the run, on the worker's device: `score(...) -> {name: logits}`."""
 
     def __init__(self, entries: list[ModelEntry]):
-        self.scorer = ModelScorer(entries, device=self.device)
+        self.models = [RewardModel(e, self.device) for e in entries]
 
     @dispatch(Dispatch.DP_SPLIT)
     def score(self, batch: DataBatch) -> dict[str, list[float]]:
-        return self.scorer.score(batch.non_tensors["texts"], batch.non_tensors["examples"])
+        texts, examples = batch.non_tensors["texts"], batch.non_tensors["examples"]
+        return {m.entry.name: m.scores(texts, examples) for m in self.models}
 
     def teardown(self) -> None:
-        self.scorer.close()
+        self.models = []
 
 
-class RemoteModelScorer:
-    """The reward models in a worker group (one process by default: each worker holds every model)."""
+class ModelScorer:
+    """The reward models as a worker group: inline in the driver's process by default (parallel.backend none),
+    or `workers` processes of their own (local / ray; each holds every model)."""
 
-    def __init__(self, entries: list[ModelEntry], options: GroupOptions, workers: int = 1, device: str = "cpu"):
+    def __init__(self, entries: list[ModelEntry], options: GroupOptions | None = None, workers: int = 1,
+                 device: str = "cpu"):
         self.names = [e.name for e in entries]
         self.group = WorkerGroup(ResourcePool([workers], device=device, name="reward-model"), RewardModelWorker,
-                                 entries, options=options)
+                                 list(entries), options=options or GroupOptions(backend="inline"))
 
     def score(self, completions: Sequence[str], examples: Sequence[Example]) -> dict[str, list[float]]:
         batch = DataBatch({}, non_tensors={"texts": list(completions), "examples": list(examples)})
@@ -187,7 +177,7 @@ class RemoteModelScorer:
 class CombinedScorer:
     """Rule functions and reward models as one Scorer (see the module doc for the sum and the names)."""
 
-    def __init__(self, rules: Scorer, models: ModelScorer | RemoteModelScorer, entries: Sequence[ModelEntry],
+    def __init__(self, rules: Scorer, models: ModelScorer, entries: Sequence[ModelEntry],
                  on_failure: float = 0.0):
         self.rules, self.models, self.entries, self.on_failure = rules, models, list(entries), on_failure
 
