@@ -23,9 +23,10 @@ RELAYRL_HOST_MEMORY=keep|release picks the policy. When any glibc malloc setting
 GLIBC_TUNABLES), that setting is the user's (the memory benchmarks set one so RSS follows live tensors) and
 nothing is changed. Where the C library is not glibc, nothing is changed.
 
-Applied once per process by the processes that do the work: the driver's job (controller.run, controller.sft_job),
-every spawned rank (parallel.launch) and every worker (single_controller's host); a benchmark that runs a trainer
-or an engine in its own process calls `apply()` itself. The environment variable is inherited by spawned
+Applied once per process by the processes that do the work: every process that runs models through
+relayrl.single_controller.process_setup.configure_process (the jobs' driver process, every worker), and every rank
+relayrl.parallel.launch spawns; a benchmark that runs a trainer or an engine in its own process calls `apply()`
+itself. The environment variable is inherited by spawned
 processes, so one setting reaches every rank.
 
 It imports the standard library and errors.py only.
