@@ -1,5 +1,5 @@
 """relayrl.planner against hand-computed cases on a tiny shape, relayrl's engine arithmetic, one measured
-FSDP2 run (padded shards). The CLI: tests/test_plan_cli.py."""
+FSDP2 run (padded shards). The CLI: tests/planner/test_plan_cli.py."""
 
 from __future__ import annotations
 

@@ -292,7 +292,7 @@ def test_killing_the_caller_kills_the_sandbox(tmp_path):
     sleeper = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-S', '-c', {sleep!r}, {mark!r}])"
     caller = subprocess.Popen([sys.executable, "-c", "import sys; from relayrl.sandbox import run, Limits; "
                                "run(sys.argv[1], limits=Limits(wall_s=60))", sleeper],
-                              cwd=Path(__file__).resolve().parent.parent)
+                              cwd=Path(__file__).resolve().parents[2])
     try:
         deadline = time.monotonic() + 30
         while not processes_with(mark) and time.monotonic() < deadline:

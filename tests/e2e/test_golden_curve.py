@@ -2,7 +2,7 @@
 reward, mismatch, KL, the critic's, the sync's bytes...) is stored and compared exactly, so a refactor that is
 not meant to change numerics is shown not to, to the last bit.
 
-    python tests/test_golden_curve.py --record      writes tests/golden/<machine>.json from the current code
+    python tests/e2e/test_golden_curve.py --record      writes tests/e2e/golden/<machine>.json from the current code
 
 Exact means on the machine it was recorded on: the CPU's kernels (MKL or oneDNN, their blocking) round fp32 sums
 in their own order, and one flipped sample changes everything after it. So a curve is stored per machine
@@ -85,7 +85,7 @@ def _stored() -> dict:
     path = curve_path()
     if not path.exists():
         pytest.skip(f"no golden curve for this machine ({fingerprint()}): record one at the commit before a "
-                    f"refactor with `python tests/test_golden_curve.py --record`")
+                    f"refactor with `python tests/e2e/test_golden_curve.py --record`")
     return json.loads(path.read_text())
 
 
@@ -115,6 +115,6 @@ def record() -> Path:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--record"]:
-        sys.exit("usage: python tests/test_golden_curve.py --record")
-    sys.path[:0] = [str(HERE), str(HERE.parent)]  # helpers, and tests.fixtures for the reward by name
+        sys.exit("usage: python tests/e2e/test_golden_curve.py --record")
+    sys.path[:0] = [str(HERE.parent), str(HERE.parents[1])]  # helpers, and tests.fixtures for the reward by name
     print(f"wrote {record()}")

@@ -30,7 +30,7 @@ from relayrl.envs.tools import (
 from relayrl.errors import ConfigError
 from relayrl.models.tokenizer import build_char_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def search(

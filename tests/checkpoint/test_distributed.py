@@ -8,7 +8,7 @@ process; the write is atomic across ranks; the export is a Hugging Face director
 
 Resumed state must equal the saved state exactly (it is copied, never recomputed); the step after
 the resume must match the step the world-4 run took without stopping (a different layout sums in
-a different order, hence a 1e-5 scale-relative tolerance, as in test_parallel.py). The loss divides
+a different order, hence a 1e-5 scale-relative tolerance, as in tests/parallel/test_parallelize.py). The loss divides
 by the GLOBAL token count, so the data-parallel ranks' losses sum to the full-batch loss.
 """
 

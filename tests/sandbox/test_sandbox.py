@@ -1,6 +1,6 @@
 """The sandbox's ordinary behaviour: output, exit status, files, stdin, environment and each limit,
 checked on real bubblewrap runs (skipped, with the reason, where the sandbox cannot run).
-Attacks on it are in test_sandbox_attacks.py."""
+Attacks on it are in test_attacks.py."""
 
 from __future__ import annotations
 

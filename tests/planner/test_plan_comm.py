@@ -1,6 +1,6 @@
 """relayrl.planner's communication, transient buffers and step time against hand-computed numbers from the
 formulas in the module docstrings of relayrl/planner/comm.py, activations.py and compute.py. The DDP / TP
-all-reduce and FSDP all-gather bytes are tests/test_plan.py's (test_collectives_bytes_and_links)."""
+all-reduce and FSDP all-gather bytes are tests/planner/test_plan_memory.py's (test_collectives_bytes_and_links)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ _open = []
 
 
 def scorer(*functions):
-    # One worker each: these tests check what is scored, tests/test_reward_pool.py how the pool runs it.
+    # One worker each: these tests check what is scored, tests/rewards/test_pool.py how the pool runs it.
     s = build_scorer(RewardConfig.from_dict({"functions": list(functions), "workers": 1}))
     _open.append(s)
     return s

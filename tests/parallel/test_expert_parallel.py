@@ -322,7 +322,7 @@ def test_refusals():
     dims = ParallelDims(dp_shard=2, cp=2, ep=4, world_size=4)  # ep borrows dp_shard x cp
     assert dims.efsdp == 1 and dims.ep_enabled and dims.world_size == 4
     with pytest.raises(ConfigError, match=r"parallel.ep=2 must divide parallel.dp_shard=1 \(expert parallelism "):
-        ParallelConfig.from_dict({"ep": 2})  # a run's ep borrows dp_shard (tests/test_moe_run.py runs it)
+        ParallelConfig.from_dict({"ep": 2})  # a run's ep borrows dp_shard (tests/e2e/test_moe_run.py runs it)
     with pytest.raises(ConfigError, match="parallel.ep=2 with parallel.tp=2"):
         ParallelConfig.from_dict({"dp_shard": 2, "tp": 2, "ep": 2})
     assert ParallelConfig.from_dict({"dp_shard": 2, "ep": 2}).ep == 2

@@ -1,6 +1,6 @@
 """The code reward: code extraction from completions, the per-test verdicts of run_tests on real
 sandbox runs, the host-side comparison, and the registered `code_tests` reward. Attempts to forge a
-pass are in test_sandbox_attacks.py."""
+pass are in tests/sandbox/test_attacks.py."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def test_small_config_by_hand():
 
 def test_engine_counts_each_samples_tokens_keys_and_steps():
     eng = LLMEngine.from_model(perturbed_model(small_config()), num_blocks=64, block_size=4,
-                               enable_prefix_caching=False, fork_samples=False)  # forks: test_engine_fork.py
+                               enable_prefix_caching=False, fork_samples=False)  # forks: engine/test_forked_samples.py
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
     budgets = [2, 6]
     params = [SamplingParams(n=2, max_tokens=m, ignore_eos=True, seed=i) for i, m in enumerate(budgets)]
@@ -66,7 +66,7 @@ def test_prefix_cache_hits_are_not_counted():
     # block size 4, a prompt of 9 tokens, two samples: the first computes all 9, the second finds the first's
     # two full blocks (8 tokens) cached and computes the 9th only (the last token's block is never a hit)
     eng = LLMEngine.from_model(perturbed_model(small_config()), num_blocks=64, block_size=4,
-                               enable_prefix_caching=True, fork_samples=False)  # forks: test_engine_fork.py
+                               enable_prefix_caching=True, fork_samples=False)  # forks: engine/test_forked_samples.py
     out = eng.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]], SamplingParams(n=2, max_tokens=3, ignore_eos=True, seed=1))
     a, b = (s.cost for s in out[0].samples)
     # 9 prompt tokens + 2 decodes = 11 tokens at positions 0..10: keys 1 + ... + 11 = 66

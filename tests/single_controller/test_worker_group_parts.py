@@ -1,5 +1,5 @@
 """The single controller's parts in one process: DataBatch, dispatch split/collect, resource pools,
-worker construction. (tests/test_worker_group.py runs them across real processes.)"""
+worker construction. (tests/single_controller/test_worker_group.py runs them across real processes.)"""
 
 from __future__ import annotations
 

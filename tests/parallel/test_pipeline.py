@@ -651,7 +651,7 @@ def test_refusals():
         check_schedule("zb")
     with pytest.raises(ConfigError, match="pp_schedule: .*unknown pipeline schedule .ZB1P."):
         ParallelConfig.from_dict({"pp_schedule": "ZB1P"})
-    assert ParallelConfig.from_dict({"pp": 2}).world_size == 2  # runs take it (tests/test_pipeline_run.py)
+    assert ParallelConfig.from_dict({"pp": 2}).world_size == 2  # runs take it (tests/e2e/test_pipeline_run.py)
     assert ParallelConfig.from_dict({"pp_schedule": "zbv"}).pp_schedule == "zbv"
     with pytest.raises(ConfigError, match="5 pipeline stages for 4 decoder layers"):
         split_model(build("llama4"), (0,), 5)

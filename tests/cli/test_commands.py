@@ -105,7 +105,7 @@ def test_shipped_configs_validate():
     from relayrl.controller.config import load_run_config
     from relayrl.jobs.sft import SFTJobConfig
 
-    root = Path(__file__).resolve().parents[1] / "configs"
+    root = Path(__file__).resolve().parents[2] / "configs"
     assert load_run_config(root / "grpo_arith.yaml").rollout.group_size == 8
     assert SFTJobConfig.from_dict(load_yaml(root / "sft_arith.yaml")).sft.steps == 300
     agent = load_run_config(root / "agent_calculator.yaml")

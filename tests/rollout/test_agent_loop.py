@@ -308,7 +308,7 @@ def test_a_hung_environment_step_does_not_keep_the_process_alive():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the repository: tests.fixtures imports from there
     out = subprocess.run([sys.executable, "-c", HANG_SCRIPT], cwd=root, capture_output=True, text=True, timeout=120)
     # the first step was abandoned at its deadline; with its one thread held, the two steps queued behind it
     # could never start and ended too (not a loop waiting forever); the interpreter exited with the thread

@@ -154,8 +154,8 @@ def reference_model(seed: int) -> torch.nn.Linear:
 def ray_session():
     ray = pytest.importorskip("ray")
     here = Path(__file__).resolve().parent
-    # Ray workers must import this module (the toy workers) and relayrl
-    path = os.pathsep.join([str(here.parent), str(here)])
+    # Ray workers must import this module (the toy workers) and relayrl (from the repository, two levels up)
+    path = os.pathsep.join([str(here.parents[1]), str(here)])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield ray

@@ -277,7 +277,7 @@ def test_parallel_dims_cp():
     assert dims.dp_shard == 2 and dims.dp == 2 and dims.cp_enabled
     with pytest.raises(ConfigError, match=r"dp_shard \(1\) x cp \(2\) x tp \(1\) = 2, but world_size is 4"):
         ParallelDims(cp=2, world_size=4)
-    assert ParallelConfig.from_dict({"cp": 2}).world_size == 2  # runs take it (tests/test_context_parallel_run.py)
+    assert ParallelConfig.from_dict({"cp": 2}).world_size == 2  # runs take it (tests/e2e/test_context_parallel_run.py)
     assert ParallelConfig.from_dict({"cp": 1, "cp_mode": "ulysses"}).cp_mode == "ulysses"
 
 
