@@ -22,6 +22,7 @@ SPELLINGS = {  # as written -> the number meant
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text", sorted(SPELLINGS))
 def test_number_spellings(text):
     assert parse_yaml(text) == SPELLINGS[text]
@@ -29,11 +30,13 @@ def test_number_spellings(text):
     assert apply_overrides({}, [f"a.b={text}"]) == {"a": {"b": SPELLINGS[text]}}
 
 
+@pytest.mark.unit
 def test_what_stays_a_string():
     for text in ("1:30", "abc", "1e", "e5", "._5", "nan", "inf", "v1.2"):  # no base-60, no bare nan / inf
         assert parse_yaml(text) == text
 
 
+@pytest.mark.unit
 def test_numbers_reach_the_run_config_from_files_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("trainer:\n  lr: 3e-3\n  adam_eps: 1E-8\n  weight_decay: .5\n"
@@ -45,12 +48,14 @@ def test_numbers_reach_the_run_config_from_files_and_overrides(tmp_path):
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
+@pytest.mark.e2e
 def test_cli_takes_the_spellings(tmp_path, capsys):
     code = main(["train", CONFIG, "trainer.lr=3e-3", "run.steps=0", f"run.out_dir={tmp_path}"])  # steps must be >= 1
     err = capsys.readouterr().err
     assert code == 2 and "run.steps" in err and "trainer.lr" not in err  # 3e-3 was read as a number
 
 
+@pytest.mark.unit
 def test_a_non_utf8_dataset_is_named_with_its_byte_offset(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "3"}\n')
@@ -60,6 +65,7 @@ def test_a_non_utf8_dataset_is_named_with_its_byte_offset(tmp_path):
     assert str(err.value) == f"{data} is not UTF-8: byte 49 (line 2) is 0xe9; save the dataset as UTF-8"
 
 
+@pytest.mark.e2e
 def test_tensor_parallel_that_does_not_divide_the_model_is_refused_before_any_process(tmp_path, capsys):
     t0 = time.monotonic()
     code = main(["train", CONFIG, "parallel.backend=local", "parallel.tp=3", f"run.out_dir={tmp_path / 'a'}"])

@@ -14,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent / "relayrl"
 
 GROUND = {"config", "errors", "lazy"}  # relayrl/config.py, errors.py, lazy.py: every layer may use them

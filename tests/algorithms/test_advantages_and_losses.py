@@ -26,6 +26,8 @@ from relayrl.algorithms import (
 )
 from relayrl.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 D = torch.float64
 
 

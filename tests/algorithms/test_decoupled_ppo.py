@@ -13,6 +13,8 @@ from relayrl.controller.driver import Driver, Rollout
 
 from helpers import cfg_for
 
+pytestmark = pytest.mark.unit
+
 L = math.log
 # row 0 (A = +1): three tokens; row 1 (A = -1): two tokens and a padded one
 LOGP = torch.tensor([[L(.5), L(.3), L(.6)], [L(.1), L(.5), 0.0]])

@@ -10,6 +10,8 @@ from relayrl.algorithms.gae import gae, masked_whiten, token_rewards
 
 from helpers import random_multiturn_mask
 
+pytestmark = pytest.mark.unit
+
 
 def test_hand_computed_case():
     # prompt token, three model tokens, padding; outcome 1 on the last model token

@@ -9,6 +9,8 @@ from relayrl.algorithms import AlgoConfig, get_loss
 from relayrl.algorithms.objective import policy_objective
 from relayrl.algorithms.policy_loss import LOG_RATIO_BOUND
 
+pytestmark = pytest.mark.unit
+
 
 def one_token(ratio: float, adv: float, loss: str = "ppo", **kw):
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)

@@ -25,6 +25,8 @@ from relayrl.errors import ConfigError
 
 from helpers import random_multiturn_mask
 
+pytestmark = pytest.mark.unit
+
 D = torch.float64
 
 

@@ -13,6 +13,8 @@ from relayrl.checkpoint import save_distributed
 from relayrl.checkpoint.dcp_index import IndexRefused, read_dcp_index
 from relayrl.models import CausalLM, ModelConfig
 
+pytestmark = pytest.mark.unit
+
 SHARDS = {"__0_0.distcp"}
 
 

@@ -225,6 +225,7 @@ def assert_continues(loss_parts, weights, ref, what):
 # ---------------------------------------------------------------- tests
 
 
+@pytest.mark.equivalence
 def test_fsdp4_save_is_complete_and_sharded(saved):
     ckpts = list_checkpoints(saved["run_dir"])
     assert [p.name for p in ckpts] == ["step_00000001", "step_00000002"]
@@ -238,6 +239,7 @@ def test_fsdp4_save_is_complete_and_sharded(saved):
     assert load_checkpoint(ckpts[-1], names=["extra"])[0]["extra"]["step"] == 2
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
 def test_resume_on_two_ranks(saved, resumed, layout):
     parts = [r[layout] for r in resumed["ranks"]]
@@ -249,6 +251,7 @@ def test_resume_on_two_ranks(saved, resumed, layout):
                          f"{layout} rank {rank}")
 
 
+@pytest.mark.equivalence
 def test_resume_in_one_plain_process(saved):
     model = build_model(seed=7)
     opt = adamw(model)
@@ -260,6 +263,7 @@ def test_resume_in_one_plain_process(saved):
     assert_continues([loss], full_params(model), saved["ranks"], "plain process")
 
 
+@pytest.mark.equivalence
 def test_tp_save_loads_in_plain_process(resumed):
     model = build_model(seed=9)
     extra = load_distributed(latest_checkpoint(resumed["run_dir"]), model)  # model only, no optimizer
@@ -269,6 +273,7 @@ def test_tp_save_loads_in_plain_process(resumed):
         assert torch.equal(p.detach(), tp[n]), n
 
 
+@pytest.mark.faults
 def test_failed_save_on_rank0_raises_everywhere_and_keeps_previous(resumed):
     seen = [r["crash"] for r in resumed["ranks"]]
     assert seen[0] == "OSError: injected: power cut before the rename"
@@ -277,6 +282,7 @@ def test_failed_save_on_rank0_raises_everywhere_and_keeps_previous(resumed):
     assert sorted(p.name for p in (resumed["run_dir"] / "checkpoints").iterdir()) == ["step_00000003"]
 
 
+@pytest.mark.equivalence
 def test_export_loads_in_transformers(saved, tmp_path):
     import transformers
 
@@ -297,6 +303,7 @@ def test_export_loads_in_transformers(saved, tmp_path):
         export_hf(ckpt, out)
 
 
+@pytest.mark.equivalence
 def test_export_needs_a_model_dir(resumed, saved, tmp_path):
     ckpt = latest_checkpoint(resumed["run_dir"])  # saved without meta["model_dir"]
     with pytest.raises(UserError, match="--model-dir"):
@@ -319,6 +326,7 @@ def _trained(seed=0):
     return model, opt
 
 
+@pytest.mark.unit
 def test_single_process_crash_before_rename_keeps_previous(tmp_path, monkeypatch):
     model, opt = _trained()
     good = save_distributed(tmp_path, 1, model, opt, {"step": 1})
@@ -339,6 +347,7 @@ def test_single_process_crash_before_rename_keeps_previous(tmp_path, monkeypatch
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000002"]
 
 
+@pytest.mark.unit
 def test_non_data_extra_fails_before_any_shard(tmp_path):
     model, opt = _trained()
     with pytest.raises(TypeError, match=r"^extra\['sched'\]\['fn'\]: cannot store a builtins.function"):
@@ -347,6 +356,7 @@ def test_non_data_extra_fails_before_any_shard(tmp_path):
     assert not root.exists() or list(root.iterdir()) == []
 
 
+@pytest.mark.unit
 def test_load_errors_are_clear(tmp_path):
     model, opt = _trained()
     path = save_distributed(tmp_path / "dcp", 1, model, None, {"step": 1})

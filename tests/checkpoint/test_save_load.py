@@ -28,6 +28,8 @@ from relayrl.checkpoint import io as ckpt_io
 from relayrl.checkpoint import layout as ckpt_layout
 from relayrl.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 
 def _trained_model_and_optimizer():
     torch.manual_seed(0)

@@ -37,6 +37,7 @@ CASES = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_config_one_line_exit_2(case, cfg_file, tmp_path, capsys):
     text, extra, needle = CASES[case]
@@ -46,6 +47,7 @@ def test_bad_config_one_line_exit_2(case, cfg_file, tmp_path, capsys):
     assert needle in err, err
 
 
+@pytest.mark.e2e
 def test_dataset_errors(tmp_path, cfg_file, capsys):
     no_prompt = tmp_path / "d.jsonl"
     no_prompt.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
@@ -61,6 +63,7 @@ def test_dataset_errors(tmp_path, cfg_file, capsys):
         assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
 
 
+@pytest.mark.e2e
 def test_existing_run_is_not_overwritten(tmp_path, cfg_file, capsys):
     out = tmp_path / "run"
     out.mkdir()
@@ -70,6 +73,7 @@ def test_existing_run_is_not_overwritten(tmp_path, cfg_file, capsys):
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+@pytest.mark.e2e
 def test_debug_shows_traceback(cfg_file, capsys):
     from relayrl.errors import ConfigError
 
@@ -77,6 +81,7 @@ def test_debug_shows_traceback(cfg_file, capsys):
         main(["--debug", "train", cfg_file("trainer:\n  lrr: 1\n")])
 
 
+@pytest.mark.e2e
 def test_train_report_generate_eval_roundtrip(tmp_path, cfg_file, capsys):
     out = tmp_path / "run"
     code, _ = run_cli(capsys, "train", cfg_file("{}"), f"run.out_dir={out}", "run.steps=2", *TINY)
@@ -98,6 +103,7 @@ def test_train_report_generate_eval_roundtrip(tmp_path, cfg_file, capsys):
     assert code == 0 and "eval/accuracy=" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_shipped_configs_validate():
     from pathlib import Path
 
@@ -114,6 +120,7 @@ def test_shipped_configs_validate():
     assert sft.env.params == {"direct_share": 0.75} and sft.data.task == "calculator"
 
 
+@pytest.mark.e2e
 def test_eval_in_an_environment(tmp_path, capsys):
     from relayrl.data import get_task
     from relayrl.models.config import TinyModelConfig
@@ -131,6 +138,7 @@ def test_eval_in_an_environment(tmp_path, capsys):
                                  "(e.g. '{\"digits\": [2, 2, 2]}')")
 
 
+@pytest.mark.e2e
 def test_sync_plan_command(capsys):
     assert main(["sync-plan", "--preset", "tiny-gqa", "--trainer-tp", "2", "--engine-tp", "4"]) == 0
     out = capsys.readouterr().out
@@ -139,6 +147,7 @@ def test_sync_plan_command(capsys):
     assert code == 2 and "exactly one of" in err
 
 
+@pytest.mark.e2e
 def test_a_bad_sync_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path, cfg_file, capsys, monkeypatch):
     """The third sync (the start of step 2) corrupts one weight in the engine: the canary stops the
     run with the piece named; the step-1 checkpoint and metrics stay, and the run resumes from them."""

@@ -23,18 +23,21 @@ def _matmul_weights(model: CausalLM) -> int:
     return n - (0 if model.config.tie_word_embeddings else model.model.embed_tokens.weight.numel())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shape", [small_config(), small_config(tie_word_embeddings=True), *SYNC_CONFIGS.values()])
 def test_matmul_params_are_the_models_matmul_weights(shape):
     cfg = shape if isinstance(shape, ModelConfig) else ModelConfig(**shape)
     assert matmul_params(cfg) == _matmul_weights(CausalLM(cfg))
 
 
+@pytest.mark.unit
 def test_small_config_by_hand():
     # hidden 32, 4 heads / 2 KV heads of 8, MLP 64, 2 layers, vocab 64:
     # per layer q, o 32 x 32 each, k, v 32 x 16 each, gate, up, down 32 x 64 each = 2048 + 1024 + 6144
     assert matmul_params(small_config()) == 2 * (2048 + 1024 + 6144) + 64 * 32
 
 
+@pytest.mark.unit
 def test_engine_counts_each_samples_tokens_keys_and_steps():
     eng = LLMEngine.from_model(perturbed_model(small_config()), num_blocks=64, block_size=4,
                                enable_prefix_caching=False, fork_samples=False)  # forks: engine/test_forked_samples.py
@@ -62,6 +65,7 @@ def test_engine_counts_each_samples_tokens_keys_and_steps():
     eng.close()
 
 
+@pytest.mark.unit
 def test_prefix_cache_hits_are_not_counted():
     # block size 4, a prompt of 9 tokens, two samples: the first computes all 9, the second finds the first's
     # two full blocks (8 tokens) cached and computes the 9th only (the last token's block is never a hit)
@@ -76,6 +80,7 @@ def test_prefix_cache_hits_are_not_counted():
     eng.close()
 
 
+@pytest.mark.unit
 def test_straggler_share_by_hand():
     # 4 samples queued before step 11, finishing on steps 12, 13, 14, 30: 20 steps with one running or more
     # (11-30); at most max(1, 0.4) = 1 running on steps 15-30: 16 of them
@@ -98,6 +103,7 @@ def _batch():
     return TrainBatch(ids, attn, resp)
 
 
+@pytest.mark.unit
 def test_flops_and_mfu_by_hand():
     cfg = cfg_for_model(trainer={"ppo_epochs": 2, "padding_free": False}, algo={"kl_coef": 0.1})
     shape = small_config()
@@ -127,6 +133,7 @@ def test_flops_and_mfu_by_hand():
     assert "flops/rollout" not in again and "flops/update" not in again and "throughput/mfu_update" not in again
 
 
+@pytest.mark.unit
 def test_lora_update_flops_by_hand():
     # rank 2 on q_proj (32 -> 32) and v_proj (32 -> 16), 2 layers: A [2, in] + B [out, 2] each
     shape = small_config()
@@ -145,6 +152,7 @@ def test_lora_update_flops_by_hand():
     assert adapter_params(shape, 2) == 2048
 
 
+@pytest.mark.unit
 def test_padding_free_counts_real_tokens_and_async_uses_the_engines_busy_time():
     cfg = cfg_for_model(trainer={"shared_prefix": False}, algo={"proximal": "behaviour"},
                         rollout={"mode": "async"}, parallel={"placement": "disaggregated"})
@@ -165,6 +173,7 @@ def test_padding_free_counts_real_tokens_and_async_uses_the_engines_busy_time():
     assert m["throughput/mfu_rollout"] == pytest.approx(m["flops/rollout"] / ((2.0 - 0.5) * 40e9 * 2), rel=1e-12)
 
 
+@pytest.mark.unit
 def test_a_backend_that_does_not_count_logs_no_rollout_flops():
     cost = StepCost(cfg_for_model(), small_config(), peaks={"trainer": (1.0, 1), "engine": (1.0, 1)})
     cost.add([RequestOutput(0, [1], [CompletionSample([1], [0.0], "", finish_reason="stop")], 0)])
@@ -193,6 +202,7 @@ def _hand_cached(prompts: list[list[int]], n: int, bs: int) -> list[int]:
     return out
 
 
+@pytest.mark.e2e
 def test_a_run_logs_flops_and_stragglers_from_its_own_tokens(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAYRL_CACHE", str(tmp_path / "cache"))
     seen = []

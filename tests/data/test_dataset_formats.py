@@ -51,6 +51,7 @@ def _one_line_error(fn, *args, **kwargs) -> str:
 
 
 # ---------------------------------------------------------------------------- loading, field by field
+@pytest.mark.unit
 def test_jsonl_string_prompts(tmp_path):
     rows = [{"prompt": "1+2=", "answer": 3, "level": "easy"}, {"prompt": "2+2=", "answer": "4"}]
     p = _jsonl(tmp_path / "s.jsonl", rows)
@@ -59,6 +60,7 @@ def test_jsonl_string_prompts(tmp_path):
     assert (b.prompt, b.answer, b.meta) == ("2+2=", "4", {"row": 1, "fields": {"answer": "4"}})
 
 
+@pytest.mark.unit
 def test_jsonl_message_prompts(tmp_path):
     tool_turn = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
                  {"role": "tool", "content": "12:00"}]
@@ -68,6 +70,7 @@ def test_jsonl_message_prompts(tmp_path):
     assert (b.prompt, b.answer) == (tool_turn, "noon")
 
 
+@pytest.mark.unit
 def test_verl_parquet_loads_as_verl_documents_it(tmp_path):
     rows = _verl_rows(3)
     exs = load_dataset_file(_verl_parquet(tmp_path / "v.parquet", rows))  # data.format auto: detected
@@ -85,6 +88,7 @@ def test_verl_parquet_loads_as_verl_documents_it(tmp_path):
     assert "data.format=trl" in _one_line_error(load_dataset_file, tmp_path / "v.parquet", format="plain")
 
 
+@pytest.mark.unit
 def test_trl_conversational_jsonl(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"{i}*2="}], "ground_truth": str(2 * i), "id": i} for i in range(3)]
     p = _jsonl(tmp_path / "t.jsonl", rows)
@@ -96,6 +100,7 @@ def test_trl_conversational_jsonl(tmp_path):
     assert "has no answer field 'answer'" in _one_line_error(load_dataset_file, p)  # auto is plain: no silent ""
 
 
+@pytest.mark.unit
 def test_bad_rows_are_one_line_naming_file_row_and_problem(tmp_path):
     cases = [
         ([], "empty list of messages"),
@@ -130,6 +135,7 @@ def test_bad_rows_are_one_line_naming_file_row_and_problem(tmp_path):
         DataConfig.from_dict({"task": "arith", "format": "verl"})
 
 
+@pytest.mark.unit
 def test_held_out_message_prompts_are_dropped_from_train(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(6)]
     tr, ev = _jsonl(tmp_path / "tr.jsonl", rows), _jsonl(tmp_path / "ev.jsonl", [rows[2], rows[4]])
@@ -142,6 +148,7 @@ def test_held_out_message_prompts_are_dropped_from_train(tmp_path):
     assert [e.answer for e in train] == ["0", "2", "3", "4", "5"]
 
 
+@pytest.mark.unit
 def test_message_prompts_render_through_the_chat_template(tmp_path):
     tok = build_char_tokenizer(tmp_path, "0123456789+=abeirfsy", "llama")
     want = "system: be brief\nuser: 1+2=\nassistant: "
@@ -219,6 +226,7 @@ def _group(ex, texts):
     return texts, [ex] * len(texts)  # one prompt's G samples: the same Example object, as the driver passes
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("workers", [0, 2])
 def test_batch_function_gets_trl_arguments_once_per_prompt_group(rw, tmp_path, workers):
     log = tmp_path / "calls.jsonl"
@@ -241,6 +249,7 @@ def test_batch_function_gets_trl_arguments_once_per_prompt_group(rw, tmp_path, w
     assert calls[0] == {"completions": ["10"], "prompts": ["5+5="], "columns": {"answer": ["10"]}}
 
 
+@pytest.mark.unit
 def test_batch_values_failures_and_forms(rw):
     fns = [{"name": "fmt_rewards:wrong"}, {"name": "fmt_rewards:anything", "batch": True, "weight": 0.5}]
     x, y = Example("q", "1"), Example("r", "2")
@@ -268,6 +277,7 @@ def test_batch_values_failures_and_forms(rw):
                 "every sample failed to score in reward function fmt_rewards:wrong: ValueError: bad batch")
 
 
+@pytest.mark.faults
 def test_batch_call_timeout_fails_its_group_only(rw):
     x, y = Example("q", "1"), Example("r", "2")
     with scorer([{"name": "fmt_rewards:wrong"}], workers=1, timeout_s=1.0) as s:
@@ -277,6 +287,7 @@ def test_batch_call_timeout_fails_its_group_only(rw):
         assert r.first_errors["fmt_rewards:wrong"] == "timed out after 1 s (reward.timeout_s)"
 
 
+@pytest.mark.unit
 def test_verl_function_and_keyword_filtering(rw):
     (row,) = _verl_rows(1)
     verl = Example(row["prompt"], "3", meta={"row": 0, "fields": {k: v for k, v in row.items() if k != "prompt"}})
@@ -328,6 +339,7 @@ def _datasets(d):
     }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["plain", "messages", "trl", "verl"])
 def test_each_layout_trains_and_logs_the_functions_rewards(rw, tiny_model, tmp_path, monkeypatch, capsys, layout):
     from relayrl.cli.main import main

@@ -10,6 +10,8 @@ from relayrl.data import DataConfig, build_datasets, format_prompt, load_dataset
 from relayrl.errors import DataError
 from relayrl.models.tokenizer import build_char_tokenizer
 
+pytestmark = pytest.mark.unit
+
 
 def _jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -7,6 +7,8 @@ from relayrl.data.arith import evaluate
 from relayrl.data.sort import position_credit
 from relayrl.errors import ConfigError, DataError
 
+pytestmark = pytest.mark.unit
+
 
 def test_arith_is_deterministic_and_correct():
     task = get_task("arith", digits=2, ops="+-*", num_operands=3)

@@ -37,6 +37,7 @@ def _assert_same(sync_lines, async_lines) -> None:
                 == {k: v for k, v in y.items() if k not in ASYNC_ONLY})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mini_batches", [2, 1])  # old_logp recomputed; taken from the one-step update's forward
 def test_async_staleness_zero_equals_sync_bit_for_bit(tmp_path, mini_batches):
     run = {"steps": 5, "save_every": 0}
@@ -57,6 +58,7 @@ def _step_lines(run_dir):
     return [m for m in read_metrics(run_dir) if "reward/mean" in m]
 
 
+@pytest.mark.e2e
 def test_one_step_off_is_staleness_one_with_one_batch_in_flight_and_deterministic(tmp_path):
     cfg = {"run": {"steps": 4, "save_every": 0}, "rollout": {"mode": "one_step_off"}}
     a = train(cfg_for(tmp_path, "a", **cfg), show_progress=False)
@@ -77,6 +79,7 @@ def _sync_prompts(tmp_path, steps):
     return _prompts(tmp_path / "ref")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("partial", ["keep_kv", "reprefill"])
 def test_async_bound_holds_and_every_prompt_is_trained_once_in_order(tmp_path, partial):
     eta = 2
@@ -92,6 +95,7 @@ def test_async_bound_holds_and_every_prompt_is_trained_once_in_order(tmp_path, p
     assert _prompts(tmp_path / "a") == _sync_prompts(tmp_path, 5)
 
 
+@pytest.mark.e2e
 def test_killed_async_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, monkeypatch):
     cfg = {"run": {"steps": 6, "save_every": 2}, "rollout": {"mode": "async", "max_staleness": 2}}
     real = async_mod.AsyncDriver.train_step
@@ -117,6 +121,7 @@ def test_killed_async_run_resumes_without_losing_or_repeating_a_prompt(tmp_path,
     assert all(m["staleness/max"] <= 2 for m in resumed)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("section, value, says", [
     ("parallel", {"backend": "local", "rollout_worker": True, "placement": "disaggregated"}, "rollout_worker"),
     ("parallel", {"backend": "local"}, "placement=disaggregated"),
@@ -141,6 +146,7 @@ def _env_run(tmp_path, name, **rollout) -> RunConfig:
     return RunConfig.from_dict(d)
 
 
+@pytest.mark.e2e
 def test_async_carries_multi_turn_episodes(tmp_path):
     res = train(_env_run(tmp_path, "mt", mode="async", max_staleness=1, partial="reprefill"), show_progress=False)
     steps = _step_lines(res["run_dir"])
@@ -154,6 +160,7 @@ def test_async_carries_multi_turn_episodes(tmp_path):
     assert _prompts(tmp_path / "mt") == _prompts(tmp_path / "mt_sync")
 
 
+@pytest.mark.e2e
 def test_async_in_worker_groups_staleness_zero_equals_sync(tmp_path):
     par = {"backend": "local", "placement": "disaggregated"}
     run = {"steps": 3, "save_every": 0}
@@ -168,6 +175,7 @@ def test_async_in_worker_groups_staleness_zero_equals_sync(tmp_path):
     assert _prompts(tmp_path / "e") == _prompts(tmp_path / "s")
 
 
+@pytest.mark.e2e
 def test_async_failures_stop_the_run_in_one_line_like_sync(tmp_path, monkeypatch):
     from test_env_training import env_cfg
 
@@ -185,6 +193,7 @@ def test_async_failures_stop_the_run_in_one_line_like_sync(tmp_path, monkeypatch
         train(RunConfig.from_dict(d), show_progress=False)
 
 
+@pytest.mark.e2e
 def test_async_episodes_failing_on_some_prompts_do_not_stop_the_run(tmp_path):
     """Failing episodes end first; judged per group they would stop the run, judged per step (as sync) they do not."""
     from test_env_training import env_cfg

@@ -29,6 +29,7 @@ def single(tmp_path_factory):
     return step_metrics(train(_cfg(tmp_path_factory.mktemp("cp"), "single"), show_progress=False)["run_dir"])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_a_cp2_run_takes_the_one_process_steps(tmp_path, single, mode):
     got = train(_cfg(tmp_path, f"cp2_{mode}", backend="local", cp=2, cp_mode=mode), show_progress=False)
@@ -37,6 +38,7 @@ def test_a_cp2_run_takes_the_one_process_steps(tmp_path, single, mode):
     assert all(m["sync/canary_gap"] <= 1e-5 for m in metrics)  # the sync read the dp_shard x cp shards right
 
 
+@pytest.mark.unit
 def test_refusals_name_parallel_cp(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.cp=2: it shards padded rows over the sequence; set "
                                          r"trainer.padding_free=false"):

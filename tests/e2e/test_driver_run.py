@@ -23,6 +23,7 @@ def _training_lines(run_dir):
     return [{k: v for k, v in m.items() if not k.startswith(drop)} for m in read_metrics(run_dir)]
 
 
+@pytest.mark.e2e
 def test_metrics_complete_and_fp32_mismatch_tiny(tmp_path):
     res = train(cfg_for(tmp_path, "a"), show_progress=False)
     lines = [m for m in read_metrics(res["run_dir"]) if "reward/mean" in m]
@@ -34,6 +35,7 @@ def test_metrics_complete_and_fp32_mismatch_tiny(tmp_path):
     assert (tmp_path / "a" / "final_model" / "config.json").is_file()
 
 
+@pytest.mark.e2e
 def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch):
     straight = train(cfg_for(tmp_path, "straight"), show_progress=False)
 
@@ -54,6 +56,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch):
     assert _training_lines(straight["run_dir"]) == _training_lines(tmp_path / "resumed")
 
 
+@pytest.mark.e2e
 def test_grpo_raises_a_learnable_reward(tmp_path):
     cfg = cfg_for(
         tmp_path, "learn",
@@ -67,6 +70,7 @@ def test_grpo_raises_a_learnable_reward(tmp_path):
     assert sum(r[-3:]) / 3 > sum(r[:3]) / 3 + 0.15, r
 
 
+@pytest.mark.e2e
 def test_kl_dynamic_sampling_and_bf16_engine(tmp_path):
     cfg = cfg_for(
         tmp_path, "kl",
@@ -83,6 +87,7 @@ def test_kl_dynamic_sampling_and_bf16_engine(tmp_path):
     assert all(m["mismatch/logp_abs_max"] > 1e-4 for m in lines)  # bf16 engine vs fp32 trainer
 
 
+@pytest.mark.e2e
 def test_all_rewards_failing_stops_the_run(tmp_path):
     cfg = cfg_for(tmp_path, "fail", reward={"functions": [{"name": "tests.fixtures.rewards:always_raises"}]},
                   run={"steps": 1, "save_every": 0})
@@ -90,6 +95,7 @@ def test_all_rewards_failing_stops_the_run(tmp_path):
         train(cfg, show_progress=False)
 
 
+@pytest.mark.unit
 def test_a_prompt_row_sets_its_own_generation_budget(tmp_path):
     from relayrl.controller.driver import Driver
     from relayrl.data import Example
@@ -105,6 +111,7 @@ def test_a_prompt_row_sets_its_own_generation_budget(tmp_path):
         d._params(0, 0, 0, Example(prompt="p", answer="a", meta={"fields": {"max_tokens": "long"}}))
 
 
+@pytest.mark.unit
 def test_evaluation_seeds_each_prompt_apart():
     from relayrl.data import DataConfig, Example
     from relayrl.engine.outputs import CompletionSample, RequestOutput

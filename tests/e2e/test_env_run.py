@@ -12,6 +12,8 @@ from relayrl.observe import read_metrics
 
 from helpers import cfg_for
 
+pytestmark = pytest.mark.e2e
+
 TINY = {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "num_key_value_heads": 2, "init_std": 0.2}}
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.e2e
+
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden"
 THREADS = 2  # conftest's torch.set_num_threads

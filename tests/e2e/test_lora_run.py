@@ -5,6 +5,7 @@ that same model."""
 from __future__ import annotations
 
 import peft
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -13,6 +14,8 @@ from relayrl.checkpoint import export_hf, latest_checkpoint, open_checkpoint
 from relayrl.models.lora import is_lora_param
 
 from helpers import assert_same_metrics, cfg_for, step_metrics
+
+pytestmark = pytest.mark.e2e
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]}
 

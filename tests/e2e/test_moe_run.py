@@ -10,6 +10,8 @@ import pytest
 
 from helpers import assert_same_metrics, cfg_for, step_metrics, tiny_moe_dir
 
+pytestmark = pytest.mark.e2e
+
 # moe/aux_loss is left out: load balancing is a product of two means, taken per micro-batch (relayrl.trainer.routing),
 # so its value depends on how the rows are cut; the z-loss, a mean, is exact in every layout
 MOE_KEYS = ("moe/routing_mismatch", "moe/load_max_over_mean", "moe/load_max_over_mean/layer_0",

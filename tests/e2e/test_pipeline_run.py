@@ -47,6 +47,7 @@ def single(tmp_path_factory):
     return run_dir, step_metrics(run_dir)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zbv"])
 def test_a_pp2_run_takes_the_one_process_steps(tmp_path, single, schedule):
     got = train(_cfg(tmp_path, schedule, steps=3, backend="local", pp=2, pp_schedule=schedule),
@@ -57,6 +58,7 @@ def test_a_pp2_run_takes_the_one_process_steps(tmp_path, single, schedule):
     _same_final(got, single[0])  # gathered over the pipeline (the tied lm_head copy equal to the embedding)
 
 
+@pytest.mark.e2e
 def test_pp2_with_fsdp2_takes_the_one_process_steps(tmp_path, single):
     got = train(_cfg(tmp_path, "pp2_fsdp2", steps=3, backend="local", pp=2, dp_shard=2), show_progress=False)
     metrics = step_metrics(got["run_dir"])
@@ -64,6 +66,7 @@ def test_pp2_with_fsdp2_takes_the_one_process_steps(tmp_path, single):
     assert all(m["sync/canary_gap"] <= 1e-5 for m in metrics)
 
 
+@pytest.mark.e2e
 def test_a_bf16_pp2_run_computes_under_the_trainers_autocast(tmp_path):
     """trainer.bf16: the pipeline's passes run under the trainer's autocast, as one process's do. The first sync's
     canary (the trainer's bf16 logprobs of the start weights against the fp32 engine) shows the same gap, and the
@@ -76,6 +79,7 @@ def test_a_bf16_pp2_run_computes_under_the_trainers_autocast(tmp_path):
     assert pp[0]["loss"] == pytest.approx(one[0]["loss"], rel=2e-2)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_pp2_with_tp2_takes_the_one_process_steps(tmp_path, single):
     got = train(_cfg(tmp_path, "pp2_tp2", steps=3, backend="local", pp=2, tp=2), show_progress=False)
@@ -84,6 +88,7 @@ def test_pp2_with_tp2_takes_the_one_process_steps(tmp_path, single):
     assert all(m["sync/canary_gap"] <= 1e-5 for m in metrics)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("saved, resumed", [(dict(backend="local", pp=2), {}),
                                             ({}, dict(backend="local", pp=2, pp_schedule="zbv"))],
                          ids=["pp2_to_one_process", "one_process_to_pp2_zbv"])
@@ -102,6 +107,7 @@ def test_resume_on_another_pp_degree(tmp_path, saved, resumed):
     _same_final(got["run_dir"], tmp_path / "ref")
 
 
+@pytest.mark.unit
 def test_refusals_name_parallel_pp(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.pp=2: its stages run padded rows; set trainer.padding_free"):
         _cfg(tmp_path, "packed", trainer={"padding_free": True}, backend="local", pp=2)

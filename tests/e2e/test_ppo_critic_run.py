@@ -20,6 +20,7 @@ def _lines(run_dir):
     return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))} for m in read_metrics(run_dir)]
 
 
+@pytest.mark.e2e
 def test_ppo_with_a_critic_logs_its_figures_and_warms_up_first(tmp_path):
     res = train(cfg_for(tmp_path, "ppo", algo=PPO, reward=SEVENS, critic={"lr": 1e-3, "warmup_updates": 1},
                         run={"steps": 3, "save_every": 0}), show_progress=False)
@@ -34,6 +35,7 @@ def test_ppo_with_a_critic_logs_its_figures_and_warms_up_first(tmp_path):
     assert steps[0]["critic/values_mean"] == 0.0 and steps[2]["critic/values_mean"] != 0.0
 
 
+@pytest.mark.e2e
 def test_killed_ppo_run_resumes_equal_to_the_uninterrupted_one(tmp_path, monkeypatch):
     cfg = dict(algo=PPO, reward=SEVENS, critic={"lr": 1e-3}, run={"steps": 4, "save_every": 2})
     straight = train(cfg_for(tmp_path, "straight", **cfg), show_progress=False)
@@ -55,6 +57,7 @@ def test_killed_ppo_run_resumes_equal_to_the_uninterrupted_one(tmp_path, monkeyp
     assert _lines(straight["run_dir"]) == _lines(tmp_path / "resumed")
 
 
+@pytest.mark.e2e
 def test_ppo_in_worker_groups_matches_one_process(tmp_path):
     def cfg(name, **parallel):
         c = group_cfg(tmp_path, name, **parallel).to_dict()
@@ -75,6 +78,7 @@ def test_ppo_in_worker_groups_matches_one_process(tmp_path):
                 assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), k
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("advantage", ["remax", "reinforce_pp", "reinforce_pp_baseline"])
 def test_remax_and_reinforce_pp_train_through_the_driver(tmp_path, advantage):
     token_level = advantage != "remax"  # the KL goes in the token rewards only where there are token rewards
@@ -89,6 +93,7 @@ def test_remax_and_reinforce_pp_train_through_the_driver(tmp_path, advantage):
         assert all(0.0 <= m["remax/baseline_mean"] <= 1.0 and "time/baseline" in m for m in steps)
 
 
+@pytest.mark.e2e
 def test_ppo_saved_in_one_process_resumes_on_fsdp(tmp_path):
     """The critic's checkpoint, like the actor's, loads into another layout."""
     cfg = dict(algo=PPO, reward=SEVENS, critic={"lr": 1e-3}, run={"steps": 3, "save_every": 2})
@@ -104,6 +109,7 @@ def test_ppo_saved_in_one_process_resumes_on_fsdp(tmp_path):
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k  # the critic resumed, not restarted
 
 
+@pytest.mark.unit
 def test_a_critic_section_without_gae_is_refused_and_gae_gets_a_default_critic(tmp_path):
     from relayrl.controller.config import RunConfig
     from relayrl.errors import ConfigError
@@ -118,6 +124,7 @@ def test_a_critic_section_without_gae_is_refused_and_gae_gets_a_default_critic(t
         RunConfig.from_dict({"algo": {"advantage": "gae"}, "critic": {"padding_free": True}})
 
 
+@pytest.mark.e2e
 def test_the_critic_keeps_one_checkpoint_more_than_the_actor(tmp_path):
     """A failure while the actor writes step N must still find the critic of step N - 1 beside it."""
     train(cfg_for(tmp_path, "k", algo=PPO, reward=SEVENS, run={"steps": 3, "save_every": 1, "keep_last": 1}),

@@ -12,6 +12,8 @@ from relayrl.jobs.train import train
 
 from helpers import assert_same_metrics, group_cfg, step_metrics
 
+pytestmark = pytest.mark.e2e
+
 
 def test_local_worker_groups_match_single_process(tmp_path):
     ref = train(group_cfg(tmp_path, "single"), show_progress=False)

@@ -10,6 +10,8 @@ from relayrl.engine import block_manager as bm_module
 from relayrl.engine.block_manager import BlockManager, block_hash
 from relayrl.engine.sequence import Sequence, SequenceStatus
 
+pytestmark = pytest.mark.unit
+
 BS = 4
 PARAMS = SimpleNamespace(max_tokens=16)
 

@@ -87,6 +87,7 @@ def _full_logp(model, prompt, tokens) -> torch.Tensor:
     return logp[n - 1:-1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_equals_transformers_generate(family, checkpoints):
     hf, path = checkpoints(family)
@@ -103,6 +104,7 @@ def test_greedy_equals_transformers_generate(family, checkpoints):
                                    atol=1e-5, rtol=0)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("family", ["qwen2_moe_shared", "mixtral"])
 def test_sampled_logprobs_equal_transformers_and_ours(family, checkpoints):
     hf, path = checkpoints(family)
@@ -123,6 +125,7 @@ def _tokens_and_logp(outs):
 
 # EP with the shared expert (routed experts whole per rank, the shared one TP-sharded, one all-reduce for both);
 # TP on Mixtral (fp32 routing weights, every expert's width sharded)
+@pytest.mark.equivalence
 @pytest.mark.parametrize("family,placement", [("qwen2_moe_shared", "ep"), ("mixtral", "tp")])
 def test_engine_tp2_equals_tp1(family, placement, checkpoints):
     _, path = checkpoints(family)
@@ -146,6 +149,7 @@ def test_engine_tp2_equals_tp1(family, placement, checkpoints):
         assert all(torch.equal(x.routing, y.routing) for x, y in zip(a.samples, b.samples, strict=True))
 
 
+@pytest.mark.unit
 def test_expert_placement_refused_when_it_does_not_divide(checkpoints):
     cfg = dataclasses.replace(load_config(checkpoints("qwen3_moe")[1]), num_experts=6, moe_intermediate_size=6)
     # refused before any rank starts, naming the size that does not divide
@@ -185,6 +189,7 @@ def _check_routing(model: CausalLM, outs) -> None:
             torch.testing.assert_close(replayed, logits, atol=0, rtol=0)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("family", ["qwen3_moe_dense_layer", "qwen2_moe_shared", "mixtral"])
 def test_recorded_routing_equals_the_trainer_record(family, checkpoints):
     _, path = checkpoints(family)
@@ -195,6 +200,7 @@ def test_recorded_routing_equals_the_trainer_record(family, checkpoints):
     _check_routing(_ours(path), outs)
 
 
+@pytest.mark.equivalence
 def test_routing_under_cache_hits_forks_and_preemption_equals_a_plain_run(checkpoints):
     """Tokens whose KV (and routing) came from the prefix cache or a forked sibling, or were recomputed after a
     preemption, record what a run computing every token itself records."""
@@ -217,11 +223,13 @@ def test_routing_under_cache_hits_forks_and_preemption_equals_a_plain_run(checkp
     _check_routing(_ours(path), ref)
 
 
+@pytest.mark.unit
 def test_record_routing_refused_for_a_dense_model(tiny_model):
     with pytest.raises(ConfigError, match="record_routing records the experts of an MoE model"):
         LLMEngine(tiny_model.config, record_routing=True, num_blocks=4)
 
 
+@pytest.mark.equivalence
 def test_aborted_routing_marks_the_token_not_run_and_a_resumed_sample_is_whole(checkpoints):
     _, path = checkpoints("qwen3_moe")
     ours = _ours(path)
@@ -246,6 +254,7 @@ def test_aborted_routing_marks_the_token_not_run_and_a_resumed_sample_is_whole(c
     _check_routing(ours, [resumed])  # the resumed prefill recomputes the routing of every token
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("family", ["qwen2_moe_shared", "mixtral"])
 def test_engine_moe_block_is_bit_equal_to_the_trainers_in_bf16(family, checkpoints):
     """The engine's block (fused gate|up, stacked experts) rounds as relayrl's SparseMoeBlock does in bf16, for a
@@ -263,6 +272,7 @@ def test_engine_moe_block_is_bit_equal_to_the_trainers_in_bf16(family, checkpoin
         assert torch.equal(got, want)
 
 
+@pytest.mark.equivalence
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["tp", "ep"])
 def test_engine_tp4_equals_tp1(placement, checkpoints):
@@ -282,6 +292,7 @@ def test_engine_tp4_equals_tp1(placement, checkpoints):
         assert all(torch.equal(x.routing, y.routing) for x, y in zip(a.samples, b.samples, strict=True))
 
 
+@pytest.mark.equivalence
 def test_expert_load_counts_every_routed_pair_the_engine_computed(checkpoints):
     """Without prefix caching and forks, each sample's every token is computed once: the engine's expert load is
     the count of its routing records, and the stat is max / mean over experts, the largest over layers."""

@@ -32,6 +32,7 @@ def flat(outs, field):
     return [getattr(s, field) for o in outs for s in o.samples]
 
 
+@pytest.mark.equivalence
 def test_forked_samples_equal_the_previous_engine_and_the_plain_model(tiny_model):
     new, old = engine(tiny_model), engine(tiny_model, **PREVIOUS)
     a, b = new.generate(PROMPTS, PARAMS), old.generate(PROMPTS, PARAMS)
@@ -73,6 +74,7 @@ def _fresh_kv(model, tokens):
     return _kv_of(eng, s, len(tokens))
 
 
+@pytest.mark.unit
 def test_copy_on_write_never_changes_a_siblings_kv(tiny_model):
     eng = engine(tiny_model)
     prompt = PROMPTS[0]  # 9 tokens: blocks [4][4][1], the third shared partly filled
@@ -106,6 +108,7 @@ def _prefill_then_peak(model, **kw):
     return eng, outs
 
 
+@pytest.mark.unit
 def test_forks_compute_fewer_prefill_tokens_and_hold_fewer_blocks(tiny_model):
     # by hand, block size 4, n = 3. Previous engine: every sample looks its prompt up; the leading full
     # blocks of an earlier sample are hits, the last token's block never is:
@@ -130,6 +133,7 @@ def test_forks_compute_fewer_prefill_tokens_and_hold_fewer_blocks(tiny_model):
         assert all(b.ref_count == 0 for b in eng.block_manager.blocks)
 
 
+@pytest.mark.unit
 def test_a_forked_samples_cost_is_its_decodes_only(tiny_model):
     eng = engine(tiny_model, enable_prefix_caching=False)
     out = eng.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=3, ignore_eos=True, seed=1))[0]
@@ -140,6 +144,7 @@ def test_a_forked_samples_cost_is_its_decodes_only(tiny_model):
     assert b == SampleCost(computed_tokens=2, attended=21, logit_positions=2, added_step=0, finished_step=3)
 
 
+@pytest.mark.equivalence
 def test_forks_under_preemption_abort_and_resume_keep_the_outputs(tiny_model):
     # 12 blocks for 15 growing samples: copy-on-write needs blocks the pool lacks, so samples are
     # preempted (and recomputed alone, their tokens now their own); same outputs as a roomy previous engine
@@ -163,6 +168,7 @@ def test_forks_under_preemption_abort_and_resume_keep_the_outputs(tiny_model):
     assert [s.token_ids for s in next(iter(done.values())).samples] == [s.token_ids for s in ref[1].samples]
 
 
+@pytest.mark.unit
 def test_group_rows_bound_the_padding():
     q = [50, 48, 12, 10, 10, 9, 3, 1, 1]
     c = [50, 60, 52, 50, 10, 48, 45, 40, 3]
@@ -177,6 +183,7 @@ def test_group_rows_bound_the_padding():
     assert grouped < len(q) * max(q) * max(c) / 2
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("window", [None, 5])
 def test_grouped_prefill_equals_the_padded_form(window):
     torch.manual_seed(0)
@@ -208,6 +215,7 @@ def test_grouped_prefill_equals_the_padded_form(window):
     assert rows < padded.groups[0].q_valid.numel() == len(q) * max(q) and rows >= sum(q)
 
 
+@pytest.mark.unit
 def test_build_batch_of_decode_is_one_group_in_order():
     b = build_batch([5, 2, 8], [6, 3, 9], [[0, 1], [2], [3, 4, 5]], 4)
     assert b.decode and len(b.groups) == 1 and b.groups[0].out_index is None
@@ -219,6 +227,7 @@ def _slots(runner, slots):
     return runner._kv_storage.index_select(2, torch.tensor(slots)).clone()
 
 
+@pytest.mark.equivalence
 def test_copy_on_write_copies_every_tensor_parallel_ranks_cache():
     torch.manual_seed(0)
     model = CausalLM(tiny_config(num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_size=32))

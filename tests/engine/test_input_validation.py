@@ -58,6 +58,7 @@ BAD_PARAMS = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("field,value", BAD_PARAMS, ids=[f"{f}={v!r}" for f, v in BAD_PARAMS])
 def test_bad_sampling_value_names_field_and_value(field, value):
     with pytest.raises(SamplingParamsError) as e:
@@ -67,6 +68,7 @@ def test_bad_sampling_value_names_field_and_value(field, value):
     assert msg.startswith(f"SamplingParams.{field} must be") and repr(value) in msg, msg
 
 
+@pytest.mark.unit
 def test_good_sampling_values_are_normalised():
     sp = SamplingParams(n=np.int64(3), temperature=0, top_p=1, seed=np.int32(-5), stop="##", max_tokens=np.int64(7))
     assert (sp.n, sp.seed, sp.max_tokens, sp.stop) == (3, -5, 7, ["##"])
@@ -74,6 +76,7 @@ def test_good_sampling_values_are_normalised():
     assert SamplingParams(temperature=1e-6).temperature == 1e-6  # the smallest non-greedy temperature
 
 
+@pytest.mark.unit
 def test_a_field_changed_after_construction_is_caught_at_add(tiny_model):
     eng = engine(tiny_model)
     sp = SamplingParams(max_tokens=4)
@@ -85,6 +88,7 @@ def test_a_field_changed_after_construction_is_caught_at_add(tiny_model):
     assert not eng.has_unfinished()
 
 
+@pytest.mark.unit
 def test_top_p_that_rounds_to_zero_keeps_the_top_token():
     from relayrl.engine.sampler import sample
 
@@ -96,6 +100,7 @@ def test_top_p_that_rounds_to_zero_keeps_the_top_token():
 
 
 # ---- weight shapes ----------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("kw", [
     {},  # qwen2: q/k/v biases, tied embeddings
     {"model_type": "llama", "qkv_bias": True, "o_bias": True, "mlp_bias": True, "tie_word_embeddings": False},
@@ -120,6 +125,7 @@ def _bad_dir(tmp_path, model, edit):
     return tmp_path / "m"
 
 
+@pytest.mark.unit
 def test_wrong_shape_from_a_directory_is_refused_not_sliced(tiny_model, tmp_path):
     name = "model.layers.1.self_attn.q_proj.weight"
 
@@ -132,6 +138,7 @@ def test_wrong_shape_from_a_directory_is_refused_not_sliced(tiny_model, tmp_path
                             f"check that the weights belong to this config.json")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", ["norm shape", "unknown", "missing", "twice", "integer"])
 def test_load_weights_refuses_before_writing_any_rank(tiny_model, case):
     eng = engine(tiny_model)
@@ -159,12 +166,14 @@ def test_load_weights_refuses_before_writing_any_rank(tiny_model, case):
     assert tokens(eng.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))) == tokens(before)
 
 
+@pytest.mark.unit
 def test_derived_rope_buffers_in_a_checkpoint_are_skipped(tiny_model):
     items = list(tiny_model.state_dict().items()) + [("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(6))]
     assert [n for n, _ in check_weights(tiny_model.config, items)] == list(tiny_model.state_dict())
 
 
 # ---- prompts against the model's maximum length -----------------------------------------------------
+@pytest.mark.unit
 def test_prompt_leaving_no_room_is_refused_with_its_index(short_model):
     eng = engine(short_model)
     ok = list(range(3, 3 + MAX_LEN - 1))  # 31 tokens: room for exactly one
@@ -178,6 +187,7 @@ def test_prompt_leaving_no_room_is_refused_with_its_index(short_model):
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
 
 
+@pytest.mark.unit
 def test_truncate_prompt_tokens_keeps_the_last_tokens(short_model):
     eng = engine(short_model)
     long = [3 + i % 50 for i in range(45)]
@@ -190,6 +200,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(short_model):
         eng.generate([long[:32]], SamplingParams(truncate_prompt_tokens=40))
 
 
+@pytest.mark.unit
 def test_empty_and_out_of_vocabulary_prompts_are_refused(tiny_model, tmp_path):
     from relayrl.models.tokenizer import build_char_tokenizer
 
@@ -212,6 +223,7 @@ def test_empty_and_out_of_vocabulary_prompts_are_refused(tiny_model, tmp_path):
 
 
 # ---- the scheduler reserves at most the model's maximum length --------------------------------------
+@pytest.mark.unit
 def test_reservation_is_capped_at_the_model_maximum_by_hand():
     def seq(i, prompt, max_tokens):
         from types import SimpleNamespace
@@ -234,6 +246,7 @@ def test_reservation_is_capped_at_the_model_maximum_by_hand():
         "prompt's length")
 
 
+@pytest.mark.unit
 def test_max_tokens_past_the_limit_runs_to_the_limit(short_model):
     eng = engine(short_model, num_blocks=MAX_LEN // BS)  # the pool holds one sequence of the model's maximum
     sp = SamplingParams(n=2, temperature=1.0, max_tokens=100_000, ignore_eos=True, seed=3)
@@ -242,6 +255,7 @@ def test_max_tokens_past_the_limit_runs_to_the_limit(short_model):
     assert [s.finish_reason for s in out.samples] == ["length"] * 2
 
 
+@pytest.mark.unit
 def test_kv_budget_too_small_names_the_bytes_and_the_key(short_model):
     cfg = short_model.config
     per_block = cfg.num_hidden_layers * 2 * BS * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32: 1536 bytes
@@ -261,6 +275,7 @@ def test_kv_budget_too_small_names_the_bytes_and_the_key(short_model):
 
 
 # ---- tensor-parallel degree -------------------------------------------------------------------------
+@pytest.mark.unit
 def test_tp_that_does_not_divide_is_a_user_error():
     cases = [((4, 2, 3, 96), "tensor_parallel_size 3 does not divide the number of attention heads (4)"),
              ((12, 4, 6, 96), "tensor_parallel_size 6 and the number of KV heads (4) must divide one another"),
@@ -277,6 +292,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [8, 9, 10], [20, 21, 22, 23, 24, 25]]
 SAMPLED = SamplingParams(n=2, temperature=0.8, max_tokens=8, ignore_eos=True, seed=5)
 
 
+@pytest.mark.unit
 def test_failed_add_removes_the_requests_added_before_it(short_model):
     want = tokens(engine(short_model).generate(PROMPTS, SAMPLED))
     eng = engine(short_model, num_blocks=3)  # 12 KV slots: prompt 7 + 8 - 1 = 14 cannot fit
@@ -286,6 +302,7 @@ def test_failed_add_removes_the_requests_added_before_it(short_model):
     assert tokens(eng.generate(PROMPTS[1:2], SAMPLED)) == want[1:2]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fail_at", [1, 3])  # the first call is a prefill, the third a decode
 def test_failed_step_aborts_the_call_and_the_engine_serves_the_next(short_model, monkeypatch, fail_at):
     want = tokens(engine(short_model).generate(PROMPTS, SAMPLED))
@@ -334,6 +351,7 @@ CLI_CASES = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
 def test_generate_bad_input_is_one_line_and_exit_2(case, model_dir, capsys):
     from relayrl.cli.main import main
@@ -345,6 +363,7 @@ def test_generate_bad_input_is_one_line_and_exit_2(case, model_dir, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.e2e
 def test_generate_wrong_shaped_weights_is_one_line_and_exit_2(model_dir, tmp_path, capsys):
     import shutil
 
@@ -363,6 +382,7 @@ def test_generate_wrong_shaped_weights_is_one_line_and_exit_2(model_dir, tmp_pat
     assert capsys.readouterr().out.startswith("1+2=")
 
 
+@pytest.mark.e2e
 def test_eval_bad_sampling_flag_is_one_line_and_exit_2(model_dir, capsys):
     from relayrl.cli.main import main
 

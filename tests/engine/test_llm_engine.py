@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 from relayrl.engine import LLMEngine, SamplingParams
@@ -33,6 +34,7 @@ def engine(model, tokenizer=None, **kw):
     return LLMEngine.from_model(model, tokenizer, **kw)
 
 
+@pytest.mark.unit
 def test_greedy_matches_full_recompute(tiny_model):
     eng = engine(tiny_model, max_num_seqs=3)  # 3 slots for 4 prompts: one joins as another finishes
     outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
@@ -43,6 +45,7 @@ def test_greedy_matches_full_recompute(tiny_model):
             torch.testing.assert_close(torch.tensor(o.samples[0].logprobs), torch.tensor(ref_lps), atol=1e-5, rtol=0)
 
 
+@pytest.mark.equivalence
 def test_engine_and_trainer_logprobs_agree_fp32(tiny_model):
     eng = engine(tiny_model)
     sp = SamplingParams(n=4, temperature=0.7, top_p=0.9, max_tokens=16, seed=3)
@@ -58,6 +61,7 @@ def test_engine_and_trainer_logprobs_agree_fp32(tiny_model):
             assert gap < 1e-5, (padding_free, gap)
 
 
+@pytest.mark.equivalence
 def test_bf16_engine_shows_mismatch(tiny_model):
     eng = engine(copy.deepcopy(tiny_model).to(torch.bfloat16))
     outs = eng.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=1))
@@ -71,6 +75,7 @@ def test_bf16_engine_shows_mismatch(tiny_model):
     assert 1e-4 < gap < 0.5  # bf16 rounding is visible, yet the same policy
 
 
+@pytest.mark.equivalence
 def test_seeded_sampling_independent_of_batch(tiny_model):
     sp = SamplingParams(n=3, temperature=1.0, top_k=20, max_tokens=10, seed=11)
     eng = engine(tiny_model)
@@ -83,6 +88,7 @@ def test_seeded_sampling_independent_of_batch(tiny_model):
     assert [s.token_ids for s in other[1].samples] != [s.token_ids for s in together[1].samples]
 
 
+@pytest.mark.unit
 def test_max_tokens_eos_and_stop_ids(tiny_model):
     eng = engine(tiny_model)
     o = eng.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].samples[0]
@@ -92,6 +98,7 @@ def test_max_tokens_eos_and_stop_ids(tiny_model):
     assert o2.token_ids == o.token_ids[: o.token_ids.index(stop_tok) + 1] and o2.finish_reason == "stop"
 
 
+@pytest.mark.unit
 def test_filters_hand_computed():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
     kept = filter_logits(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.8]), torch.tensor([0.0, 0.0]))
@@ -101,6 +108,7 @@ def test_filters_hand_computed():
     assert torch.isfinite(kept[0]).tolist() == [True, True, False, False]  # 0.15 < 0.35 * 0.5
 
 
+@pytest.mark.unit
 def test_load_weights_bumps_version_and_takes_effect(tiny_model):
     eng = engine(copy.deepcopy(tiny_model))
     other = copy.deepcopy(tiny_model)
@@ -113,6 +121,7 @@ def test_load_weights_bumps_version_and_takes_effect(tiny_model):
     assert out.samples[0].token_ids == ref
 
 
+@pytest.mark.equivalence
 def test_a_weight_update_drops_kv_the_old_weights_computed(tiny_model):
     """A prompt whose full blocks are cached from before a weight update must be recomputed after it:
     reading the old KV gives tokens and logprobs of neither model (a shared system prompt, a tool
@@ -133,6 +142,7 @@ def test_a_weight_update_drops_kv_the_old_weights_computed(tiny_model):
     assert eng.stats()["engine/prefix_hit_rate"] > 0
 
 
+@pytest.mark.unit
 def test_sampler_frequencies_match_filtered_distribution():
     from relayrl.engine.sampler import sample
 
@@ -152,6 +162,7 @@ def test_sampler_frequencies_match_filtered_distribution():
     torch.testing.assert_close(logps, scaled.log_softmax(-1)[tokens])
 
 
+@pytest.mark.unit
 def test_stop_strings_cut_text_and_keep_completing_token(tiny_model, tmp_path):
     from relayrl.models.tokenizer import build_char_tokenizer
 
@@ -170,6 +181,7 @@ def test_stop_strings_cut_text_and_keep_completing_token(tiny_model, tmp_path):
     assert tok.decode(out.token_ids, skip_special_tokens=True).endswith(stop)
 
 
+@pytest.mark.unit
 def test_top_logprobs_follow_the_same_definition(tiny_model):
     eng = engine(tiny_model)
     s = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.5, max_tokens=4, logprobs=3, seed=1))[0].samples[0]
@@ -183,6 +195,7 @@ def test_top_logprobs_follow_the_same_definition(tiny_model):
         torch.testing.assert_close(torch.tensor(list(top.values())), want.values, atol=1e-5, rtol=0)
 
 
+@pytest.mark.equivalence
 def test_checkpoint_of_tied_model_loads_into_engine(tiny_model, tmp_path):
     from relayrl.models import load_config, load_state_dict, save_pretrained
 

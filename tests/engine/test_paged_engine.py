@@ -38,12 +38,14 @@ def assert_logprobs_close(a, b):
     torch.testing.assert_close(logprobs(a), logprobs(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.equivalence
 def test_continuous_batching_equals_one_at_a_time(tiny_model):
     together = engine(tiny_model, max_num_seqs=5, max_num_batched_tokens=16).generate(PROMPTS, SAMPLING)
     alone = [engine(tiny_model).generate([p], SAMPLING)[0] for p in PROMPTS]
     assert_logprobs_close(together, alone)
 
 
+@pytest.mark.equivalence
 def test_prefix_caching_same_outputs_and_hits(tiny_model):
     shared = [5, 6, 7, 8, 9, 10, 11, 12]  # a repeated "system prompt" of two full blocks
     prompts = [shared + [20 + i] for i in range(4)] + PROMPTS
@@ -54,6 +56,7 @@ def test_prefix_caching_same_outputs_and_hits(tiny_model):
     assert on.stats()["engine/prefix_hit_rate"] > 0.3 and off.stats()["engine/prefix_hit_rate"] == 0
 
 
+@pytest.mark.equivalence
 def test_preemption_under_tiny_pool_completes_with_same_outputs(tiny_model):
     # 12 blocks of 4 slots cannot hold 12 growing sequences: some are preempted and recomputed
     small = engine(tiny_model, num_blocks=12)
@@ -64,6 +67,7 @@ def test_preemption_under_tiny_pool_completes_with_same_outputs(tiny_model):
     assert_logprobs_close(a, b)
 
 
+@pytest.mark.equivalence
 def test_sleep_load_wake_equals_fresh_engine(tiny_model):
     new = copy.deepcopy(tiny_model)
     new.reset_parameters(std=0.3, seed=99)
@@ -80,6 +84,7 @@ def test_sleep_load_wake_equals_fresh_engine(tiny_model):
         assert tokens(out) == tokens(engine(new).generate(PROMPTS, SAMPLING))
 
 
+@pytest.mark.equivalence
 def test_abort_then_resume_equals_uninterrupted(tiny_model):
     params = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True, seed=3)
     full = engine(tiny_model).generate(PROMPTS, params)
@@ -99,6 +104,7 @@ def test_abort_then_resume_equals_uninterrupted(tiny_model):
     assert_logprobs_close(resumed, full)
 
 
+@pytest.mark.unit
 def test_resuming_an_ended_sample_keeps_it_ended(tiny_model):
     params = SamplingParams(n=1, temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
     eng = engine(tiny_model)
@@ -121,6 +127,7 @@ def _prefill_logits(eng, prompts):
     return out
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("heads,kv,tp", [(4, 2, 2), (8, 2, 4), (4, 4, 4)])
 def test_tensor_parallel_logits_equal_tp1(heads, kv, tp):
     torch.manual_seed(0)
@@ -137,6 +144,7 @@ def test_tensor_parallel_logits_equal_tp1(heads, kv, tp):
         par.close()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fork", [False, True])
 def test_stats_report_hits_and_peak_block_fill(tiny_model, fork):
     eng = engine(tiny_model, fork_samples=fork)

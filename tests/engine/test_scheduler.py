@@ -15,6 +15,8 @@ from relayrl.engine.block_manager import BlockManager
 from relayrl.engine.scheduler import Scheduler
 from relayrl.engine.sequence import Sequence, SequenceStatus
 
+pytestmark = pytest.mark.unit
+
 
 def make_seq(seq_id, prompt, max_tokens=8, block_size=4, **kw):
     return Sequence(seq_id, list(prompt), SimpleNamespace(max_tokens=max_tokens), block_size, **kw)

@@ -8,6 +8,8 @@ import pytest
 from relayrl.engine import SamplingParams
 from relayrl.engine.vllm_backend import VLLMEngine, from_vllm_output, vllm_sampling_kwargs
 
+pytestmark = pytest.mark.unit
+
 
 def test_sampling_params_map_to_vllm_names():
     kw = vllm_sampling_kwargs(SamplingParams(n=8, temperature=0.7, top_k=0, max_tokens=5, stop=["\n"], seed=3))

@@ -52,6 +52,7 @@ def samples(outs):
     return [s for o in outs for s in o.samples]
 
 
+@pytest.mark.unit
 def test_tokens_record_the_version_that_sampled_them(tiny_model, new_model):
     plain = engine(tiny_model).generate(PROMPTS, PARAMS)
     assert all(s.versions == [0] * 12 for s in samples(plain))
@@ -61,6 +62,7 @@ def test_tokens_record_the_version_that_sampled_them(tiny_model, new_model):
         assert all(o.weights_version == 1 for o in outs)
 
 
+@pytest.mark.unit
 def test_abort_and_prior_carry_versions(tiny_model, new_model):
     eng = engine(tiny_model, partial="keep_kv")
     rid = eng.add_request(PROMPTS[0], PARAMS)
@@ -80,6 +82,7 @@ def test_abort_and_prior_carry_versions(tiny_model, new_model):
     assert [s.token_ids for s in with_v.samples] == [s.token_ids for s in without_v.samples]
 
 
+@pytest.mark.equivalence
 def test_keep_kv_and_reprefill_against_references(tiny_model, new_model):
     base = engine(tiny_model).generate(PROMPTS, PARAMS)  # no update: the old policy throughout
     keep, _ = run_with_update(tiny_model, new_model, "keep_kv")
@@ -103,6 +106,7 @@ def test_keep_kv_and_reprefill_against_references(tiny_model, new_model):
         assert abs(k.logprobs[BEFORE] - b.logprobs[BEFORE]) > 1e-3
 
 
+@pytest.mark.equivalence
 def test_same_weights_reloaded_leave_generation_unchanged(tiny_model):
     base = engine(tiny_model).generate(PROMPTS, PARAMS)
     keep, _ = run_with_update(tiny_model, tiny_model, "keep_kv")
@@ -132,6 +136,7 @@ def chain(prev: int, tokens: list[int], block_size: int = 4) -> list[int]:
     return out
 
 
+@pytest.mark.unit
 def test_prefix_cache_without_update_hits(tiny_model):
     assert version_salt(0) == -1  # a never-updated engine hashes as before versions existed
     eng = engine(tiny_model)
@@ -144,6 +149,7 @@ def test_prefix_cache_without_update_hits(tiny_model):
     assert [eng.block_manager.blocks[b].hash for b in seq.block_table[:2]] == chain(-1, PROMPTS[0])
 
 
+@pytest.mark.unit
 def test_keep_kv_never_shares_stale_blocks(tiny_model, new_model):
     eng = engine(tiny_model, partial="keep_kv")
     old_rid = eng.add_request(PROMPTS[0], LONG)
@@ -169,6 +175,7 @@ def test_keep_kv_never_shares_stale_blocks(tiny_model, new_model):
     assert third.block_table[:2] == new.block_table[:2] and not set(third.block_table) & set(old.block_table)
 
 
+@pytest.mark.unit
 def test_reprefill_recomputes_under_the_new_version_and_shares_it(tiny_model, new_model):
     eng = engine(tiny_model, partial="reprefill")
     old_rid = eng.add_request(PROMPTS[0], LONG)
@@ -187,6 +194,7 @@ def test_reprefill_recomputes_under_the_new_version_and_shares_it(tiny_model, ne
     assert eng.stats()["engine/reprefills"] == 1 and eng.stats()["engine/preemptions"] == 0
 
 
+@pytest.mark.unit
 def test_generate_keeps_earlier_requests_outputs_for_step(tiny_model):
     short = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=1)
     longer = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=2)
@@ -214,6 +222,7 @@ def test_generate_keeps_earlier_requests_outputs_for_step(tiny_model):
     assert rest.request_id == early and rest.samples[0].token_ids == ref_long.samples[0].token_ids
 
 
+@pytest.mark.unit
 def test_abort_returns_a_held_output_once(tiny_model):
     eng = engine(tiny_model)
     early = eng.add_request(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=1))
@@ -223,6 +232,7 @@ def test_abort_returns_a_held_output_once(tiny_model):
     assert not eng.has_unfinished() and eng.step() == []
 
 
+@pytest.mark.unit
 def test_update_with_requests_in_flight_is_refused_without_partial(tiny_model, new_model):
     eng = engine(tiny_model)
     assert eng.partial is None

@@ -16,6 +16,8 @@ from relayrl.models.tokenizer import build_char_tokenizer
 from relayrl.sandbox import sandbox_available
 from tests.helpers import importable
 
+pytestmark = pytest.mark.unit
+
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "482*37+905"}}</tool_call>'
 
 # the shape of Qwen2.5's template: tools in a system turn, tool results wrapped in a user turn

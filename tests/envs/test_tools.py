@@ -86,6 +86,7 @@ SEARCH_SCHEMA = {
 }
 
 
+@pytest.mark.unit
 def test_schema_is_derived_from_signature_and_docstring():
     t = tool(search)
     assert t.schema() == SEARCH_SCHEMA
@@ -94,6 +95,7 @@ def test_schema_is_derived_from_signature_and_docstring():
     assert t.schema() == SEARCH_SCHEMA
 
 
+@pytest.mark.unit
 def test_decorator_forms_and_names():
     @tool
     def echo(text: str) -> str:
@@ -126,6 +128,7 @@ def _documented(annotation: str, doc_args: str = "x: A value.", extra: str = "")
     return namespace["f"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "fn, fragment",
     [
@@ -144,6 +147,7 @@ def test_schema_errors_name_the_function_and_parameter(fn, fragment):
     assert fragment in message and "tool 'f'" in message and "\n" not in message
 
 
+@pytest.mark.unit
 def test_function_without_docstring_is_refused():
     def bare(x: int) -> int:
         return x
@@ -152,6 +156,7 @@ def test_function_without_docstring_is_refused():
         tool(bare)
 
 
+@pytest.mark.unit
 def test_load_tool_from_file_module_and_builtin(tmp_path):
     path = tmp_path / "my_tools.py"
     path.write_text(
@@ -220,6 +225,7 @@ QWEN_STYLE_TEMPLATE = (
 )
 
 
+@pytest.mark.unit
 def test_schema_renders_through_chat_templates(tmp_path):
     tok = build_char_tokenizer(tmp_path / "tok", "abcdefghijklmnopqrstuvwxyz0123456789 +-*/()")
     messages = [{"role": "user", "content": "what is 12*7"}]
@@ -243,6 +249,7 @@ def test_schema_renders_through_chat_templates(tmp_path):
     assert text.endswith("<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n")
 
 
+@pytest.mark.unit
 def test_parse_tool_calls():
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
     parsed = parse_tool_calls(call)
@@ -268,6 +275,7 @@ def test_parse_tool_calls():
     assert parse_tool_calls("The answer is 42.") == parse_tool_calls("") and not parse_tool_calls("42").calls
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "block, fragment",
     [
@@ -287,6 +295,7 @@ def test_malformed_blocks_are_errors_not_exceptions(block, fragment):
     assert len(parsed.errors) == 1 and parsed.errors[0].startswith("block 2:") and fragment in parsed.errors[0]
 
 
+@pytest.mark.unit
 def test_unclosed_blocks():
     # An unclosed block followed by another block is read up to the next opening tag.
     parsed = parse_tool_calls('<tool_call>{"name": "a", "arguments": {}} <tool_call>{"name": "b"}</tool_call>')
@@ -335,6 +344,7 @@ def runner():
     r.close()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "call, name, content",
     [
@@ -382,6 +392,7 @@ def test_runner_answers_every_outcome_with_one_message(runner, call, name, conte
     assert turn.calls == (0 if "malformed" in content else 1)
 
 
+@pytest.mark.unit
 def test_runner_counts_a_mixed_turn_and_caps_calls():
     r = ToolRunner([tool(add)], max_calls=2)
     text = _call("add", a=1) + "<tool_call>not json</tool_call>" + _call("nope") + _call("add", a=2) + _call("add", a=3)
@@ -399,6 +410,7 @@ def test_runner_counts_a_mixed_turn_and_caps_calls():
     r.close()
 
 
+@pytest.mark.faults
 def test_timeout_comes_back_within_its_bound_and_abandoned_calls_are_bounded():
     release = threading.Event()
 
@@ -432,6 +444,7 @@ def test_timeout_comes_back_within_its_bound_and_abandoned_calls_are_bounded():
     r.close()
 
 
+@pytest.mark.faults
 def test_a_call_queued_behind_others_is_not_timed_out_for_waiting():
     def nap(seconds: float) -> str:
         """Sleep a while.
@@ -459,6 +472,7 @@ def test_a_call_queued_behind_others_is_not_timed_out_for_waiting():
     r.close()
 
 
+@pytest.mark.faults
 def test_a_hung_tool_does_not_keep_the_process_from_exiting():
     script = textwrap.dedent(
         '''
@@ -483,6 +497,7 @@ def test_a_hung_tool_does_not_keep_the_process_from_exiting():
     assert out.stdout.strip() == "error: hang timed out after 0.1s"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "expression, value",
     [
@@ -509,6 +524,7 @@ def test_calculator_values(expression, value):
     assert calculator(expression) == value
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "expression, error, fragment",
     [

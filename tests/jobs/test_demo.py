@@ -7,6 +7,7 @@ from relayrl.errors import UserError
 from relayrl.jobs.demo import GRPO, recipe, run_demo
 
 
+@pytest.mark.unit
 def test_the_lora_recipe_is_the_grpo_recipe_with_adapters():
     _, rl, _ = recipe(None, "grpo", lora=True)
     cfg = RunConfig.from_dict({**rl, "model": {"path": "unused"}})
@@ -19,6 +20,7 @@ def test_the_lora_recipe_is_the_grpo_recipe_with_adapters():
     assert cfg.trainer.model_copy(update={"lora": None, "lr": plain.trainer.lr}) == plain.trainer
 
 
+@pytest.mark.e2e
 def test_lora_with_ppo_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="--lora"):
         run_demo(tmp_path, lora=True, algo="ppo")

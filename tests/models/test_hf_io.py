@@ -39,6 +39,7 @@ def _hf_model(cfg):
     return model.eval()
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hf_to_relayrl_and_back(family, tmp_path):
     hf = _hf_model(FAMILIES[family]())
@@ -63,6 +64,7 @@ def test_hf_to_relayrl_and_back(family, tmp_path):
         torch.testing.assert_close(back(input_ids=ids).logits, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.unit
 def test_sharded_save_loads_in_both(tmp_path):
     hf = _hf_model(FAMILIES["llama"]())
     hf.save_pretrained(tmp_path / "hf")
@@ -78,6 +80,7 @@ def test_sharded_save_loads_in_both(tmp_path):
         torch.testing.assert_close(back(input_ids=ids).logits, ours(ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.unit
 def test_bf16_load(tmp_path):
     hf = _hf_model(FAMILIES["qwen2"]())
     hf.save_pretrained(tmp_path / "hf")
@@ -89,6 +92,7 @@ def test_bf16_load(tmp_path):
     assert 0 < diff < 0.1  # bf16 differs from fp32, but only by rounding
 
 
+@pytest.mark.unit
 def test_bad_model_dirs(tmp_path):
     with pytest.raises(ModelDirError, match="not found"):
         load_pretrained(tmp_path / "nope")

@@ -29,6 +29,7 @@ def close(a, b, rel=1e-5):
     assert (a - b).abs().max() <= rel * b.abs().max(), ((a - b).abs().max(), b.abs().max())
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("shape, n, bias", [((2, 300, 512), 384, True), ((1024, 256), 512, False),
                                            ((64, 1536), 512, True)])
 @pytest.mark.parametrize("on", ["fwd dx dw", "fwd", "dx dw", "dw"])
@@ -61,6 +62,7 @@ def test_onednn_linear_equals_torch_in_output_and_gradients(shape, n, bias, on, 
         close(linear(x, w, b), F.linear(x, w, b))
 
 
+@pytest.mark.unit
 def test_where_it_does_not_apply_it_is_torchs_own():
     g = torch.Generator().manual_seed(1)
     small_x, small_w = torch.randn(16, 32, generator=g), torch.randn(32, 32, generator=g)
@@ -76,6 +78,7 @@ def test_where_it_does_not_apply_it_is_torchs_own():
         assert torch.equal(linear(big_x, big_w), F.linear(big_x, big_w))
 
 
+@pytest.mark.equivalence
 def test_a_model_on_onednn_matches_torchs_kernels(monkeypatch):
     """A CausalLM wide enough to take oneDNN: logits and every parameter gradient match the same model run with
     oneDNN turned off (MIN_MACS out of reach)."""
@@ -101,6 +104,7 @@ def test_a_model_on_onednn_matches_torchs_kernels(monkeypatch):
         close(g1[n], g0[n], rel=1e-4)
 
 
+@pytest.mark.unit
 def test_row_buckets_by_hand():
     """oneDNN compiles a kernel per shape: rows are padded to few buckets, at most 1/16 more rows."""
     from relayrl.models.linear import bucket
@@ -111,6 +115,7 @@ def test_row_buckets_by_hand():
     assert len({bucket(r) for r in range(1025, 2049)}) == 16  # 1088, 1152, ..., 2048
 
 
+@pytest.mark.unit
 def test_outputs_are_no_views():
     """Like F.linear's, the output is no view (FSDP2 warns when a module returns one): padded or not, 2-D or 3-D."""
     w = torch.randn(512, 512, requires_grad=True)
@@ -132,6 +137,7 @@ def _fresh(monkeypatch, mode: str, vendor: str = "", capability: str = "AVX2") -
     return lin.kernel_choice()
 
 
+@pytest.mark.unit
 def test_kernel_choice_is_the_rule_measured_or_named(monkeypatch):
     """auto: Intel keeps torch's kernel for all three products, AMD with AVX-512 runs all three on oneDNN, without
     measuring; any other CPU (AMD without AVX-512, an unknown vendor) measures, and each product runs on oneDNN
@@ -162,6 +168,7 @@ def test_kernel_choice_is_the_rule_measured_or_named(monkeypatch):
         _fresh(monkeypatch, "mkl")
 
 
+@pytest.mark.unit
 def test_cpu_vendor_reads_cpuinfo():
     """On Linux the vendor is /proc/cpuinfo's vendor_id (the rule's key); elsewhere "" (the rule then measures)."""
     try:
@@ -172,12 +179,14 @@ def test_cpu_vendor_reads_cpuinfo():
     assert lin.cpu_vendor() == want
 
 
+@pytest.mark.unit
 def test_measure_kernels_times_both_kernels():
     """The measurement's ratios are torch seconds over oneDNN seconds of real calls: positive and finite."""
     ratios = lin.measure_kernels(m=128, n=128, k=64, calls=1)
     assert set(ratios) == set(lin.PRODUCTS) and all(0 < r < float("inf") for r in ratios.values())
 
 
+@pytest.mark.unit
 def test_all_on_torch_is_f_linear_itself(monkeypatch):
     """With every product on torch's kernel (the choice on a machine where MKL is at full rate) the layer is
     F.linear, bit for bit, with and without gradients."""

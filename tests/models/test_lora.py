@@ -79,6 +79,7 @@ def inputs():
     return ids
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_adapter_grads_equal_peft(family, tmp_path):
     hf = hf_model(FAMILIES[family]())
@@ -102,6 +103,7 @@ def test_logits_and_adapter_grads_equal_peft(family, tmp_path):
     assert all(p.grad is None for n, p in ours.named_parameters() if not p.requires_grad)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_dropout_in_training_equals_peft_under_the_same_seed(family, tmp_path):
     """trainer.lora.dropout > 0: each target drops its adapter's input (peft's dropout(x) A^T B^T, the base path
@@ -126,6 +128,7 @@ def test_dropout_in_training_equals_peft_under_the_same_seed(family, tmp_path):
     assert_adapter_grads_equal_peft(ours, pm, got, ref)
 
 
+@pytest.mark.equivalence
 def test_init_matches_peft_and_leaves_output_unchanged(tmp_path):
     hf = hf_model(FAMILIES["qwen2"]())
     hf.save_pretrained(tmp_path / "hf")
@@ -155,6 +158,7 @@ def test_init_matches_peft_and_leaves_output_unchanged(tmp_path):
     assert isinstance(m, torch.nn.Linear) and isinstance(m, LoRALinear)
 
 
+@pytest.mark.equivalence
 def test_merged_weights_and_disabled_adapters(tmp_path):
     hf = hf_model(FAMILIES["llama"]())
     hf.save_pretrained(tmp_path / "hf")
@@ -173,6 +177,7 @@ def test_merged_weights_and_disabled_adapters(tmp_path):
         torch.testing.assert_close(ours(ids), base(ids), atol=0, rtol=0)
 
 
+@pytest.mark.equivalence
 def test_bf16_base_fp32_adapters(tmp_path):
     hf = hf_model(FAMILIES["qwen2"]())
     hf.save_pretrained(tmp_path / "hf")
@@ -187,6 +192,7 @@ def test_bf16_base_fp32_adapters(tmp_path):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora_state(model).values())
 
 
+@pytest.mark.unit
 def test_bf16_base_saves_no_copy_of_the_input():
     """q, k and v adapters (fp32) over a bf16 base on one input x: what autograd keeps for backward is x itself
     (the same storage for all three), the parameters, and each target's x A^T [tokens, r]; never another
@@ -232,6 +238,7 @@ def test_bf16_base_saves_no_copy_of_the_input():
         torch.testing.assert_close(m.lora_B.grad, b.grad, atol=0, rtol=0)
 
 
+@pytest.mark.unit
 def test_config_validation():
     assert LoRAConfig().target_modules == list(LORA_TARGETS)
     with pytest.raises(ConfigError, match=r"target_modules.*qkv_proj.*valid: q_proj"):
@@ -242,6 +249,7 @@ def test_config_validation():
         LoRAConfig.from_dict({"base_dtype": "float16"})
 
 
+@pytest.mark.unit
 def test_lora_refused_where_it_does_not_apply():
     from relayrl.jobs.sft import SFTJobConfig
     from relayrl.trainer.config import CriticConfig, TrainerConfig
@@ -254,6 +262,7 @@ def test_lora_refused_where_it_does_not_apply():
         CriticConfig.from_dict({"lora": {}})
 
 
+@pytest.mark.unit
 def test_lora_dropout_refused_under_tensor_parallel():
     """Each TP rank would draw its own mask on a colwise linear's replicated input: refused in one line."""
     from relayrl.controller.config import RunConfig

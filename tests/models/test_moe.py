@@ -59,6 +59,7 @@ def _logits_match(ours, hf, ids, mask):
     return ref
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hf_to_relayrl_and_back(family, tmp_path):
     hf = _hf_model(FAMILIES[family]())
@@ -95,6 +96,7 @@ def test_hf_to_relayrl_and_back(family, tmp_path):
     assert dataclasses.replace(again, extra={}) == dataclasses.replace(ours.config, extra={})
 
 
+@pytest.mark.unit
 def test_checkpoint_names_are_the_published_ones(tmp_path):
     names = {f: set(CausalLM(ModelConfig.from_hf_dict(FAMILIES[f]().to_dict())).state_dict()) for f in FAMILIES}
     assert {"model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w1.weight",
@@ -123,6 +125,7 @@ def _block(model_type: str, norm: bool) -> SparseMoeBlock:
     return block
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("model_type,norm", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
 def test_routing_by_hand(model_type, norm):
     x = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # logits (2, 1, 0) and (0, 1, 0)
@@ -145,6 +148,7 @@ def test_routing_by_hand(model_type, norm):
     torch.testing.assert_close(rec.logits[0], torch.tensor([[[2.0, 1.0, 0.0], [0.0, 1.0, 0.0]]]))
 
 
+@pytest.mark.unit
 def test_routing_replay_reproduces_and_overrides(tmp_path):
     hf = _hf_model(FAMILIES["qwen3_moe_dense_layer_bias"]())
     hf.save_pretrained(tmp_path / "hf")
@@ -177,6 +181,7 @@ def test_routing_replay_reproduces_and_overrides(tmp_path):
             model(ids, routing=Routing(replay=sel + 3))
 
 
+@pytest.mark.unit
 def test_load_balancing_loss_equals_transformers():
     g = torch.Generator().manual_seed(3)
     logits = tuple(torch.randn(30, 6, generator=g) * 2 for _ in range(3))  # 3 layers, B q = 30 tokens, E = 6
@@ -200,6 +205,7 @@ def test_load_balancing_loss_equals_transformers():
                                torch.tensor(2 * P[1]))
 
 
+@pytest.mark.unit
 def test_router_z_loss_by_hand():
     two = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])  # logsumexp: log 2, log 4
     ln2 = math.log(2.0)
@@ -209,6 +215,7 @@ def test_router_z_loss_by_hand():
     torch.testing.assert_close(router_z_loss([two, torch.zeros(2, 2)]), torch.tensor((3 * ln2**2 + 4 * ln2**2) / 4))
 
 
+@pytest.mark.equivalence
 def test_aux_loss_and_gradients_equal_transformers(tmp_path):
     """CE + a·load balancing + b·z-loss: the value and every parameter's gradient equal transformers' model's
     (its aux_loss, and our z-loss on its recorded router logits), experts unstacked to checkpoint names."""
@@ -245,6 +252,7 @@ def test_aux_loss_and_gradients_equal_transformers(tmp_path):
     assert own["model.layers.1.mlp.experts.2.down_proj.weight"].grad.abs().max() > 1e-4
 
 
+@pytest.mark.unit
 def test_unchosen_experts_get_zero_gradients():
     """Every expert runs (on no tokens if none chose it): its gradient is zero, not missing, as DDP / FSDP need."""
     cfg = ModelConfig.from_hf_dict(FAMILIES["mixtral"]().to_dict())
@@ -266,12 +274,14 @@ def test_unchosen_experts_get_zero_gradients():
     assert model.model.layers[1].block_sparse_moe.gate.weight.grad.abs().max() > 0  # through the replayed weights
 
 
+@pytest.mark.unit
 def test_expert_load_by_hand():
     sel = torch.tensor([[[[0, 1]], [[0, 2]]], [[[0, 1]], [[3, 0]]]])  # [B 2, q 2, 1 layer, k 2]
     assert expert_load(sel, 4).tolist() == [[4.0, 2.0, 1.0, 1.0]]
     assert expert_load(sel, 4, torch.tensor([[1, 1], [1, 0]])).tolist() == [[3.0, 2.0, 1.0, 0.0]]
 
 
+@pytest.mark.unit
 def test_moe_config_fields_and_refusals():
     d = FAMILIES["qwen3_moe"]().to_dict()
     cfg = ModelConfig.from_hf_dict(d)
@@ -298,6 +308,7 @@ def test_moe_config_fields_and_refusals():
                                                if f.name != "model_type"})
 
 
+@pytest.mark.equivalence
 def test_activation_checkpointing_keeps_routing_and_gradients():
     """A recomputed layer routes (or replays) as its first forward did: record, loss and gradients are unchanged."""
     from relayrl.parallel.parallelize import apply_activation_checkpointing

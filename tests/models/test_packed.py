@@ -14,6 +14,8 @@ from relayrl.models.transformer import build_attention_mask, sdpa_attention
 
 from conftest import tiny_config
 
+pytestmark = pytest.mark.unit
+
 
 def _row(g: torch.Generator):
     """A row of two prompts with 3 and 1 responses, then two sequences of their own, in that order:

@@ -30,6 +30,7 @@ def _cases(g):
             ("rope", pw.rope, pw._rope, (q, cos, sin))]
 
 
+@pytest.mark.equivalence
 def test_fused_pieces_equal_the_eager_formulas(monkeypatch):
     monkeypatch.setattr(pw, "MIN_NUMEL", 1024)
     monkeypatch.delenv(pw.COMPILE_ENV, raising=False)
@@ -51,6 +52,7 @@ def test_fused_pieces_equal_the_eager_formulas(monkeypatch):
     assert pw._broken is None and set(pw._compiled) >= {"rms_norm", "swiglu", "rope"}
 
 
+@pytest.mark.equivalence
 def test_a_model_on_fused_pieces_matches_eager(monkeypatch):
     from relayrl.models.transformer import CausalLM
 
@@ -74,6 +76,7 @@ def test_a_model_on_fused_pieces_matches_eager(monkeypatch):
         close(g1[n], g0[n], rel=1e-4)
 
 
+@pytest.mark.unit
 def test_where_it_does_not_apply_it_is_the_eager_formula(monkeypatch):
     g = torch.Generator().manual_seed(2)
     big = torch.randn(pw.MIN_NUMEL, generator=g)
@@ -90,6 +93,7 @@ def test_where_it_does_not_apply_it_is_the_eager_formula(monkeypatch):
         pw.enabled()
 
 
+@pytest.mark.unit
 def test_a_failing_compiler_leaves_the_pieces_eager_with_one_warning(monkeypatch):
     def broken(*a, **k):  # what inductor raises without a C++ compiler derives from TorchDynamoException
         raise CompilerFailed("no C++ compiler\nmore")
@@ -105,6 +109,7 @@ def test_a_failing_compiler_leaves_the_pieces_eager_with_one_warning(monkeypatch
     assert torch.equal(y, pw._swiglu(a, b)) and not pw.enabled() and not pw.applies(a)
 
 
+@pytest.mark.unit
 def test_inductors_errors_are_the_ones_caught():
     """A missing C++ compiler surfaces as inductor's InductorError (seen with CXX=/nonexistent); the fallback
     catches TorchDynamoException, so it must stay a subclass of it."""
@@ -113,6 +118,7 @@ def test_inductors_errors_are_the_ones_caught():
     assert issubclass(InductorError, torch._dynamo.exc.TorchDynamoException)
 
 
+@pytest.mark.unit
 def test_an_error_that_is_not_the_compilers_propagates_and_keeps_compiling(monkeypatch):
     def wrong_input(*a, **k):
         raise RuntimeError("The size of tensor a (8) must match the size of tensor b (4)")

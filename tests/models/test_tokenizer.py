@@ -7,6 +7,8 @@ import pytest
 from relayrl.errors import ModelDirError
 from relayrl.models.tokenizer import build_char_tokenizer, load_tokenizer
 
+pytestmark = pytest.mark.unit
+
 CHARS = "0123456789+-*= \nabc"
 TEXT = "12 + 7=19\n  3*4 =12\n\nabc  cba\n"
 

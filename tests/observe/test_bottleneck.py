@@ -13,6 +13,8 @@ from relayrl.controller.config import RunConfig
 from relayrl.observe import bottleneck as bn
 from relayrl.observe.report import bottleneck, make_report
 
+pytestmark = pytest.mark.unit
+
 
 def _names(records):
     return [f.name for f in bn.findings(records)]

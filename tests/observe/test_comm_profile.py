@@ -2,6 +2,7 @@
 hand, FSDP2 and DDP on 2 gloo ranks against the collectives' own count and the block's wall time, and a 2-rank
 FSDP run that logs time/update_comm (a part of time/update) on its profiled steps only."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -14,12 +15,14 @@ from dist_harness import run_distributed
 from helpers import group_cfg
 
 
+@pytest.mark.unit
 def test_union_of_intervals_by_hand():
     # [0, 10] and [5, 20] overlap: 20 us; [30, 31] apart: 1 us; [2, 3] inside the first: nothing more
     assert union_seconds([(5.0, 20.0), (0.0, 10.0), (30.0, 31.0), (2.0, 3.0)]) == 21e-6
     assert union_seconds([]) == 0.0
 
 
+@pytest.mark.unit
 def test_what_counts_as_a_collective():
     assert is_collective("gloo:all_gather", False) and is_collective("gloo:all_reduce", False)
     # the dispatcher's enqueue, FSDP's spans (copies + wait) and NCCL's CPU-side launch are not the collective
@@ -29,6 +32,7 @@ def test_what_counts_as_a_collective():
     assert is_collective("ncclDevKernel_AllReduce_Sum_f32_RING_LL", True) and not is_collective("gemm", True)
 
 
+@pytest.mark.unit
 def test_disabled_measures_nothing():
     with CommProfile(False) as comm:
         torch.ones(2).sum()
@@ -64,6 +68,7 @@ def _both(rank, world):
     return out, none.seconds
 
 
+@pytest.mark.equivalence
 def test_fsdp2_and_ddp_collectives_are_measured_within_the_wall_time():
     for out, none in run_distributed(_both, 2):
         assert none == 0.0
@@ -72,6 +77,7 @@ def test_fsdp2_and_ddp_collectives_are_measured_within_the_wall_time():
             assert metrics == {"time/update_comm": seconds, "comm/update_share": seconds / wall}
 
 
+@pytest.mark.e2e
 def test_a_two_rank_fsdp_run_logs_its_updates_collectives(tmp_path):
     cfg = group_cfg(tmp_path, "fsdp2", backend="local", dp_shard=2)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"steps": 3, "profile_every": 2})})

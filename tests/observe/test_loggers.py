@@ -91,6 +91,7 @@ RECORDS = [  # (step, metrics): eval lines share the step of the training line b
 ]
 
 
+@pytest.mark.equivalence
 def test_wandb_offline_and_mlflow_file_store_hold_what_metrics_jsonl_holds(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
@@ -115,6 +116,7 @@ def test_wandb_offline_and_mlflow_file_store_hold_what_metrics_jsonl_holds(tmp_p
     assert (tmp_path / "mlruns").is_dir()
 
 
+@pytest.mark.equivalence
 def test_a_resumed_logger_sends_each_step_once_to_the_append_only_sinks(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
@@ -138,6 +140,7 @@ def test_a_resumed_logger_sends_each_step_once_to_the_append_only_sinks(tmp_path
     assert sorted(artifacts) == ["config.json", "config_resume_step_1.json"]
 
 
+@pytest.mark.unit
 def test_a_missing_package_is_one_line_naming_the_install(monkeypatch):
     import importlib.util
 
@@ -148,6 +151,7 @@ def test_a_missing_package_is_one_line_naming_the_install(monkeypatch):
     assert "\n" not in str(e.value) and "mlflow" in str(e.value)
 
 
+@pytest.mark.unit
 def test_run_tensorboard_false_drops_tensorboard_from_the_loggers():
     run = RunConfig.from_dict({}).run
     assert run.sinks == ["tensorboard"]
@@ -161,6 +165,7 @@ def test_run_tensorboard_false_drops_tensorboard_from_the_loggers():
 
 
 # ---------------------------------------------------------------------------- a real run, resumed
+@pytest.mark.e2e
 def test_a_resumed_run_logs_every_step_once_to_wandb_and_mlflow(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")

@@ -10,6 +10,8 @@ import torch
 from relayrl.errors import UserError
 from relayrl.observe import MetricsLogger, Progress, StageTimer, read_metrics, truncate_metrics
 
+pytestmark = pytest.mark.unit
+
 
 class FakeClock:
     def __init__(self):

@@ -8,6 +8,8 @@ import torch
 
 from relayrl.observe import peak
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def fake_measure(tmp_path, monkeypatch):

@@ -7,6 +7,8 @@ import pytest
 from relayrl.errors import UserError
 from relayrl.observe.report import make_report, summarize
 
+pytestmark = pytest.mark.unit
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

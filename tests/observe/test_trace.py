@@ -40,6 +40,7 @@ class RecordingSink:
         self.spans.append((name, start_ns, end_ns))
 
 
+@pytest.mark.unit
 def test_stage_timer_records_each_entry_as_a_span_and_keeps_its_totals():
     clock, sink = FakeClock(), RecordingSink()
     timer = StageTimer(clock=clock, tracer=sink)
@@ -58,6 +59,7 @@ def test_stage_timer_records_each_entry_as_a_span_and_keeps_its_totals():
     assert timer.pop() == {"time/update": 1.0} and len(sink.spans) == 2
 
 
+@pytest.mark.unit
 def test_merge_writes_a_chrome_trace_in_microseconds_with_named_processes(tmp_path):
     d = trace_dir(tmp_path)
     drv, w1, w0 = Tracer(d, "driver"), Tracer(d, "actor", 1), Tracer(d, "actor", 0)
@@ -88,6 +90,7 @@ def test_merge_writes_a_chrome_trace_in_microseconds_with_named_processes(tmp_pa
     assert len(threads) == 3 and all(e["ph"] == "M" for e in threads)
 
 
+@pytest.mark.unit
 def test_merge_refuses_a_damaged_middle_line_and_a_run_without_spans(tmp_path):
     with pytest.raises(UserError, match="no trace spans"):
         merge_traces(tmp_path)
@@ -101,6 +104,7 @@ def test_merge_refuses_a_damaged_middle_line_and_a_run_without_spans(tmp_path):
         merge_traces(tmp_path)
 
 
+@pytest.mark.unit
 def test_tracing_off_records_nothing(tmp_path):
     t = open_tracer(None, "driver")
     with t.span("x"):
@@ -113,6 +117,7 @@ def _within(inner: dict, outer: dict) -> bool:
     return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
 
 
+@pytest.mark.e2e
 def test_a_run_on_two_worker_ranks_traces_driver_and_workers_on_one_timeline(tmp_path, capsys):
     before = os.environ.get(TRACE_ENV)
     out = train(group_cfg(tmp_path, "run", backend="local", dp_shard=2), show_progress=False)
@@ -158,6 +163,7 @@ def test_a_run_on_two_worker_ranks_traces_driver_and_workers_on_one_timeline(tmp
             assert any(_within(upd, s) for s in stages if s["name"] == "update")
 
 
+@pytest.mark.e2e
 def test_report_trace_on_a_run_without_spans_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert main(["report", str(tmp_path), "--trace"]) == 2

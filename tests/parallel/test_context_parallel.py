@@ -247,6 +247,7 @@ def assert_close(a, b, what):
     assert err <= REL * b.abs().max().item(), f"{what}: max |diff| {err:.3g} vs max |ref| {b.abs().max():.3g}"
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("case", list(CASES) + [pytest.param(name, marks=pytest.mark.slow) for name in CASES4])
 def test_equals_one_process(case):
     mode, layout, config, kind, ac, gathered = CASES.get(case) or CASES4[case]
@@ -260,6 +261,7 @@ def test_equals_one_process(case):
             assert_close(g, ref_grads[name], f"{case} rank {rank} grad {name}")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("case", [pytest.param(name, marks=[pytest.mark.slow] if spec[0] == 4 else [])
                                   for name, spec in COMPOSED.items()])
 def test_composes_with_fsdp_and_tp(case):
@@ -272,6 +274,7 @@ def test_composes_with_fsdp_and_tp(case):
             assert_close(g, ref_grads[name], f"{case} rank {rank} grad {name}")
 
 
+@pytest.mark.unit
 def test_parallel_dims_cp():
     dims = ParallelDims(dp_shard=-1, cp=2, tp=2, world_size=8)
     assert dims.dp_shard == 2 and dims.dp == 2 and dims.cp_enabled
@@ -281,6 +284,7 @@ def test_parallel_dims_cp():
     assert ParallelConfig.from_dict({"cp": 1, "cp_mode": "ulysses"}).cp_mode == "ulysses"
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("cp", [CP, pytest.param(4, marks=pytest.mark.slow)])
 def test_activation_memory_falls_to_one_over_cp(cp):
     for rank, results in enumerate(distributed() if cp == CP else composed()):
@@ -297,6 +301,7 @@ def test_activation_memory_falls_to_one_over_cp(cp):
         assert mem["ulysses", 1] == mem["plain"] + 2 * 64 * 32 * 4 * 2, mem
 
 
+@pytest.mark.equivalence
 def test_errors_heads_and_length():
     errors = distributed()[0]["errors"]
     assert "3 query heads (not divisible by 2)" in errors["heads3"] and "cp_mode='ring'" in errors["heads3"]
@@ -304,6 +309,7 @@ def test_errors_heads_and_length():
     assert "pad the batch to a multiple of 4" in errors["seq6"]
 
 
+@pytest.mark.unit
 def test_ulysses_head_checks():
     check_ulysses_heads(8, 2, 4)  # KV 2 divides cp 4: replicated twice
     check_ulysses_heads(8, 8, 4)
@@ -313,6 +319,7 @@ def test_ulysses_head_checks():
         check_ulysses_heads(12, 3, 2)
 
 
+@pytest.mark.unit
 def test_zigzag_by_hand():
     assert shard_spans(8, 2, 0) == [(0, 2), (6, 8)]
     assert shard_spans(8, 2, 1) == [(2, 4), (4, 6)]
@@ -327,6 +334,7 @@ def test_zigzag_by_hand():
         shard_spans(12, 4, 0)
 
 
+@pytest.mark.unit
 def test_zigzag_balances_causal_work():
     """Query x key elements of the blocks each rank computes over the ring's steps (causal skipping), T = 32,
     cp = 4. Zigzag: rank r's chunks r and 7 - r meet (r + 1) + (8 - r) = 9 key chunks of 4, 9 x 16 each;

@@ -34,6 +34,7 @@ def _cuda(monkeypatch, available: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- resolution
+@pytest.mark.unit
 def test_auto_is_cuda_exactly_when_torch_sees_one(monkeypatch):
     _cuda(monkeypatch, True)
     assert resolve_device("auto") == "cuda" and resolve_device("cpu") == "cpu" and resolve_device("cuda") == "cuda"
@@ -41,6 +42,7 @@ def test_auto_is_cuda_exactly_when_torch_sees_one(monkeypatch):
     assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
 
 
+@pytest.mark.unit
 def test_cuda_without_a_gpu_is_refused_in_one_line_naming_the_key(monkeypatch):
     _cuda(monkeypatch, False)
     with pytest.raises(ConfigError, match=r"^parallel\.device=cuda, but torch sees no CUDA device") as e:
@@ -52,6 +54,7 @@ def test_cuda_without_a_gpu_is_refused_in_one_line_naming_the_key(monkeypatch):
         resolve_device("gpu")
 
 
+@pytest.mark.e2e
 def test_train_refuses_cuda_before_writing_anything(tmp_path, monkeypatch):
     _cuda(monkeypatch, False)
     cfg = cfg_for(tmp_path, "run", parallel={"device": "cuda"})
@@ -60,6 +63,7 @@ def test_train_refuses_cuda_before_writing_anything(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.unit
 def test_process_group_backend_sends_cpu_tensors_over_gloo_and_cuda_ones_over_nccl():
     assert process_group_backend("cpu") == "gloo"
     # the string torch's init_process_group parses into a backend per device type
@@ -82,6 +86,7 @@ def _full_batch(n: int = 4, T: int = 6) -> TrainBatch:
                       torch.ones(n, T), advantages=torch.randn(n, generator=g), routing=routing, **per_token)
 
 
+@pytest.mark.unit
 def test_batch_to_moves_every_tensor_field_and_keeps_values():
     b = _full_batch()
     fields = [f.name for f in dataclasses.fields(b)]
@@ -95,6 +100,7 @@ def test_batch_to_moves_every_tensor_field_and_keeps_values():
     assert TrainBatch(b.input_ids, b.attention_mask, b.response_mask).to("meta").old_logp is None
 
 
+@pytest.mark.unit
 def test_actor_micro_batches_go_to_the_models_device():
     model = _tiny().to("meta")
     actor = Actor(model, TrainerConfig(micro_batch_size=3), AlgoConfig(), total_steps=1)
@@ -106,6 +112,7 @@ def test_actor_micro_batches_go_to_the_models_device():
     assert SFTTrainer(_tiny().to("meta"), TrainerConfig(), 1).device == torch.device("meta")
 
 
+@pytest.mark.unit
 def test_autocast_takes_the_device_type_of_the_model():
     actor = Actor(_tiny(), TrainerConfig(bf16=True), AlgoConfig(), total_steps=1)
     ctx = actor._autocast()
@@ -116,6 +123,7 @@ def test_autocast_takes_the_device_type_of_the_model():
     assert not isinstance(Actor(_tiny(), TrainerConfig(), AlgoConfig(), total_steps=1)._autocast(), torch.autocast)
 
 
+@pytest.mark.unit
 def test_a_single_process_policy_builds_every_model_on_the_resolved_device(tmp_path, monkeypatch):
     """The actor, the reference and PPO's critic (backend none): meta stands in for the GPU resolve_device picks."""
     monkeypatch.setattr(run_module, "resolve_device", lambda setting, key="parallel.device": "meta")
@@ -128,6 +136,7 @@ def test_a_single_process_policy_builds_every_model_on_the_resolved_device(tmp_p
 
 
 # ---------------------------------------------------------------------------- memory figures
+@pytest.mark.unit
 def test_memory_figures_only_on_cuda_in_gib_with_the_peak_reset(monkeypatch):
     assert device_memory_metrics("cpu") == {}
     resets = []
@@ -141,6 +150,7 @@ def test_memory_figures_only_on_cuda_in_gib_with_the_peak_reset(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- the same run
+@pytest.mark.e2e
 def test_a_run_on_parallel_device_cpu_equals_the_default_run(tmp_path, monkeypatch):
     _cuda(monkeypatch, False)  # the default (auto) is the CPU here even where a GPU is present
     a = cfg_for(tmp_path, "auto", run={"steps": 2, "save_every": 0})
@@ -156,6 +166,7 @@ def test_a_run_on_parallel_device_cpu_equals_the_default_run(tmp_path, monkeypat
         assert not any(k.startswith("memory/") for k in x)  # CUDA figures only
 
 
+@pytest.mark.unit
 def test_mfu_peaks_are_those_of_the_device_the_roles_compute_on(tmp_path, monkeypatch):
     from relayrl.controller import step_cost
 
@@ -169,6 +180,7 @@ def test_mfu_peaks_are_those_of_the_device_the_roles_compute_on(tmp_path, monkey
     assert asked == [("cpu", "float32"), ("cpu", "float32")]
 
 
+@pytest.mark.e2e
 def test_sft_refuses_cuda_before_writing_anything(tmp_path, monkeypatch):
     from relayrl.jobs.sft import SFTJobConfig, run_sft
 
@@ -180,6 +192,7 @@ def test_sft_refuses_cuda_before_writing_anything(tmp_path, monkeypatch):
     assert not (tmp_path / "sft").exists()
 
 
+@pytest.mark.unit
 def test_reward_models_are_built_on_the_resolved_device(tmp_path, monkeypatch):
     """In the driver (backend none) and in their worker group (local): the device the trainer computes on."""
     built = []

@@ -31,6 +31,7 @@ def _actors(**trainer) -> tuple[Actor, Actor]:
     return (Actor(cpu, cfg, AlgoConfig(), total_steps=1, seed=0), Actor(gpu, cfg, AlgoConfig(), total_steps=1, seed=0))
 
 
+@pytest.mark.equivalence
 def test_actor_on_cuda_matches_the_cpu_and_hands_back_host_tensors():
     a_cpu, a_gpu = _actors()
     batch = random_train_batch(8)
@@ -47,6 +48,7 @@ def test_actor_on_cuda_matches_the_cpu_and_hands_back_host_tensors():
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.equivalence
 def test_bf16_autocast_on_cuda_runs_the_forward_in_bf16():
     _, a_gpu = _actors(bf16=True)
     seen = []
@@ -55,6 +57,7 @@ def test_bf16_autocast_on_cuda_runs_the_forward_in_bf16():
     assert seen and set(seen) == {torch.bfloat16}
 
 
+@pytest.mark.e2e
 def test_a_cuda_run_keeps_trainer_and_engine_in_agreement_and_logs_memory(tmp_path):
     """fp32 on both sides, both on the GPU: the canary and the update's mismatch stay at rounding."""
     train(cfg_for(tmp_path, "gpu", run={"steps": 2, "save_every": 0}, parallel={"device": "cuda"}),

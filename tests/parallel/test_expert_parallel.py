@@ -36,6 +36,8 @@ from relayrl.parallel.parallelize import parallelize_model
 from dist_harness import run_distributed
 from helpers import masked_nll, perturbed_model, small_config
 
+pytestmark = pytest.mark.equivalence
+
 REL = 1e-5  # max |a - b| <= REL * max |b|, fp32
 B, T, E, K = 4, 8, 4, 2
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

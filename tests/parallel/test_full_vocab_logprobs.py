@@ -12,6 +12,8 @@ import torch
 
 from relayrl.parallel.vocab_parallel import full_vocab_logprobs
 
+pytestmark = pytest.mark.unit
+
 
 def _divided(logits, targets, temperature):  # the form before: always divide
     logp_all = (logits.float() / temperature).log_softmax(-1)

@@ -52,6 +52,7 @@ def probe(**env: str) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.unit
 @glibc
 def test_keep_reuses_a_freed_block_without_faults_and_release_faults_it_in_again():
     kept = probe()
@@ -64,6 +65,7 @@ def test_keep_reuses_a_freed_block_without_faults_and_release_faults_it_in_again
     assert released["faults"][1] >= PAGES * 0.9  # unmapped on free, faulted in again
 
 
+@pytest.mark.unit
 @glibc
 def test_a_glibc_setting_in_the_environment_is_left_to_the_user():
     out = probe(MALLOC_MMAP_THRESHOLD_="65536")
@@ -72,6 +74,7 @@ def test_a_glibc_setting_in_the_environment_is_left_to_the_user():
     assert probe(GLIBC_TUNABLES="glibc.malloc.hugetlb=1")["basis"] == "left to GLIBC_TUNABLES in the environment"
 
 
+@pytest.mark.unit
 def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch):
     monkeypatch.setenv(host_memory.ENV, "sometimes")
     with pytest.raises(ConfigError, match=r"RELAYRL_HOST_MEMORY='sometimes': expected one of keep, release"):
@@ -80,6 +83,7 @@ def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch):
     assert host_memory.mode() == "release"
 
 
+@pytest.mark.unit
 def test_the_cli_reports_a_bad_value_in_one_line_before_the_command_runs(tmp_path):
     env = {**os.environ, host_memory.ENV: "sometimes"}
     out = subprocess.run([sys.executable, "-m", "relayrl.cli.main", "demo", "--out", str(tmp_path / "run")],
@@ -93,5 +97,6 @@ def _rank_policy(rank, world_size):
     return host_memory.basis()
 
 
+@pytest.mark.equivalence
 def test_every_launched_rank_applies_the_policy_before_its_function_runs():
     assert run_distributed(_rank_policy, 2) == [host_memory.plan()] * 2

@@ -25,6 +25,7 @@ def _hangs(rank, world_size):
     time.sleep(600)
 
 
+@pytest.mark.equivalence
 def test_results_come_back_by_rank_and_errors_carry_the_child_traceback():
     results = run_distributed(_sum_ranks, 2, 10.0)
     assert [r["rank"] for r in results] == [0, 1]
@@ -37,6 +38,7 @@ def test_results_come_back_by_rank_and_errors_carry_the_child_traceback():
     assert isinstance(info.value.__cause__, ValueError)
 
 
+@pytest.mark.faults
 def test_a_hang_is_killed_at_the_timeout():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="exceeded 3s"):

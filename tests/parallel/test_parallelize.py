@@ -318,6 +318,7 @@ def assert_close_scaled(actual, expected, what, rel=REL):
     assert err <= rel * scale, f"{what}: max abs error {err:.3g} > {rel:g} x scale {scale:.3g}"
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layout_matches_single_process(case):
     world_size, degrees, _, config = CASES[case][:4]
@@ -340,6 +341,7 @@ def test_layout_matches_single_process(case):
     assert_close_scaled(loss_sum, ref_losses, "loss summed over data-parallel ranks")
 
 
+@pytest.mark.equivalence
 def test_collectives_forward_and_backward():
     for rank, checks in enumerate(_case_results(2, "collectives")):
         for name, pairs in checks.items():
@@ -347,6 +349,7 @@ def test_collectives_forward_and_backward():
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{name} {what} on rank {rank}")
 
 
+@pytest.mark.equivalence
 def test_vocab_parallel_logprobs_match_full_vocab():
     for rank, res in enumerate(_case_results(2, "vocab_parallel_logprobs")):
         for name, (a, b) in res.items():
@@ -356,6 +359,7 @@ def test_vocab_parallel_logprobs_match_full_vocab():
 # ---------------------------------------------------------------- single-process checks
 
 
+@pytest.mark.equivalence
 def test_fsdp_keeps_the_last_layer_and_root_gathered_for_backward_only():
     last = tiny_config("qwen3_tied").num_hidden_layers - 1
     for r in _case_results(2, "reshard"):
@@ -365,6 +369,7 @@ def test_fsdp_keeps_the_last_layer_and_root_gathered_for_backward_only():
         assert "model.embed_tokens.weight" in r["forward"] and f"model.layers.{last}.mlp.up_proj.weight" in r["forward"]
 
 
+@pytest.mark.unit
 def test_parallel_dims_validates_degrees():
     with pytest.raises(ConfigError, match=r"dp_replicate \(1\) x dp_shard \(2\) x tp \(2\) = 4, but world_size is 2"):
         ParallelDims(dp_shard=2, tp=2, world_size=2)
@@ -376,6 +381,7 @@ def test_parallel_dims_validates_degrees():
         backend_for("meta")
 
 
+@pytest.mark.unit
 def test_tp_degree_must_divide_heads():
     cfg = tiny_config("llama")  # 4 heads, 2 kv heads
     check_tp_divisibility(cfg, 2)
@@ -383,6 +389,7 @@ def test_tp_degree_must_divide_heads():
         check_tp_divisibility(cfg, 4)
 
 
+@pytest.mark.equivalence
 def test_activation_checkpointing_recomputes_with_same_grads():
     from relayrl.parallel.parallelize import apply_activation_checkpointing
 

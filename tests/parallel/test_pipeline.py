@@ -277,11 +277,13 @@ def _check(results, config, what, dp=1, rel=REL):
     assert abs(total - float(ref_loss)) <= REL * abs(float(ref_loss)), (what, total, float(ref_loss))
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_and_grads_equal_one_process(case):
     _check([r[case] for r in distributed()], CASES[case][1], case)
 
 
+@pytest.mark.equivalence
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(COMPOSED))
 def test_composes_with_fsdp_and_tp(case):
@@ -290,6 +292,7 @@ def test_composes_with_fsdp_and_tp(case):
            rel=REL_TP if "tp" in degrees else REL)
 
 
+@pytest.mark.equivalence
 def test_checkpoint_saved_on_one_pp_degree_loads_on_another(tmp_path):
     """pp = 1 → pp = 2 (one stage per rank, and two), pp = 2 → pp = 2 (resume) and pp = 2 → pp = 1: model and AdamW
     state by name, bit for bit, and the checkpoint's lr on every rank (a tied model: the tests below)."""
@@ -422,6 +425,7 @@ def _merged_saved(results, key):
     return params, optim
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("schedule", TIED_CKPT_SCHEDULES)
 def test_tied_pp1_checkpoint_loads_on_pp2(tied_runs, schedule):
     """pp 1 → pp 2: each rank's tensors are the one process's; the lm_head copy takes the embedding's weight and
@@ -439,6 +443,7 @@ def test_tied_pp1_checkpoint_loads_on_pp2(tied_runs, schedule):
     assert held == set(params1)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("schedule", TIED_CKPT_SCHEDULES)
 def test_tied_pp2_checkpoint_resumes_and_loads_on_pp1(tied_runs, schedule):
     """pp 2 → pp 2 (resume): every rank's state as saved; pp 2 → one process: the tied weight and its state as
@@ -464,6 +469,7 @@ def test_tied_pp2_checkpoint_resumes_and_loads_on_pp1(tied_runs, schedule):
     assert single_opt.param_groups[0]["lr"] == 1e-2
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("case", ["1f1b->zbv", "zbv->1f1b"])
 def test_tied_checkpoint_moves_between_placements(tied_runs, case):
     """The copies on two ranks (1f1b) → both on rank 0 (zbv), and back: every tensor as saved, by name."""
@@ -504,6 +510,7 @@ def _tied_rank4(rank, world_size, root, pp1_ckpt):
     return out
 
 
+@pytest.mark.equivalence
 @pytest.mark.slow
 def test_tied_checkpoint_composes_with_fsdp_and_tp(tmp_path):
     """pp 1 → pp 2 x FSDP 2 (zbv: the copy beside the embedding) and pp 2 x TP 2 (1f1b), then a resume on that
@@ -521,6 +528,7 @@ def test_tied_checkpoint_composes_with_fsdp_and_tp(tmp_path):
         assert held == set(ref[0]), name
 
 
+@pytest.mark.unit
 def test_tied_checkpoint_into_untied_model_is_one_error(tmp_path):
     """A tied model's checkpoint (one state for both names) into an untied model: one CheckpointError line."""
     model, opt = _tied_pp1()
@@ -531,6 +539,7 @@ def test_tied_checkpoint_into_untied_model_is_one_error(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.unit
 def test_missing_optimizer_state_is_one_error(tmp_path):
     """Optimizer state the checkpoint lacks: one CheckpointError naming it (saved with SGD, loaded with AdamW: the
     hyperparameters; saved before a parameter trained: its state)."""
@@ -551,6 +560,7 @@ def test_missing_optimizer_state_is_one_error(tmp_path):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zbv"])
 def test_sync_plan_reads_each_tensor_from_the_stage_holding_it(schedule):
     """pp 2 x dp_shard 2 trainer → engine TP 2: every transfer reads a tensor its source rank's stage modules hold
@@ -583,6 +593,7 @@ def _held(stages):
     return sorted(n for s in stages for n, _ in s.named_parameters() if "layers" not in n or "q_proj.w" in n)
 
 
+@pytest.mark.unit
 def test_split_by_hand():
     model = build("llama4")
     q = "model.layers.{}.self_attn.q_proj.weight".format
@@ -612,6 +623,7 @@ def test_split_by_hand():
     assert [list(stage_layers(10, 4, s)) for s in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
 
 
+@pytest.mark.equivalence
 def test_stages_chained_give_the_models_logits():
     """Each stage builds its mask and rotary tables from the keyword inputs; chained they are the model."""
     model = build("qwen3_tied5")
@@ -622,6 +634,7 @@ def test_stages_chained_give_the_models_logits():
     assert torch.equal(h, model(ids, attention_mask=attn))
 
 
+@pytest.mark.equivalence
 def test_stages_pass_packed_rows_through():
     """segment_ids / position_ids reach every stage: packed rows chained through stages equal the model."""
     model = build("llama4")
@@ -634,6 +647,7 @@ def test_stages_pass_packed_rows_through():
     assert torch.equal(h, model(ids, position_ids=pos, segment_ids=seg))
 
 
+@pytest.mark.equivalence
 def test_refusals_on_ranks():
     for rank, results in enumerate(distributed()):
         errors = results["errors"]
@@ -645,6 +659,7 @@ def test_refusals_on_ranks():
                                           f"modules of stages [0]")
 
 
+@pytest.mark.unit
 def test_refusals():
     assert tuple(SCHEDULES) == PP_SCHEDULES  # the config's names are the schedules there are
     with pytest.raises(ConfigError, match="unknown pipeline schedule 'zb'; choose one of gpipe, 1f1b"):

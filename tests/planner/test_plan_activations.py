@@ -75,6 +75,7 @@ def planned(layout: Layout, **kw) -> int:
     return int(sum(b for _, b, _ in layer_terms(ModelShape.of(CFG), layout, FP32, **kw)))
 
 
+@pytest.mark.equivalence
 def test_planned_layer_activations_are_what_one_process_saves():
     assert _measure(0, 1, False)["bytes"] == planned(Layout())
 
@@ -85,6 +86,7 @@ def tp_runs() -> dict:
     return {sp: [r[sp] for r in runs] for sp in (False, True)}
 
 
+@pytest.mark.equivalence
 def test_tensor_parallel_with_and_without_sp_saves_what_the_plan_says(tp_runs):
     """relayrl's SP all-gathers the norm's output before the colwise linears and they keep that gathered
     input: only the norms' inputs and outputs are / t, not the linears' inputs as in Megatron-LM's SP."""
@@ -110,6 +112,7 @@ def _measure_lora(targets: tuple[str, ...], rank: int) -> int:
     return saved_bytes_of_last_layer(model, ids, attn)["bytes"]
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize(("targets", "by_hand"), [
     # every projection: no normalised norm outputs (frozen norms), x A^T [12, 4] fp32 for each of 7 targets
     (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 23616 - 2 * 1536 + 7 * 192),
@@ -160,6 +163,7 @@ def _outside_layers_saved(lora_rank: int = 0) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_planned_outside_the_layers_is_what_the_loss_saves(lora_rank):
     """Outside the layers the plan counts the final norm's input (and, unless LoRA freezes them, its normalised

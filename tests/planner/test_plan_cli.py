@@ -9,6 +9,8 @@ import pytest
 from relayrl.cli.main import main
 from relayrl.models import CausalLM, ModelConfig, save_pretrained
 
+pytestmark = pytest.mark.e2e
+
 TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
                    tie_word_embeddings=True)

@@ -14,6 +14,8 @@ from relayrl.planner.compute import bubble, step_time
 from relayrl.planner.memory import stage_summary
 from relayrl.sync.presets import preset
 
+pytestmark = pytest.mark.unit
+
 # qwen2.5-7b: h 3584, 28 layers, q = 28 x 128 = 3584, kv = 4 x 128 = 512
 Q7 = preset("qwen2.5-7b")
 W = Workload(seq=1024, micro_batch=1, num_micro_batches=2)  # bf16: e = P = G = 2, m = 2

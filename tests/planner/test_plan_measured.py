@@ -30,6 +30,8 @@ from relayrl.planner import Layout, Workload, engine_kv, train_memory
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
 
+pytestmark = pytest.mark.equivalence
+
 SEQ, ROWS, MICRO = 12, 8, 2
 shape_of = ModelShape.of
 

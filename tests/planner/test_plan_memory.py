@@ -24,17 +24,20 @@ LAYER_ELEMS = 12 + 16 * 12 + 2 * 8 * 12 + 12 * 16 + 12 + 3 * 20 * 12  # 1128
 N_ALL = 33 * 12 + LAYER_ELEMS + 12  # 1536
 
 
+@pytest.mark.unit
 def test_single_process_is_16_bytes_per_element_plus_steps():
     m = train_memory(TINY, Layout(), FP32, rank=0)
     assert (m.params, m.grads, m.optim) == (4 * N_ALL, 4 * N_ALL, 8 * N_ALL + 4 * 11)
 
 
+@pytest.mark.unit
 def test_ddp_holds_everything_on_every_rank():
     for r in (0, 1):
         m = train_memory(TINY, Layout(dp_replicate=2, dp_mode="ddp"), FP32, rank=r)
         assert (m.params, m.grads, m.optim) == (4 * N_ALL, 4 * N_ALL, 8 * N_ALL + 44)
 
 
+@pytest.mark.unit
 def test_fsdp2_params_and_grads_are_padded_chunks_optim_exact():
     # dim-0 chunks of ceil(d0/2): embed 17 rows (rank 1 holds 16, stored as 17), the rest even
     padded = 17 * 12 + LAYER_ELEMS // 2 + 6
@@ -52,6 +55,7 @@ def test_fsdp2_params_and_grads_are_padded_chunks_optim_exact():
     assert train_memory(TINY, Layout(dp_shard=3), FP32).optim == train_memory(TINY, Layout(dp_shard=3), FP32, 0).optim
 
 
+@pytest.mark.unit
 def test_tp_shards_weights_and_replicates_norms():
     shape = ModelShape(**{**TINY.__dict__, "vocab_size": 34})
     m = train_memory(shape, Layout(tp=2), FP32, rank=1)
@@ -64,6 +68,7 @@ def test_tp_shards_weights_and_replicates_norms():
     assert m.optim == 8 * (8 * 12 + half_layer + 6) + 44
 
 
+@pytest.mark.unit
 def test_zero_levels_shard_progressively():
     mix = Workload(seq=5, micro_batch=1)  # bf16 params and grads, fp32 master + m + v
     ms = {mode: train_memory(TINY, Layout(dp_shard=3, dp_mode=mode), mix, rank=0)
@@ -76,6 +81,7 @@ def test_zero_levels_shard_progressively():
     assert master[0][1] == 4 * exact0
 
 
+@pytest.mark.unit
 def test_lora_base_is_frozen_adapters_train():
     w = Workload(seq=5, micro_batch=1, dtype="float32", mixed_precision=False, lora_rank=2)
     m = train_memory(TINY, Layout(), w, rank=0)
@@ -85,6 +91,7 @@ def test_lora_base_is_frozen_adapters_train():
     assert [t for t in m.terms if t[0] == "params (frozen base)"][0][1] == 4 * N_ALL
 
 
+@pytest.mark.unit
 def test_pipeline_stages_split_layers_and_tie_the_lm_head_copy():
     shape = ModelShape(**{**TINY.__dict__, "num_hidden_layers": 5})
     assert [list(stage_layers(5, 2, s)) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
@@ -97,6 +104,7 @@ def test_pipeline_stages_split_layers_and_tie_the_lm_head_copy():
     assert train_memory(shape, lay, FP32, rank=1).params == 4 * (33 * 12 + 2 * LAYER_ELEMS + 12)
 
 
+@pytest.mark.unit
 def test_korthikanti_formula_and_our_adaptation():
     s, b, h, a = 2048, 1, 4096, 32
     assert korthikanti_layer_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
@@ -123,6 +131,7 @@ def test_korthikanti_formula_and_our_adaptation():
     assert full["layer inputs (full recompute)"] == 4 * sbh
 
 
+@pytest.mark.unit
 def test_sequence_parallel_and_context_parallel_divide_activations():
     shape = ModelShape(**{**TINY.__dict__, "vocab_size": 34})
     w = Workload(seq=8, micro_batch=1, dtype="float32", mixed_precision=False)
@@ -137,6 +146,7 @@ def test_sequence_parallel_and_context_parallel_divide_activations():
     assert cp["norm inputs"] == base["norm inputs"] // 2
 
 
+@pytest.mark.unit
 def test_pipeline_in_flight_micro_batches():
     shape = ModelShape(**{**TINY.__dict__, "num_hidden_layers": 4})
     w = Workload(seq=4, micro_batch=1, dtype="float32", mixed_precision=False, num_micro_batches=8)
@@ -148,6 +158,7 @@ def test_pipeline_in_flight_micro_batches():
     assert bubble(Layout(pp=4), 8) == 3 / 11
 
 
+@pytest.mark.unit
 def test_engine_kv_matches_relayrl_engine_arithmetic():
     from relayrl.engine.model_runner import kv_blocks, kv_bytes_per_block
     from relayrl.engine.parallel_state import TPInfo, head_layout
@@ -169,6 +180,7 @@ def test_engine_kv_matches_relayrl_engine_arithmetic():
     assert engine_kv(shape, kv_cache_bytes=10**9, seq_len=16, max_num_seqs=7).max_concurrent_seqs == 7
 
 
+@pytest.mark.unit
 def test_engine_kv_blocks_per_sequence_are_the_schedulers():
     """A sequence of L tokens needs KV for L - 1 (its last token is never fed back): the scheduler's own rule,
     at and around block edges (L = k bs + 1 is one block fewer than ceil(L / bs))."""
@@ -189,6 +201,7 @@ def test_engine_kv_blocks_per_sequence_are_the_schedulers():
                 assert kv.blocks_per_seq == sched.blocks_for(sched.max_kv_tokens(seq)), (bs, length, prompt)
 
 
+@pytest.mark.unit
 def test_engine_weights_match_the_engine_model():
     from relayrl.engine.model import EngineModel
     from relayrl.engine.parallel_state import TPInfo
@@ -203,6 +216,7 @@ def test_engine_weights_match_the_engine_model():
             assert engine_weight_bytes(shape, tp, "bfloat16") == 2 * n
 
 
+@pytest.mark.unit
 def test_collectives_bytes_and_links():
     shape = preset("llama-3.1-8b")
     w = Workload(seq=1024, micro_batch=1, num_micro_batches=2)
@@ -219,6 +233,7 @@ def test_collectives_bytes_and_links():
     assert names["fsdp param all-gather"].bytes == int(2 * 2 * 1 / 2 * (n_all // 8) * 2)
 
 
+@pytest.mark.unit
 def test_flops_match_the_benchmark_formula():
     shape = preset("qwen2.5-0.5b")
     w = Workload(seq=256, micro_batch=1)
@@ -234,6 +249,7 @@ def test_flops_match_the_benchmark_formula():
     assert model == hw == 4 * n + 6 * adapters + 12 * 24 * 14 * 64 * 256
 
 
+@pytest.mark.unit
 def test_flops_are_models_flops():
     """One count of FLOPs in relayrl: the planner uses relayrl.models.flops (the benchmarks' and the run's MFU)."""
     from relayrl.models import flops
@@ -280,6 +296,7 @@ def _fsdp_held(rank: int, world: int) -> dict:
             "optim": _storage_bytes([v for st in opt.state.values() for v in st.values()], seen)}
 
 
+@pytest.mark.equivalence
 def test_fsdp2_held_bytes_are_what_the_planner_counts():
     """Measured: FSDP2's padded parameter storage, one padded grad buffer per group, exact Adam state."""
     from dist_harness import run_distributed
@@ -290,6 +307,7 @@ def test_fsdp2_held_bytes_are_what_the_planner_counts():
         assert (m.params, m.grads, m.optim) == (h["params"], h["grads"], h["optim"])
 
 
+@pytest.mark.unit
 def test_pp_tp_fsdp_and_cp_in_the_shard_group_by_hand():
     """qwen2.5-7b on pp 2 x dp_shard 2 x tp 2: stage 1 holds layers 14-27, the final norm and the untied lm_head;
     each TP-local tensor (every dim even here) halved again by FSDP. CP ranks shard the parameters as FSDP ranks

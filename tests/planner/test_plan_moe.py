@@ -40,6 +40,7 @@ def _elements(shape) -> int:
     return n
 
 
+@pytest.mark.unit
 def test_presets_hold_the_published_parameter_counts():
     assert _elements(MIXTRAL) == MIXTRAL_TOTAL == 46_702_792_704  # "46.7B"
     # Qwen3-30B-A3B: 48 layers, q 32 x 128, kv 4 x 128 over h 2048, q/k norms of 128, 128 experts of 3 x 2048 x 768
@@ -51,6 +52,7 @@ def test_presets_hold_the_published_parameter_counts():
     assert active_matmul + 151936 * 2048 == 3_352_821_760  # "3.3B activated"
 
 
+@pytest.mark.unit
 def test_ep_keeps_each_ranks_experts_only_under_zero2():
     """ZeRO-2 keeps params whole: without EP every rank holds all 8 experts; with ep 8, one per layer."""
     dense = MIXTRAL_TOTAL - MIXTRAL_EXPERTS
@@ -59,6 +61,7 @@ def test_ep_keeps_each_ranks_experts_only_under_zero2():
         assert m.params == (dense + experts) * 2
 
 
+@pytest.mark.unit
 def test_ep_under_fsdp_shards_experts_over_the_ranks_holding_the_same_ones():
     """FSDP: ep 2 of 8 keeps 4 experts per layer, sharded over 4 ranks; the same 1/8 of them as ep 1 — EP
     changes the traffic (below), not the experts' share of the state."""
@@ -76,6 +79,7 @@ def test_ep_under_fsdp_shards_experts_over_the_ranks_holding_the_same_ones():
     assert b.params == (experts + dense_chunks) * 2
 
 
+@pytest.mark.unit
 def test_ep_all_to_all_and_expert_fsdp_traffic_by_hand():
     lay = Layout(dp_shard=8, ep=8)
     whole, _, _, experts = stage_summary(MIXTRAL, lay, BF16, 0)
@@ -109,6 +113,7 @@ TINY = MoEShape(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_
                 shared_expert_intermediate_size=24)
 
 
+@pytest.mark.unit
 def test_moe_layer_activations_by_hand():
     """fp32, s b = 12: the SwiGLU of the dense layer is replaced by the router, routed copies and experts."""
     w = Workload(seq=6, micro_batch=2, dtype="float32", mixed_precision=False)
@@ -125,6 +130,7 @@ def test_moe_layer_activations_by_hand():
     assert tp["expert swiglu"] == moe["expert swiglu"] / 2 and tp["dispatched tokens"] == moe["dispatched tokens"]
 
 
+@pytest.mark.unit
 def test_moe_flops_count_the_active_experts_and_the_routers():
     w = Workload(seq=4096, micro_batch=1)
     model, _ = flops_per_token(MIXTRAL, w)
@@ -136,6 +142,7 @@ def test_moe_flops_count_the_active_experts_and_the_routers():
     assert train_flops(active, 1, 4096) == 6 * n_active + 12 * 32 * 32 * 128 * 4096
 
 
+@pytest.mark.unit
 def test_engine_holds_every_expert_sharded_by_its_tp():
     assert engine_weight_bytes(MIXTRAL, 1, "bfloat16") == MIXTRAL_TOTAL * 2
     # TP 2: experts and attention (8 KV heads: 4 each) halved; the engine keeps embedding, lm_head, routers and
@@ -145,6 +152,7 @@ def test_engine_holds_every_expert_sharded_by_its_tp():
     assert engine_weight_bytes(MIXTRAL, 2, "bfloat16") == (halved // 2 + whole) * 2
 
 
+@pytest.mark.unit
 def test_ep_is_for_moe_models_and_comes_from_the_shard_group():
     with pytest.raises(ConfigError, match="sharding dp_mode"):
         Layout(dp_replicate=8, dp_mode="ddp", ep=2)
@@ -161,6 +169,7 @@ def test_ep_is_for_moe_models_and_comes_from_the_shard_group():
         make_plan(MIXTRAL, "m", Workload(seq=512, micro_batch=1, lora_rank=8), gpus=8, gpu_mem_gib=80)
 
 
+@pytest.mark.e2e  # the planner's whole search (make_plan), as `relayrl plan` runs it: seconds
 def test_plan_ranks_ep_layouts_of_an_moe_model():
     plan = make_plan(QWEN3_MOE, "q", Workload(seq=4096, micro_batch=1, recompute="full"), gpus=16, nodes=2,
                      gpu_mem_gib=80)
@@ -173,6 +182,7 @@ def test_plan_ranks_ep_layouts_of_an_moe_model():
         preset_shape("nope")
 
 
+@pytest.mark.unit
 def test_hf_configs_of_moe_models():
     qwen3 = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
              "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
@@ -189,6 +199,7 @@ def test_hf_configs_of_moe_models():
         moe_shape_from_hf({k: v for k, v in qwen3.items() if k != "num_experts"})
 
 
+@pytest.mark.e2e
 def test_cli_plans_an_moe_model_directory(tmp_path, capsys):
     from relayrl.cli.main import main
 
@@ -208,6 +219,7 @@ def test_cli_plans_an_moe_model_directory(tmp_path, capsys):
     assert "num_experts_per_tok" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_the_unused_dense_width_of_an_moe_config_does_not_constrain_tp():
     """Qwen-MoE configs keep an intermediate_size no layer uses; TP need only divide the experts' width."""
     import dataclasses

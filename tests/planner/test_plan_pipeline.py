@@ -33,6 +33,8 @@ from relayrl.planner.memory import rank_layers, stage_tensors
 from relayrl.planner.search import layouts, schedules
 from tests.helpers import small_config
 
+pytestmark = pytest.mark.unit
+
 MULTI = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 TORCH_NAMES = {"interleaved_1f1b": "Interleaved1F1B", "interleaved_zb": "InterleavedZeroBubble",
                "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}

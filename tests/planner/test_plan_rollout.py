@@ -13,6 +13,8 @@ from relayrl.planner.rollout import Engine, placement
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.presets import preset
 
+pytestmark = pytest.mark.unit
+
 # tiny-gqa: V 32, h 32, I 64, 2 layers, 8 heads of 4 over 2 KV heads, qkv bias, tied embedding.
 # Engine weights, bf16: tp 1: embed 1024 + norm 32 + 2 x (qkv 48x32 + bias 48 + o 32x32 + gate_up 128x32
 # + down 32x64 + 2 norms 32) = 18688 elements; tp 2: 1024 + 32 + 2 x (24x32 + 24 + 32x16 + 64x32 + 32x32 + 64)

@@ -30,6 +30,7 @@ RATIO = ACT_FULL / ACT_NONE  # 0.0617
 LORA_PARAMS = 80 * 16 * ((8192 + 8192) * 2 + (8192 + 1024) * 2 + (8192 + 28672) * 3)  # 207,093,760
 
 
+@pytest.mark.unit
 def test_sixteen_bytes_per_parameter_table():
     assert texts.bytes_per_param(True) == 16 and texts.bytes_per_param(False) == 12
     assert _fig("training state, 70B at 16 B/param").computed == pytest.approx(1.12)  # 16 x 70e9 = 1.12e12 B
@@ -42,6 +43,7 @@ def test_sixteen_bytes_per_parameter_table():
     assert "gives 93.4 GB" in _fig("activations").assumptions
 
 
+@pytest.mark.unit
 def test_zero_savings_limits_and_at_the_texts_n():
     assert texts.zero_saving(1, 8) == pytest.approx(16 / 5.5) and texts.zero_saving(2, 8) == pytest.approx(16 / 3.75)
     assert texts.zero_saving(1, 10**9) == pytest.approx(4, rel=1e-6)
@@ -52,6 +54,7 @@ def test_zero_savings_limits_and_at_the_texts_n():
         assert texts.planner_zero_saving(level, 8) == pytest.approx(ratio, rel=1e-4)
 
 
+@pytest.mark.unit
 def test_940_and_118_follow_from_12_bytes_not_16():
     assert _fig("no sharding").computed == pytest.approx(940)  # 12 x 70 + 100
     assert _fig("ZeRO-3").computed == pytest.approx(117.5)  # (840 + 100) / 8
@@ -60,6 +63,7 @@ def test_940_and_118_follow_from_12_bytes_not_16():
     assert all(_fig(w).verdict == "follows under assumptions" for w in ("no sharding", "ZeRO-3"))
 
 
+@pytest.mark.unit
 def test_checkpointing_and_lora_rows():
     assert texts.checkpoint_ratio() == pytest.approx(RATIO) and ACT_FULL / ACT_NONE == pytest.approx(RATIO)
     ck = _fig("ZeRO-3 + checkpointing")
@@ -73,6 +77,7 @@ def test_checkpointing_and_lora_rows():
     assert lora.computed == pytest.approx(18.6858, abs=1e-4)
 
 
+@pytest.mark.e2e
 def test_cli_prints_the_texts(capsys):
     assert main(["plan", "--texts"]) == 0
     assert "~940 GB" in capsys.readouterr().out

@@ -29,6 +29,7 @@ ADD_TESTS = [{"call": "add(2, 3)", "expected": 5}, {"call": "add(-1, 1)", "expec
              {"call": "add(10, 20)", "expected": 30}]
 
 
+@pytest.mark.unit
 def test_extract_code_takes_the_last_python_block():
     text = "Try:\n```python\ndef f(): return 1\n```\nBetter:\n```python\ndef f(): return 2\n```\nDone."
     assert extract_code(text) == "def f(): return 2\n"
@@ -40,6 +41,7 @@ def test_extract_code_takes_the_last_python_block():
     assert extract_code("def h(): return 4") == "def h(): return 4"  # no block: the whole text
 
 
+@pytest.mark.unit
 def test_same_value_compares_json_values_strictly():
     assert same_value(5, 5) and same_value(5.0, 5) and same_value(0.1 + 0.2, 0.3)
     assert not same_value(True, 1) and not same_value(1, True) and same_value(False, False)
@@ -49,11 +51,13 @@ def test_same_value_compares_json_values_strictly():
     assert same_value(None, None) and not same_value("1", 1) and not same_value(None, 0)
 
 
+@pytest.mark.unit
 def test_the_harness_holds_the_call_but_never_an_expected_value():
     program = harness("add(2, 3)")
     assert "'add(2, 3)'" in program and "5" not in program
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_a_correct_solution_passes_every_test():
     result = run_tests("def add(a, b):\n    return a + b\n", ADD_TESTS, limits=QUICK)
@@ -62,6 +66,7 @@ def test_a_correct_solution_passes_every_test():
     assert result.outcomes == [TestOutcome(True, "ok")] * 3
 
 
+@pytest.mark.faults
 @needs_sandbox
 def test_each_failure_says_why():
     code = ("import time\n"
@@ -78,6 +83,7 @@ def test_each_failure_says_why():
                                                    "timeout"]
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_a_solution_that_does_not_compile_or_floods_output_fails_every_test():
     broken = run_tests("def add(a, b)\n    return a + b\n", ADD_TESTS[:1], limits=QUICK)
@@ -89,6 +95,7 @@ def test_a_solution_that_does_not_compile_or_floods_output_fails_every_test():
     assert missing.outcomes == [TestOutcome(False, "crashed: NameError: name 'add' is not defined")]
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_each_test_runs_in_a_fresh_sandbox():
     # the call counts itself in a file of the working directory: 1 every time only if nothing is shared
@@ -101,6 +108,7 @@ def test_each_test_runs_in_a_fresh_sandbox():
     assert run_tests(code, tests, limits=QUICK, workers=2).passed == 4
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_results_keep_the_order_of_the_tests_with_several_workers():
     code = "def sq(x):\n    return x * x\n"
@@ -109,6 +117,7 @@ def test_results_keep_the_order_of_the_tests_with_several_workers():
     assert [o.passed for o in result.outcomes] == [i % 2 == 1 for i in range(6)]
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_values_go_through_json_on_both_sides():
     code = "def pair(a):\n    return (a, [a])\ndef flag():\n    return True\ndef half():\n    return 0.1 + 0.2\n"
@@ -117,12 +126,14 @@ def test_values_go_through_json_on_both_sides():
     assert [o.passed for o in run_tests(code, tests, limits=QUICK).outcomes] == [True, False, True, False]
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_a_result_that_is_not_json_crashes_the_test():
     result = run_tests("def s():\n    return {1, 2}\n", [{"call": "s()", "expected": [1, 2]}], limits=QUICK)
     assert result.outcomes[0].reason == "crashed: TypeError: Object of type set is not JSON serializable"
 
 
+@pytest.mark.unit
 def test_malformed_tests_are_one_line_data_errors():
     with pytest.raises(DataError, match="code test 1 must be"):
         run_tests("", [{"call": "f()", "expected": 1}, {"call": "f()"}])
@@ -132,6 +143,7 @@ def test_malformed_tests_are_one_line_data_errors():
         run_tests("", [{"call": "f()", "expected": {1, 2}}])
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_the_registered_reward_is_the_fraction_of_tests_passed():
     assert get_reward_fn("code_tests") is code_tests_reward
@@ -141,6 +153,7 @@ def test_the_registered_reward_is_the_fraction_of_tests_passed():
     assert code_tests_reward("I don't know.", example, wall_s=3) == 0.0
 
 
+@pytest.mark.unit
 def test_the_reward_refuses_unknown_parameters_and_missing_tests():
     example = Example(prompt="p", answer="", meta={"tests": ADD_TESTS})
     with pytest.raises(RewardError, match="unknown parameter.*timeout"):
@@ -149,6 +162,7 @@ def test_the_reward_refuses_unknown_parameters_and_missing_tests():
         code_tests_reward("", Example(prompt="p", answer=""))
 
 
+@pytest.mark.unit
 def test_code_tests_is_found_by_name_in_a_fresh_interpreter():
     import subprocess
     import sys

@@ -70,6 +70,7 @@ def random_batch(rng: random.Random, n: int):
     return comps, exs
 
 
+@pytest.mark.equivalence
 def test_pool_results_equal_in_process_on_random_inputs(user_dir):
     functions = [{"name": "task"}, {"name": "format", "weight": 0.5}, {"name": "exact_match", "weight": 2.0},
                  {"name": "pool_rewards:length_bonus", "params": {"scale": 0.25}}, {"name": "pool_rewards:slow"},
@@ -87,6 +88,7 @@ def test_pool_results_equal_in_process_on_random_inputs(user_dir):
         assert pooled.runner.restarts == 0
 
 
+@pytest.mark.faults
 def test_a_hang_is_one_timeout_and_the_rest_of_its_chunk_is_scored(user_dir):
     # One worker, so the hang sits in the middle of one chunk: the calls after it must be requeued, not lost.
     comps = ["a", "bb", "hang", "ccc", "dddd", "eeeee"]
@@ -106,6 +108,7 @@ def test_a_hang_is_one_timeout_and_the_rest_of_its_chunk_is_scored(user_dir):
         assert r.rewards == [1.0, 2.0] and time.monotonic() - t < 3.0
 
 
+@pytest.mark.faults
 def test_a_killed_worker_takes_what_its_reward_started_with_it(user_dir, tmp_path):
     pid_file = tmp_path / "child.pid"
     with scorer([{"name": "pool_rewards:spawns"}], workers=1, timeout_s=1.0) as s:
@@ -118,6 +121,7 @@ def test_a_killed_worker_takes_what_its_reward_started_with_it(user_dir, tmp_pat
         assert not alive(child)  # the worker's whole process group was killed
 
 
+@pytest.mark.faults
 def test_an_interrupted_run_leaves_a_working_pool(user_dir):
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -137,6 +141,7 @@ def test_an_interrupted_run_leaves_a_working_pool(user_dir):
         assert time.monotonic() - t < 3.0 and not alive(hung) and s.runner.restarts == 1
 
 
+@pytest.mark.faults
 def test_every_sample_timing_out_stops_the_run_in_one_line(user_dir):
     from relayrl.errors import RewardError
 
@@ -149,6 +154,7 @@ def test_every_sample_timing_out_stops_the_run_in_one_line(user_dir):
         assert r.rewards == [2.0]
 
 
+@pytest.mark.unit
 def test_close_leaves_no_worker_and_refuses_more_work(user_dir):
     s = scorer([{"name": "exact_match"}], workers=2)
     pids = s.pids()
@@ -161,6 +167,7 @@ def test_close_leaves_no_worker_and_refuses_more_work(user_dir):
         s.score(["1"], [Example("q", "1")])
 
 
+@pytest.mark.faults
 def test_workers_started_from_a_thread_outlive_it():
     # PR_SET_PDEATHSIG fires when the forking *thread* exits: the pool forks from a thread of its own.
     box = []
@@ -189,6 +196,7 @@ s.score(["hang", "a", "b"], [Example("q", "1")] * 3)  # one worker hangs in a ca
 '''
 
 
+@pytest.mark.faults
 def test_no_worker_outlives_a_sigkilled_driver(user_dir):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER.format(dir=str(user_dir))], stdout=subprocess.PIPE,
                             text=True, cwd=os.getcwd())

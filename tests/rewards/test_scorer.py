@@ -17,6 +17,8 @@ from relayrl.rewards import (
     task_reward,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def ex(answer, **meta):
     return Example(prompt="q", answer=answer, meta=meta)

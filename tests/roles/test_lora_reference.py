@@ -69,6 +69,7 @@ def _first_update(policy, batch) -> tuple[torch.Tensor, dict]:
     return ref, stats
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
 def test_reference_is_the_actors_base_in_one_process(base_dir, tmp_path, base_dtype):
     policy = build_policy(_cfg(tmp_path, base_dtype), base_dir)
@@ -85,11 +86,13 @@ def test_reference_is_the_actors_base_in_one_process(base_dir, tmp_path, base_dt
     torch.testing.assert_close(policy.compute_ref_logprobs(batch), ref, atol=0, rtol=0)  # the base never moves
 
 
+@pytest.mark.unit
 def test_full_finetuning_keeps_its_reference_model(base_dir, tmp_path):
     policy = build_policy(_cfg(tmp_path, lora=False), base_dir)
     assert policy.ref_model is not None and not policy.ref_in_actor
 
 
+@pytest.mark.e2e
 def test_first_step_kl_is_zero_through_the_driver(tmp_path):
     """`relayrl train` (its tiny model) with trainer.lora, a bf16 base and a KL term: step 1's KL is exactly 0."""
     from relayrl.jobs.train import train
@@ -102,6 +105,7 @@ def test_first_step_kl_is_zero_through_the_driver(tmp_path):
     assert first["kl"] == 0.0 and first["time/ref_logp"] > 0
 
 
+@pytest.mark.equivalence
 def test_fsdp2_reference_in_the_actor_equals_one_process(base_dir, tmp_path):
     batch = _batch()
     single = build_policy(_cfg(tmp_path), base_dir)

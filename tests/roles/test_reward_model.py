@@ -73,6 +73,7 @@ def _score_once(cfg, completions, examples):
         scorer.close()
 
 
+@pytest.mark.equivalence
 def test_scores_equal_transformers_on_padded_batches_and_truncation(rm_dir):
     scorer = ModelScorer([ModelEntry(name="model", key="k", path=str(rm_dir), weight=1.0, batch_size=2)])
     rm = scorer.models[0]
@@ -90,6 +91,7 @@ def test_scores_equal_transformers_on_padded_batches_and_truncation(rm_dir):
     assert max(got) - min(got) > 1e-2  # the scores differ: a constant could not pass
 
 
+@pytest.mark.equivalence
 def test_chat_prompts_render_the_conversation_and_match_transformers(rm_dir):
     scorer = ModelScorer([ModelEntry(name="model", key="k", path=str(rm_dir), weight=1.0)])
     tok = scorer.models[0].tokenizer
@@ -113,6 +115,7 @@ def _arith_batch():
     return completions, [exs[0], exs[0], exs[1], exs[2]]
 
 
+@pytest.mark.unit
 def test_weighted_sum_with_rule_functions_by_hand(tmp_path, rm_dir):
     fns = [{"name": "task", "weight": 0.5}, {"name": "model", "path": str(rm_dir), "weight": 2.0},
            {"name": "model", "path": str(rm_dir), "weight": -1.0, "params": {"batch_size": 1}}]
@@ -132,6 +135,7 @@ def test_weighted_sum_with_rule_functions_by_hand(tmp_path, rm_dir):
     assert res.metrics()["reward/model/mean"] == pytest.approx(sum(m) / 4)
 
 
+@pytest.mark.unit
 def test_only_models_keep_accuracy_from_the_task(tmp_path, rm_dir):
     cfg = cfg_for(tmp_path, "o", reward={"functions": [{"name": "model", "path": str(rm_dir), "weight": 3.0}],
                                          "workers": 0})
@@ -142,6 +146,7 @@ def test_only_models_keep_accuracy_from_the_task(tmp_path, rm_dir):
     assert res.correct == [True, False, False, True]  # the task's score, as with rule functions
 
 
+@pytest.mark.equivalence
 def test_worker_group_equals_driver_process(tmp_path, rm_dir):
     fns = [{"name": "task"}, {"name": "model", "path": str(rm_dir), "weight": 0.25}]
     completions, examples = _arith_batch()
@@ -160,6 +165,7 @@ def test_worker_group_equals_driver_process(tmp_path, rm_dir):
     assert b.rewards == pytest.approx(a.rewards, abs=1e-6) and b.correct == a.correct
 
 
+@pytest.mark.e2e
 def test_grpo_run_logs_the_reward_model(tmp_path, rm_dir):
     cfg = cfg_for(tmp_path, "grpo", run={"steps": 2, "save_every": 0},
                   reward={"functions": [{"name": "model", "path": str(rm_dir)}], "workers": 0})
@@ -179,6 +185,7 @@ def _one_line(exc_info, *parts):
         assert p in msg, msg
 
 
+@pytest.mark.unit
 def test_bad_input_is_one_line(tmp_path, rm_dir):
     def scorer_for(fn):
         return build_scorer_for(cfg_for(tmp_path, "bad", reward={"functions": [fn], "workers": 0}))

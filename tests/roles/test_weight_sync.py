@@ -51,6 +51,7 @@ def _write_naive(runner, naive: dict) -> None:
         params[name].copy_(t)
 
 
+@pytest.mark.faults
 def test_naive_fused_slicing_is_caught_and_named():
     policy = _policy()
     cfg = policy.actor.model.config
@@ -72,6 +73,7 @@ def test_naive_fused_slicing_is_caught_and_named():
         engine.close()
 
 
+@pytest.mark.faults
 def test_debug_checksums_catch_what_the_canary_cannot():
     policy = _policy()
     engine = _colocated_engine(policy)  # colocated: this process
@@ -100,6 +102,7 @@ def _with_engine_tp(cfg: RunConfig, tp: int) -> RunConfig:
     return RunConfig.from_dict(d)
 
 
+@pytest.mark.faults
 def test_first_sync_compares_every_piece_and_nan_never_passes():
     policy = _policy()
     engine = _colocated_engine(policy)
@@ -124,6 +127,7 @@ def test_first_sync_compares_every_piece_and_nan_never_passes():
         ws.verify("a NaN")
 
 
+@pytest.mark.unit
 def test_bf16_bound_leaves_room_for_the_measured_rounding():
     policy = _policy()
     engine = _colocated_engine(policy, torch.bfloat16)
@@ -137,6 +141,7 @@ def test_bf16_bound_leaves_room_for_the_measured_rounding():
     assert fixed.bound == 0.07  # a bound the user set stays as set
 
 
+@pytest.mark.e2e
 def test_grpo_colocated_and_disaggregated_give_the_same_run(tmp_path):
     """FSDP 2 trainer, engine TP 2: in the actor's processes, then in processes of its own."""
     co = train(_with_engine_tp(group_cfg(tmp_path, "colocated", backend="local", dp_shard=2), 2), show_progress=False)
@@ -151,6 +156,7 @@ def test_grpo_colocated_and_disaggregated_give_the_same_run(tmp_path):
         assert 0 < x["sync/bytes_copied_in_place"] < total  # colocated: own pieces never leave the process
 
 
+@pytest.mark.e2e
 def test_sleep_and_wake_between_steps_changes_nothing(tmp_path, monkeypatch):
     from relayrl.engine.model_runner import ModelRunner
 
@@ -168,6 +174,7 @@ def test_sleep_and_wake_between_steps_changes_nothing(tmp_path, monkeypatch):
             assert x[k] == y[k], k
 
 
+@pytest.mark.unit
 def test_placement_errors_say_what_to_change():
     with pytest.raises(ConfigError, match="rollout.tp"):
         RunConfig.from_dict({"rollout": {"tp": 2}})  # colocated in the one driver process
@@ -177,6 +184,7 @@ def test_placement_errors_say_what_to_change():
     RunConfig.from_dict({"rollout": {"tp": 2}, "parallel": {"backend": "local", "dp_shard": 2}})
 
 
+@pytest.mark.e2e
 def test_metrics_carry_the_sync(tmp_path):
     res = train(cfg_for(tmp_path, "m", run={"steps": 1, "save_every": 0}), show_progress=False)
     (m,) = step_metrics(res["run_dir"])
@@ -187,6 +195,7 @@ def test_metrics_carry_the_sync(tmp_path):
     assert not (tmp_path / "m" / "sync_checksums.jsonl").exists()
 
 
+@pytest.mark.e2e
 def test_debug_mode_writes_per_tensor_checksums(tmp_path):
     import json
 
@@ -200,6 +209,7 @@ def test_debug_mode_writes_per_tensor_checksums(tmp_path):
     assert res["steps"] == 2
 
 
+@pytest.mark.unit
 def test_float8_wire_rounds_every_piece_the_same_way():
     policy = _policy()
     engine = _colocated_engine(policy)
@@ -214,6 +224,7 @@ def test_float8_wire_rounds_every_piece_the_same_way():
     assert torch.equal(embed, (w / scale).to(torch.float8_e4m3fn).float() * scale)
 
 
+@pytest.mark.faults
 def test_a_sender_that_dies_fails_the_sync_within_the_timeout(monkeypatch):
     import time
 
@@ -260,6 +271,7 @@ class _Side:
         return []
 
 
+@pytest.mark.faults
 def test_a_rank_killed_during_a_transfer_is_named_not_the_survivors_socket_error():
     """The trainer rank dies mid-transfer: the engine's receive fails first, with gloo's "connection reset by
     peer"; the sync then asks both sides, and the dead rank's own fault (role, rank, pid) is what it raises."""

@@ -110,6 +110,7 @@ def run_guess(tok, model, n_prompts=4, G=4, **engine_kw):
     return trajs, spy
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_trained_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(setup, padding_free):
     tok, model = setup
@@ -144,6 +145,7 @@ def test_trained_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(setup, p
     assert any(r != t.prompt_ids + t.response_ids for r, t in zip(retokenized, trajs, strict=True))
 
 
+@pytest.mark.unit
 def test_observations_are_the_templates_continuation(setup):
     tok, model = setup
     trajs, _ = run_guess(tok, model)
@@ -166,6 +168,7 @@ def test_observations_are_the_templates_continuation(setup):
     assert ex.prompt.startswith("Guess my number from ")
 
 
+@pytest.mark.unit
 def test_a_continuing_episode_reuses_its_kv_blocks(setup):
     """Each later turn's request is the conversation so far: its full blocks written in the previous
     turn (prompt and generated tokens but the last) come from the prefix cache."""
@@ -190,6 +193,7 @@ def test_a_continuing_episode_reuses_its_kv_blocks(setup):
     assert all(cached == 0 for _, cached in spy_off.allocations)
 
 
+@pytest.mark.unit
 def test_budgets_end_episodes(setup):
     tok, model = setup
     engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20)
@@ -265,6 +269,7 @@ def slow_run(tok, model, step_timeout_s):
         engine.close()
 
 
+@pytest.mark.unit
 def test_a_slow_environment_does_not_stall_the_others(setup):
     tok, model = setup
     Gate.reset()
@@ -274,6 +279,7 @@ def test_a_slow_environment_does_not_stall_the_others(setup):
     assert Gate.slow_saw_fast_done is True
 
 
+@pytest.mark.faults
 def test_an_environment_past_its_deadline_ends_its_episode(setup):
     tok, model = setup
     Gate.reset(slow_sleep_s=20.0)
@@ -303,6 +309,7 @@ engine.close()
 """
 
 
+@pytest.mark.faults
 def test_a_hung_environment_step_does_not_keep_the_process_alive():
     import subprocess
     import sys
@@ -341,6 +348,7 @@ def same_trajectories(a, b):
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
 
 
+@pytest.mark.unit
 def test_submissions_come_back_once_each_as_run_makes_them(setup):
     tok, model = setup
     examples = get_task("guess", high=99).generate(4, seed=1)
@@ -388,6 +396,7 @@ class HeldEnv:
         return StepResult(None, 0.5, True, {})
 
 
+@pytest.mark.unit
 def test_a_group_completes_while_another_waits_on_its_environment(setup):
     tok, model = setup
     HELD.clear()
@@ -424,6 +433,7 @@ def test_a_group_completes_while_another_waits_on_its_environment(setup):
     assert [(t.turns, t.reward, t.finish) for t in done["held"]] == [(1, 1.0, "done")] * 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("per_token", [True, False])
 def test_tokens_carry_the_weights_version_that_sampled_them(setup, per_token):
     """The weights are reloaded (version + 1) after every engine step: each generated segment's last token
@@ -483,6 +493,7 @@ def test_tokens_carry_the_weights_version_that_sampled_them(setup, per_token):
     assert (spans > 0) == per_token  # the engine's own record: a turn spans the updates made during it
 
 
+@pytest.mark.unit
 def test_outputs_of_requests_the_loop_did_not_add_are_left_alone(setup):
     tok, model = setup
     engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20, block_size=8)
@@ -521,6 +532,7 @@ class PickyEnv:
         return StepResult(None, 1.0, True, {})
 
 
+@pytest.mark.unit
 def test_an_environment_that_always_fails_stops_at_its_first_group_but_one_bad_group_does_not(setup):
     tok, model = setup
     engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20)
@@ -552,6 +564,7 @@ def test_an_environment_that_always_fails_stops_at_its_first_group_but_one_bad_g
         engine.close()
 
 
+@pytest.mark.unit
 def test_abort_all_drops_the_loops_requests_and_the_loop_serves_again(setup):
     tok, model = setup
     engine = LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20, block_size=8)

@@ -12,6 +12,8 @@ from relayrl.engine.sampling_params import SamplingParams
 from relayrl.rewards.result import ScoreResult
 from relayrl.rollout.stream import RolloutStream
 
+pytestmark = pytest.mark.unit
+
 P, G = 2, 2
 
 

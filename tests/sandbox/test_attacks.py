@@ -25,7 +25,8 @@ from relayrl.rewards.code import run_tests
 from relayrl.sandbox import Limits, run, sandbox_available
 
 UNAVAILABLE = sandbox_available()
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"sandbox unavailable: {UNAVAILABLE}")
+pytestmark = [pytest.mark.faults,
+              pytest.mark.skipif(UNAVAILABLE is not None, reason=f"sandbox unavailable: {UNAVAILABLE}")]
 ADD_TESTS = [{"call": "add(2, 3)", "expected": 5}, {"call": "add(-1, 1)", "expected": 0},
              {"call": "add(10, 20)", "expected": 30}]
 QUICK = Limits(wall_s=2, cpu_s=2)

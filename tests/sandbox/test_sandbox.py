@@ -17,6 +17,7 @@ needs_sandbox = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"sandbox una
 QUICK = Limits(wall_s=3)
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_stdout_stderr_and_exit_code():
     r = run("import sys\nprint('out', 1)\nprint('err', file=sys.stderr)\nsys.exit(3)", limits=QUICK)
@@ -26,6 +27,7 @@ def test_stdout_stderr_and_exit_code():
     assert ok.ok and ok.exit_code == 0 and 0 < ok.wall_s < 3
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_an_exception_gives_exit_1_and_a_traceback_of_the_program_only():
     r = run("def f(x):\n    return 1 / x\nf(0)\n", limits=QUICK)
@@ -38,6 +40,7 @@ def test_an_exception_gives_exit_1_and_a_traceback_of_the_program_only():
     assert syntax.exit_code == 1 and syntax.stderr.strip().splitlines()[-1].startswith("SyntaxError")
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_files_are_in_the_working_directory_and_importable():
     files = {"helper.py": "VALUE = 42\n", "data/input.bin": b"\x00\xffraw", "notes.txt": "h\u00e9llo"}
@@ -54,6 +57,7 @@ def test_files_are_in_the_working_directory_and_importable():
     assert again.stdout == "[]\n"
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_stdin_is_given_to_the_program():
     r = run("import sys\nfor line in sys.stdin: print(line.strip()[::-1])", stdin="abc\nxyz\n", limits=QUICK)
@@ -62,6 +66,7 @@ def test_stdin_is_given_to_the_program():
     assert empty.stdout == "''\n"
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_environment_is_cleared_and_no_site_packages_are_reachable():
     code = ("import os, sys\n"
@@ -80,6 +85,7 @@ def test_environment_is_cleared_and_no_site_packages_are_reachable():
     assert packages == "[]"
 
 
+@pytest.mark.faults
 @needs_sandbox
 def test_wall_clock_marks_the_run_timed_out_and_keeps_output_written_before():
     t0 = time.monotonic()
@@ -91,12 +97,14 @@ def test_wall_clock_marks_the_run_timed_out_and_keeps_output_written_before():
     assert r.describe().startswith("timeout")
 
 
+@pytest.mark.faults
 @needs_sandbox
 def test_cpu_limit_kills_a_busy_loop_before_the_wall_clock():
     r = run("while True:\n    pass", limits=Limits(cpu_s=1, wall_s=20))
     assert not r.timed_out and r.exit_code == 128 + 24 and r.describe() == "killed by SIGXCPU"
 
 
+@pytest.mark.faults
 @needs_sandbox
 def test_memory_limit_refuses_an_allocation_past_it_and_allows_one_below():
     code = "import sys\nx = bytearray(int(sys.stdin.read()) * 2**20)\nprint(len(x) // 2**20)"
@@ -105,6 +113,7 @@ def test_memory_limit_refuses_an_allocation_past_it_and_allows_one_below():
     assert big.exit_code == 1 and big.stderr.strip().endswith("MemoryError")
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_file_size_limit_stops_a_file_at_the_limit():
     code = ("import os\n"
@@ -118,6 +127,7 @@ def test_file_size_limit_stops_a_file_at_the_limit():
     assert r.stdout.splitlines() == ["refused 27", str(2 * 2**20)]  # EFBIG, and not a byte more
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_disk_limit_bounds_the_working_directory():
     code = ("n = 0\n"
@@ -134,6 +144,7 @@ def test_disk_limit_bounds_the_working_directory():
     assert errno == 28 and whole_files == 8 and total == 8 * 2**20  # ENOSPC once 8 MB are in, not a byte more
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_open_files_limit():
     code = ("fs = []\n"
@@ -147,6 +158,7 @@ def test_open_files_limit():
     assert errno == 24 and 10 <= opened < 20  # EMFILE; stdin/out/err and Python's own count too
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_process_limit_bounds_forks_of_one_run():
     code = ("import os, time\n"
@@ -166,6 +178,7 @@ def test_process_limit_bounds_forks_of_one_run():
     assert r.exit_code == 0 and int(r.stdout) == 14
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_output_cap_keeps_exactly_output_bytes_and_marks_truncation():
     exact = run("import sys; sys.stdout.write('y' * 1000)", limits=Limits(output_bytes=1000, wall_s=3))
@@ -176,6 +189,7 @@ def test_output_cap_keeps_exactly_output_bytes_and_marks_truncation():
     assert err.stderr == "e" * 1000 and err.output_truncated and err.describe() == "output limit exceeded"
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_concurrent_runs_each_get_their_own_output_and_process_budget():
     code = ("import os, sys, time\n"
@@ -203,6 +217,7 @@ def test_concurrent_runs_each_get_their_own_output_and_process_budget():
     assert {i: r.stdout for i, r in results.items()} == {i: f"{i} 10\n" for i in range(4)}
 
 
+@pytest.mark.unit
 def test_limits_are_validated_with_one_line_naming_the_limit():
     with pytest.raises(ConfigError, match="wall_s must be a positive"):
         Limits(wall_s=0)
@@ -215,6 +230,7 @@ def test_limits_are_validated_with_one_line_naming_the_limit():
     assert Limits().rlimits() == {"CPU": 5, "AS": 512 * 2**20, "NPROC": 64, "FSIZE": 16 * 2**20, "NOFILE": 64}
 
 
+@pytest.mark.unit
 @needs_sandbox
 @pytest.mark.parametrize("name", ["/etc/passwd", "../escape.py", "a/../../b", "", "a//b", "./x"])
 def test_file_names_must_stay_inside_the_working_directory(name):
@@ -222,12 +238,14 @@ def test_file_names_must_stay_inside_the_working_directory(name):
         run("pass", files={name: "x"})
 
 
+@pytest.mark.unit
 @needs_sandbox
 def test_file_contents_must_be_text_or_bytes():
     with pytest.raises(TypeError, match="sandbox file 'n.txt' must be str or bytes, not int"):
         run("pass", files={"n.txt": 5})
 
 
+@pytest.mark.unit
 def test_without_bwrap_run_raises_one_line_naming_the_install(monkeypatch):
     monkeypatch.setattr(bwrap, "find_bwrap", lambda: None)
     availability.sandbox_available.cache_clear()
@@ -241,6 +259,7 @@ def test_without_bwrap_run_raises_one_line_naming_the_install(monkeypatch):
         availability.sandbox_available.cache_clear()
 
 
+@pytest.mark.unit
 def test_an_interpreter_closed_to_the_sandbox_user_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(bwrap, "find_bwrap", lambda: "/usr/bin/bwrap")
     monkeypatch.setattr(bwrap, "bwrap_options", lambda path: frozenset(availability._REQUIRED_OPTIONS))
@@ -253,6 +272,7 @@ def test_an_interpreter_closed_to_the_sandbox_user_is_refused_in_one_line(monkey
         availability.sandbox_available.cache_clear()
 
 
+@pytest.mark.unit
 def test_an_old_bwrap_is_refused_naming_what_it_lacks(monkeypatch):
     monkeypatch.setattr(bwrap, "find_bwrap", lambda: "/usr/bin/bwrap")
     monkeypatch.setattr(bwrap, "bwrap_options", lambda path: frozenset({"--unshare-all", "--info-fd", "--block-fd"}))

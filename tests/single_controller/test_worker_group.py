@@ -179,6 +179,7 @@ def toy(backend):
 
 
 class TestSPMD:
+    @pytest.mark.equivalence
     def test_one_to_all_and_layout(self, toy):
         out = toy.call(ToyWorker.whoami)
         assert [o["rank"] for o in out] == [0, 1, 2, 3]
@@ -191,9 +192,11 @@ class TestSPMD:
         assert toy.layout == [DPInfo(0, 2, True), DPInfo(0, 2, False), DPInfo(1, 2, True), DPInfo(1, 2, False)]
         assert toy.dp_size == 2
 
+    @pytest.mark.equivalence
     def test_rank_zero_all_reduce(self, toy):
         assert toy.call(ToyWorker.all_reduce_sum, 1.0) == 1 + 2 + 3 + 4
 
+    @pytest.mark.equivalence
     def test_dp_split_order_and_tp_peers(self, toy):
         n = 5  # uneven: dp rank 0 gets rows 0-2, dp rank 1 rows 3-4
         x = torch.randn(n, 2)
@@ -210,6 +213,7 @@ class TestSPMD:
         seen = [s[b] for s, b in zip(toy.call(ToyWorker.seen_rows), before, strict=True)]
         assert seen == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
 
+    @pytest.mark.equivalence
     def test_plain_methods(self, toy):
         assert toy.execute_all("plain", 2) == [0, 2, 4, 6]
         assert toy.execute_rank0("plain", 5) == 0
@@ -217,6 +221,7 @@ class TestSPMD:
             toy.call("plain", 1)
         assert toy.call("all_reduce_sum", 2.0) == 20.0
 
+    @pytest.mark.faults
     def test_error_carries_worker_traceback(self, toy):
         with pytest.raises(WorkerError) as info:
             toy.call(ToyWorker.fail_on, 2)
@@ -226,6 +231,7 @@ class TestSPMD:
         assert isinstance(err.__cause__, ValueError)
         assert [o["rank"] for o in toy.call(ToyWorker.whoami)] == [0, 1, 2, 3]  # the group is still usable
 
+    @pytest.mark.faults
     def test_failure_inside_collective_breaks_group(self, toy):
         """Runs last in this class: it leaves the group broken (the fixture's shutdown kills it)."""
         toy.options = dataclasses.replace(toy.options, error_grace_s=1)
@@ -239,11 +245,13 @@ class TestSPMD:
 # ---------------------------------------------------------------- failures
 
 
+@pytest.mark.faults
 def test_construction_error(backend):
     with pytest.raises(WorkerError, match="cannot build this worker"):
         WorkerGroup(ResourcePool([1]), BrokenWorker, options=opts(backend))
 
 
+@pytest.mark.faults
 def test_a_call_past_its_deadline_stops_the_group_in_one_line():
     """The heartbeat cannot see an endless loop (the beating thread still runs): the call's deadline does."""
     from relayrl.single_controller.liveness import CallDeadlineError
@@ -276,6 +284,7 @@ def driver_step(roles, batch: DataBatch) -> tuple[DataBatch, DataBatch, float]:
         roles["actor"].call(ScoreWorker.weight_sum)
 
 
+@pytest.mark.equivalence
 def test_colocated_and_disaggregated_agree(backend):
     x = torch.randn(6, 3)
     batch = DataBatch({"x": x})

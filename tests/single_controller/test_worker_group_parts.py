@@ -23,6 +23,8 @@ from relayrl.single_controller.dispatch import (
 from relayrl.single_controller.resource_pool import ResourcePool, colocated, split_pool
 from relayrl.single_controller.worker import ColocatedWorker, RoleSpec, Worker, WorkerInfo, construct, dp_info_from_dims
 
+pytestmark = pytest.mark.unit
+
 
 def make_batch(n: int = 5) -> DataBatch:
     return DataBatch({"x": torch.arange(n * 2).reshape(n, 2).float(), "id": torch.arange(n)},

@@ -95,6 +95,7 @@ def _cases():
                                id=f"{key}-t{tp}x{dp}x{rep}p{pp}ep{ep}-e{etp}{placement}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("key,tp,dp,rep,pp,ep,etp,placement", list(_cases()))
 def test_plan_reproduces_engine_loader(key, tp, dp, rep, pp, ep, etp, placement):
     cfg = _cfg(key)
@@ -119,6 +120,7 @@ def test_plan_reproduces_engine_loader(key, tp, dp, rep, pp, ep, etp, placement)
         assert nbytes[r] == sum(t.numel() for t in ref.values()) * 2
 
 
+@pytest.mark.unit
 def test_expert_pieces_by_hand():
     """Qwen2-MoE layer 0 (E = 4, I = 6, h = 12), trainer FSDP 2 (expert rows 0:3 on rank 0, 3:6 on rank 1):
     engine EP 2 rank 1 holds experts 2 and 3 whole, each from both trainer ranks; engine TP 2 rank 1 holds rows
@@ -146,6 +148,7 @@ def test_expert_pieces_by_hand():
     assert ep.engine_param_shapes(1)["layers.0.mlp.shared_expert_gate.weight"] == (1, 12)
 
 
+@pytest.mark.unit
 def test_moe_shapes_keep_their_names():
     cfg = _cfg("mixtral")
     shape = sync_shape(cfg)
@@ -163,6 +166,7 @@ def test_moe_shapes_keep_their_names():
     assert set(logical_tensors(bare)) == set(q)
 
 
+@pytest.mark.unit
 def test_placements_that_do_not_divide_are_refused():
     cfg = dataclasses.replace(_cfg("mixtral"), num_experts=3, moe_intermediate_size=5)
     with pytest.raises(ConfigError, match=r"does not divide the number of experts \(3\)"):
@@ -179,6 +183,7 @@ def _write_plan(runner, plan, sources) -> int:
 
 
 # engine EP at TP 2 starts two processes (~10 s here): slow; the plan grid above checks the same placement exactly
+@pytest.mark.equivalence
 @pytest.mark.parametrize("key,etp,placement", [("mixtral", 1, "tp"),
                                                pytest.param("qwen2_moe", 2, "ep", marks=pytest.mark.slow)])
 def test_canary_engine_filled_by_the_plan_scores_as_the_trainer(key, etp, placement):
@@ -212,6 +217,7 @@ def test_canary_engine_filled_by_the_plan_scores_as_the_trainer(key, etp, placem
         eng.close()
 
 
+@pytest.mark.unit
 def test_trainer_ep_holdings_by_hand():
     """dp_shard 4, ep 2 (ranks 0 1 | 2 3 split into ep groups {0, 1}, {2, 3}): ranks 0 and 2 hold experts 0 and 1,
     each FSDP-cut in two (rows 0:3 on rank 0, 3:6 on rank 2); the router stays FSDP-cut over all 4."""
@@ -235,6 +241,7 @@ def test_trainer_ep_holdings_by_hand():
         TrainerLayout(tp=2, dp_shard=2, ep=2)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rep,shard,tp,ep", [(1, 4, 1, 1), (1, 2, 2, 1), (1, 4, 1, 2), (2, 2, 1, 2)])
 def test_layout_matches_parallelize_model(monkeypatch, rep, shard, tp, ep):
     """The trainer layout the plan assumes IS what parallelize_model (TP, EP, FSDP / HSDP) leaves on each rank of
@@ -303,6 +310,7 @@ def _transfer_grid(rank: int, world: int, store) -> list:
     return out
 
 
+@pytest.mark.equivalence
 def test_sync_between_processes_moves_experts_into_the_engine():
     store = serve_store()
     rows = [r for per_rank in run_distributed(_transfer_grid, 2, store.address, timeout=300) for r in per_rank]

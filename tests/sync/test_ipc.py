@@ -92,6 +92,7 @@ def runs():
     return [r[0] for r in results], [r[1] for r in results[:2]]
 
 
+@pytest.mark.equivalence
 def test_ipc_disaggregated_equals_the_plan_and_the_gloo_transport(runs):
     results = runs[0]
     plan = plan_sync(ModelConfig(**CONFIGS["gqa8x2"]), TrainerLayout(tp=2), EngineLayout(2))
@@ -134,6 +135,7 @@ def _colocated(rank: int, store, group) -> list[tuple]:
     return out
 
 
+@pytest.mark.equivalence
 def test_ipc_colocated_acks_both_ways_and_equals_gloo(runs):
     results = runs[1]
     plan = plan_sync(ModelConfig(**CONFIGS["gqa8x2"]), TrainerLayout(dp_shard=2), EngineLayout(2))
@@ -143,6 +145,7 @@ def test_ipc_colocated_acks_both_ways_and_equals_gloo(runs):
         assert 0 < received == g_received and copied == g_copied  # part crosses processes, part is copied in place
 
 
+@pytest.mark.unit
 def test_handle_message_round_trip():
     before = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
@@ -155,6 +158,7 @@ def test_handle_message_round_trip():
         torch.multiprocessing.set_sharing_strategy(before)
 
 
+@pytest.mark.unit
 def test_the_transport_by_device_and_backend(tmp_path, monkeypatch):
     from relayrl.errors import ConfigError
     from relayrl.jobs import preflight

@@ -15,6 +15,8 @@ from relayrl.parallel.parallelize import parallelize_model
 from relayrl.sync.apply import shard_state_dict
 from relayrl.sync.layout import TrainerLayout, logical_tensors
 
+pytestmark = pytest.mark.unit
+
 fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
 
 CFG = dict(model_type="qwen2", vocab_size=30, hidden_size=18, intermediate_size=24, num_hidden_layers=1,

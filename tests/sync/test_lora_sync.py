@@ -75,6 +75,7 @@ def _cases():
 
 
 # ---------------------------------------------------------------------------- the plan
+@pytest.mark.unit
 @pytest.mark.parametrize("key,tp,dp,etp", list(_cases()))
 def test_adapter_plan_fills_each_engine_rank_with_its_shard_and_merges_to_the_loaders_weights(key, tp, dp, etp):
     """Per engine rank: the adapters-only plan delivers exactly the engine's adapter slots (bytes = their
@@ -109,6 +110,7 @@ def test_adapter_plan_fills_each_engine_rank_with_its_shard_and_merges_to_the_lo
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"engine rank {r} {name}")
 
 
+@pytest.mark.unit
 def test_first_sync_sends_base_and_adapters_every_later_one_adapters_only():
     """Bytes per engine rank: the full plan = base shard + adapter shard; the later syncs only the latter."""
     cfg, lora = _cfg("tiny-gqa"), AdapterShape(16)
@@ -119,6 +121,7 @@ def test_first_sync_sends_base_and_adapters_every_later_one_adapters_only():
     assert all(full[r] == base[r] + adapters[r] and 0 < adapters[r] for r in range(4))
 
 
+@pytest.mark.e2e
 def test_sync_plan_cli_prints_full_and_adapter_bytes_and_their_ratio(capsys):
     from relayrl.cli.main import main
 
@@ -157,6 +160,7 @@ def _trainer_vs_engine(ws: PlannedWeightSync) -> float:
     return float((trainer[:, 1:] - ws.engine.score(ws.rows)[:, 1:]).abs().max())
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("mode", ["separate", "merge"])
 def test_engine_equals_trainer_after_every_sync_and_later_syncs_send_adapters_only(mode):
     policy = _policy()
@@ -175,6 +179,7 @@ def test_engine_equals_trainer_after_every_sync_and_later_syncs_send_adapters_on
         assert m["sync/bytes_per_engine_rank"] == m["sync/bytes_copied_in_place"] == adapters < full_bytes / 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["separate", "merge"])
 def test_some_targets_only(mode):
     """q and v only, no MLP: qkv_proj's adapters hold two parts (A rows 0:r, r:2r; B: q rows then v rows)."""
@@ -196,6 +201,7 @@ def _swap_kv_rows(runner, mode: str) -> None:
         runner.merge_lora()
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("mode", ["separate", "merge"])
 def test_a_misplaced_adapter_piece_is_caught_and_named(mode):
     policy = _policy()
@@ -210,6 +216,7 @@ def test_a_misplaced_adapter_piece_is_caught_and_named(mode):
         ws.verify("a swapped adapter")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["separate", "merge"])
 def test_deep_sleep_resends_the_base(mode):
     policy = _policy()
@@ -222,6 +229,7 @@ def test_deep_sleep_resends_the_base(mode):
     assert _trainer_vs_engine(ws) < 1e-5
 
 
+@pytest.mark.unit
 def test_merged_engine_generates_as_a_plain_engine_with_the_merged_weights():
     """Greedy output (and its logprobs) of the merge-mode engine equal a plain engine loaded with
     W + s * B @ A; the separate-mode engine's too."""
@@ -247,6 +255,7 @@ def test_merged_engine_generates_as_a_plain_engine_with_the_merged_weights():
 
 
 # ---------------------------------------------------------------------------- through the driver
+@pytest.mark.e2e
 def test_a_lora_run_syncs_adapters_only_and_both_engine_modes_give_the_same_run(tmp_path):
     """trainer.lora set: every step's sync sends the adapters only (the base went with the sync before
     the first step), verified; the engine keeping them apart or merging them samples the same rollouts."""

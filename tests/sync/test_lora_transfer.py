@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -36,6 +37,8 @@ from relayrl.trainer.logprobs import token_logprobs
 
 from dist_harness import run_distributed
 from helpers import SYNC_CONFIGS
+
+pytestmark = pytest.mark.equivalence
 
 R, ALPHA = 3, 6.0
 ROWS = [[1, 5, 2, 7, 3, 9, 4, 0, 6, 8], [3, 3, 1, 4, 1, 5, 9, 2, 6, 5]]

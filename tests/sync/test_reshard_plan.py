@@ -25,6 +25,8 @@ from relayrl.sync.plan import choose_source, plan_sync
 
 from helpers import SYNC_CONFIGS, naive_plan
 
+pytestmark = pytest.mark.unit
+
 CONFIGS = SYNC_CONFIGS
 TRAINER = [(tp, dp) for tp in (1, 2) for dp in (1, 2, 4)]
 ENGINE_TP = (1, 2, 4)

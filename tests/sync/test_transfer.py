@@ -95,6 +95,7 @@ def _grid(rank: int, world: int, store) -> list:
     return out
 
 
+@pytest.mark.equivalence
 def test_grid_of_layouts_colocated_engine_equals_trainer():
     store = serve_store()
     results = run_distributed(_grid, 4, store.address, timeout=300)
@@ -142,6 +143,7 @@ def _disaggregated(rank: int, world: int, store, key: str, tp: int, etp: int, fp
             len(plan.for_dst(e)))
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("fp8", [False, True], ids=["engine-dtype", "float8-wire"])
 def test_disaggregated_trainer_tp2_to_engine_tp2(fp8):
     store = serve_store()
@@ -164,6 +166,7 @@ def test_disaggregated_trainer_tp2_to_engine_tp2(fp8):
 
 
 # ---------------------------------------------------------------------------- in one process
+@pytest.mark.unit
 def test_buckets_cut_by_bytes_and_keep_order():
     plan = plan_sync(ModelConfig(**CONFIGS["mha4"]), TrainerLayout(), EngineLayout(1))
     ts = plan.between(0, 0)
@@ -174,6 +177,7 @@ def test_buckets_cut_by_bytes_and_keep_order():
     assert len(buckets(ts, 4, 1 << 30)) == 1
 
 
+@pytest.mark.unit
 def test_colocated_single_process_copies_in_place():
     model = sync_model("gqa8x2")
     cfg = model.config
@@ -188,6 +192,7 @@ def test_colocated_single_process_copies_in_place():
     assert torch.equal(engine_embed, model.model.embed_tokens.weight.detach().to(torch.bfloat16))
 
 
+@pytest.mark.unit
 def test_checksums_see_a_moved_value():
     from relayrl.sync.checksums import _checksum
 
@@ -236,6 +241,7 @@ class _Done:
         pass
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fp8", [False, True])
 def test_receives_stay_within_the_window_and_unpack_exactly(fp8):
     """Trainer TP 2 -> engine TP 1 through a loopback group: 300-byte buckets, window 3."""

@@ -14,6 +14,8 @@ from relayrl.trainer.optim import lr_factor
 
 from helpers import random_train_batch
 
+pytestmark = pytest.mark.unit
+
 
 def _batch(model, n=8, seed=0):
     g = torch.Generator().manual_seed(seed)

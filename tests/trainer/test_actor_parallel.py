@@ -25,6 +25,8 @@ from relayrl.trainer.config import TrainerConfig
 from dist_harness import run_distributed
 from helpers import random_rows
 
+pytestmark = pytest.mark.equivalence
+
 AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LAYOUTS = {"fsdp2": dict(dp_shard=2), "ddp2": dict(dp_replicate=2), "tp2": dict(tp=2)}
 

@@ -25,6 +25,7 @@ from helpers import random_rows
 LAYOUTS = {"fsdp2": dict(dp_shard=2), "ddp2": dict(dp_replicate=2), "tp2": dict(tp=2)}
 
 
+@pytest.mark.unit
 def test_clipped_value_loss_by_hand():
     v = torch.tensor([[0.0, 1.0, 3.0]])
     old = torch.tensor([[0.0, 0.5, 2.0]])
@@ -39,6 +40,7 @@ def test_clipped_value_loss_by_hand():
     assert float(unclipped) == pytest.approx(0.5 * (1 + 4) / 2)
 
 
+@pytest.mark.unit
 def test_explained_variance_by_hand():
     ret = torch.tensor([[1.0, 2.0, 3.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the masked 9 is no token
@@ -57,6 +59,7 @@ def _model() -> ScoreModel:
     return m
 
 
+@pytest.mark.unit
 def test_values_are_aligned_like_logprobs():
     m = _model()
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -102,6 +105,7 @@ def _reference():
     return {n: p.detach().clone() for n, p in model.named_parameters()}, stats, values
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_critic_update_under_every_layout_equals_single_process(layout):
     want, want_stats, want_values = _reference()

@@ -66,6 +66,7 @@ def _state(actor):
     return {n: p.detach().clone() for n, p in actor.model.named_parameters()}
 
 
+@pytest.mark.equivalence
 def test_resume_continues_exactly_and_saves_adapter_optimizer_only(base_dir, tmp_path):
     a = _actor(base_dir)
     batch = _batch(a.model)
@@ -88,6 +89,7 @@ def test_resume_continues_exactly_and_saves_adapter_optimizer_only(base_dir, tmp
         assert torch.equal(_state(b)[n], t), n
 
 
+@pytest.mark.equivalence
 def test_base_never_changes(base_dir):
     a = _actor(base_dir)
     before = _state(a)
@@ -108,6 +110,7 @@ def _logits(model, ids):
     return out.logits if hasattr(out, "logits") else out
 
 
+@pytest.mark.equivalence
 def test_export_merged_and_peft_give_the_lora_models_logits(base_dir, tmp_path):
     a = _actor(base_dir)
     batch = _batch(a.model)
@@ -135,6 +138,7 @@ def test_export_merged_and_peft_give_the_lora_models_logits(base_dir, tmp_path):
         torch.testing.assert_close(peft_sd[f"base_model.model.{n}.default.weight"], p.detach(), atol=0, rtol=0)
 
 
+@pytest.mark.unit
 def test_peft_export_refused_without_lora(base_dir, tmp_path):
     a = _actor(base_dir, lora=None)
     ckpt = save_actor(a, tmp_path / "run", 1, extra={}, meta={"model_dir": str(base_dir)}, keep_last=None)
@@ -152,6 +156,7 @@ def _fsdp_save(rank, world, base_dir, run_dir, batch):
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if is_lora_param(n)}
 
 
+@pytest.mark.equivalence
 def test_fsdp_checkpoint_resumes_in_one_process(base_dir, tmp_path):
     batch = _batch(actor_model(str(base_dir), LORA, seed=0))
     after_two = run_distributed(_fsdp_save, 2, base_dir, tmp_path / "run", batch)[0]
@@ -162,6 +167,7 @@ def test_fsdp_checkpoint_resumes_in_one_process(base_dir, tmp_path):
         torch.testing.assert_close(dict(one.model.named_parameters())[n].detach(), t, atol=1e-6, rtol=0, msg=n)
 
 
+@pytest.mark.unit
 def test_resume_with_other_lora_settings_is_refused(base_dir, tmp_path):
     from relayrl.checkpoint import CheckpointError
 

@@ -26,6 +26,8 @@ from relayrl.trainer.config import TrainerConfig
 from dist_harness import run_distributed
 from helpers import random_rows
 
+pytestmark = pytest.mark.equivalence
+
 LAYOUTS = {
     "fsdp2": (2, dict(dp_shard=2), {}),
     "ddp2": (2, dict(dp_replicate=2), dict(dp_mode="ddp")),

@@ -19,6 +19,7 @@ from relayrl.trainer.config import TrainerConfig
 from helpers import assert_same_metrics, cfg_for, random_train_batch, step_metrics
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_a_one_step_update_on_its_own_logprobs_equals_the_recomputed_one(tiny_model, padding_free):
     """Micro-batches of 3 over 8 rows, shuffled: the update's forward sees other row groupings than the
@@ -54,6 +55,7 @@ def test_a_one_step_update_on_its_own_logprobs_equals_the_recomputed_one(tiny_mo
     assert moved > 1e-3  # the step did move them: the comparison is not of two unchanged models
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("sections", "source"), [
     ({}, "update"),  # the defaults: one PPO epoch, one mini-batch
     ({"trainer": {"mini_batches": 2}}, "recompute"),  # the second mini-batch's weights have moved
@@ -71,6 +73,7 @@ def test_old_logp_source(sections, source):
     assert RunConfig.from_dict(sections).old_logp_source() == source
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("sections", "msg"), [
     ({"algo": {"old_logp": "engine"}, "rollout": {"mode": "async"}}, "synced before every batch"),
     ({"algo": {"old_logp": "engine"}, "rollout": {"engine_dtype": "bfloat16"}}, "fp32 relayrl engine"),
@@ -90,6 +93,7 @@ def _one_step(tmp_path, name, **sections):
                    rollout={"engine_dtype": "bfloat16"}, **sections)
 
 
+@pytest.mark.e2e
 def test_a_run_skips_the_recompute_and_matches_one_that_does_it(tmp_path):
     reward = {"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]}
     auto = train(_one_step(tmp_path, "auto", reward=reward), show_progress=False)
@@ -104,6 +108,7 @@ def test_a_run_skips_the_recompute_and_matches_one_that_does_it(tmp_path):
             assert x[k] == pytest.approx(y[k], rel=1e-4), k
 
 
+@pytest.mark.e2e
 def test_worker_groups_take_the_update_logprobs_like_one_process(tmp_path):
     """FSDP 2: each rank's micro-batches report their share of the mismatch; the tally's all-reduce makes it
     the global batch's (means weighted by tokens, the max a max), as one process computes it."""
@@ -116,6 +121,7 @@ def test_worker_groups_take_the_update_logprobs_like_one_process(tmp_path):
             assert x[k] == pytest.approx(y[k], rel=1e-4), k
 
 
+@pytest.mark.e2e
 def test_old_logp_engine_trains_against_the_verified_fp32_engine(tmp_path):
     """Two mini-batches (the recompute's case): the engine's fp32 logprobs stand in for it. They differ from the
     trainer's only by rounding (the canary checks every sync), so the run is the recomputing one to rounding."""

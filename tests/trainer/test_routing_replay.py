@@ -80,6 +80,7 @@ def _random_record(batch: TrainBatch, G: int = 3, seed: int = 1) -> torch.Tensor
     return rec.to(torch.int16)
 
 
+@pytest.mark.unit
 def test_replay_routes_the_unknown_rows_itself():
     model = _model().eval()
     ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -96,6 +97,7 @@ def test_replay_routes_the_unknown_rows_itself():
     assert torch.equal(sel[known], other[known])
 
 
+@pytest.mark.equivalence
 @torch.no_grad()
 def test_packed_and_shared_prompt_rows_equal_padded_rows_under_replay():
     model, batch = _model().eval(), _grouped_batch()
@@ -119,6 +121,7 @@ def test_packed_and_shared_prompt_rows_equal_padded_rows_under_replay():
     assert (own * batch.response_mask - outs["padded"][0]).abs().max() > 1e-3
 
 
+@pytest.mark.unit
 def test_bf16_engine_routing_is_replayed_where_the_trainers_own_top_k_differs():
     from relayrl.engine import LLMEngine, SamplingParams
 
@@ -164,6 +167,7 @@ def _hand_grads(model: CausalLM, batch: TrainBatch, algo: AlgoConfig) -> dict[st
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("layout", [dict(padding_free=False, micro_batch_size=6),
                                     dict(padding_free=True, micro_batch_size=3)])
 def test_update_gradient_with_replay_equals_a_hand_built_replayed_forward(layout):
@@ -179,6 +183,7 @@ def test_update_gradient_with_replay_equals_a_hand_built_replayed_forward(layout
     assert ref["model.layers.0.mlp.gate.weight"].abs().sum() > 0  # the router learns through the replayed weights
 
 
+@pytest.mark.equivalence
 def test_update_over_shuffled_mini_batches_regrouped_by_prompt_equals_padded_rows():
     model, batch = _model(), _grouped_batch(G=4)
     batch.routing = _random_record(batch, G=4)
@@ -196,6 +201,7 @@ def test_update_over_shuffled_mini_batches_regrouped_by_prompt_equals_padded_row
         torch.testing.assert_close(out["shared"][1][n], p, atol=1e-5, rtol=1e-4, msg=n)
 
 
+@pytest.mark.unit
 def test_router_losses_in_the_loss_equal_router_losses_and_transformers():
     model, batch = _model(router_std=0.3), _grouped_batch()
     aux, z = 0.05, 0.002
@@ -222,6 +228,7 @@ def test_router_losses_in_the_loss_equal_router_losses_and_transformers():
     assert {"moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean"} <= stats.keys()
 
 
+@pytest.mark.unit
 def test_routing_mismatch_and_load_by_hand():
     # 1 row, 3 tokens (the first a prompt token), 1 MoE layer, k = 2 of 4 experts
     logits = torch.tensor([[[5.0, 4.0, 0.0, 0.0], [5.0, 4.0, 0.0, 0.0], [0.0, 1.0, 3.0, 2.0]]])
@@ -237,6 +244,7 @@ def test_routing_mismatch_and_load_by_hand():
                                           "moe/load_max_over_mean/layer_2": 1.0, "moe/load_max_over_mean": 3.0}
 
 
+@pytest.mark.unit
 def test_refusals_name_the_key():
     dense = small_config()
     for key, section in (("algo.routing_replay", {"algo": {"routing_replay": True}}),
@@ -261,6 +269,7 @@ def test_refusals_name_the_key():
         Actor(CausalLM(dense), TrainerConfig(), AlgoConfig(routing_replay=True), total_steps=1)
 
 
+@pytest.mark.unit
 def test_expert_imbalance_advice_is_fed_by_the_trainers_load_and_names_the_worst_layer():
     from relayrl.observe import bottleneck as bn
 
@@ -273,6 +282,7 @@ def test_expert_imbalance_advice_is_fed_by_the_trainers_load_and_names_the_worst
     assert bn.findings([{**rec, "moe/load_max_over_mean": 2.9}]) == []
 
 
+@pytest.mark.unit
 def test_step_cost_counts_an_moe_models_active_experts():
     from relayrl.controller.step_cost import StepCost
 

@@ -52,6 +52,7 @@ def _forward_and_grads(model, batch, **kw):
     return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3},
                                 {"model_type": "qwen2", "qkv_bias": True, "tie_word_embeddings": True}],
                          ids=["llama-gqa", "sliding-window", "qwen2-tied"])
@@ -71,6 +72,7 @@ def test_logprobs_entropy_and_gradients_equal_the_padded_forward(kw):
             torch.testing.assert_close(got[2][n], grad, atol=1e-5 * float(grad.abs().max()), rtol=0, msg=n)
 
 
+@pytest.mark.unit
 def test_prompt_lengths_and_tokens_computed_by_hand():
     # prompt [5, 6, 7] x 3 samples (2, 4 and 0 response tokens), prompt [8, 9] x 1 (1 token), and [5, 6] whose
     # response starts with 7: a prompt of its own (2 tokens), not the first one's
@@ -82,6 +84,7 @@ def test_prompt_lengths_and_tokens_computed_by_hand():
     assert computed_tokens(ids, attn, plens) == (3 + 2 + 4 + 0) + (2 + 1) + (2 + 2)  # P + G R per prompt
 
 
+@pytest.mark.equivalence
 def test_the_update_equals_the_unshared_one(tiny_model):
     """Two shuffled mini-batches, two PPO epochs (ratios move off 1, clipping engages), micro-batches of 5:
     the same weights and statistics as the padding-free update, and as the padded one."""
@@ -121,6 +124,7 @@ def _embedded_tokens(model) -> list[int]:
     return seen
 
 
+@pytest.mark.unit
 def test_micro_batches_hold_whole_prompts_whatever_the_row_order(tiny_model):
     """Rows of the 3 prompts interleaved, micro-batches of 4 = G: the recompute, the update and the reference
     pass each regroup the rows, so every micro-batch is one prompt's samples and its prompt is computed once."""
@@ -140,6 +144,7 @@ def test_micro_batches_hold_whole_prompts_whatever_the_row_order(tiny_model):
     assert sum(seen) == want and len(seen) == 3
 
 
+@pytest.mark.equivalence
 def test_reference_logprobs_equal_the_unshared_ones(tiny_model):
     b = _grouped(seed=4)
     want = frozen_logprobs(tiny_model, b, 1.0, micro_batch_size=5)
@@ -148,6 +153,7 @@ def test_reference_logprobs_equal_the_unshared_ones(tiny_model):
     assert float(want.abs().sum()) > 0 and float((want * (1 - b.response_mask)).abs().max()) == 0.0
 
 
+@pytest.mark.unit
 def test_shared_prefix_needs_the_packed_layout():
     assert TrainerConfig().shares_prefix and not TrainerConfig(padding_free=False).shares_prefix
     assert not TrainerConfig(shared_prefix=False).shares_prefix
@@ -158,6 +164,7 @@ def test_shared_prefix_needs_the_packed_layout():
                        torch.ones(1, 3, dtype=torch.long), prefix_lens=[1])
 
 
+@pytest.mark.e2e
 def test_a_run_with_shared_prefixes_equals_one_without(tmp_path):
     """Two mini-batches (the old-logprob recompute) and a KL term (the reference pass): every pass shares. The
     same samples and updates, and fewer tokens computed: 4 prompts x 4 samples, so each step saves 3 copies of
@@ -175,6 +182,7 @@ def test_a_run_with_shared_prefixes_equals_one_without(tmp_path):
         assert x["flops/update"] / y["flops/update"] < 1.0
 
 
+@pytest.mark.unit
 def test_a_bad_setting_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="shared_prefix"):
         cfg_for(tmp_path, "bad", trainer={"shared_prefix": True, "padding_free": False})
@@ -193,6 +201,7 @@ def _tp_rank(rank, world, batch):
     return logp, ent, grads
 
 
+@pytest.mark.equivalence
 def test_tensor_parallel_shared_prefix_equals_one_process():
     b = _grouped(seed=6)
     want = _forward_and_grads(perturbed_model(small_config(model_type="qwen2", qkv_bias=True), seed=1), b)
@@ -205,6 +214,7 @@ def test_tensor_parallel_shared_prefix_equals_one_process():
             torch.testing.assert_close(grads[n], grad, atol=1e-5 * float(grad.abs().max()), rtol=0, msg=n)
 
 
+@pytest.mark.equivalence
 def test_filler_rounds_the_packed_row_to_the_linear_bucket_and_changes_nothing(monkeypatch):
     """Where the linears run on oneDNN the packed row ends in filler tokens up to its row bucket, so no linear pads
     (and copies) its operands: the model sees bucket(N) tokens, and logprobs, entropies and every gradient equal
