@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
-
 ROOT = Path(__file__).resolve().parent.parent / "relayrl"
 
 GROUND = {"config", "errors", "lazy"}  # relayrl/config.py, errors.py, lazy.py: every layer may use them
@@ -90,10 +88,12 @@ def upward_imports(root: Path) -> list[str]:
     return bad
 
 
+@pytest.mark.unit
 def test_no_layer_imports_a_layer_above_it():
     assert upward_imports(ROOT) == []
 
 
+@pytest.mark.unit
 def test_the_check_fails_on_an_upward_import(tmp_path):
     pkg = tmp_path / "relayrl"
     for layer in ("models", "trainer", "sync"):
@@ -113,6 +113,7 @@ def test_the_check_fails_on_an_upward_import(tmp_path):
     ]
 
 
+@pytest.mark.e2e  # a fresh interpreter loads a shipped config, as `relayrl train` starts: ~2 s while that imports torch
 def test_loading_a_run_config_imports_config_modules_only():
     """RunConfig composes each layer's config section: loading it must not import the engine, the
     trainer, checkpoints, worker groups or the weight sync."""
