@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup setup-dev sandbox-tools demo test bench clean
+.PHONY: setup setup-dev sandbox-tools demo test test-unit bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,10 @@ demo: setup
 test: setup
 	$(BIN)/ruff check relayrl tests benchmarks
 	$(BIN)/python -m pytest -q -x --durations=15
+
+# the fast set (tests/README.md: the kinds of test)
+test-unit: setup
+	$(BIN)/python -m pytest -q -m unit
 
 bench: setup-dev
 	$(BIN)/python -m pytest -q -m slow

@@ -8,7 +8,7 @@ Shapes (model, P prompt tokens, R the longest response, prompts x G samples; res
 bench_grpo_trl's 25m workload (P 10, R 32, 16 x 8), the same model with a long prompt (P 64, R 32), and the tiny
 model with long answers like bench_grpo_trl's sort workload (P 70, R 64, 16 x 8). Each
 update is one optimiser step over the whole batch in one micro-batch (one mini-batch, the on-policy step);
-every layout starts from the same weights and takes the same step (tests/test_shared_prefix.py checks that).
+every layout starts from the same weights and takes the same step (tests/trainer/test_shared_prefix.py checks that).
 Reported per shape: the tokens each layout's forward computes (rows x T padded; the real tokens; each prompt
 once), the median seconds of --repeats updates after one warm-up, interleaved
 (padded, packed, shared, padded, ...), and the ratios padded / shared and packed / shared (higher: shared is

@@ -19,7 +19,7 @@ Batch: --prompts prompts x --n samples, each row --prompt-len prompt + --respons
 one no-grad pass of the same weights (untimed), rollout_logp = old_logp + N(0, 0.02) noise on the
 response, ref_logp = old_logp, kl_coef 0.05: the GRPO loss with TIS and a KL term, as the driver runs
 it. Each data-parallel rank updates on its contiguous 1/dp of the rows (the global loss denominators
-and summed gradients make that the single-process step; tests/test_trainer_parallel.py checks it).
+and summed gradients make that the single-process step; tests/trainer/test_actor_parallel.py checks it).
 --micro-batch (default 8 rows) is the same for every layout, so each forward has the same shape.
 
 Model FLOPs per update (PaLM-style, no recomputation, attention counted over the full T x T):

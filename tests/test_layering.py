@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent / "relayrl"
 
 GROUND = {"config", "errors", "lazy"}  # relayrl/config.py, errors.py, lazy.py: every layer may use them
@@ -88,10 +90,12 @@ def upward_imports(root: Path) -> list[str]:
     return bad
 
 
+@pytest.mark.unit
 def test_no_layer_imports_a_layer_above_it():
     assert upward_imports(ROOT) == []
 
 
+@pytest.mark.unit
 def test_the_check_fails_on_an_upward_import(tmp_path):
     pkg = tmp_path / "relayrl"
     for layer in ("models", "trainer", "sync"):
@@ -122,6 +126,7 @@ def _loaded_after(code: str) -> tuple[list[str], str]:
     return json.loads(last), "\n".join(before)
 
 
+@pytest.mark.unit  # a fresh interpreter loads a shipped config (no torch: a fraction of a second)
 def test_loading_a_run_config_imports_config_modules_only():
     """RunConfig composes each layer's config section: loading it must not import torch, the engine, the
     trainer, checkpoints, worker groups or the weight sync (a typo in a YAML file is reported at once)."""
@@ -141,6 +146,7 @@ def test_loading_a_run_config_imports_config_modules_only():
     assert stray == []
 
 
+@pytest.mark.unit
 def test_a_broken_config_is_refused_before_torch_is_imported(tmp_path):
     """`relayrl train broken.yaml`: one line and exit 2, before the jobs (torch, every layer) are imported."""
     bad = tmp_path / "broken.yaml"

@@ -151,7 +151,7 @@ class StepCost:
                                              for c in samples))
         # sync only: an asynchronous engine fills the tail's free slots with the next groups (no idle slots to
         # report), and when each group is admitted between engine steps depends on timing, so the figure would
-        # differ between two runs of the same seed (tests/test_async.py compares them key by key)
+        # differ between two runs of the same seed (tests/e2e/test_async_run.py compares them key by key)
         share = straggler_share(samples) if cfg.rollout.mode == "sync" else None
         if share is not None:
             out["rollout/straggler_share"] = share

@@ -5,7 +5,7 @@ Why: torch's CPU wheels run an fp32 matmul through MKL's sgemm, which on AMD CPU
 core with full-width AVX-512 FMA units (Zen 5) that is half the core's fp32 rate; oneDNN, which torch ships too,
 JIT-compiles AVX-512 kernels and reaches it (benchmarks/bench_linear.py measures both, side by side). The numbers
 are fp32 either way; the sums run in another order, so results differ from MKL's at fp32 rounding (about 1e-6
-relative: tests/test_linear.py).
+relative: tests/models/test_linear.py).
 
     y  = x W^T + b          oneDNN (torch.ops.mkldnn._linear_pointwise)
     dx = dy W               the same kernel, W^T as its weight (a strided view, no copy)

@@ -18,7 +18,7 @@ is made once per process by relayrl.parallel.cpu_kernels (RELAYRL_COMPILE=auto|o
 `use_compile(on)`, by relayrl.single_controller.process_setup.configure_process, which every relayrl process that
 runs models calls when it starts; until then it is on (auto, the variable's default): this module reads no
 environment. The fused kernels compute the same
-formula in another order: results equal the eager ones to fp32 rounding (tests/test_pointwise.py). Each piece is
+formula in another order: results equal the eager ones to fp32 rounding (tests/models/test_pointwise.py). Each piece is
 compiled once per process with dynamic shapes (a few seconds the first time; inductor caches the code on disk for
 later processes), once for passes with gradients and once without. If compiling fails (torch.compile's own
 errors, e.g. no C++ compiler), a warning says so once and every piece stays eager in this process; any other

@@ -14,7 +14,7 @@ The expert load is the trainer's (relayrl.trainer.routing): max over MoE layers 
 over the mean, in the update's forwards; the finding names the worst layer (moe/load_max_over_mean/layer_<i>).
 
 A finding fires when its figure reaches the threshold. Each comes with advice lines naming the config keys to
-change, in backticks (`rollout.max_num_seqs`, `sync.wire=float8`); tests/test_bottleneck.py checks that every
+change, in backticks (`rollout.max_num_seqs`, `sync.wire=float8`); tests/observe/test_bottleneck.py checks that every
 such key is a field of RunConfig.
 
 Communication: the texts' "all-reduce or all-gather" is the trainer's collectives (FSDP's all-gathers and

@@ -99,7 +99,7 @@ def in_flight(layout: Layout, m: int, pp_rank: int) -> tuple[int, ...]:
                                                              stage (Qi et al. 2023: ZB-V's peak equals 1F1B's)
         dualpipev          (min(m, 2p - r), min(m, r + 1))    together 2p + 1 chunks (DeepSeek-V3: PP + 1)
 
-    They are the peaks of torch's own action orders, counted in tests/test_plan_pipeline.py."""
+    They are the peaks of torch's own action orders, counted in tests/planner/test_plan_pipeline.py."""
     p, r, name = layout.pp, pp_rank, layout.pp_schedule
     if p == 1:
         return (1,)

@@ -91,7 +91,7 @@ def bubble(layout: Layout, m: int) -> float:
                                                            a rank's 6 m
 
     These are the idle shares of torch's own action orders (torch.distributed.pipelining's pipeline_order)
-    simulated at those unit times, checked in tests/test_plan_pipeline.py for m >= p (interleaved) and
+    simulated at those unit times, checked in tests/planner/test_plan_pipeline.py for m >= p (interleaved) and
     m >= 2p (zbv). Below those torch's orders cannot fill their fill and drain, and the planner uses the
     1F1B figure, an upper bound of every simulated case (zbv at m = p: 0.20 simulated, 0.43 planned, p = 4).
     Measured idle on a CPU (benchmarks/RESULTS.md 'Pipeline parallelism') is higher: each schedule action and

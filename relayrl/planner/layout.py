@@ -31,7 +31,7 @@ Pipeline schedules (pp_schedule; relayrl.parallel.pipeline runs them with torch.
 
 and every one of the p x stages-per-rank stages needs a decoder layer. The table is
 relayrl.parallel.pipeline_stages.SCHEDULE_STAGES (which the planner may not import: it plans without the
-parallel layer), checked equal to it in tests/test_plan_pipeline.py. Under a V placement rank 0 holds the first
+parallel layer), checked equal to it in tests/planner/test_plan_pipeline.py. Under a V placement rank 0 holds the first
 stage (the embedding) and the last (the final norm and lm_head). With pp = 1 the schedule plays no part.
 
 It imports relayrl.errors only.

@@ -11,7 +11,7 @@ The text's table says 16 B/param, but its "~940 GB" and "~118 GB" rows only foll
 than the 8 that make "~118 GB" follow. Activations under checkpointing scale the text's ~100 GB by the
 planner's full-recompute / no-recompute ratio for llama-3-70b at one 4096-token sequence.
 
-`relayrl plan --texts` prints this table; tests/test_plan_texts.py checks every number.
+`relayrl plan --texts` prints this table; tests/planner/test_plan_texts.py checks every number.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ from relayrl.trainer.policy import Policy
 # mean |trainer logp - engine logp| over the canary tokens, by the lower of the two precisions.
 # Measured on the demo's SFT and GRPO models (benchmarks/RESULTS.md): 0 with fp32 on both sides,
 # 0.013-0.024 with bf16 on either side, 0.05-0.09 through the float8 wire; a misplaced piece moves
-# it by ~0.1-1 (tests/test_weight_sync.py)
+# it by ~0.1-1 (tests/roles/test_weight_sync.py)
 GAP_BOUND = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2, FP8: 0.25}
 GAP_MARGIN = 3.0  # the bound after the first (checksum-verified) sync: at least 3x the gap measured there
 

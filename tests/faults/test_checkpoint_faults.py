@@ -52,6 +52,8 @@ from relayrl.parallel.parallelize import parallelize_model
 
 from dist_harness import run_distributed
 
+pytestmark = pytest.mark.faults
+
 REPO = Path(__file__).resolve().parents[2]
 
 

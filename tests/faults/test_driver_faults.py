@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from harness import TINY, TrainRun, descendants, leftovers, merged
 
+pytestmark = pytest.mark.faults
+
 STEPS = {"run": {"steps": 3, "save_every": 1, "keep_last": 3}}
 LOCAL = {"parallel": {"backend": "local", "heartbeat_timeout_s": 5}}  # the actor in a worker process
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch.distributed as dist
 
 from relayrl.parallel.rendezvous import HANDSHAKE_S, StoreAddress, join_store, serve_store
@@ -17,6 +18,8 @@ from relayrl.single_controller.dispatch import Dispatch, dispatch
 from relayrl.single_controller.resource_pool import ResourcePool
 from relayrl.single_controller.worker import Worker
 from relayrl.single_controller.worker_group import WorkerGroup
+
+pytestmark = pytest.mark.faults
 
 
 class Adder(Worker):

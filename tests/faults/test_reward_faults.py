@@ -13,6 +13,8 @@ from relayrl.errors import ConfigError, RewardError
 
 from helpers import importable, scorer
 
+pytestmark = pytest.mark.faults
+
 CHAOS = '''
 import math, os, signal, sys, time
 from fractions import Fraction

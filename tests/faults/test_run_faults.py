@@ -9,7 +9,11 @@ import json
 import resource
 import signal
 
+import pytest
+
 from harness import CHAOS, TINY, TrainRun, merged
+
+pytestmark = pytest.mark.faults
 
 
 def test_a_misbehaving_reward_function_fails_only_its_samples(tmp_path, monkeypatch):

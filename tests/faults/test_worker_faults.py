@@ -11,6 +11,8 @@ import pytest
 
 from harness import ALL_ROLES, ROLE_PROCESS, TINY, TrainRun, descendants, leftovers, merged
 
+pytestmark = pytest.mark.faults
+
 DEADLINE_S = 30.0  # detection (at most the 3 s heartbeat timeout + a 1 s check) and teardown, on a loaded CI box
 
 
