@@ -44,6 +44,18 @@ def cfg_for(tmp_path, name, **sections) -> RunConfig:
     return RunConfig.from_dict(d)
 
 
+TINY_ENV_MODEL = {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "init_std": 0.2}}
+
+
+def env_cfg(tmp_path, name, env, task="calculator", **sections) -> RunConfig:
+    """A 2-step run of episodes in environment `env` (an `env:` section) on a chat-templated task."""
+    return cfg_for(tmp_path, name, model=TINY_ENV_MODEL,
+                   data={"task": task, "task_params": {}, "use_chat_template": True, "n_train": 32, "n_eval": 4},
+                   env=env, rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 12},
+                   eval={"max_tokens": 12}, run={"steps": 2, "save_every": 0}, **sections)
+
+
 def group_cfg(tmp_path, name, **parallel) -> RunConfig:
     """A 2-step run with a KL term and a reward with spread, under `parallel.*` settings."""
     # a reward with spread: real advantages, so gradients are signal (with all-zero advantages the

@@ -73,6 +73,9 @@ def _cmd_eval(a) -> int:
     flags = Flags(task=a.task, task_params=task_params, path=a.path, n=a.n, seed=a.seed, max_tokens=a.max_tokens,
                   temperature=a.temperature, env=a.env)
     job, notice = eval_job(a.model, a.run, flags)  # config modules only: a bad run directory or flag, at once
+    from relayrl.engine.sampling_params import SamplingParams  # the standard library only (no torch)
+
+    SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed)  # a bad flag: one line
     if notice:
         print(notice, file=sys.stderr)
     from relayrl.jobs.eval import run_eval  # torch and every layer: only once the job is known to be good

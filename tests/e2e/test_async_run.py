@@ -11,7 +11,7 @@ from relayrl.errors import ConfigError
 from relayrl.jobs.train import train
 from relayrl.observe import read_metrics
 
-from helpers import cfg_for
+from helpers import cfg_for, env_cfg
 
 ASYNC_ONLY = ("rollout/queue_len",)
 # a synchronous rollout has a tail to measure; the stream's groups finish across steps, so it has none
@@ -138,8 +138,6 @@ def test_async_refuses_layouts_it_cannot_overlap_in_one_line(tmp_path, section, 
 
 
 def _env_run(tmp_path, name, **rollout) -> RunConfig:
-    from test_env_training import env_cfg
-
     d = env_cfg(tmp_path, name, {"name": "calculator", "max_total_tokens": 160}).to_dict()
     d["rollout"].update(rollout)
     d["run"]["steps"] = 4
@@ -177,8 +175,6 @@ def test_async_in_worker_groups_staleness_zero_equals_sync(tmp_path):
 
 @pytest.mark.e2e
 def test_async_failures_stop_the_run_in_one_line_like_sync(tmp_path, monkeypatch):
-    from test_env_training import env_cfg
-
     from relayrl.errors import EnvError, RewardError
     from relayrl.jobs import train as run_mod
 
@@ -196,8 +192,6 @@ def test_async_failures_stop_the_run_in_one_line_like_sync(tmp_path, monkeypatch
 @pytest.mark.e2e
 def test_async_episodes_failing_on_some_prompts_do_not_stop_the_run(tmp_path):
     """Failing episodes end first; judged per group they would stop the run, judged per step (as sync) they do not."""
-    from test_env_training import env_cfg
-
     d = env_cfg(tmp_path, "some", {"name": "tests.fixtures.envs:FailsOnSome", "max_total_tokens": 200}).to_dict()
     d["rollout"].update(mode="async", max_staleness=1)
     d["run"]["steps"] = 4

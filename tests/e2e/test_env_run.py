@@ -10,20 +10,9 @@ from relayrl.jobs.sft import SFTJobConfig, run_sft
 from relayrl.jobs.train import train
 from relayrl.observe import read_metrics
 
-from helpers import cfg_for
+from helpers import env_cfg
 
 pytestmark = pytest.mark.e2e
-
-TINY = {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "init_std": 0.2}}
-
-
-def env_cfg(tmp_path, name, env, task="calculator", **sections):
-    return cfg_for(tmp_path, name, model=TINY, data={"task": task, "task_params": {}, "use_chat_template": True,
-                                                      "n_train": 32, "n_eval": 4},
-                   env=env, rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 12},
-                   eval={"max_tokens": 12}, run={"steps": 2, "save_every": 0}, **sections)
-
 
 def steps(run_dir):
     return [m for m in read_metrics(run_dir) if "reward/mean" in m]

@@ -48,12 +48,12 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
 
     import relayrl.checkpoint.distributed as ckpt_distributed
-    import relayrl.controller.driver as driver
     import relayrl.roles.local_policy as local_policy
+    import relayrl.rollout.source as source
     from relayrl.cli.main import main as cli
 
     if point == "rollout":
-        driver.Driver.rollout = _after(n, driver.Driver.rollout, before=True)
+        source.LockstepSource.rollout = _after(n, source.LockstepSource.rollout, before=True)
     elif point == "shards-written":
         dcp.save = _after(n, dcp.save, before=False)
     elif point == "before-rename":
