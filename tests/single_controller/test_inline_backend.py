@@ -51,6 +51,10 @@ class Scaler(Worker):
     def fail(self, user: bool):
         raise ConfigError("a user's mistake, in one line") if user else KeyError("a bug")
 
+    @dispatch(Dispatch.RANK_ZERO)
+    def interrupted(self):
+        raise KeyboardInterrupt
+
     def teardown(self) -> None:
         TEARDOWNS.append(self.rank)
 
@@ -89,6 +93,9 @@ def test_inline_errors_come_back_as_the_groups_do():
             g.call(Scaler.fail, True)
         with pytest.raises(WorkerError, match="KeyError: 'a bug'"):
             g.call(Scaler.fail, False)
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C in the driver's process stays a Ctrl-C
+            g.call(Scaler.interrupted)
+        assert g.call(Scaler.echo, 7) == 7  # and the group goes on
 
 
 def test_an_inline_worker_that_needs_a_process_group_is_refused_in_words():

@@ -59,6 +59,8 @@ def resolve(root: Any, path: str) -> Any:
 class WorkerHost:
     """Holds one process's worker object and runs the driver's operations on it."""
 
+    caught: type[BaseException] = BaseException  # what a call answers as an error payload (in a worker: anything)
+
     def __init__(self) -> None:
         self.worker: Any = None
         self.info: WorkerInfo | None = None
@@ -102,7 +104,7 @@ class WorkerHost:
                 raise RuntimeError("this worker was never built (its construction failed) or is closed")
             with self.tracer.span(path, rank=self.info.rank):
                 return ("ok", resolve(self.worker, path)(*args, **kwargs))
-        except BaseException:
+        except self.caught:
             return error_payload()
 
     def close(self) -> Payload:

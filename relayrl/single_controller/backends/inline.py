@@ -6,7 +6,8 @@ So a role is written once, as a Worker with @dispatch methods, and runs in worke
 driver's process (`parallel.backend: none`) behind the same WorkerGroup calls: inputs are split and outputs
 gathered as the method's dispatch mode says, but nothing is pickled or copied (arguments and results are the
 same objects) and no process, process group, heartbeat or thread count is started or changed. A worker's
-exception comes back as the group's usual error (a UserError as itself, one line).
+exception comes back as the group's usual error (a UserError as itself, one line); an interrupt (Ctrl-C) is the
+driver's own and propagates as it is.
 
 What runs inline must not need a process group of its own (init_distributed refuses: the driver's process is not
 a group's rank); those roles (the trainer's ranks) run on the local or Ray backend.
@@ -28,7 +29,10 @@ from relayrl.single_controller.worker import WorkerInfo, construct
 
 
 class InlineHost(WorkerHost):
-    """A WorkerHost for a worker in the driver's process: it builds and closes the worker object only."""
+    """A WorkerHost for a worker in the driver's process: it builds and closes the worker object only, and an
+    interrupt (Ctrl-C, SystemExit) in a call stays the driver's own instead of becoming the worker's error."""
+
+    caught = Exception
 
     def construct(self, info: WorkerInfo, cls: type, args: tuple, kwargs: dict, threads: int) -> Payload:
         try:  # no heartbeat, no thread count, no device switch: the driver's process is not the worker's own
