@@ -181,7 +181,7 @@ class RolloutStream:
 
     def close(self) -> int:
         """Stop both threads and abort whatever is in flight; returns the groups discarded (admitted, never
-        taken), which a resume regenerates."""
+        taken), which a resume regenerates. The agent loop is the run's (it evaluates too): its owner closes it."""
         with self.cv:
             self.stopping = True
             self.cv.notify_all()
@@ -205,8 +205,6 @@ class RolloutStream:
                     self.engine.abort(running)
             finally:
                 self.engine_lock.release()
-        if self.agent is not None:
-            self.agent.close()
         if discarded:
             print(f"relayrl: rollout stream: {discarded} admitted group(s) discarded at shutdown "
                   "(a resume regenerates them)", file=sys.stderr)
