@@ -66,16 +66,26 @@ class Driver:
         self.timer = timer or StageTimer()
         self.policy_versions: dict[int, int] = {}  # engine weights version -> policy version (updates applied)
         self.last_prompts = []  # the prompts of the last trained step, one per group
+        self._holds: tuple[int, int] | None = None  # (policy version, engine weights version) of the last sync
+        self._last_sync: dict[str, float] = {}
 
     def sync_weights(self) -> dict[str, float]:
         """Move the trainer's weights into the engine by the plan (an engine put to sleep after the last
         rollout wakes up; a streaming source pauses it between two of its steps), then let the canary check what
         the engine now computes. The engine's new weights version is recorded as policy version `step` (the
-        updates applied so far)."""
+        updates applied so far).
+
+        Skipped when the engine, awake, already holds policy version `step` (an evaluation synced it, and
+        no update came since): the step then reports the figures of the sync that put these weights there, the
+        canary's gap included, with sync/skipped 1."""
+        if not self.engine.asleep and self._holds == (self.step, self.engine.weights_version):
+            return {**self._last_sync, "sync/skipped": 1.0}
         with self.source.weight_update():
             out = self.weight_sync.sync(f"before step {self.step + 1}")
             self.policy_versions[self.engine.weights_version] = self.step
-        return out
+        self._holds = (self.step, self.engine.weights_version)
+        self._last_sync = {k: v for k, v in out.items() if not k.startswith("time/")}  # a skip takes no time
+        return {**out, "sync/skipped": 0.0}
 
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -226,6 +226,13 @@ class LLMEngine:
             carry_over(self.scheduler, self.block_manager, self.weights_version, in_flight, self.partial)
         return self.weights_version
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix, the weights unchanged (as a weight update does): what an evaluation cached
+        must not serve the next step, or that step would differ from the same step of a resumed run."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("reset_prefix_cache() with requests in flight: let them finish first")
+        self.block_manager.forget_cached()
+
     def score(self, rows: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
         """Logprob of every token of `rows` given the ones before it, [B, L] (column 0: 0)."""
         return self.ranks.score(rows, temperature)

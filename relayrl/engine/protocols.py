@@ -75,6 +75,9 @@ class RolloutEngine(Protocol):
     def score(self, rows: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
         """Logprob of every token of `rows` given the ones before it, [B, L]."""
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, the weights unchanged (nothing may be in flight)."""
+
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 2: the weights too)."""
 

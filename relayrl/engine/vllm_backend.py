@@ -83,6 +83,9 @@ class VLLMEngine:
         self.weights_version += 1
         return self.weights_version
 
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
     def sleep(self, level: int = 1) -> None:
         self.llm.sleep(level=level)
         self.asleep = max(self.asleep, level)

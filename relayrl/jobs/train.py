@@ -76,6 +76,9 @@ def _eval(driver: Driver, roles: Roles, eval_set, cfg: RunConfig, run_dir: Path,
         # step's (a resumed run replays a step without the evaluation before it). In an asynchronous run this also
         # drops what the engine generated for coming batches since the last step's figures, before the drain
         roles.engine.reset_stats()
+        # nor is its prefix cache: the next step's sync is skipped (the engine holds these weights already), and
+        # its prompts must find the cache as that sync would have left it, empty
+        roles.engine.reset_prefix_cache()
     logger.log(driver.step, res)
     with open(run_dir / "eval.jsonl", "a") as f:
         f.write(json.dumps({"step": driver.step, **res}) + "\n")

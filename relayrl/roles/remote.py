@@ -122,6 +122,9 @@ class RemoteEngine:
     def score(self, rows, temperature: float = 1.0):
         return self._engine(LLMEngine.score, rows, temperature)
 
+    def reset_prefix_cache(self) -> None:
+        self._engine(LLMEngine.reset_prefix_cache)
+
     def sleep(self, level: int = 1) -> None:
         self._engine(LLMEngine.sleep, level)
         self.asleep = max(self.asleep, level)

@@ -245,3 +245,19 @@ def test_update_with_requests_in_flight_is_refused_without_partial(tiny_model, n
         eng.partial = "keep"
     with pytest.raises(ConfigError, match="rollout.partial"):
         engine(tiny_model, partial="recompute")
+
+
+@pytest.mark.unit
+def test_reset_prefix_cache_forgets_prefixes_and_keeps_the_version(tiny_model):
+    """What an evaluation cached must not serve the next step (whose sync is skipped): reset_prefix_cache drops
+    every cached prefix without a new weights version, and is refused with requests in flight."""
+    eng = engine(tiny_model)
+    eng.generate([PROMPTS[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+    _, hits = new_request_hits(eng, PROMPTS[0])
+    assert hits == 8  # cached: the prompt's two full blocks
+    drain(eng)
+    eng.reset_prefix_cache()
+    _, hits = new_request_hits(eng, PROMPTS[0])
+    assert hits == 0 and eng.weights_version == 0
+    with pytest.raises(RuntimeError, match="in flight"):
+        eng.reset_prefix_cache()
