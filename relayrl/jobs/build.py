@@ -36,13 +36,14 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import StageTimer
 from relayrl.observe.trace import trace_dir
 from relayrl.parallel.device import resolve_device
-from relayrl.rewards import RewardConfig, build_scorer
+from relayrl.rewards import RewardConfig
 from relayrl.rewards.protocol import Scorer
 from relayrl.roles.actor_workers import actor_model, critic_model
 from relayrl.roles.group_policy import GroupPolicy, group_options
 from relayrl.roles.local_policy import LocalPolicy
-from relayrl.roles.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
+from relayrl.roles.remote import RemoteAgentLoop, RemoteEngine
 from relayrl.roles.reward_model import CombinedScorer, ModelScorer, model_entries
+from relayrl.roles.rule_scorer import RuleScorer
 from relayrl.roles.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
 from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.rollout.source import LockstepSource, RolloutSource, StreamingSource
@@ -124,15 +125,13 @@ def build_scorer_for(cfg: RunConfig, options: GroupOptions | None = None) -> Sco
 
 def reward_scorer(reward: RewardConfig, device: str, groups: GroupOptions | None = None,
                   reward_workers: int = 0) -> Scorer:
-    """Rule functions run in the reward pool (or `reward_workers` reward workers); reward models (`name: model`
+    """Rule functions run in their reward worker group: one worker inline in this process, or `reward_workers`
+    processes of their own (relayrl.roles.rule_scorer), each with its reward pool; reward models (`name: model`
     entries) on `device` (a parallel.device setting), in their worker group: inline in this process without
     worker-group options (`groups`), else in a process of their own (relayrl.roles.reward_model)."""
     entries = model_entries(reward)  # a missing model directory fails here, before any process starts
-    rule_cfg = reward.rule_config()
-    if reward_workers:  # RunConfig allows them with worker groups only (not with parallel.backend none)
-        rules: Scorer = RemoteScorer(rule_cfg, reward_workers, groups)
-    else:
-        rules = build_scorer(rule_cfg)
+    # RunConfig allows reward_workers with worker groups only (not with parallel.backend none)
+    rules = RuleScorer(reward.rule_config(), reward_workers, groups)
     if not entries:
         return rules
     device = resolve_device(device)  # reward models compute where the trainer does

@@ -1,16 +1,12 @@
-"""This module runs the rollout and reward roles as worker groups, behind the protocols the driver already
-uses.
+"""This module runs the rollout role as a worker group, behind the protocol the driver already uses.
 
     driver ── RemoteEngine ──> RolloutWorker (1 process: the engine, with its own TP workers below)
-           ── RemoteScorer ──> RewardWorker x N (DP_SPLIT: each scores its share of a step's samples
-                                               in a reward pool of its own)
 
 RemoteEngine is a relayrl.engine.protocols.RolloutEngine (generate, load_weights, run_on_ranks for
-the weight sync, score, sleep / wake, stats, tokenizer, pad_id); RemoteScorer is a
-relayrl.rewards.protocol.Scorer. With `parallel.rollout_worker` and `parallel.reward_workers` the
-four roles of the loop (actor, rollout, reference, reward) each run in their own worker group, on
-local processes or Ray. A user error inside a worker (a reward function that fails on every sample,
-a bad prompt) comes back as itself, one line (relayrl.single_controller.worker_group).
+the weight sync, score, sleep / wake, stats, tokenizer, pad_id). With `parallel.rollout_worker` and
+`parallel.reward_workers` (relayrl.roles.rule_scorer) the four roles of the loop (actor, rollout,
+reference, reward) each run in their own worker group, on local processes or Ray. A user error inside
+a worker (a bad prompt) comes back as itself, one line (relayrl.single_controller.worker_group).
 
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
 jobs.
@@ -26,9 +22,7 @@ from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import Trajectory
 from relayrl.models.tokenizer import load_tokenizer
-from relayrl.rewards import ScoreResult, build_scorer
 from relayrl.rollout.agent_loop import AgentLoop
-from relayrl.single_controller.batch import DataBatch
 from relayrl.single_controller.dispatch import Dispatch, dispatch
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.single_controller.resource_pool import ResourcePool
@@ -73,18 +67,6 @@ class RolloutWorker(Worker):
         if self.agent is not None:
             self.agent.close()
         self.engine.close()
-
-
-class RewardWorker(Worker):
-    def __init__(self, reward_cfg):
-        self.scorer = build_scorer(reward_cfg)
-
-    @dispatch(Dispatch.DP_SPLIT)
-    def score(self, batch: DataBatch) -> ScoreResult:
-        return self.scorer.score(batch.non_tensors["texts"], batch.non_tensors["examples"], check=False)
-
-    def teardown(self) -> None:
-        self.scorer.close()
 
 
 class RemoteEngine:
@@ -151,17 +133,3 @@ class RemoteAgentLoop:
 
     def close(self) -> None:
         pass  # the worker's loop stops with the worker
-
-
-class RemoteScorer:
-    """Reward scoring split over N reward workers (a Scorer)."""
-
-    def __init__(self, reward_cfg, workers: int, options: GroupOptions):
-        self.group = WorkerGroup(ResourcePool([workers], name="reward"), RewardWorker, reward_cfg, options=options)
-
-    def score(self, completions: Sequence[str], examples: Sequence[Example], check: bool = True) -> ScoreResult:
-        batch = DataBatch({}, non_tensors={"texts": list(completions), "examples": list(examples)})
-        return ScoreResult.merge(self.group.call(RewardWorker.score, batch), check=check)
-
-    def close(self) -> None:
-        self.group.shutdown(raise_errors=False)
