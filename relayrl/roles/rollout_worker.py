@@ -156,6 +156,10 @@ class RolloutRole:
     def reset_stats(self) -> None:
         self.group.call(RolloutWorker.stats, True)
 
+    def run_episodes(self, examples: list[Example], params: list[SamplingParams]) -> list[Trajectory]:
+        """params[i].n finished episodes of examples[i], by the worker's agent loop (EpisodeRole started it)."""
+        return self.group.call(RolloutWorker.run_episodes, examples, params)
+
     def local_engine(self) -> LLMEngine:
         """The engine itself, for a caller that steps it (the rollout stream): an inline role's only."""
         return self.local()[0]
@@ -178,7 +182,7 @@ class EpisodeRole:
         rollout.group.call(RolloutWorker.start_agent, env_cfg)
 
     def run(self, examples: list[Example], params: list[SamplingParams]) -> list[Trajectory]:
-        return self.rollout.group.call(RolloutWorker.run_episodes, examples, params)
+        return self.rollout.run_episodes(examples, params)
 
     def local_agent(self) -> AgentLoop:
         """The agent loop itself, for a caller that drives it step by step (the rollout stream): inline only."""
