@@ -84,7 +84,7 @@ class Driver:
             out = self.weight_sync.sync(f"before step {self.step + 1}")
             self.policy_versions[self.engine.weights_version] = self.step
         self._holds = (self.step, self.engine.weights_version)
-        self._last_sync = {k: v for k, v in out.items() if not k.startswith("time/")}  # a skip takes no time
+        self._last_sync = {k: 0.0 if k.startswith("time/") else v for k, v in out.items()}  # a skip takes no time
         return {**out, "sync/skipped": 0.0}
 
     def train_step(self) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
     RolloutEngine   what the driver, the evaluator and the weight sync use: generate, score, sleep /
                     wake, the weight-update bracket, run_on_ranks, stats, close. LLMEngine is one;
-                    so are the rollout worker's proxy (relayrl.roles.remote) and vLLM's adapter.
+                    so are the rollout role's handle (relayrl.roles.rollout_worker) and vLLM's adapter.
     StepEngine      what the agent loop uses to drive episodes turn by turn: add a request, run one
                     engine step, collect the requests it completed (LLMEngine is one)
     RunnerGroup     where the engine's tensor-parallel ranks (ModelRunners) live, as the engine

@@ -17,6 +17,7 @@ Like the rest of relayrl.jobs, it may import every layer below the CLI; it must 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,15 +37,16 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import StageTimer
 from relayrl.observe.trace import trace_dir
 from relayrl.parallel.device import resolve_device
-from relayrl.rewards import RewardConfig, build_scorer
+from relayrl.rewards import RewardConfig
 from relayrl.rewards.protocol import Scorer
 from relayrl.roles.actor_workers import actor_model, critic_model
 from relayrl.roles.group_policy import GroupPolicy, group_options
 from relayrl.roles.local_policy import LocalPolicy
-from relayrl.roles.remote import RemoteAgentLoop, RemoteEngine, RemoteScorer
 from relayrl.roles.reward_model import CombinedScorer, ModelScorer, model_entries
+from relayrl.roles.rollout_worker import EpisodeRole, RolloutRole
+from relayrl.roles.rule_scorer import RuleScorer
 from relayrl.roles.weight_sync import FullWeightSync, PlannedWeightSync, lora_options
-from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
+from relayrl.rollout.agent_loop import EpisodeRunner
 from relayrl.rollout.source import LockstepSource, RolloutSource, StreamingSource
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.sync.experts import sync_shape
@@ -78,14 +80,15 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: LocalPol
                   tensor_parallel_size=r.tp, expert_placement=r.expert_placement,
                   record_routing=records_routing(model))
     device = resolve_device(par.device)  # colocated ranks take the actor's device instead
-    if par.rollout_worker:  # a tensor-parallel engine's own group, started in the worker, traces there too
-        return RemoteEngine(src, {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)}, options,
-                            device=device)
     tokenizer = load_tokenizer(src)
+    if par.rollout_worker:  # a tensor-parallel engine's own group, started in the worker, traces there too
+        return RolloutRole.own_process(src, {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)},
+                                       options, tokenizer, device=device)
     if par.placement == "disaggregated":
-        return LLMEngine(model, tokenizer, own_processes=True, group_options=options, device=device, **kwargs)
+        return RolloutRole.inline(partial(LLMEngine, model, tokenizer, own_processes=True, group_options=options,
+                                          device=device, **kwargs), tokenizer)
     hosted = policy.host_engine(model, kwargs["dtype"], r.tp, r.expert_placement)
-    return LLMEngine(model, tokenizer, runner_group=hosted, **kwargs)
+    return RolloutRole.inline(partial(LLMEngine, model, tokenizer, runner_group=hosted, **kwargs), tokenizer)
 
 
 def records_routing(model: ModelConfig) -> bool:
@@ -124,15 +127,13 @@ def build_scorer_for(cfg: RunConfig, options: GroupOptions | None = None) -> Sco
 
 def reward_scorer(reward: RewardConfig, device: str, groups: GroupOptions | None = None,
                   reward_workers: int = 0) -> Scorer:
-    """Rule functions run in the reward pool (or `reward_workers` reward workers); reward models (`name: model`
+    """Rule functions run in their reward worker group: one worker inline in this process, or `reward_workers`
+    processes of their own (relayrl.roles.rule_scorer), each with its reward pool; reward models (`name: model`
     entries) on `device` (a parallel.device setting), in their worker group: inline in this process without
     worker-group options (`groups`), else in a process of their own (relayrl.roles.reward_model)."""
     entries = model_entries(reward)  # a missing model directory fails here, before any process starts
-    rule_cfg = reward.rule_config()
-    if reward_workers:  # RunConfig allows them with worker groups only (not with parallel.backend none)
-        rules: Scorer = RemoteScorer(rule_cfg, reward_workers, groups)
-    else:
-        rules = build_scorer(rule_cfg)
+    # RunConfig allows reward_workers with worker groups only (not with parallel.backend none)
+    rules = RuleScorer(reward.rule_config(), reward_workers, groups)
     if not entries:
         return rules
     device = resolve_device(device)  # reward models compute where the trainer does
@@ -145,13 +146,11 @@ def reward_scorer(reward: RewardConfig, device: str, groups: GroupOptions | None
 
 
 def build_agent(cfg: RunConfig, engine: RolloutEngine) -> EpisodeRunner | None:
-    """With an `env:` section, the agent loop: beside the engine in this process, or in the rollout worker."""
+    """With an `env:` section, the agent loop: in the rollout worker, beside the engine (inline or its own process)."""
     if cfg.env is None:
         return None
-    if isinstance(engine, RemoteEngine):
-        return RemoteAgentLoop(engine, cfg.env)
-    assert isinstance(engine, LLMEngine)  # RunConfig refuses env with the vllm backend
-    return AgentLoop(engine, cfg.env)
+    assert isinstance(engine, RolloutRole)  # RunConfig refuses env with the vllm backend
+    return EpisodeRole(engine, cfg.env)
 
 
 def close_all(*roles) -> None:
@@ -194,7 +193,11 @@ def build_source(cfg: RunConfig, engine: RolloutEngine, scorer: Scorer | None, a
         return LockstepSource(engine, filter_groups=cfg.algo.filter_groups,
                               max_resample_rounds=cfg.algo.max_resample_rounds,
                               greedy_baseline=advantage_needs_greedy_baseline(cfg.algo.advantage), **common)
-    return StreamingSource(engine, total_steps=cfg.run.steps, env_name=cfg.env.name if cfg.env else "", **common)
+    assert isinstance(engine, RolloutRole)  # RunConfig refuses streaming with vllm and with a rollout worker
+    # the stream steps the engine (and the agent loop) itself, from a thread of the driver, between weight syncs
+    common["agent"] = agent.local_agent() if isinstance(agent, EpisodeRole) else None
+    return StreamingSource(engine.local_engine(), total_steps=cfg.run.steps, env_name=cfg.env.name if cfg.env else "",
+                           **common)
 
 
 def run_trace_dir(cfg: RunConfig, run_dir: Path) -> str | None:

@@ -3,7 +3,7 @@
 A Scorer turns a step's completions into rewards: `score(completions, examples) -> ScoreResult`,
 and owns whatever runs the reward functions (a pool of worker processes), which `close()` stops.
 relayrl.rewards.scorer.RewardScorer is one (the functions in this process's reward pool); the
-reward worker group's proxy (relayrl.roles.remote.RemoteScorer) is another.
+reward worker group's handle (relayrl.roles.rule_scorer.RuleScorer, inline or N processes) is another.
 
 It imports the reward result type and relayrl.data only; like all of rewards, it must never import the
 trainer, the engine, sync or the controller (rewards may use relayrl.data and the ground floor only).

@@ -12,7 +12,7 @@ with the tokenizer's own special tokens (a BOS where the tokenizer adds one), as
 `tokenizer(text)` saw it. A message prompt with a template-less tokenizer is refused in one line.
 
     CombinedScorer (a relayrl.rewards.protocol.Scorer)
-      rules:  RewardScorer / RemoteScorer over the rule entries   ──> their weighted sum, per function, correct
+      rules:  RuleScorer over the rule entries (roles.rule_scorer) ──> their weighted sum, per function, correct
       models: ModelScorer, the reward models' worker group: inline in the driver's process (parallel.backend
               none) or one process of its own (backend local / ray)
       reward[i]  = rules' sum[i] + sum_m weight_m * logit_m[i]

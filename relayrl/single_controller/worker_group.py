@@ -14,7 +14,8 @@ code does not depend on it (relayrl.single_controller.placement).
 
 A call waits for every rank, under the deadline of its kind and the workers' heartbeats
 (relayrl.single_controller.liveness). A worker's exception is re-raised here as WorkerError carrying
-its traceback (the original exception as __cause__; a UserError is re-raised as itself, one line).
+its traceback (the original exception as __cause__; a UserError, or a RunFault from a group the worker
+drives, is re-raised as itself, one line).
 A worker that dies, stops beating or runs past the deadline raises WorkerLostError /
 CallDeadlineError naming role, rank, pid and call; so does a rank whose peers do not answer within
 `error_grace_s` after it failed (they are typically stuck in a collective). The group is then
@@ -33,7 +34,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from relayrl.errors import UserError
+from relayrl.errors import RunFault, UserError
 from relayrl.parallel.launch import WorkerError
 from relayrl.parallel.rendezvous import serve_store
 from relayrl.single_controller.dispatch import (
@@ -342,6 +343,8 @@ def _raise_worker_errors(errors: list[tuple[int, tuple]], pending: dict) -> None
         except Exception:  # the traceback text is enough
             cause = None
     error = WorkerError(rank, text)
-    if isinstance(cause, UserError):  # a user error stays one line, wherever it was found
+    # a user error stays one line, wherever it was found; so does a fault below the worker (a rank of a group it
+    # drives was lost), which is the run's fault and not the worker's bug
+    if isinstance(cause, (UserError, RunFault)):
         raise cause from error
     raise error from cause
