@@ -5,7 +5,8 @@
                                      (relayrl.trainer.logprobs.LogprobRunner), back on the batch's device
 
 Its pass is the actor's old-logprob pass with two settings of its own: no autocast (the reference computes in its
-own dtype) and plain chunks of micro_batch_size rows. It packs rows (padding_free, shared prefixes) and replays
+own dtype) and plain chunks of micro_batch_size rows (every data-parallel rank running as many: a sharded
+reference's forwards are collective). It packs rows (padding_free, shared prefixes) and replays
 an MoE's routing (routing_replay) as the trainer does, so its logprobs and the actor's at equal weights agree.
 
 With trainer.lora no reference model is built: the actor's frozen base is the reference
