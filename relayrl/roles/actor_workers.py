@@ -47,8 +47,7 @@ from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.checkpointing import load_actor, load_critic, save_actor, save_critic
 from relayrl.trainer.config import CriticConfig
 from relayrl.trainer.critic import Critic
-from relayrl.trainer.logprobs import frozen_logprobs
-from relayrl.trainer.pipelined import pipeline_logprobs
+from relayrl.trainer.reference import Reference
 
 
 def to_data(batch: TrainBatch) -> DataBatch:
@@ -258,22 +257,16 @@ class CriticWorker(_ParallelModelWorker):
 class ReferenceWorker(_ParallelModelWorker):
     def __init__(self, model_dir: str, par: ParallelConfig, *, temperature: float, micro_batch_size: int,
                  seed: int, padding_free: bool = False, shared_prefix: bool = False, routing_replay: bool = False):
-        self.model = self._build_model(model_dir, par, seed, trains=False).eval().requires_grad_(False)
-        self.temperature, self.micro = temperature, micro_batch_size
-        self.packing = dict(padding_free=padding_free, shared_prefix=shared_prefix, routing_replay=routing_replay)
-        self.tp_group = self.dims.tp_mesh.get_group() if self.dims.tp > 1 else None
-        self.dp_group = self.dims.dp_mesh.get_group() if self.dims.dp > 1 else None
+        model = self._build_model(model_dir, par, seed, trains=False)
+        self.reference = Reference(model, temperature=temperature, micro_batch_size=micro_batch_size,
+                                   padding_free=padding_free, shared_prefix=shared_prefix,
+                                   routing_replay=routing_replay, dims=self.dims, cp=self.cp, pipe=self.pipe,
+                                   device=self.device)
 
     @dispatch(Dispatch.DP_SPLIT)
-    @torch.no_grad()
     def compute_ref_logprobs(self, batch: DataBatch) -> DataBatch:
-        if self.pipe is not None:
-            return DataBatch({"ref_logp": pipeline_logprobs(self.pipe, to_train(batch), self.temperature, self.micro,
-                                                            self.device, self.tp_group, self.dp_group).cpu()})
-        # the rows on this rank's device for the forward, the logprobs back on the host to travel
-        logp = frozen_logprobs(self.model, to_train(batch).to(self.device), self.temperature, self.micro,
-                               tp_group=self.tp_group, cp=self.cp, **self.packing)
-        return DataBatch({"ref_logp": logp.cpu()})
+        # the logprobs come back on the batch's device, the host's, to travel
+        return DataBatch({"ref_logp": self.reference.compute_ref_logprobs(to_train(batch))})
 
     def teardown(self) -> None:
-        del self.model
+        del self.reference

@@ -23,13 +23,12 @@ from relayrl.engine.runner_groups import InProcessRunner
 from relayrl.models.config import ModelConfig
 from relayrl.observe.comm_profile import COMM_SHARE, COMM_TIME
 from relayrl.observe.device_memory import device_memory_metrics
-from relayrl.parallel.device import module_device
 from relayrl.parallel.rendezvous import LOCALHOST
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.checkpointing import load_actor, load_critic, save_actor, save_critic
 from relayrl.trainer.critic import Critic
-from relayrl.trainer.logprobs import frozen_logprobs
+from relayrl.trainer.reference import Reference
 
 
 class LocalRank:
@@ -78,9 +77,9 @@ class LocalPolicy:
         if self.ref_model is None:
             return None
         cfg = self.actor.cfg
-        logp = frozen_logprobs(self.ref_model, batch.to(module_device(self.ref_model)), self.temperature, self.micro,
-                               padding_free=cfg.padding_free, shared_prefix=cfg.shares_prefix,
-                               routing_replay=self.actor.algo.routing_replay)
+        logp = Reference(self.ref_model, temperature=self.temperature, micro_batch_size=self.micro,
+                         padding_free=cfg.padding_free, shared_prefix=cfg.shares_prefix,
+                         routing_replay=self.actor.algo.routing_replay).compute_ref_logprobs(batch)
         return logp.to(batch.response_mask.device)  # the reference's device (a GPU) and back
 
     def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:

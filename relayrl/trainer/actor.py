@@ -24,8 +24,6 @@ only; like all of the trainer, it must never import the engine, sync, the contro
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 from collections import defaultdict
 
 import torch
@@ -42,9 +40,17 @@ from relayrl.parallel.grad_norm import clip_grad_norm, scale_grads
 from relayrl.parallel.pipeline import Pipeline, TokenLoss
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
-from relayrl.trainer.logprobs import by_prompt, prompt_lens, prompt_order, token_logprobs
+from relayrl.trainer.logprobs import (
+    LogprobRunner,
+    autocast,
+    per_token,
+    prompt_lens,
+    prompt_order,
+    split_rows,
+    token_logprobs,
+)
 from relayrl.trainer.optim import build_optimizer
-from relayrl.trainer.pipelined import micro_batches, pad_rows, pipeline_logprobs
+from relayrl.trainer.pipelined import micro_batches, pad_rows
 from relayrl.trainer.routing import (
     load_metrics,
     moe_shape,
@@ -78,26 +84,20 @@ class Actor:
             raise ValueError("algo.routing_replay, algo.moe_aux_loss_coef and algo.moe_z_loss_coef need an MoE "
                              f"model; {getattr(model.config, 'model_type', 'this model')} has no experts")
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
+        # the old-logprob pass (and with trainer.lora the reference's, adapters off): the update's numerics
+        self.logprobs = LogprobRunner(model, temperature, cfg.micro_batch_size, self.device,
+                                      padding_free=cfg.padding_free, shared_prefix=cfg.shares_prefix,
+                                      routing_replay=algo.routing_replay, bf16=cfg.bf16, even=True,
+                                      tp_group=self.tp_group, dp_group=self.dp_group, cp=cp, pipe=pipe)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else contextlib.nullcontext()
+        return autocast(self.device, self.cfg.bf16)
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Logprobs [B, T] under the current weights, in micro-batches (no grad)."""
-        if self.pipe is not None:
-            self.model.eval()
-            with self._autocast():  # as the update's forward computes them
-                return pipeline_logprobs(self.pipe, batch, self.temperature, self.cfg.micro_batch_size, self.device,
-                                         self.tp_group, self.dp_group)
-
-        def rows(b: TrainBatch) -> torch.Tensor:
-            return self.per_token(b, lambda mb: token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask, self.temperature, padding_free=self.cfg.padding_free,
-                tp_group=self.tp_group, prefix_lens=self._prefix_lens(mb),
-                routing=replay_routing(mb.routing, self.algo.routing_replay), cp=self.cp)[0])
-
-        return by_prompt(batch, rows) if self.cfg.shares_prefix else rows(batch)
+        """Logprobs [B, T] under the current weights, in micro-batches (no grad), as the update's forward computes
+        them: under its autocast, its cut of the rows, and as many forwards on every data-parallel rank."""
+        return self.logprobs(batch)
 
     def _prefix_lens(self, mb: TrainBatch) -> list[int] | None:
         """trainer.shared_prefix: each row's prompt, computed once for the rows that share it."""
@@ -115,36 +115,16 @@ class Actor:
         finally:
             set_lora_enabled(self.model, True)
 
-    @torch.no_grad()
     def per_token(self, batch: TrainBatch, forward) -> torch.Tensor:
         """forward(micro-batch) -> [b, T] over the batch in micro-batches (no grad), masked to the response
         tokens; every data-parallel rank runs as many micro-batches (see _micro_batches)."""
         self.model.eval()
-        parts = []
-        for mb, real in self._micro_batches(batch, batch):
-            with self._autocast():
-                out = forward(mb).float()
-            if real:
-                parts.append(out * mb.response_mask)
-        return torch.cat(parts).to(batch.response_mask.device) if parts else torch.zeros_like(batch.response_mask)
+        return per_token(batch, forward, self._micro_batches(batch, batch), self.cfg.bf16)
 
     def _micro_batches(self, rows: TrainBatch, template: TrainBatch):
-        """Split `rows` into the SAME number of micro-batches on every data-parallel rank (FSDP and
-        DDP run collectives in each forward / backward, so all ranks must run as many); a rank with
-        too few rows runs a stand-in row whose mask is zero (no loss, no gradient, no stats).
-        Yields (micro-batch on the model's device, is_real)."""
-        k = max(1, -(-len(rows) // self.cfg.micro_batch_size))
-        if self.dp_group is not None:
-            t = torch.tensor([k])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
-            k = int(t)
-        bounds = [len(rows) * i // k for i in range(k + 1)]
-        for a, b in itertools.pairwise(bounds):
-            if b > a:
-                yield rows.select(slice(a, b)).to(self.device), True
-            else:
-                stand_in = template.select(slice(0, 1))
-                yield stand_in.replace(response_mask=torch.zeros_like(stand_in.response_mask)).to(self.device), False
+        """`rows` in near-equal micro-batches, the SAME number on every data-parallel rank (stand-ins where a rank
+        has fewer; relayrl.trainer.logprobs.split_rows). Yields (micro-batch on the model's device, is_real)."""
+        return split_rows(rows, self.cfg.micro_batch_size, self.device, dp_group=self.dp_group, template=template)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over the batch in mini-batches. Under data parallelism every rank draws the

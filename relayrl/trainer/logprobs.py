@@ -15,13 +15,21 @@ computed once, and each sample's response attends to them (a segment whose paren
 then computes P + G R tokens per prompt instead of G (P + R), and attention P^2 + G R (P + R) query-key
 pairs instead of G (P + R)^2, with the same logprobs, losses and gradients.
 
-It imports torch, relayrl.models and relayrl.parallel only; like all of the trainer, it must never
-import the engine, sync, the controller or the CLI. The two sides share the definition, not code.
+One runner (LogprobRunner) computes a batch's logprobs forward only, in micro-batches, for every caller: the actor's
+old-logprob pass, its LoRA reference (adapters off) and the reference model's, a pipeline (pp > 1) one branch of it;
+what differs between them (autocast, how rows are cut, the data-parallel ranks' equal forwards) is a setting.
+
+It imports torch, relayrl.models, relayrl.parallel and the trainer's own modules only; like all of the trainer, it
+must never import the engine, sync, the controller or the CLI. The two sides share the definition, not code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -30,12 +38,15 @@ from relayrl.models.config import MoEShape
 from relayrl.models.linear import packed_rows
 from relayrl.models.moe import Routing
 from relayrl.models.packed import PackedLayout
+from relayrl.parallel.device import module_device
 from relayrl.parallel.vocab_parallel import (
     full_vocab_logprobs,
     vocab_parallel_logprobs,
     vocab_parallel_logprobs_and_entropy,
 )
 from relayrl.trainer.batch import TrainBatch
+from relayrl.trainer.pipelined import micro_batches, pad_rows
+from relayrl.trainer.routing import replay_routing
 
 
 def _from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, tp_group=None,
@@ -111,25 +122,99 @@ def _cp_logprobs(cp, input_ids, attention_mask, temperature, with_entropy, tp_gr
     return _shift_pad(logp), _shift_pad(ent)
 
 
-@torch.no_grad()
-def frozen_logprobs(model: CausalLM, batch: TrainBatch, temperature: float, micro_batch_size: int, *,
-                    padding_free: bool = False, shared_prefix: bool = False, tp_group=None,
-                    routing_replay: bool = False, cp=None) -> torch.Tensor:
-    """A frozen model's logprobs [B, T] of the batch's response tokens (0 elsewhere), in micro-batches of rows
-    (the reference model's pass; padding_free and shared_prefix as the trainer's settings; routing_replay: an MoE
-    reference routes as the engine did, batch.routing)."""
-    def rows(b: TrainBatch) -> torch.Tensor:
-        parts = []
-        for mb in b.split(micro_batch_size):
-            prefix = prompt_lens(mb.response_mask, mb.attention_mask) if shared_prefix else None
-            replay = Routing(replay=mb.routing.long(), record=False) if routing_replay and mb.routing is not None \
-                else None
-            logp, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, temperature, padding_free=padding_free,
-                                     tp_group=tp_group, prefix_lens=prefix, routing=replay, cp=cp)
-            parts.append(logp * mb.response_mask)
-        return torch.cat(parts)
+class LogprobRunner:
+    """Logprobs [B, T] of a batch's response tokens (0 elsewhere), forward only, in micro-batches: the one pass behind
+    the actor's old logprobs, its LoRA reference (the same pass, adapters off) and the reference model's
+    (relayrl.trainer.reference).
 
-    return by_prompt(batch, rows) if shared_prefix else rows(batch)
+        batch ──shared_prefix: rows grouped by prompt (by_prompt)──> micro-batches (split_rows) ──> token_logprobs
+          │                                                                 × response_mask, back in the batch's order
+          └──pipe: relayrl.trainer.pipelined's equal micro-batches through the stages (pp > 1)
+
+    What differs between its callers is a setting, each caller's numerics its own to the bit:
+        bf16       the forward under bf16 autocast, as the actor's update runs it (trainer.bf16); off: the model's
+                   own dtype (the reference model)
+        even       ceil(B / micro_batch_size) micro-batches of near-equal rows, the cut the actor's update takes;
+                   off: chunks of micro_batch_size rows, the last the remainder (the reference model's)
+        dp_group   every data-parallel rank runs as many forwards (a sharded model's are collective)
+    Micro-batches go to `device` (default: the model's) one at a time; the logprobs come back on the batch's device."""
+
+    def __init__(self, model: CausalLM, temperature: float, micro_batch_size: int, device=None, *,
+                 padding_free: bool = False, shared_prefix: bool = False, routing_replay: bool = False,
+                 bf16: bool = False, even: bool = True, tp_group=None, dp_group=None, cp=None, pipe=None):
+        self.model, self.temperature, self.micro_batch_size = model, temperature, micro_batch_size
+        self.device = torch.device(device) if device is not None else module_device(model)
+        self.padding_free, self.shared_prefix, self.routing_replay = padding_free, shared_prefix, routing_replay
+        self.bf16, self.even = bf16, even
+        self.tp_group, self.dp_group, self.cp, self.pipe = tp_group, dp_group, cp, pipe
+
+    @torch.no_grad()
+    def __call__(self, batch: TrainBatch) -> torch.Tensor:
+        self.model.eval()
+        if self.pipe is not None:
+            return self._pipelined(batch)
+        return by_prompt(batch, self._rows) if self.shared_prefix else self._rows(batch)
+
+    def _rows(self, batch: TrainBatch) -> torch.Tensor:
+        micro = split_rows(batch, self.micro_batch_size, self.device, even=self.even, dp_group=self.dp_group)
+        return per_token(batch, self._forward, micro, self.bf16)
+
+    def _forward(self, mb: TrainBatch) -> torch.Tensor:
+        prefix = prompt_lens(mb.response_mask, mb.attention_mask) if self.shared_prefix else None
+        return token_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature,
+                              padding_free=self.padding_free, tp_group=self.tp_group, prefix_lens=prefix,
+                              routing=replay_routing(mb.routing, self.routing_replay), cp=self.cp)[0]
+
+    def _pipelined(self, batch: TrainBatch) -> torch.Tensor:
+        """pp > 1: the rows padded to the pipeline's equal micro-batches (the same shapes on every dp rank), the
+        logprobs of every pp rank's copy cut back to [B, T]."""
+        B, T = batch.input_ids.shape
+        m, per, length = micro_batches(batch, self.micro_batch_size, self.dp_group)
+        rows = pad_rows(batch, m, per, length).to(self.device)
+        with autocast(self.device, self.bf16):
+            logp = self.pipe.logprobs(rows.input_ids, m, self.temperature, tp_group=self.tp_group,
+                                      attention_mask=rows.attention_mask)
+        return (logp[:B, :T] * batch.response_mask.to(logp.device)).to(batch.response_mask.device)
+
+
+def autocast(device: torch.device, bf16: bool):
+    """The forward's precision: bf16 autocast on the device's type (trainer.bf16), or the model's own dtype."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def per_token(batch: TrainBatch, forward, micro, bf16: bool = False) -> torch.Tensor:
+    """forward(micro-batch) -> [b, T] over `micro` (split_rows' (micro-batch, is_real) pairs; no grad, bf16:
+    under autocast), masked to the response tokens, on the batch's device; stand-ins run, their output dropped."""
+    parts = []
+    for mb, real in micro:
+        with autocast(mb.input_ids.device, bf16):
+            out = forward(mb).float()
+        if real:
+            parts.append(out * mb.response_mask)
+    return torch.cat(parts).to(batch.response_mask.device) if parts else torch.zeros_like(batch.response_mask)
+
+
+def split_rows(rows: TrainBatch, size: int, device, *, even: bool = True, dp_group=None,
+               template: TrainBatch | None = None):
+    """Yields (micro-batch on `device`, is_real) over `rows`, at most `size` rows each: even, ceil(B / size)
+    micro-batches of near-equal rows; otherwise chunks of `size` rows, the last the remainder. dp_group: the SAME
+    number on every data-parallel rank (FSDP and DDP run collectives in each forward / backward, so all ranks must
+    run as many); a rank with too few rows runs a stand-in, the template's first row with no loss tokens (no
+    loss, no gradient, no stats)."""
+    k = max(1, -(-len(rows) // size))
+    if dp_group is not None:
+        t = torch.tensor([k])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+        k = int(t)
+    bounds = [len(rows) * i // k if even else min(len(rows), size * i) for i in range(k + 1)]
+    template = rows if template is None else template
+    for a, b in itertools.pairwise(bounds):
+        if b > a:
+            yield rows.select(slice(a, b)).to(device), True
+        else:
+            stand_in = template.select(slice(0, 1))
+            yield stand_in.replace(response_mask=torch.zeros_like(stand_in.response_mask)).to(device), False
 
 
 def by_prompt(batch: TrainBatch, per_row) -> torch.Tensor:

@@ -11,7 +11,8 @@ relayrl.parallel.pipeline, whose schedules run equal micro-batches.
           shapes few
     B and T are the largest over the data-parallel ranks, so that every rank runs the same shapes (micro_batches)
 
-The logprobs of the padded rows are those of the rows (padding is masked out of attention), cut back to [B, T].
+The logprobs of the padded rows are those of the rows (padding is masked out of attention), cut back to [B, T]
+(the forward-only passes: relayrl.trainer.logprobs.LogprobRunner's pipeline branch).
 
 It imports torch, relayrl.parallel and the trainer's own modules only; like all of the trainer, it must never
 import the engine, sync, the controller or the CLI.
@@ -70,15 +71,3 @@ def pad_rows(batch: TrainBatch, m: int, per: int, length: int, template: TrainBa
 def _cat(a: TrainBatch, b: TrainBatch) -> TrainBatch:
     return TrainBatch(**{k: None if getattr(a, k) is None else torch.cat([getattr(a, k), getattr(b, k)])
                          for k in a.__dataclass_fields__})
-
-
-@torch.no_grad()
-def pipeline_logprobs(pipe: Pipeline, batch: TrainBatch, temperature: float, micro_batch_size: int, device,
-                      tp_group=None, dp_group=None) -> torch.Tensor:
-    """Logprobs [B, T] of the batch's response tokens (0 elsewhere) on every pp rank, forward only (the
-    old-logprob, reference and canary passes)."""
-    B, T = batch.input_ids.shape
-    m, per, length = micro_batches(batch, micro_batch_size, dp_group)
-    rows = pad_rows(batch, m, per, length).to(device)
-    logp = pipe.logprobs(rows.input_ids, m, temperature, tp_group=tp_group, attention_mask=rows.attention_mask)
-    return (logp[:B, :T] * batch.response_mask.to(logp.device)).to(batch.response_mask.device)

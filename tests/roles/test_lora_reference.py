@@ -16,7 +16,7 @@ from relayrl.models.lora import lora_modules
 from relayrl.roles.group_policy import GroupPolicy
 from relayrl.roles.local_policy import LocalPolicy
 from relayrl.trainer.batch import TrainBatch, build_rows
-from relayrl.trainer.logprobs import frozen_logprobs
+from relayrl.trainer.reference import Reference
 
 from helpers import cfg_for, random_rows, step_metrics
 
@@ -57,7 +57,8 @@ def _base_logprobs(base_dir, batch, dtype=torch.float32):
     """A separately loaded base model's logprobs, computed in the trainer's default layout (padding-free rows
     with shared prompts, one micro-batch of 16 rows) so that bit-equality compares the same arithmetic."""
     base = load_pretrained(base_dir).to(dtype).eval()
-    return frozen_logprobs(base, batch, 1.0, 16, padding_free=True, shared_prefix=True).float()
+    ref = Reference(base, temperature=1.0, micro_batch_size=16, padding_free=True, shared_prefix=True)
+    return ref.compute_ref_logprobs(batch).float()
 
 
 def _first_update(policy, batch) -> tuple[torch.Tensor, dict]:

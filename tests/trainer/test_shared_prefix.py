@@ -20,7 +20,8 @@ from relayrl.parallel.parallelize import parallelize_model
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.config import TrainerConfig
-from relayrl.trainer.logprobs import computed_tokens, frozen_logprobs, prompt_lens, token_logprobs
+from relayrl.trainer.logprobs import computed_tokens, prompt_lens, token_logprobs
+from relayrl.trainer.reference import Reference
 
 from dist_harness import run_distributed
 from helpers import assert_same_metrics, cfg_for, perturbed_model, small_config, step_metrics
@@ -140,15 +141,16 @@ def test_micro_batches_hold_whole_prompts_whatever_the_row_order(tiny_model):
     actor.update(b)
     assert sum(seen) == want and len(seen) == 3
     seen.clear()
-    frozen_logprobs(m, b, 1.0, micro_batch_size=4, padding_free=True, shared_prefix=True)
+    Reference(m, temperature=1.0, micro_batch_size=4, padding_free=True, shared_prefix=True).compute_ref_logprobs(b)
     assert sum(seen) == want and len(seen) == 3
 
 
 @pytest.mark.equivalence
 def test_reference_logprobs_equal_the_unshared_ones(tiny_model):
     b = _grouped(seed=4)
-    want = frozen_logprobs(tiny_model, b, 1.0, micro_batch_size=5)
-    got = frozen_logprobs(tiny_model, b, 1.0, micro_batch_size=5, padding_free=True, shared_prefix=True)
+    want = Reference(tiny_model, temperature=1.0, micro_batch_size=5).compute_ref_logprobs(b)
+    got = Reference(tiny_model, temperature=1.0, micro_batch_size=5, padding_free=True,
+                    shared_prefix=True).compute_ref_logprobs(b)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     assert float(want.abs().sum()) > 0 and float((want * (1 - b.response_mask)).abs().max()) == 0.0
 
