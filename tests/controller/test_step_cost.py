@@ -264,4 +264,4 @@ def test_a_run_logs_flops_and_stragglers_from_its_own_tokens(tmp_path, monkeypat
         assert m["throughput/mfu_rollout"] == pytest.approx(
             m["flops/rollout"] / (m["time/rollout"] * m["throughput/peak_gflops_engine"] * 1e9), rel=1e-9)
     assert shared > 0  # forks shared their group's prefill: those tokens were not counted
-    assert len({len(r) for ro in seen for r in ro.response_ids}) > 1  # lengths differ: the tail is measured
+    assert len({len(s.response_ids) for ro in seen for s in ro.samples}) > 1  # lengths differ: the tail is measured
