@@ -55,7 +55,7 @@ def pad_rows(batch: TrainBatch, m: int, per: int, length: int, template: TrainBa
     if extra:
         stand_in = template.select(torch.zeros(extra, dtype=torch.long))
         stand_in = stand_in.replace(response_mask=torch.zeros_like(stand_in.response_mask))
-        batch = _cat(batch, stand_in) if len(batch) else stand_in
+        batch = TrainBatch.concat([batch, stand_in]) if len(batch) else stand_in
     pad = length - batch.input_ids.shape[1]
     if not pad:
         return batch
@@ -65,11 +65,6 @@ def pad_rows(batch: TrainBatch, m: int, per: int, length: int, template: TrainBa
         t = getattr(batch, name)
         fields[name] = None if t is None else F.pad(t, (0, pad))
     return batch.replace(**fields)
-
-
-def _cat(a: TrainBatch, b: TrainBatch) -> TrainBatch:
-    return TrainBatch(**{k: None if getattr(a, k) is None else torch.cat([getattr(a, k), getattr(b, k)])
-                         for k in a.__dataclass_fields__})
 
 
 @torch.no_grad()
