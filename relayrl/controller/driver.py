@@ -33,7 +33,7 @@ from relayrl.controller.config import RunConfig
 from relayrl.controller.step_cost import StepCost
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.observe import StageTimer
-from relayrl.rollout.sample import Rollout
+from relayrl.rollout.sample import Rollout, Sample
 from relayrl.rollout.source import RolloutSource
 from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.batch import TrainBatch, build_rows, scatter_per_token, scatter_routing
@@ -97,7 +97,7 @@ class Driver:
             # generation runs beside the step, so tokens per second of the trainer's wait would mean nothing:
             # the pipeline's pace is the model's tokens trained per second of step
             out.pop("throughput/gen_tokens_per_s", None)
-            out["throughput/tokens_per_s"] = (out["response_length/mean"] * len(got.rollout.response_ids)
+            out["throughput/tokens_per_s"] = (out["response_length/mean"] * len(got.rollout.samples)
                                               / max(out["time/step"], 1e-9))
         return out
 
@@ -115,12 +115,9 @@ class Driver:
     def learn(self, ro: Rollout, no_signal: float, *, t0: float, extra: dict[str, float]) -> dict[str, float]:
         """Advantages, old (proximal) and reference logprobs, the clipped update, and the step's metrics.
         The same for every rollout mode: what differs is only how `ro` was produced."""
-        cfg, G = self.cfg, self.cfg.rollout.group_size
-        ids, attn, resp = build_rows(ro.prompt_ids, ro.response_ids, pad_id=self.engine.pad_id, masks=ro.response_mask)
-        rollout_logp = scatter_per_token(ro.rollout_logp, ro.prompt_ids, ids.shape[1])
-        batch = TrainBatch(ids, attn, resp, rollout_logp=rollout_logp)
-        if ro.routing and all(r is not None for r in ro.routing):  # MoE: what algo.routing_replay replays
-            batch.routing = scatter_routing(ro.routing, ids.shape[1])
+        cfg, G, samples = self.cfg, self.cfg.rollout.group_size, ro.samples
+        batch = rows_of(samples, self.engine.pad_id)
+        rollout_logp, resp = batch.rollout_logp, batch.response_mask
         source = self.old_logp_source  # RunConfig.old_logp_source: behaviour | engine | update | recompute
         if source in ("behaviour", "engine"):  # plain PPO, or a verified fp32 engine's own logprobs
             batch.old_logp = rollout_logp
@@ -149,8 +146,8 @@ class Driver:
         times = {f"time/{s}": 0.0 for s in stages} | self.timer.pop()
         times["time/step"] = time.perf_counter() - t0
         cost = self.cost.metrics(batch, times | extra, updated=updated) if self.cost is not None else {}
-        lengths = [sum(m) for m in ro.response_mask]  # the model's tokens (not a multi-turn episode's observations)
-        self.last_prompts = [ro.examples[i] for i in range(0, len(ro.examples), G)]
+        lengths = [sum(s.mask) for s in samples]  # the model's tokens (not a multi-turn episode's observations)
+        self.last_prompts = [samples[i].example for i in range(0, len(samples), G)]
         self.step += 1
         return {
             **ro.reward_metrics,  # reward/mean, reward/accuracy, reward/failures, reward/<fn>/mean
@@ -173,8 +170,8 @@ class Driver:
         """How many policy versions behind the one being updated each of the model's tokens was sampled:
         staleness/mean and /max over tokens, staleness/tokens_at_<d> per distance d."""
         ages: dict[int, int] = {}
-        for vs, mask in zip(ro.versions, ro.response_mask, strict=True):
-            for v, m in zip(vs, mask, strict=True):
+        for s in ro.samples:
+            for v, m in zip(s.versions, s.mask, strict=True):
                 if m:
                     age = self.step - self.policy_versions.get(v, self.step)
                     ages[age] = ages.get(age, 0) + 1
@@ -189,3 +186,16 @@ class Driver:
             stats = self.engine.stats()
             self.engine.reset_stats()
         return stats
+
+
+def rows_of(samples: list[Sample], pad_id: int) -> TrainBatch:
+    """The samples batched: rows [prompt | response | padding] with the engine's logprobs at their tokens and
+    (MoE, when every sample kept one) the engine's routing, what algo.routing_replay replays."""
+    prompts = [s.prompt_ids for s in samples]
+    ids, attn, resp = build_rows(prompts, [s.response_ids for s in samples], pad_id=pad_id,
+                                 masks=[s.mask for s in samples])
+    batch = TrainBatch(ids, attn, resp, rollout_logp=scatter_per_token([s.logprobs for s in samples], prompts,
+                                                                       ids.shape[1]))
+    if samples and all(s.routing is not None for s in samples):
+        batch.routing = scatter_routing([s.routing for s in samples], ids.shape[1])
+    return batch

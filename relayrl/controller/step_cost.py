@@ -44,11 +44,12 @@ import bisect
 import torch
 
 from relayrl.controller.config import RunConfig
-from relayrl.engine.outputs import RequestOutput, SampleCost
+from relayrl.engine.outputs import SampleCost
 from relayrl.models.config import ModelShape, MoEShape
 from relayrl.models.flops import forward_flops, generate_flops, lora_train_flops, train_flops
 from relayrl.observe.peak import matmul_peak
 from relayrl.parallel.device import resolve_device
+from relayrl.rollout.sample import Sample
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.logprobs import computed_tokens, prompt_lens
@@ -110,13 +111,12 @@ class StepCost:
         self.samples: list[SampleCost] = []
         self.counted = True  # every sample so far came with its cost
 
-    def add(self, outs: list[RequestOutput]) -> None:
-        for o in outs:
-            for s in o.samples:
-                if s.cost is None:
-                    self.counted = False
-                else:
-                    self.samples.append(s.cost)
+    def add(self, samples: list[Sample]) -> None:
+        for s in samples:
+            if s.cost is None:
+                self.counted = False
+            else:
+                self.samples.append(s.cost)
 
     def trained_tokens(self, batch: TrainBatch) -> tuple[int, int]:
         """(tokens one pass over the batch computes, keys each attends to)."""

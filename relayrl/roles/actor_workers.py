@@ -12,8 +12,8 @@ engine's ranks) and the reference model.
 
 Both build their model the same way (load, then parallelize_model by `parallel.*`; with parallel.pp > 1 the
 model is first cut into this rank's pipeline stages, each parallelized, and `model` is their merge under the full
-model's names, run through `pipe`). TrainBatch and
-DataBatch convert by TrainBatch's own fields (`to_data` / `to_train`): DataBatch is what crosses processes.
+model's names, run through `pipe`). A DP_SPLIT method takes the TrainBatch itself (it is a single_controller
+Rows: chunked by dp rank, pickled compactly) and answers a DataBatch of what it computed.
 
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
 jobs.
@@ -48,15 +48,6 @@ from relayrl.trainer.checkpointing import load_actor, load_critic, save_actor, s
 from relayrl.trainer.config import CriticConfig
 from relayrl.trainer.critic import Critic
 from relayrl.trainer.reference import Reference
-
-
-def to_data(batch: TrainBatch) -> DataBatch:
-    """The training batch as it crosses to the workers: its set fields, by name (TrainBatch.tensors)."""
-    return DataBatch(batch.tensors())
-
-
-def to_train(batch: DataBatch) -> TrainBatch:
-    return TrainBatch.from_tensors(batch.tensors)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -183,18 +174,18 @@ class ActorWorker(_ParallelModelWorker):
 
     # ---- the RL step ----
     @dispatch(Dispatch.DP_SPLIT)
-    def compute_logprobs(self, batch: DataBatch) -> DataBatch:
-        return DataBatch({"old_logp": self.actor.compute_logprobs(to_train(batch))})
+    def compute_logprobs(self, batch: TrainBatch) -> DataBatch:
+        return DataBatch({"old_logp": self.actor.compute_logprobs(batch)})
 
     @dispatch(Dispatch.DP_SPLIT)
-    def compute_ref_logprobs(self, batch: DataBatch) -> DataBatch:
+    def compute_ref_logprobs(self, batch: TrainBatch) -> DataBatch:
         """trainer.lora: the reference is this actor's frozen base (adapters off); no ReferenceWorker is built."""
-        return DataBatch({"ref_logp": self.actor.compute_ref_logprobs(to_train(batch))})
+        return DataBatch({"ref_logp": self.actor.compute_ref_logprobs(batch)})
 
     @dispatch(Dispatch.DP_SPLIT)
-    def update(self, batch: DataBatch, profile: bool = False) -> dict:
+    def update(self, batch: TrainBatch, profile: bool = False) -> dict:
         with CommProfile(profile and self.rank == 0) as comm:  # rank 0's collectives (GroupPolicy returns its dict)
-            stats = self.actor.update(to_train(batch))  # stats already reduced over data-parallel ranks
+            stats = self.actor.update(batch)  # stats already reduced over data-parallel ranks
         return stats | comm.metrics() | device_memory_metrics(self.device)  # CUDA: memory/* (rank 0's reported)
 
     @dispatch(Dispatch.RANK_ZERO)
@@ -235,12 +226,12 @@ class CriticWorker(_ParallelModelWorker):
         self.critic = Critic(model, critic_cfg, algo_cfg, total_steps=total_steps, seed=seed, dims=self.dims)
 
     @dispatch(Dispatch.DP_SPLIT)
-    def compute_values(self, batch: DataBatch) -> DataBatch:
-        return DataBatch({"values": self.critic.compute_values(to_train(batch))})
+    def compute_values(self, batch: TrainBatch) -> DataBatch:
+        return DataBatch({"values": self.critic.compute_values(batch)})
 
     @dispatch(Dispatch.DP_SPLIT)
-    def update(self, batch: DataBatch) -> dict:
-        return self.critic.update(to_train(batch))
+    def update(self, batch: TrainBatch) -> dict:
+        return self.critic.update(batch)
 
     @dispatch(Dispatch.RANK_ZERO)
     def save(self, run_dir: str, step: int, meta: dict, keep_last: int | None) -> str:
@@ -264,9 +255,9 @@ class ReferenceWorker(_ParallelModelWorker):
                                    device=self.device)
 
     @dispatch(Dispatch.DP_SPLIT)
-    def compute_ref_logprobs(self, batch: DataBatch) -> DataBatch:
+    def compute_ref_logprobs(self, batch: TrainBatch) -> DataBatch:
         # the logprobs come back on the batch's device, the host's, to travel
-        return DataBatch({"ref_logp": self.reference.compute_ref_logprobs(to_train(batch))})
+        return DataBatch({"ref_logp": self.reference.compute_ref_logprobs(batch)})
 
     def teardown(self) -> None:
         del self.reference

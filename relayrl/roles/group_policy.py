@@ -26,7 +26,7 @@ import torch
 from relayrl.models.config import ModelConfig
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.device import resolve_device
-from relayrl.roles.actor_workers import ActorWorker, CriticWorker, ReferenceWorker, to_data
+from relayrl.roles.actor_workers import ActorWorker, CriticWorker, ReferenceWorker
 from relayrl.roles.engine_host import ActorHostedRanks
 from relayrl.single_controller.liveness import Deadlines, GroupOptions
 from relayrl.single_controller.placement import spawn_roles
@@ -90,24 +90,24 @@ class GroupPolicy:
         return self.actor.call(ActorWorker.full_weights).items()
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.actor.call(ActorWorker.compute_logprobs, to_data(batch))["old_logp"]
+        return self.actor.call(ActorWorker.compute_logprobs, batch)["old_logp"]
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         if self.ref_in_actor:
-            return self.actor.call(ActorWorker.compute_ref_logprobs, to_data(batch))["ref_logp"]
+            return self.actor.call(ActorWorker.compute_ref_logprobs, batch)["ref_logp"]
         if self.ref is None:
             return None
-        return self.ref.call(ReferenceWorker.compute_ref_logprobs, to_data(batch))["ref_logp"]
+        return self.ref.call(ReferenceWorker.compute_ref_logprobs, batch)["ref_logp"]
 
     def update(self, batch: TrainBatch, *, profile: bool = False) -> dict[str, float]:
         # one dict per dp rank, identical but for rank 0's profile
-        return self.actor.call(ActorWorker.update, to_data(batch), profile=profile)[0]
+        return self.actor.call(ActorWorker.update, batch, profile=profile)[0]
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        return self.critic.call(CriticWorker.compute_values, to_data(batch))["values"]
+        return self.critic.call(CriticWorker.compute_values, batch)["values"]
 
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
-        return self.critic.call(CriticWorker.update, to_data(batch))[0]
+        return self.critic.call(CriticWorker.update, batch)[0]
 
     def save(self, run_dir: str | Path, step: int, *, extra: Mapping[str, Any], meta: Mapping[str, Any],
              keep_last: int | None) -> Path:

@@ -7,9 +7,10 @@ what differs is only when the samples of step k are generated and what weights g
                                                                                 for the batch in flight
     async          StreamingSource   up to eta steps ahead                      between two engine steps
 
-Both give the driver a Collected: the step's scored groups (a Rollout), the share of groups with no reward spread,
-and the source's own figures. Sampling seeds derive from (run seed, step, round, prompt), so every source draws
-the same samples from the same weights, and a resumed run draws exactly the samples the uninterrupted run drew.
+Both give the driver a Collected: the step's scored samples (a Rollout, G per prompt), the share of groups with no
+reward spread, and the source's own figures. Sampling seeds derive from (run seed, step, round, prompt), so every
+source draws the same samples from the same weights, and a resumed run draws exactly the samples the uninterrupted
+run drew.
 
 Like the rest of relayrl.rollout, it imports the engine, environments, rewards and data below it; never the
 loop, the roles or the jobs.
@@ -29,20 +30,19 @@ import torch
 from relayrl.algorithms import group_has_signal
 from relayrl.data import Example, PromptSampler
 from relayrl.data.config import DataConfig
-from relayrl.engine.outputs import RequestOutput
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.errors import DataError, EnvError
 from relayrl.observe import StageTimer
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
-from relayrl.rollout.agent_loop import EpisodeRunner, StreamingEpisodeRunner
+from relayrl.rollout.agent_loop import EpisodeRunner, StreamingEpisodeRunner, episode_metrics
 from relayrl.rollout.config import RolloutConfig
 from relayrl.rollout.prompts import encode_prompt
-from relayrl.rollout.sample import Rollout, rollout_from_outputs, rollout_from_trajectories
+from relayrl.rollout.sample import Rollout, Sample, samples_of_episodes, samples_of_outputs, scored
 from relayrl.rollout.stream import Group, RolloutStream
 
-OnGenerated = Callable[[list[RequestOutput]], None]  # told of every engine output generated (the step's cost)
+OnGenerated = Callable[[list[Sample]], None]  # told of every engine sample generated (the step's cost)
 
 
 @dataclass
@@ -178,19 +178,19 @@ class LockstepSource:
         with self.timer.stage("rollout"):
             prompts = [encode_prompt(self.engine.tokenizer, ex, self.data) for ex in examples]
             outs = self.engine.generate(prompts, params)
+        samples = samples_of_outputs(examples, outs)
         if self.on_generated is not None:
-            self.on_generated(outs)
-        assert sum(len(o.samples) for o in outs) == G * len(examples)
+            self.on_generated(samples)
+        assert len(samples) == G * len(examples)
         with self.timer.stage("reward"):
-            texts = [smp.text for o in outs for smp in o.samples]
-            res = self.scorer.score(texts, [ex for ex in examples for _ in range(G)])
-        return rollout_from_outputs(examples, outs, res)
+            res = self.scorer.score([s.text for s in samples], [s.example for s in samples])
+        return Rollout(scored(samples, res), res.metrics())
 
     def _episodes(self, examples: list[Example], params: list[SamplingParams]) -> Rollout:
         """G episodes per prompt in the environment; each episode's reward is its environment's."""
         with self.timer.stage("rollout"):
             trajs = self.agent.run(examples, params)
-        return rollout_from_trajectories(examples, trajs)
+        return Rollout(samples_of_episodes(examples, trajs), episode_metrics(trajs))
 
     def _greedy_rewards(self, examples: list[Example], params: list[SamplingParams]) -> torch.Tensor:
         """ReMax's baseline: the reward of one greedy (temperature 0) sample of each prompt, scored like the rest."""
@@ -260,18 +260,18 @@ class StreamingSource:
                           "rollout/queue_len": float(queue_len)})
 
     def _assemble(self, groups: list[Group]) -> Rollout:
-        examples = [g.example for g in groups]
-        if groups[0].trajectories is not None:
-            trajs = [t for g in groups for t in g.trajectories]
+        samples = [s for g in groups for s in g.samples]
+        if groups[0].episodes is not None:
+            trajs = [t for g in groups for t in g.episodes]
             if all(t.finish == "env_error" for t in trajs):  # judged per step, as the lockstep source does
                 raise EnvError(f"environment '{self.env_name}' failed on every episode of the step, "
                                f"e.g.: {trajs[0].error}")
-            return rollout_from_trajectories(examples, trajs)
+            return Rollout(samples, episode_metrics(trajs))
         # scored group by group without the every-sample-failed check: it applies to the step, as in lockstep
         res = ScoreResult.merge([g.score for g in groups])
         if self.on_generated is not None:
-            self.on_generated([g.output for g in groups])
-        return rollout_from_outputs(examples, [g.output for g in groups], res)
+            self.on_generated(samples)
+        return Rollout(samples, res.metrics())
 
     @contextlib.contextmanager
     def weight_update(self) -> Iterator[None]:

@@ -35,16 +35,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from relayrl.data import Example, PromptSampler
-from relayrl.engine.outputs import RequestOutput
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.episode import Trajectory
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
 from relayrl.rollout.agent_loop import StreamingEpisodeRunner
+from relayrl.rollout.sample import Sample, samples_of_episodes, samples_of_outputs, scored
 
 IDLE_POLL_S = 0.005  # how often the thread looks again while only environments have work
 
@@ -57,9 +57,9 @@ class Group:
     index: int  # within its batch
     example: Example
     params: SamplingParams
-    output: RequestOutput | None = None  # single-turn: the engine's G samples
-    score: ScoreResult | None = None
-    trajectories: list[Trajectory] | None = None  # multi-turn: the G episodes
+    samples: list[Sample] = field(default_factory=list)  # once generated (scored once in `ready`)
+    score: ScoreResult | None = None  # single-turn: the scorer's figures of them (the step's reward metrics)
+    episodes: list[Trajectory] | None = None  # multi-turn: the episodes they are (the step's episode figures)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -310,7 +310,7 @@ class RolloutStream:
             with self.cv:
                 done = [self.running.pop(tag) for tag, _ in finished]
             for g, (_, trajs) in zip(done, finished, strict=True):
-                g.trajectories = trajs
+                g.samples, g.episodes = samples_of_episodes([g.example], trajs), trajs
             return done
         if not self.engine.has_unfinished():
             return []
@@ -319,7 +319,7 @@ class RolloutStream:
             with self.cv:
                 g = self.running.pop(out.request_id, None)
             if g is not None:  # another caller's request (none while the stream runs): not ours to keep
-                g.output = out
+                g.samples = samples_of_outputs([g.example], [out])
                 done.append(g)
         return done
 
@@ -328,8 +328,9 @@ class RolloutStream:
             g = self._to_score.get()
             if g is None or self.stopping:  # at shutdown, groups still queued are discarded, not scored
                 return
-            texts = [s.text for s in g.output.samples]
+            texts = [s.text for s in g.samples]
             g.score = self.scorer.score(texts, [g.example] * len(texts), check=False)
+            scored(g.samples, g.score)
             with self.cv:
                 self._finish(g)
                 self.cv.notify_all()

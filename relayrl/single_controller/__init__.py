@@ -6,7 +6,8 @@
                     RANK_ZERO), and the kind of its deadline
     WorkerGroup     N workers called as one; deadlines and heartbeats notice dead or hung workers
     spawn_roles     the groups of a placement (colocated roles share processes)
-    DataBatch       rows of tensors plus per-row Python objects, split and concatenated by dispatch
+    DataBatch       rows of tensors plus per-row Python objects, chunked and concatenated by dispatch;
+    Rows            what dispatch cuts by dp rank (len, chunk, concat): DataBatch, or a layer's own typed batch
     backends        where the processes run: local (spawned here) or Ray
     process_setup   configure_process: what a process that runs models sets up at its start (their CPU kernels)
 

@@ -5,13 +5,15 @@
       non_tensors  {"texts": [B strs], "examples": [B Examples]}  every list has B items
       meta         {"temperature": 1.0, "step": 3}                 batch-wide, not split
 
-    split(3) on B = 8 rows:  rows 0-2 | rows 3-5 | rows 6-7   (contiguous; the first B % n chunks
+    chunk(3) on B = 8 rows:  rows 0-2 | rows 3-5 | rows 6-7   (contiguous; the first B % n chunks
                                                                get one extra row, as torch.tensor_split)
     concat([a, b, c])        rows of a, then b, then c; meta taken from the first part
 
-Splitting then concatenating is the identity, so a DP_SPLIT call returns rows in the order they
-were sent. Pickling stores each tensor compactly: a chunk made by split() is a view of the whole
-batch's storage, and pickling the view as is would send the whole batch to every worker.
+Chunking then concatenating is the identity, so a DP_SPLIT call returns rows in the order they
+were sent. DataBatch is one kind of `Rows`, what dispatch cuts by data-parallel rank: a layer above may hand
+its own typed batch instead (the trainer's TrainBatch crosses as itself), as long as it has len, chunk and
+concat; single_controller never imports it. Pickling stores each tensor compactly: a chunk made by chunk() is
+a view of the whole batch's storage, and pickling the view as is would send the whole batch to every worker.
 
 It imports torch only; like all of single_controller, it knows nothing of RL and must never import the
 RL layers (controller, trainer, engine, rewards, sync, ...).
@@ -20,7 +22,7 @@ RL layers (controller, trainer, engine, rewards, sync, ...).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -33,6 +35,19 @@ def chunk_sizes(total: int, n_chunks: int) -> list[int]:
         raise ValueError(f"cannot split into {n_chunks} chunks; n_chunks must be >= 1")
     base, extra = divmod(total, n_chunks)
     return [base + (1 if i < extra else 0) for i in range(n_chunks)]
+
+
+@runtime_checkable
+class Rows(Protocol):
+    """Rows a DP_SPLIT call cuts into one contiguous chunk per data-parallel rank and joins back in rank order
+    (relayrl.single_controller.dispatch). chunk(n) then concat is the identity; chunk sizes are chunk_sizes'."""
+
+    def __len__(self) -> int: ...
+
+    def chunk(self, n_chunks: int) -> list[Any]: ...
+
+    @classmethod
+    def concat(cls, parts: Sequence[Any]) -> Any: ...
 
 
 class DataBatch:
@@ -113,7 +128,7 @@ class DataBatch:
         non_tensors = {k: [v[i] for i in rows] for k, v in self.non_tensors.items()}
         return DataBatch(tensors, self.meta, non_tensors)
 
-    def split(self, n_chunks: int) -> list[DataBatch]:
+    def chunk(self, n_chunks: int) -> list[DataBatch]:
         """n_chunks contiguous chunks, sizes from chunk_sizes (may be empty when n_chunks > len)."""
         out, start = [], 0
         for size in chunk_sizes(len(self), n_chunks):
@@ -121,8 +136,8 @@ class DataBatch:
             start += size
         return out
 
-    @staticmethod
-    def concat(parts: Sequence[DataBatch]) -> DataBatch:
+    @classmethod
+    def concat(cls, parts: Sequence[DataBatch]) -> DataBatch:
         """Rows of parts[0], then parts[1], ...; all parts need the same keys; meta from parts[0]."""
         if not parts:
             raise ValueError("DataBatch.concat needs at least one batch")

@@ -4,12 +4,13 @@ The mode is declared once, at the worker method; the driver just calls `group.me
 
     class ActorWorker(Worker):
         @dispatch(Dispatch.DP_SPLIT)
-        def compute_logprobs(self, batch: DataBatch) -> DataBatch: ...
+        def compute_logprobs(self, batch: TrainBatch) -> DataBatch: ...
 
     ONE_TO_ALL  every worker gets the same arguments      → [result of rank 0, ..., rank N-1]
-    DP_SPLIT    each DataBatch argument is cut into        → DataBatch.concat of the representatives'
-                dp_size chunks; a worker gets the chunk      results, in dp-rank order (other results:
-                of its dp rank, non-batch args unchanged     a list, one per dp rank; all None: None)
+    DP_SPLIT    each Rows argument (a DataBatch, or a      → concat of the representatives' results
+                caller's typed batch) is cut into dp_size    (Rows of one type), in dp-rank order (other
+                chunks; a worker gets the chunk of its dp    results: a list, one per dp rank; all None:
+                rank, non-batch args unchanged               None)
     RANK_ZERO   every worker gets the same arguments       → rank 0's result
                 (SPMD collectives need all ranks)
 
@@ -28,7 +29,7 @@ The data-parallel convention (each worker reports it through `Worker.dp_info()`)
     world 4 = dp 2 x tp 2 (tp fastest):  rank 0 (dp 0, rep) rank 1 (dp 0)  rank 2 (dp 1, rep) rank 3 (dp 1)
     batch of 6 rows → rows 0-2 to ranks 0 and 1, rows 3-5 to ranks 2 and 3; result = rep 0 ++ rep 2
 
-It imports the standard library and DataBatch only; like all of single_controller, it knows nothing of
+It imports the standard library and the Rows protocol only; like all of single_controller, it knows nothing of
 RL and must never import the RL layers (controller, trainer, engine, rewards, sync, ...).
 """
 
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from relayrl.single_controller.batch import DataBatch
+from relayrl.single_controller.batch import Rows
 
 _ATTR = "__relayrl_dispatch__"
 _DEADLINE_ATTR = "__relayrl_deadline__"
@@ -125,7 +126,7 @@ def split_inputs(mode: Dispatch, infos: Sequence[DPInfo], args: tuple, kwargs: d
 
 
 def _chunks(value: Any, n: int) -> Sequence[Any]:
-    return value.split(n) if isinstance(value, DataBatch) else [value] * n
+    return value.chunk(n) if isinstance(value, Rows) else [value] * n
 
 
 def collect_outputs(mode: Dispatch, infos: Sequence[DPInfo], results: Sequence[Any]) -> Any:
@@ -135,8 +136,8 @@ def collect_outputs(mode: Dispatch, infos: Sequence[DPInfo], results: Sequence[A
     if mode is Dispatch.RANK_ZERO:
         return results[0]
     by_dp = [r for r, i in sorted(zip(results, infos, strict=True), key=lambda p: p[1].dp_rank) if i.is_representative]
-    if all(isinstance(r, DataBatch) for r in by_dp):
-        return DataBatch.concat(by_dp)
+    if all(isinstance(r, Rows) for r in by_dp) and len({type(r) for r in by_dp}) == 1:
+        return type(by_dp[0]).concat(by_dp)
     if all(r is None for r in by_dp):
         return None
     return by_dp

@@ -16,6 +16,10 @@
 
 Logprobs are aligned to tokens: logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]).
 
+It is the one batched form of a step's samples, and it crosses to the trainer's worker groups as itself: it has
+what a data-parallel call cuts and rejoins (relayrl.single_controller's Rows: len, chunk, concat), and it pickles
+a chunk's own rows only. No field list is kept anywhere else.
+
 It imports torch only; like all of the trainer, it must never import the engine, sync, the controller or
 the CLI.
 """
@@ -45,17 +49,34 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The fields that are set, by name: what crosses between processes (a worker group's DataBatch)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+    def chunk(self, n_chunks: int) -> list[TrainBatch]:
+        """n_chunks contiguous chunks (views), the first len % n_chunks one row longer: one per data-parallel
+        rank of a worker-group call (the sizes single_controller's chunk_sizes gives)."""
+        if n_chunks < 1:
+            raise ValueError(f"cannot split into {n_chunks} chunks; n_chunks must be >= 1")
+        base, extra = divmod(len(self), n_chunks)
+        out, start = [], 0
+        for i in range(n_chunks):
+            size = base + (i < extra)
+            out.append(self.select(slice(start, start + size)))
+            start += size
+        return out
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> TrainBatch:
-        """The batch whose tensors() these are; a name that is no field is an error, never dropped."""
-        unknown = set(tensors) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"not TrainBatch fields: {sorted(unknown)}")
-        return cls(**tensors)
+    def concat(cls, parts: list[TrainBatch]) -> TrainBatch:
+        """Rows of parts[0], then parts[1], ...; every part sets the same fields."""
+        if not parts:
+            raise ValueError("TrainBatch.concat needs at least one batch")
+        names = [f.name for f in dataclasses.fields(cls)]
+        set_in = [{n for n in names if getattr(p, n) is not None} for p in parts]
+        if any(s != set_in[0] for s in set_in):
+            raise ValueError(f"TrainBatch.concat: parts set different fields {[sorted(s) for s in set_in]}")
+        return cls(**{n: torch.cat([getattr(p, n) for p in parts]) if n in set_in[0] else None for n in names})
+
+    def __getstate__(self) -> dict:
+        # a chunk is a view of the whole batch's storage, which pickling a view would send whole: clone those
+        return {k: v.clone() if isinstance(v, torch.Tensor) and _partial_view(v) else v
+                for k, v in self.__dict__.items()}
 
     def select(self, idx: torch.Tensor | slice) -> TrainBatch:
         return TrainBatch(**{
@@ -76,6 +97,10 @@ class TrainBatch:
 
     def replace(self, **kw) -> TrainBatch:
         return dataclasses.replace(self, **kw)
+
+
+def _partial_view(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
 
 
 def build_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0,

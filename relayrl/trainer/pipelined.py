@@ -56,7 +56,7 @@ def pad_rows(batch: TrainBatch, m: int, per: int, length: int, template: TrainBa
     if extra:
         stand_in = template.select(torch.zeros(extra, dtype=torch.long))
         stand_in = stand_in.replace(response_mask=torch.zeros_like(stand_in.response_mask))
-        batch = _cat(batch, stand_in) if len(batch) else stand_in
+        batch = TrainBatch.concat([batch, stand_in]) if len(batch) else stand_in
     pad = length - batch.input_ids.shape[1]
     if not pad:
         return batch
@@ -68,6 +68,3 @@ def pad_rows(batch: TrainBatch, m: int, per: int, length: int, template: TrainBa
     return batch.replace(**fields)
 
 
-def _cat(a: TrainBatch, b: TrainBatch) -> TrainBatch:
-    return TrainBatch(**{k: None if getattr(a, k) is None else torch.cat([getattr(a, k), getattr(b, k)])
-                         for k in a.__dataclass_fields__})

@@ -10,7 +10,7 @@ import torch
 from relayrl.algorithms.config import AlgoConfig
 from relayrl.algorithms.objective import policy_objective
 from relayrl.controller.driver import Driver
-from relayrl.rollout.sample import Rollout
+from relayrl.rollout.sample import Rollout, Sample
 from relayrl.rollout.source import LockstepSource
 
 from helpers import cfg_for
@@ -85,9 +85,10 @@ def test_driver_hands_the_update_the_proximal_policy_it_is_told(tmp_path, proxim
     policy = _Recorder()
     source = LockstepSource(_Engine(), sampler=None, rollout=cfg.rollout, data=cfg.data, seed=0, scorer=object())
     d = Driver(cfg, policy=policy, engine=source.engine, source=source, weight_sync=None)
-    ro = Rollout(examples=[None, None], prompt_ids=[[5, 6], [5, 6]], response_ids=[[7, 8], [9]],
-                 rollout_logp=[[-1.0, -2.0], [-3.0]], texts=["", ""], rewards=torch.tensor([1.0, 0.0]),
-                 correct=[True, False], reward_metrics={}, response_mask=[[1, 1], [1]], versions=[[0, 0], [0]])
+    ro = Rollout([Sample(example=None, prompt_ids=[5, 6], response_ids=[7, 8], logprobs=[-1.0, -2.0], mask=[1, 1],
+                         versions=[0, 0], text="", reward=1.0, correct=True),
+                  Sample(example=None, prompt_ids=[5, 6], response_ids=[9], logprobs=[-3.0], mask=[1], versions=[0],
+                         text="", reward=0.0)], {})
     m = d.learn(ro, 0.0, t0=0.0, extra={})
     b = policy.batch
     got = b.old_logp[b.response_mask > 0].tolist()

@@ -12,6 +12,7 @@ from relayrl.jobs.train import train
 from relayrl.models import CausalLM, ModelConfig, load_pretrained
 from relayrl.models.flops import adapter_params, lora_train_flops, matmul_params
 from relayrl.observe import read_metrics
+from relayrl.rollout.sample import samples_of_outputs
 from relayrl.trainer.batch import TrainBatch, build_rows
 
 from helpers import SYNC_CONFIGS, cfg_for, perturbed_model, small_config
@@ -116,7 +117,7 @@ def test_flops_and_mfu_by_hand():
                CompletionSample([1], [0.0], "", finish_reason="stop",
                                 cost=SampleCost(computed_tokens=3, attended=6, logit_positions=1, added_step=0,
                                                 finished_step=1))]
-    cost.add([RequestOutput(0, [7, 7, 7], samples, 0)])
+    cost.add(samples_of_outputs([None], [RequestOutput(0, [7, 7, 7], samples, 0)]))
     times = {"time/update": 0.5, "time/rollout": 0.25, "time/step": 1.0}
     m = cost.metrics(_batch(), times, updated=True)
     B, T = 3, 6
@@ -157,9 +158,9 @@ def test_padding_free_counts_real_tokens_and_async_uses_the_engines_busy_time():
     cfg = cfg_for_model(trainer={"shared_prefix": False}, algo={"proximal": "behaviour"},
                         rollout={"mode": "async"}, parallel={"placement": "disaggregated"})
     cost = StepCost(cfg, small_config(), peaks={"trainer": (50.0, 1), "engine": (40.0, 2)})
-    cost.add([RequestOutput(0, [1], [CompletionSample([1], [0.0], "", finish_reason="stop",
-                                                      cost=SampleCost(computed_tokens=2, attended=3, finished_step=1))],
-                            0)])
+    one = RequestOutput(0, [1], [CompletionSample([1], [0.0], "", finish_reason="stop",
+                                                  cost=SampleCost(computed_tokens=2, attended=3, finished_step=1))], 0)
+    cost.add(samples_of_outputs([None], [one]))
     m = cost.metrics(_batch(), {"time/update": 1.0, "time/rollout": 0.1, "time/step": 2.0, "time/wait_train": 0.5},
                      updated=True)
     N, LHd = 20480, 64
@@ -176,7 +177,8 @@ def test_padding_free_counts_real_tokens_and_async_uses_the_engines_busy_time():
 @pytest.mark.unit
 def test_a_backend_that_does_not_count_logs_no_rollout_flops():
     cost = StepCost(cfg_for_model(), small_config(), peaks={"trainer": (1.0, 1), "engine": (1.0, 1)})
-    cost.add([RequestOutput(0, [1], [CompletionSample([1], [0.0], "", finish_reason="stop")], 0)])
+    one = RequestOutput(0, [1], [CompletionSample([1], [0.0], "", finish_reason="stop")], 0)
+    cost.add(samples_of_outputs([None], [one]))
     m = cost.metrics(_batch(), {"time/update": 1.0, "time/rollout": 1.0}, updated=True)
     assert "flops/rollout" not in m and "rollout/straggler_share" not in m and "flops/update" in m
 
@@ -231,11 +233,11 @@ def test_a_run_logs_flops_and_stragglers_from_its_own_tokens(tmp_path, monkeypat
     assert (N_body, Vh, N) == (18432, 960, 19392)
     shared = 0
     for m, ro in zip(steps, seen, strict=True):
-        P = [len(p) for p in ro.prompt_ids]
-        ell = [len(r) for r in ro.response_ids]
+        P = [len(s.prompt_ids) for s in ro.samples]
+        ell = [len(s.response_ids) for s in ro.samples]
         # group size 4: a group's first sample looks its prompt up (earlier groups' full blocks are hits), the
         # other 3 are forked from its prefill (the engine's default), computing from position p on
-        cached = _hand_cached(ro.prompt_ids[::4], 1, 4)
+        cached = _hand_cached([s.prompt_ids for s in ro.samples[::4]], 1, 4)
         flops = 0
         for i, (p, r) in enumerate(zip(P, ell, strict=True)):
             forked = i % 4 > 0
@@ -262,4 +264,4 @@ def test_a_run_logs_flops_and_stragglers_from_its_own_tokens(tmp_path, monkeypat
         assert m["throughput/mfu_rollout"] == pytest.approx(
             m["flops/rollout"] / (m["time/rollout"] * m["throughput/peak_gflops_engine"] * 1e9), rel=1e-9)
     assert shared > 0  # forks shared their group's prefill: those tokens were not counted
-    assert len({len(r) for ro in seen for r in ro.response_ids}) > 1  # lengths differ: the tail is measured
+    assert len({len(s.response_ids) for ro in seen for s in ro.samples}) > 1  # lengths differ: the tail is measured

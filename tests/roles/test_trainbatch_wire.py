@@ -1,16 +1,17 @@
-"""A TrainBatch crosses to the trainer's workers as a DataBatch of its own fields (no field list kept by hand):
-every field that is set arrives, split and rejoined by data-parallel rank, and a name that is no field is
-refused instead of dropped."""
+"""A TrainBatch crosses to the trainer's workers as itself (no field list kept by hand, no conversion): a DP_SPLIT
+call cuts it into one chunk per data-parallel rank, every field that is set arrives, the chunks rejoin in rank
+order, a chunk pickles its own rows only, and parts that set different fields are refused instead of dropped."""
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
 
-from relayrl.roles.actor_workers import to_data, to_train
-from relayrl.single_controller.batch import DataBatch
+from relayrl.single_controller.batch import Rows
+from relayrl.single_controller.dispatch import Dispatch, DPInfo, collect_outputs, split_inputs
 from relayrl.trainer.batch import TrainBatch
 
 pytestmark = pytest.mark.unit
@@ -27,16 +28,34 @@ def _full_batch() -> TrainBatch:
 
 def test_every_field_crosses_and_comes_back_whole_through_a_dp_split():
     batch = _full_batch()
-    wire = to_data(batch)
-    assert set(wire.tensors) == {f.name for f in dataclasses.fields(TrainBatch)}
-    back = to_train(DataBatch.concat(wire.split(3)))
+    assert isinstance(batch, Rows)
+    infos = [DPInfo(d, 3) for d in range(3)]
+    calls = split_inputs(Dispatch.DP_SPLIT, infos, (batch,), {"profile": True})
+    chunks = [pickle.loads(pickle.dumps(args[0])) for args, kw in calls]  # as the process backend sends them
+    assert [len(c) for c in chunks] == [2, 1, 1] and all(kw == {"profile": True} for _, kw in calls)
+    back = collect_outputs(Dispatch.DP_SPLIT, infos, chunks)
+    assert type(back) is TrainBatch
     for f in dataclasses.fields(TrainBatch):
         assert torch.equal(getattr(back, f.name), getattr(batch, f.name)), f.name
 
 
-def test_unset_fields_stay_unset_and_unknown_names_are_refused():
+def test_a_chunk_pickles_its_own_rows_only():
+    big = TrainBatch(torch.zeros(1000, 64, dtype=torch.long), torch.ones(1000, 64, dtype=torch.long),
+                     torch.ones(1000, 64))
+    whole, chunk = len(pickle.dumps(big)), len(pickle.dumps(big.chunk(10)[0]))
+    assert chunk < whole / 5
+
+
+def test_unset_fields_stay_unset_and_mixed_parts_are_refused():
     ids = torch.tensor([[5, 6, 7]])
-    back = to_train(to_data(TrainBatch(ids, torch.ones_like(ids), torch.ones(1, 3))))
-    assert back.advantages is None and back.routing is None
-    with pytest.raises(ValueError, match=r"not TrainBatch fields: \['old_logps'\]"):
-        to_train(DataBatch({"input_ids": ids, "attention_mask": ids, "response_mask": ids, "old_logps": ids}))
+    plain = TrainBatch(ids, torch.ones_like(ids), torch.ones(1, 3))
+    back = TrainBatch.concat(pickle.loads(pickle.dumps(plain)).chunk(1))
+    assert back.advantages is None and back.routing is None and torch.equal(back.input_ids, ids)
+    with pytest.raises(ValueError, match="parts set different fields"):
+        TrainBatch.concat([plain, plain.replace(old_logp=torch.zeros(1, 3))])
+
+
+def test_a_tensor_argument_is_not_split():
+    t = torch.arange(4)
+    calls = split_inputs(Dispatch.DP_SPLIT, [DPInfo(0, 2), DPInfo(1, 2)], (t,), {})
+    assert all(args[0] is t for args, _ in calls)

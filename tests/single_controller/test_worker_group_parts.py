@@ -52,13 +52,13 @@ def test_chunk_sizes_and_split_concat_roundtrip():
     assert chunk_sizes(8, 3) == [3, 3, 2]
     assert chunk_sizes(2, 4) == [1, 1, 0, 0]
     b = make_batch(5)
-    parts = b.split(2)
+    parts = b.chunk(2)
     assert [len(p) for p in parts] == [3, 2]
     assert parts[1]["id"].tolist() == [3, 4] and parts[1]["text"] == ["t3", "t4"]
     assert parts[1].meta == {"temperature": 0.7}
     back = DataBatch.concat(parts)
     assert torch.equal(back["x"], b["x"]) and back["text"] == b["text"] and back.meta == b.meta
-    assert [len(p) for p in b.split(7)] == [1, 1, 1, 1, 1, 0, 0]
+    assert [len(p) for p in b.chunk(7)] == [1, 1, 1, 1, 1, 0, 0]
     with pytest.raises(ValueError, match="same keys"):
         DataBatch.concat([parts[0], DataBatch({"x": torch.zeros(1, 2)})])
 
@@ -80,7 +80,7 @@ def test_select_setitem_to():
 
 def test_pickled_chunk_carries_only_its_rows():
     big = DataBatch({"x": torch.zeros(1000, 100)})
-    chunk = big.split(10)[0]
+    chunk = big.chunk(10)[0]
     assert chunk["x"].untyped_storage().nbytes() == big["x"].untyped_storage().nbytes()  # a view
     blob = pickle.dumps(chunk)
     assert len(blob) < len(pickle.dumps(big)) / 5
