@@ -96,7 +96,8 @@ def _stored() -> dict:
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_the_run_reproduces_its_golden_curve_exactly(tmp_path, name):
-    golden = _stored()["runs"][name]
+    drop = VOLATILE + THREAD_TIMED.get(name, ())  # a curve recorded before a figure was found timing-dependent
+    golden = [{k: v for k, v in m.items() if not k.startswith(drop)} for m in _stored()["runs"][name]]
     got = run_curve(name, tmp_path)
     assert len(got) == len(golden), (len(got), len(golden))
     for i, (want, have) in enumerate(zip(golden, got, strict=True)):
