@@ -26,8 +26,10 @@ the rest of the loop's package, it never imports the roles, the jobs or relayrl.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from relayrl.algorithms import mismatch_stats
+from relayrl.algorithms.config import AlgoConfig
 from relayrl.controller.advantage_step import compute_advantages
 from relayrl.controller.config import RunConfig
 from relayrl.controller.step_cost import StepCost
@@ -43,6 +45,24 @@ STAGES = ("sync", "rollout", "reward", "old_logp", "ref_logp", "update")
 CRITIC_STAGES = ("values", "critic_update")  # PPO with a critic
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop reads of a run's configuration, and nothing else."""
+
+    algo: AlgoConfig
+    group_size: int  # rollout.group_size: samples per prompt, contiguous
+    old_logp_source: str  # behaviour | engine | update | recompute (RunConfig.old_logp_source)
+    rollout_mode: str  # sync | one_step_off | async: recorded in the checkpoint's loop state
+    profile_every: int = 0  # run.profile_every: time the update's collectives every n steps (0: never)
+    critic_warmup: int | None = None  # PPO's critic.warmup_updates (the actor holds until then); None: no critic
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> LoopSettings:
+        return cls(algo=cfg.algo, group_size=cfg.rollout.group_size, old_logp_source=cfg.old_logp_source(),
+                   rollout_mode=cfg.rollout.mode, profile_every=cfg.run.profile_every,
+                   critic_warmup=cfg.critic.warmup_updates if cfg.critic is not None else None)
+
+
 class Driver:
     """The RL loop over its roles, each behind the protocol of the layer that owns it:
 
@@ -56,11 +76,10 @@ class Driver:
     The driver code is the same for every placement, backend and rollout mode. The source's stages (rollout,
     reward, baseline) are timed on the driver's timer (the one the source was built with: `timer=`)."""
 
-    def __init__(self, cfg: RunConfig, *, policy: Policy, engine: RolloutEngine, source: RolloutSource,
+    def __init__(self, settings: LoopSettings, *, policy: Policy, engine: RolloutEngine, source: RolloutSource,
                  weight_sync: WeightSync, cost: StepCost | None = None, timer: StageTimer | None = None):
-        self.cfg, self.policy, self.engine, self.source = cfg, policy, engine, source
+        self.settings, self.policy, self.engine, self.source = settings, policy, engine, source
         self.cost = cost  # the step's FLOPs and MFU (relayrl.controller.step_cost); None: not counted
-        self.old_logp_source = cfg.old_logp_source()
         self.weight_sync = weight_sync
         self.step = 0
         self.timer = timer or StageTimer()
@@ -92,20 +111,13 @@ class Driver:
         with self.timer.stage("sync"):
             sync_metrics = self.sync_weights()
         got = self.source.collect(self.step)
-        out = self.learn(got.rollout, got.no_signal, t0=t0, extra={**sync_metrics, **got.metrics})
-        if self.source.streaming:
-            # generation runs beside the step, so tokens per second of the trainer's wait would mean nothing:
-            # the pipeline's pace is the model's tokens trained per second of step
-            out.pop("throughput/gen_tokens_per_s", None)
-            out["throughput/tokens_per_s"] = (out["response_length/mean"] * len(got.rollout.samples)
-                                              / max(out["time/step"], 1e-9))
-        return out
+        return self.learn(got.rollout, got.no_signal, t0=t0, extra={**sync_metrics, **got.metrics})
 
     def state_dict(self) -> dict:
         """What a checkpoint after this step saves of the loop: the step, the sampler at the next untrained prompt
         (a streaming source's admitted batches are regenerated on resume), and a record of the rollouts under way."""
         return {"step": self.step, "sampler": self.source.sampler_state(self.step),
-                "rollout_mode": self.cfg.rollout.mode, "rollout_stream": self.source.record(self.step)}
+                "rollout_mode": self.settings.rollout_mode, "rollout_stream": self.source.record(self.step)}
 
     def load_state_dict(self, state: dict) -> None:
         self.source.sampler.load_state_dict(state["sampler"])
@@ -115,10 +127,10 @@ class Driver:
     def learn(self, ro: Rollout, no_signal: float, *, t0: float, extra: dict[str, float]) -> dict[str, float]:
         """Advantages, old (proximal) and reference logprobs, the clipped update, and the step's metrics.
         The same for every rollout mode: what differs is only how `ro` was produced."""
-        cfg, G, samples = self.cfg, self.cfg.rollout.group_size, ro.samples
+        cfg, G, samples = self.settings, self.settings.group_size, ro.samples
         batch = rows_of(samples, self.engine.pad_id)
         rollout_logp, resp = batch.rollout_logp, batch.response_mask
-        source = self.old_logp_source  # RunConfig.old_logp_source: behaviour | engine | update | recompute
+        source = cfg.old_logp_source  # RunConfig.old_logp_source: behaviour | engine | update | recompute
         if source in ("behaviour", "engine"):  # plain PPO, or a verified fp32 engine's own logprobs
             batch.old_logp = rollout_logp
         elif source == "recompute":  # decoupled PPO: the trainer's weights before the update are the proximal policy
@@ -136,13 +148,13 @@ class Driver:
         if batch.values is not None:  # PPO's critic learns from this batch's returns
             with self.timer.stage("critic_update"):
                 stats.update({f"critic/{k}": v for k, v in self.policy.update_critic(batch).items()})
-        updated = cfg.critic is None or self.step >= cfg.critic.warmup_updates  # the critic's warm-up: actor holds
+        updated = cfg.critic_warmup is None or self.step >= cfg.critic_warmup  # the critic's warm-up: actor holds
         if updated:
-            every = cfg.run.profile_every  # the update's collectives, timed every `every` steps (0: never)
+            every = cfg.profile_every  # the update's collectives, timed every `every` steps (0: never)
             with self.timer.stage("update"):
                 stats.update(self.policy.update(batch, profile=True) if every and (self.step + 1) % every == 0
                              else self.policy.update(batch))
-        stages = STAGES + (CRITIC_STAGES if cfg.critic is not None else ())
+        stages = STAGES + (CRITIC_STAGES if cfg.critic_warmup is not None else ())
         times = {f"time/{s}": 0.0 for s in stages} | self.timer.pop()
         times["time/step"] = time.perf_counter() - t0
         cost = self.cost.metrics(batch, times | extra, updated=updated) if self.cost is not None else {}
@@ -161,7 +173,12 @@ class Driver:
             **stats,
             **times,
             **extra,
-            "throughput/gen_tokens_per_s": sum(lengths) / max(times["time/rollout"], 1e-9),
+            # the pipeline's pace: the model's tokens trained per second of step, in every mode
+            "throughput/tokens_per_s": sum(lengths) / max(times["time/step"], 1e-9),
+            # generation's, where the trainer waited for it (a streaming source generates beside the step, so its
+            # wait is not generation time)
+            **({} if self.source.streaming else
+               {"throughput/gen_tokens_per_s": sum(lengths) / max(times["time/rollout"], 1e-9)}),
             **self._engine_stats(),
             **cost,  # flops/*, rollout/straggler_share, throughput/mfu_* and the peaks
         }

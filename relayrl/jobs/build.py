@@ -24,7 +24,7 @@ import torch
 
 from relayrl.algorithms.registry import advantage_needs_greedy_baseline
 from relayrl.controller.config import RunConfig
-from relayrl.controller.driver import Driver
+from relayrl.controller.driver import Driver, LoopSettings
 from relayrl.controller.step_cost import StepCost
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
@@ -221,7 +221,8 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Pa
         agent = build_agent(cfg, engine)
         timer, cost = StageTimer(), StepCost(cfg, model)
         source = build_source(cfg, engine, scorer, agent, PromptSampler(train_set, cfg.run.seed), timer, cost)
-        driver = Driver(cfg, policy=policy, engine=engine, source=source, weight_sync=sync, cost=cost, timer=timer)
+        driver = Driver(LoopSettings.of(cfg), policy=policy, engine=engine, source=source, weight_sync=sync,
+                        cost=cost, timer=timer)
     except BaseException:
         try:  # no process outlives a failed start
             close_all(source, agent, sync, scorer, engine, policy)

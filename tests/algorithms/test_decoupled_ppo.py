@@ -9,7 +9,7 @@ import torch
 
 from relayrl.algorithms.config import AlgoConfig
 from relayrl.algorithms.objective import policy_objective
-from relayrl.controller.driver import Driver
+from relayrl.controller.driver import Driver, LoopSettings
 from relayrl.rollout.sample import Rollout, Sample
 from relayrl.rollout.source import LockstepSource
 
@@ -84,7 +84,7 @@ def test_driver_hands_the_update_the_proximal_policy_it_is_told(tmp_path, proxim
     cfg = cfg_for(tmp_path, "x", algo={"proximal": proximal}, rollout={"prompts_per_step": 1, "group_size": 2})
     policy = _Recorder()
     source = LockstepSource(_Engine(), sampler=None, rollout=cfg.rollout, data=cfg.data, seed=0, scorer=object())
-    d = Driver(cfg, policy=policy, engine=source.engine, source=source, weight_sync=None)
+    d = Driver(LoopSettings.of(cfg), policy=policy, engine=source.engine, source=source, weight_sync=None)
     ro = Rollout([Sample(example=None, prompt_ids=[5, 6], response_ids=[7, 8], logprobs=[-1.0, -2.0], mask=[1, 1],
                          versions=[0, 0], text="", reward=1.0, correct=True),
                   Sample(example=None, prompt_ids=[5, 6], response_ids=[9], logprobs=[-3.0], mask=[1], versions=[0],
