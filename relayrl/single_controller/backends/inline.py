@@ -9,8 +9,9 @@ same objects) and no process, process group, heartbeat or thread count is starte
 exception comes back as the group's usual error (a UserError as itself, one line); an interrupt (Ctrl-C) is the
 driver's own and propagates as it is.
 
-What runs inline must not need a process group of its own (init_distributed refuses: the driver's process is not
-a group's rank); those roles (the trainer's ranks) run on the local or Ray backend.
+What runs inline joins no process group (init_distributed refuses: the driver's process is not a group's rank; a
+worker sees `in_group` False): a role that needs one for a world above 1 runs on the local or Ray backend, and
+in a world of 1 skips it (the trainer's workers under `parallel.backend: none` do).
 
 It imports the rest of single_controller only; like all of single_controller, it knows nothing of RL and must
 never import the RL layers (controller, trainer, engine, rewards, sync, ...).
