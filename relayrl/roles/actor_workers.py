@@ -232,6 +232,8 @@ class ActorWorker(_ParallelModelWorker):
         backend, whose loader takes full tensors. The rollout engine is synced by the plan. Under pipeline
         parallelism each pp rank holds other layers, under expert parallelism each ep rank other experts: rank 0
         gathers theirs from its pipeline and its ep group. (A tied model's lm_head copy is its embedding's.)"""
+        if not self.in_group:  # inline (the driver's process): the tensors themselves, where they live, no copy
+            return {n: p.detach() for n, p in self.actor.model.state_dict().items()}
         weights = {n: full_tensor(p) for n, p in self.actor.model.state_dict().items()}
         if self.dims.pp > 1:  # each pp rank holds its stages' tensors: gathered over this rank's pipeline
             weights = _gather_objects(weights, self.dims.pp_mesh.get_group(), self.dims.pp)
