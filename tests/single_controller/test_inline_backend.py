@@ -39,6 +39,10 @@ class Scaler(Worker):
     def scaled(self, batch: DataBatch) -> DataBatch:
         return DataBatch({"y": batch.tensors["x"] * self.scale + self.rank})
 
+    @dispatch(Dispatch.DP_SPLIT)
+    def same(self, batch: DataBatch) -> DataBatch:
+        return batch
+
     @dispatch(Dispatch.ONE_TO_ALL)
     def where(self) -> tuple[int, int, int]:
         return self.rank, self.world_size, os.getpid()
@@ -85,6 +89,9 @@ def test_inline_runs_in_this_process_without_copies_or_thread_changes():
         assert g.call(Scaler.echo, obj) is obj  # the same object: nothing pickled
         assert torch.get_num_threads() == threads  # GroupOptions.threads is the worker processes', not ours
     assert TEARDOWNS == [0, 1]
+    with WorkerGroup(ResourcePool([1], name="scaler"), Scaler, 1.0, options=opts("inline")) as g:
+        x = torch.arange(6.0).reshape(3, 2)  # a world of 1: DP_SPLIT's one chunk and its "concat" copy nothing
+        assert g.call(Scaler.same, DataBatch({"x": x})).tensors["x"].data_ptr() == x.data_ptr()
 
 
 def test_inline_errors_come_back_as_the_groups_do():
