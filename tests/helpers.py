@@ -1,5 +1,6 @@
 """Helpers several test modules share: the small run configs of the driver tests, the comparison of
-two runs' metrics, the tiny model builders, the sync tests' model shapes, and the deliberately wrong
+two runs' metrics, the tiny model builders, the sync tests' model shapes, a trainer of one rank in this process
+around a model made in memory (inline_policy, policy_model), and the deliberately wrong
 "assemble the fused weight, then slice it" engine load the sync verifier must catch.
 
 Test modules import from here, never from each other.
@@ -180,6 +181,27 @@ def sync_model(key: str, seed: int = 0) -> CausalLM:
         for p in model.parameters():
             p.normal_(0, 0.5)
     return model
+
+
+def inline_policy(model: torch.nn.Module):
+    """A trainer of one rank in this process around `model` (parallel.backend none): GroupPolicy over the inline
+    backend, its actor built from the model itself (no copy), default trainer and algorithm settings."""
+    from relayrl.algorithms import AlgoConfig
+    from relayrl.parallel.config import ParallelConfig
+    from relayrl.roles.group_policy import GroupPolicy
+    from relayrl.trainer.config import TrainerConfig
+
+    return GroupPolicy(lambda: model, par=ParallelConfig(), trainer_cfg=TrainerConfig(), algo_cfg=AlgoConfig(),
+                       total_steps=1)
+
+
+def _rank_model(rank):
+    return rank.model
+
+
+def policy_model(policy) -> torch.nn.Module:
+    """An inline policy's actor model itself (a world of 1 in this process: the object, not a copy)."""
+    return policy.run_on_ranks(_rank_model)[0]
 
 
 def sync_reference_logp(model: CausalLM) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """What a run is built of: its roles, where each runs, and the driver over them.
 
     build_driver(cfg, run_dir)
-      base model ──> policy (in this process or worker groups: build_policy)
+      base model ──> policy (worker groups, inline in this process for backend none: build_policy)
                  ──> engine (colocated on the policy's ranks, in processes of its own, in a rollout worker, or
                              vLLM: build_engine)
                  ──> weight sync (planned and verified, or full tensors for vLLM: build_weight_sync)
@@ -31,7 +31,7 @@ from relayrl.engine import LLMEngine
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.jobs.base_model import base_model_dir
 from relayrl.jobs.preflight import check_fits_model, check_roles, sync_transport
-from relayrl.models import load_config, load_pretrained
+from relayrl.models import load_config
 from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import StageTimer
@@ -39,9 +39,7 @@ from relayrl.observe.trace import trace_dir
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import RewardConfig
 from relayrl.rewards.protocol import Scorer
-from relayrl.roles.actor_workers import actor_model, critic_model
 from relayrl.roles.group_policy import GroupPolicy, group_options
-from relayrl.roles.local_policy import LocalPolicy
 from relayrl.roles.reward_model import CombinedScorer, ModelScorer, model_entries
 from relayrl.roles.rollout_worker import EpisodeRole, RolloutRole
 from relayrl.roles.rule_scorer import RuleScorer
@@ -52,20 +50,18 @@ from relayrl.single_controller.liveness import GroupOptions
 from relayrl.sync.experts import sync_shape
 from relayrl.sync.layout import TrainerLayout
 from relayrl.sync.protocol import WeightSync
-from relayrl.trainer.actor import Actor
-from relayrl.trainer.critic import Critic
 from relayrl.trainer.policy import Policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: LocalPolicy | GroupPolicy,
+def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPolicy,
                  options: GroupOptions) -> RolloutEngine:
     """The rollout engine, its ranks where parallel.placement puts them:
 
         vllm                          vLLM's engine (its own workers; synced with full tensors)
-        colocated                     in the trainer's processes: beside the actor in this one
-                                      (backend none), or ranks 0..tp-1 of the actor workers
+        colocated                     in the trainer's processes: ranks 0..tp-1 of the actor workers
+                                      (backend none: its one rank beside the actor, in this one)
         disaggregated                 processes of its own (a worker group of its ranks; or the
                                       whole engine in a rollout worker)
 
@@ -232,23 +228,9 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Pa
     return driver, Roles(policy, engine, sync, scorer, agent, source), eval_set, src
 
 
-def build_policy(cfg: RunConfig, src: Path, options: GroupOptions | None = None) -> LocalPolicy | GroupPolicy:
-    """The trainer in this process (parallel.backend none), or as worker groups (local / ray); with PPO's
-    critic (algo.advantage gae) beside the actor, laid out like it."""
-    with_ref = cfg.algo.kl_coef > 0
-    # trainer.lora: the reference is the actor's frozen base (its adapters off), not a second model
-    ref_in_actor = with_ref and cfg.trainer.lora is not None
-    if cfg.parallel.backend == "none":
-        device = resolve_device(cfg.parallel.device)  # every model on it before its optimiser is built
-        actor = Actor(actor_model(str(src), cfg.trainer.lora, cfg.run.seed).to(device), cfg.trainer, cfg.algo,
-                      total_steps=cfg.run.steps, temperature=cfg.rollout.temperature, seed=cfg.run.seed)
-        ref = load_pretrained(src).to(device).eval().requires_grad_(False) if with_ref and not ref_in_actor else None
-        critic = None
-        if cfg.critic is not None:
-            critic = Critic(critic_model(str(src), cfg.critic, cfg.run.seed).to(device), cfg.critic, cfg.algo,
-                            total_steps=cfg.run.steps, seed=cfg.run.seed)
-        return LocalPolicy(actor, ref, temperature=cfg.rollout.temperature,
-                           micro_batch_size=cfg.trainer.micro_batch_size, critic=critic, ref_in_actor=ref_in_actor)
+def build_policy(cfg: RunConfig, src: Path, options: GroupOptions | None = None) -> GroupPolicy:
+    """The trainer's worker groups: inline in this process (parallel.backend none, a world of 1) or on local / Ray
+    processes; with PPO's critic (algo.advantage gae) beside the actor, laid out like it."""
     return GroupPolicy(src, par=cfg.parallel, trainer_cfg=cfg.trainer, algo_cfg=cfg.algo, total_steps=cfg.run.steps,
-                       temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=with_ref,
+                       temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=cfg.algo.kl_coef > 0,
                        critic_cfg=cfg.critic, options=options)

@@ -10,10 +10,12 @@ engine's ranks) and the reference model.
     CriticWorker      one rank of PPO's value model (laid out like the actor): compute_values, update,
                       checkpoints beside the actor's
 
-Both build their model the same way (load, then parallelize_model by `parallel.*`; with parallel.pp > 1 the
+All build their model the same way (load, then parallelize_model by `parallel.*`; with parallel.pp > 1 the
 model is first cut into this rank's pipeline stages, each parallelized, and `model` is their merge under the full
-model's names, run through `pipe`). A DP_SPLIT method takes the TrainBatch itself (it is a single_controller
-Rows: chunked by dp rank, pickled compactly) and answers a DataBatch of what it computed.
+model's names, run through `pipe`). A world of 1 in an inline group (`parallel.backend: none`, the driver's own
+process) joins no process group and builds no mesh: its model is whole on its device (`_whole_model`). A DP_SPLIT
+method takes the TrainBatch itself (it is a single_controller Rows: chunked by dp rank, pickled compactly; inline,
+the same tensors) and answers a DataBatch of what it computed.
 
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
 jobs.
@@ -21,6 +23,7 @@ jobs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,12 +35,12 @@ from relayrl.models import load_pretrained
 from relayrl.models.lora import apply_lora_config
 from relayrl.models.score import ScoreModel, from_causal_lm, load_score_model
 from relayrl.models.stage import merge_stages, split_model
-from relayrl.observe.comm_profile import CommProfile
+from relayrl.observe.comm_profile import COMM_SHARE, COMM_TIME, CommProfile
 from relayrl.observe.device_memory import device_memory_metrics
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.context_parallel import apply_context_parallel
 from relayrl.parallel.dims import ParallelDims
-from relayrl.parallel.parallelize import parallelize_model
+from relayrl.parallel.parallelize import apply_activation_checkpointing, parallelize_model
 from relayrl.parallel.pipeline import Pipeline, rank_stages
 from relayrl.single_controller.batch import DataBatch
 from relayrl.single_controller.dispatch import Dispatch, DPInfo, dispatch
@@ -57,10 +60,11 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
 
 
-def actor_model(model_dir: str, lora, seed: int) -> torch.nn.Module:
-    """The policy at model_dir; with `trainer.lora` (a LoRAConfig), its base frozen (in lora.base_dtype) and
-    low-rank adapters on the target linears, seeded alike on every rank — before any parallelism is applied."""
-    model = load_pretrained(model_dir)
+def actor_model(model_dir: str | Callable[[], torch.nn.Module], lora, seed: int) -> torch.nn.Module:
+    """The policy at model_dir (or what a function made in memory builds); with `trainer.lora` (a LoRAConfig), its
+    base frozen (in lora.base_dtype) and low-rank adapters on the target linears, seeded alike on every rank —
+    before any parallelism is applied."""
+    model = model_dir() if callable(model_dir) else load_pretrained(model_dir)
     return model if lora is None else apply_lora_config(model, lora, seed=seed)
 
 
@@ -88,14 +92,18 @@ def _gather_objects(mine: dict, group, size: int) -> dict:
 
 class _ParallelModelWorker(Worker):
     def _build_model(self, model_dir: str, par: ParallelConfig, seed: int, trains: bool = True, loader=None):
-        self.init_distributed()
+        alone = self.world_size == 1 and not self.in_group  # inline in the driver's process: no group to join
+        if not alone:
+            self.init_distributed()
         self.cp = None  # the ContextParallel wrapper when dims.cp > 1 (below)
         self.pipe = None  # the Pipeline over this rank's stages when dims.pp > 1 (below)
         torch.manual_seed(seed)
         self.dims = ParallelDims(pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp,
                                  tp=par.tp, ep=par.ep, world_size=self.world_size)
-        mesh = self.dims.build_mesh(self.device.split(":")[0])
         model = loader() if loader is not None else load_pretrained(model_dir)
+        if alone:
+            return self._whole_model(model, par, trains)
+        mesh = self.dims.build_mesh(self.device.split(":")[0])
         # on this worker's device before the optimiser is built. FSDP2 (parallelize_model's data-parallel step
         # with dp_mode fsdp over more than one rank) moves each block to the mesh's device as it shards it, so a
         # sharded model is never whole on one GPU; any other model goes over whole, before TP / DDP
@@ -122,6 +130,14 @@ class _ParallelModelWorker(Worker):
         # context parallelism swaps each attention's computation; forwards then go through self.cp
         self.cp = (apply_context_parallel(model, self.dims.cp_mesh.get_group(), par.cp_mode) if self.dims.cp > 1
                    else None)
+        return model
+
+    def _whole_model(self, model: torch.nn.Module, par: ParallelConfig, trains: bool) -> torch.nn.Module:
+        """A world of 1 in the driver's process (parallel.backend none): nothing to shard, so no process group, no
+        mesh and no parallelize_model; the whole model on this device (checkpointed when asked)."""
+        model = model.to(self.device)
+        if par.activation_checkpointing and trains:
+            apply_activation_checkpointing(model)
         return model
 
     def dp_info(self) -> DPInfo:
@@ -163,6 +179,14 @@ class ActorWorker(_ParallelModelWorker):
             return available_memory(self.device)
         return None
 
+    @dispatch(Dispatch.RANK_ZERO, deadline="control")
+    def engine_rank(self) -> ModelRunner | None:
+        """The engine rank hosted here, itself: only for an inline group (the driver's process), whose engine calls
+        its runner directly (relayrl.engine.runner_groups.InProcessRunner), from its rollout thread too."""
+        if self.in_group:
+            raise RuntimeError("engine_rank hands over the runner object itself: inline groups only")
+        return self.engine_runner
+
     @dispatch(Dispatch.ONE_TO_ALL)
     def run_on_engine_rank(self, fn, args: tuple, every_rank: bool) -> Any:
         """fn(this rank's engine runner, *args) (fn: e.g. ModelRunner.run); None from ranks hosting none, and from
@@ -184,9 +208,13 @@ class ActorWorker(_ParallelModelWorker):
 
     @dispatch(Dispatch.DP_SPLIT)
     def update(self, batch: TrainBatch, profile: bool = False) -> dict:
-        with CommProfile(profile and self.rank == 0) as comm:  # rank 0's collectives (GroupPolicy returns its dict)
+        # a world of 1 runs no collectives: a profiled step's time/update_comm is 0 without running torch.profiler,
+        # whose event parsing alone took seconds per profiled step (10% of the demo's update time on average)
+        alone = self.world_size == 1
+        with CommProfile(profile and self.rank == 0 and not alone) as comm:  # rank 0's (GroupPolicy returns its dict)
             stats = self.actor.update(batch)  # stats already reduced over data-parallel ranks
-        return stats | comm.metrics() | device_memory_metrics(self.device)  # CUDA: memory/* (rank 0's reported)
+        comm_stats = {COMM_TIME: 0.0, COMM_SHARE: 0.0} if profile and alone else comm.metrics()
+        return stats | comm_stats | device_memory_metrics(self.device)  # CUDA: memory/* (rank 0's reported)
 
     @dispatch(Dispatch.RANK_ZERO)
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -194,6 +222,8 @@ class ActorWorker(_ParallelModelWorker):
         backend, whose loader takes full tensors. The rollout engine is synced by the plan. Under pipeline
         parallelism each pp rank holds other layers, under expert parallelism each ep rank other experts: rank 0
         gathers theirs from its pipeline and its ep group. (A tied model's lm_head copy is its embedding's.)"""
+        if not self.in_group:  # inline (the driver's process): the tensors themselves, where they live, no copy
+            return {n: p.detach() for n, p in self.actor.model.state_dict().items()}
         weights = {n: full_tensor(p) for n, p in self.actor.model.state_dict().items()}
         if self.dims.pp > 1:  # each pp rank holds its stages' tensors: gathered over this rank's pipeline
             weights = _gather_objects(weights, self.dims.pp_mesh.get_group(), self.dims.pp)
@@ -256,7 +286,7 @@ class ReferenceWorker(_ParallelModelWorker):
 
     @dispatch(Dispatch.DP_SPLIT)
     def compute_ref_logprobs(self, batch: TrainBatch) -> DataBatch:
-        # the logprobs come back on the batch's device, the host's, to travel
+        # the logprobs come back on the batch's device (the host's, to travel; inline, where the rows came from)
         return DataBatch({"ref_logp": self.reference.compute_ref_logprobs(batch)})
 
     def teardown(self) -> None:

@@ -1,5 +1,6 @@
-"""GroupPolicy runs the trainer as worker groups (the actor group, and the reference model's) on local
-processes or Ray, SPMD inside, behind the Policy protocol (relayrl.trainer.policy).
+"""GroupPolicy runs the trainer as worker groups (the actor group, and the reference model's), SPMD inside,
+behind the Policy protocol (relayrl.trainer.policy): on local processes or Ray, or inline in the driver's own
+process (`parallel.backend: none`: a world of 1, the same workers, no process group, nothing copied).
 
     driver ── GroupPolicy ──> actor group: ActorWorker x (dp_replicate x dp_shard x tp)
                           └─> reference: ReferenceWorker, in the actor's processes (placement
@@ -17,12 +18,15 @@ jobs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from relayrl.engine.runner_groups import InProcessRunner
 from relayrl.models.config import ModelConfig
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.device import resolve_device
@@ -44,19 +48,28 @@ def group_options(par: ParallelConfig, trace_dir: str | None = None) -> GroupOpt
 
 
 class GroupPolicy:
-    """The actor (and reference) as worker groups; the same protocol as LocalPolicy."""
+    """The actor (and reference, critic) as worker groups."""
 
-    def __init__(self, model_dir: str | Path, *, par: ParallelConfig, trainer_cfg, algo_cfg, total_steps: int,
-                 temperature: float, seed: int, with_reference: bool, critic_cfg: CriticConfig | None = None,
-                 options: GroupOptions | None = None):
-        """options: the groups' (group_options(par) when None)."""
+    def __init__(self, model_dir: str | Path | Callable[[], nn.Module], *, par: ParallelConfig, trainer_cfg,
+                 algo_cfg, total_steps: int, temperature: float = 1.0, seed: int = 0, with_reference: bool = False,
+                 critic_cfg: CriticConfig | None = None, options: GroupOptions | None = None):
+        """model_dir: the policy's directory, or a function that builds it (a model made in memory: inline, or
+        picklable by name for worker processes; the reference and critic load from a directory).
+        options: the groups' (group_options(par) when None); parallel.backend none runs them inline."""
+        options = options or group_options(par)
+        self.inline = par.backend == "none"  # the driver's process is the world of 1
+        if self.inline:
+            options = dataclasses.replace(options, backend="inline")
+        actor_src = model_dir if callable(model_dir) else str(model_dir)
         device = resolve_device(par.device)  # worker r computes on <device>:r (cpu: every one on the host)
         pool = ResourcePool([par.world_size], device=device, name="actor")
         placement = {"actor": pool}
-        roles = {"actor": RoleSpec(ActorWorker, (str(model_dir), par, trainer_cfg, algo_cfg),
+        roles = {"actor": RoleSpec(ActorWorker, (actor_src, par, trainer_cfg, algo_cfg),
                                    dict(total_steps=total_steps, temperature=temperature, seed=seed))}
         # trainer.lora: the reference is the actor's frozen base, its logprobs the actor's with adapters off
         self.ref_in_actor = with_reference and trainer_cfg.lora is not None
+        if (with_reference and not self.ref_in_actor or critic_cfg is not None) and callable(model_dir):
+            raise ValueError("the reference model and the critic load from a directory; pass model_dir as one")
         if with_reference and not self.ref_in_actor:
             # colocated: one group whose processes host both roles; disaggregated: a pool of its own
             placement["reference"] = (pool if par.placement == "colocated"
@@ -71,16 +84,19 @@ class GroupPolicy:
                                    else ResourcePool([par.world_size], device=device, name="critic"))
             roles["critic"] = RoleSpec(CriticWorker, (str(model_dir), par, critic_cfg, algo_cfg),
                                        dict(total_steps=total_steps, seed=seed))
-        self.roles = spawn_roles(placement, roles, options=options or group_options(par))
+        self.roles = spawn_roles(placement, roles, options=options)
         self.actor = self.roles["actor"]
         self.ref = self.roles["reference"] if "reference" in roles else None
         self.critic = self.roles["critic"] if critic_cfg is not None else None
         self.address = self.actor.master_addr  # where the workers reach the driver (the sync's rendezvous)
 
     def host_engine(self, model_config: ModelConfig, dtype: torch.dtype, tp: int,
-                    expert_placement: str = "tp") -> ActorHostedRanks:
-        """Colocated: the engine's ranks in the actor processes (LLMEngine(runner_group=...))."""
+                    expert_placement: str = "tp") -> ActorHostedRanks | InProcessRunner:
+        """Colocated: the engine's ranks in the actor processes (LLMEngine(runner_group=...)). Inline, its one rank
+        is an object of this process, called directly (the rollout thread steps it while the driver updates)."""
         free = self.actor.call(ActorWorker.init_engine, model_config, dtype, tp, expert_placement)
+        if self.inline:
+            return InProcessRunner(self.actor.call(ActorWorker.engine_rank))
         return ActorHostedRanks(self.actor, tp, min(f for f in free if f is not None))
 
     def run_on_ranks(self, fn: Callable, *args) -> list:

@@ -7,10 +7,10 @@ ranks are, with the same one call on both roles:
     policy.run_on_ranks(trainer_*, ...)   fn(trainer_rank, ...) on every trainer rank (relayrl.trainer.policy)
     engine.run_on_ranks(engine_*, ...)    fn(model_runner, ...) on every engine rank
 
-so LocalPolicy, ActorWorker and the engine's ranks, wherever they live, run the same code. A rank's
-state between syncs (its sync group, a send in flight) is kept on the rank itself: in
-`trainer_rank.sync_state` and in `runner.sync_state`. The functions are module-level so that they
-pickle by name to worker processes.
+so the actor's ranks (ActorWorker, in worker processes or inline in the driver's) and the engine's ranks,
+wherever they live, run the same code. A rank's state between syncs (its sync group, a send in flight) is kept
+on the rank itself: in `trainer_rank.sync_state` and in `runner.sync_state`. The functions are module-level so
+that they pickle by name to worker processes.
 
     colocated        trainer_colocated   every trainer rank plays both roles for its engine rank r:
                                          own pieces copied in place, the rest sent and received

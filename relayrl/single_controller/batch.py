@@ -142,6 +142,8 @@ class DataBatch:
         if not parts:
             raise ValueError("DataBatch.concat needs at least one batch")
         first = parts[0]
+        if len(parts) == 1:  # a world of 1 (inline: the worker's own result): nothing to join, nothing copied
+            return first
         for i, p in enumerate(parts[1:], 1):
             if set(p.tensors) != set(first.tensors) or set(p.non_tensors) != set(first.non_tensors):
                 raise ValueError(f"DataBatch.concat: part {i} has keys {sorted(p.keys())}, "

@@ -79,6 +79,12 @@ class Worker:
         return self._info.device
 
     @property
+    def in_group(self) -> bool:
+        """Whether this worker has a group to join (a rendezvous). Not when it was built directly or by an inline
+        group (the driver's own process): there a world of 1 runs without a process group."""
+        return self._info.store is not None
+
+    @property
     def master_addr(self) -> str:
         """The address at which this worker reaches the process that started its group."""
         return self._info.store.host if self._info.store is not None else LOCALHOST

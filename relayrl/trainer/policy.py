@@ -1,9 +1,9 @@
 """The seam between the driver and the trainer, as typing.Protocols: a `Policy` is the trainer wherever
 it runs, and a `TrainerRank` is what a function sent to each of its ranks receives.
 
-    driver ──Policy──> LocalPolicy   the actor (and reference) in the driver's own process
-                   └─> GroupPolicy   actor (+ reference) worker groups, SPMD inside
-                                     (both in relayrl.controller)
+    driver ──Policy──> GroupPolicy   actor (+ reference, critic) worker groups, SPMD inside, on local
+                                     processes or Ray, or inline in the driver's own process (a world of 1;
+                                     relayrl.roles.group_policy)
 
 The driver computes with `compute_logprobs`, `compute_ref_logprobs` and `update`, checkpoints with
 `save` / `load`, exports with `weights`, and reaches every rank with `run_on_ranks(fn, *args)`:
@@ -30,7 +30,7 @@ from relayrl.trainer.batch import TrainBatch
 class TrainerRank(Protocol):
     """What a function run on a trainer rank gets to work with."""
 
-    rank: int  # the rank in the trainer's group (0 in the driver's own process)
+    rank: int  # the rank in the trainer's group (0 of 1 in the driver's own process)
     model: nn.Module  # this rank's (possibly sharded) model
     engine_runner: Any  # the engine rank this process hosts (colocated), or None
     sync_state: dict[str, Any]  # what the weight sync keeps on this rank between syncs

@@ -48,7 +48,7 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
 
     import relayrl.checkpoint.distributed as ckpt_distributed
-    import relayrl.roles.local_policy as local_policy
+    import relayrl.roles.actor_workers as actor_workers
     import relayrl.rollout.source as source
     from relayrl.cli.main import main as cli
 
@@ -59,7 +59,7 @@ def main() -> int:
     elif point == "before-rename":
         ckpt_distributed.publish = _after(n, ckpt_distributed.publish, before=True)
     elif point == "after-save":
-        local_policy.save_actor = _after(n, local_policy.save_actor, before=False)
+        actor_workers.save_actor = _after(n, actor_workers.save_actor, before=False)
     else:
         raise SystemExit(f"unknown kill point {point!r}")
     return cli(argv)

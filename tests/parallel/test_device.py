@@ -23,6 +23,8 @@ from relayrl.models.transformer import CausalLM
 from relayrl.observe import device_memory
 from relayrl.observe.device_memory import GIB, device_memory_metrics
 from relayrl.parallel.device import module_device, process_group_backend, resolve_device
+from relayrl.roles import group_policy
+from relayrl.single_controller.resource_pool import ResourcePool
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
@@ -126,14 +128,22 @@ def test_autocast_takes_the_device_type_of_the_model():
 
 @pytest.mark.unit
 def test_a_single_process_policy_builds_every_model_on_the_resolved_device(tmp_path, monkeypatch):
-    """The actor, the reference and PPO's critic (backend none): meta stands in for the GPU resolve_device picks."""
-    monkeypatch.setattr(build_module, "resolve_device", lambda setting, key="parallel.device": "meta")
+    """The actor, the reference and PPO's critic (backend none, inline workers): meta stands in for the GPU
+    resolve_device picks (its pool hands rank 0 cuda:0)."""
+    monkeypatch.setattr(group_policy, "resolve_device", lambda setting, key="parallel.device": "cuda")
+    monkeypatch.setattr(ResourcePool, "device_for", lambda pool, rank: {"cuda": "meta"}[pool.device_type])
     cfg = cfg_for(tmp_path, "run", algo={"kl_coef": 0.1, "advantage": "gae"}, critic={})
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, tmp_path / "run")
     policy = build_policy(cfg, src)
-    models = {"actor": policy.actor.model, "reference": policy.ref_model, "critic": policy.critic.model}
+    actor, critic = _inline_attr(policy.actor, "actor"), _inline_attr(policy.critic, "critic")
+    models = {"actor": actor.model, "reference": _inline_attr(policy.ref, "model"), "critic": critic.model}
     assert {k: {p.device.type for p in m.parameters()} for k, m in models.items()} == dict.fromkeys(models, {"meta"})
-    assert policy.actor.device.type == policy.critic.device.type == "meta"
+    assert actor.device.type == critic.device.type == "meta"
+
+
+def _inline_attr(role, name: str):
+    """An attribute of an inline role's one worker: the object itself (nothing crosses a process)."""
+    return role.execute_all("__getattribute__", name)[0]
 
 
 # ---------------------------------------------------------------------------- memory figures

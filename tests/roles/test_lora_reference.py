@@ -14,11 +14,10 @@ from relayrl.jobs.build import build_policy
 from relayrl.models import load_pretrained
 from relayrl.models.lora import lora_modules
 from relayrl.roles.group_policy import GroupPolicy
-from relayrl.roles.local_policy import LocalPolicy
 from relayrl.trainer.batch import TrainBatch, build_rows
 from relayrl.trainer.reference import Reference
 
-from helpers import cfg_for, random_rows, step_metrics
+from helpers import cfg_for, policy_model, random_rows, step_metrics
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]}
 
@@ -74,14 +73,15 @@ def _first_update(policy, batch) -> tuple[torch.Tensor, dict]:
 @pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
 def test_reference_is_the_actors_base_in_one_process(base_dir, tmp_path, base_dtype):
     policy = build_policy(_cfg(tmp_path, base_dtype), base_dir)
-    assert isinstance(policy, LocalPolicy) and policy.ref_model is None  # no second model
+    assert policy.inline and policy.ref_in_actor and policy.ref is None  # no second model
+    assert "reference" not in policy.roles
     batch = _batch()
     ref, stats = _first_update(policy, batch)
     assert stats["kl"] == 0.0
     dtype = getattr(torch, base_dtype)  # a separately loaded base model, in the base's dtype
     torch.testing.assert_close(ref, _base_logprobs(base_dir, batch, dtype), atol=0, rtol=0)
     # the adapters are back on after the reference pass, and the update moved them: the policy left its base
-    assert all(m.lora_enabled for m in lora_modules(policy.actor.model).values())
+    assert all(m.lora_enabled for m in lora_modules(policy_model(policy)).values())
     moved = policy.compute_logprobs(batch)
     assert (moved - ref).abs().max() > 1e-4
     torch.testing.assert_close(policy.compute_ref_logprobs(batch), ref, atol=0, rtol=0)  # the base never moves
@@ -90,7 +90,7 @@ def test_reference_is_the_actors_base_in_one_process(base_dir, tmp_path, base_dt
 @pytest.mark.unit
 def test_full_finetuning_keeps_its_reference_model(base_dir, tmp_path):
     policy = build_policy(_cfg(tmp_path, lora=False), base_dir)
-    assert policy.ref_model is not None and not policy.ref_in_actor
+    assert policy.ref is not None and not policy.ref_in_actor
 
 
 @pytest.mark.e2e

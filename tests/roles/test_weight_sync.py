@@ -6,42 +6,49 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relayrl.algorithms import AlgoConfig
 from relayrl.controller.config import RunConfig
 from relayrl.engine import LLMEngine
 from relayrl.errors import ConfigError
 from relayrl.jobs.train import train
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.models.config import ModelShape
-from relayrl.roles.local_policy import LocalPolicy
+from relayrl.roles.group_policy import GroupPolicy
 from relayrl.roles.weight_sync import PlannedWeightSync, SyncVerificationError
 from relayrl.sync.config import SyncConfig
 from relayrl.sync.layout import TrainerLayout
-from relayrl.trainer.actor import Actor
-from relayrl.trainer.config import TrainerConfig
 
-from helpers import EXACT, SYNC_CONFIGS, assert_same_metrics, cfg_for, group_cfg, naive_plan, step_metrics
+from helpers import (
+    EXACT,
+    SYNC_CONFIGS,
+    assert_same_metrics,
+    cfg_for,
+    group_cfg,
+    inline_policy,
+    naive_plan,
+    policy_model,
+    step_metrics,
+)
 
 
-def _policy(key: str = "gqa8x2") -> LocalPolicy:
+def _policy(key: str = "gqa8x2") -> GroupPolicy:
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(**SYNC_CONFIGS[key]))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)  # a peaked distribution: wrong weights move the logprobs far
-    return LocalPolicy(Actor(model, TrainerConfig(), AlgoConfig(), total_steps=1))
+    return inline_policy(model)
 
 
 def _sync(policy, engine, tp: int, colocated: bool, **cfg) -> PlannedWeightSync:
-    shape = ModelShape.of(policy.actor.model.config)
+    shape = ModelShape.of(policy_model(policy).config)
     return PlannedWeightSync(policy, engine, shape=shape, trainer_layout=TrainerLayout(), engine_tp=tp,
                              colocated=colocated, engine_dtype=engine.dtype, trainer_dtype=torch.float32,
                              temperature=1.0, cfg=SyncConfig(**cfg))
 
 
-def _colocated_engine(policy: LocalPolicy, dtype: torch.dtype = torch.float32) -> LLMEngine:
+def _colocated_engine(policy: GroupPolicy, dtype: torch.dtype = torch.float32) -> LLMEngine:
     """The engine's one rank beside the actor, in this process (filled by the first sync)."""
-    cfg = policy.actor.model.config
+    cfg = policy_model(policy).config
     return LLMEngine(cfg, dtype=dtype, runner_group=policy.host_engine(cfg, dtype, 1), kv_cache_bytes=1 << 16)
 
 
@@ -54,13 +61,13 @@ def _write_naive(runner, naive: dict) -> None:
 @pytest.mark.faults
 def test_naive_fused_slicing_is_caught_and_named():
     policy = _policy()
-    cfg = policy.actor.model.config
+    cfg = policy_model(policy).config
     engine = LLMEngine(cfg, tensor_parallel_size=2, kv_cache_bytes=1 << 16)  # ranks in processes of their own
     try:
         ws = _sync(policy, engine, 2, colocated=False)
         m = ws.sync()
         assert m["sync/canary_gap"] < 1e-5
-        full = {k: v.detach() for k, v in policy.actor.model.state_dict().items()}
+        full = {k: v.detach() for k, v in policy_model(policy).state_dict().items()}
         engine.run_on_ranks(_write_naive, naive_plan(full, cfg, 2))  # "assemble qkv, cut in 2 by rows"
         with pytest.raises(SyncVerificationError) as err:
             ws.verify("the naive load")
@@ -219,7 +226,7 @@ def test_float8_wire_rounds_every_piece_the_same_way():
     assert exact < 1e-6 < gap < 0.25  # the float8 wire's bound
     assert ws.bound == max(0.25, 3 * gap)  # after a checksum-verified first sync: room for 3x that gap
     embed = engine.runner.params()["embed_tokens.weight"]
-    w = policy.actor.model.model.embed_tokens.weight.detach()
+    w = policy_model(policy).model.embed_tokens.weight.detach()
     scale = w.abs().max() / 448
     assert torch.equal(embed, (w / scale).to(torch.float8_e4m3fn).float() * scale)
 
@@ -231,7 +238,7 @@ def test_a_sender_that_dies_fails_the_sync_within_the_timeout(monkeypatch):
     import relayrl.sync.transfer as transfer
 
     policy = _policy()
-    engine = LLMEngine(policy.actor.model.config, own_processes=True, kv_cache_bytes=1 << 16)  # disaggregated
+    engine = LLMEngine(policy_model(policy).config, own_processes=True, kv_cache_bytes=1 << 16)  # disaggregated
     try:
         ws = _sync(policy, engine, 1, colocated=False, timeout_s=3.0)
         ws.sync()

@@ -7,6 +7,8 @@ them, teardown at shutdown, and a clear refusal for a worker that needs a proces
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -39,6 +41,10 @@ class Scaler(Worker):
     def scaled(self, batch: DataBatch) -> DataBatch:
         return DataBatch({"y": batch.tensors["x"] * self.scale + self.rank})
 
+    @dispatch(Dispatch.DP_SPLIT)
+    def same(self, batch: DataBatch) -> DataBatch:
+        return batch
+
     @dispatch(Dispatch.ONE_TO_ALL)
     def where(self) -> tuple[int, int, int]:
         return self.rank, self.world_size, os.getpid()
@@ -54,6 +60,12 @@ class Scaler(Worker):
     @dispatch(Dispatch.RANK_ZERO)
     def interrupted(self):
         raise KeyboardInterrupt
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def held(self, log: list, name: str, seconds: float):
+        log.append(("in", name))
+        time.sleep(seconds)
+        log.append(("out", name))
 
     def teardown(self) -> None:
         TEARDOWNS.append(self.rank)
@@ -85,6 +97,9 @@ def test_inline_runs_in_this_process_without_copies_or_thread_changes():
         assert g.call(Scaler.echo, obj) is obj  # the same object: nothing pickled
         assert torch.get_num_threads() == threads  # GroupOptions.threads is the worker processes', not ours
     assert TEARDOWNS == [0, 1]
+    with WorkerGroup(ResourcePool([1], name="scaler"), Scaler, 1.0, options=opts("inline")) as g:
+        x = torch.arange(6.0).reshape(3, 2)  # a world of 1: DP_SPLIT's one chunk and its "concat" copy nothing
+        assert g.call(Scaler.same, DataBatch({"x": x})).tensors["x"].data_ptr() == x.data_ptr()
 
 
 def test_inline_errors_come_back_as_the_groups_do():
@@ -101,3 +116,19 @@ def test_inline_errors_come_back_as_the_groups_do():
 def test_an_inline_worker_that_needs_a_process_group_is_refused_in_words():
     with pytest.raises(WorkerError, match="inline worker group .* run it on the local or ray backend"):
         WorkerGroup(ResourcePool([1], name="needs"), NeedsGroup, options=opts("inline"))
+
+
+def test_inline_calls_from_two_threads_run_one_at_a_time():
+    """A stream's thread and the driver's calling one inline group: the second call waits for the first (as a worker
+    process serves its calls one by one) instead of interleaving with it."""
+    group = WorkerGroup(ResourcePool([1]), Scaler, 1.0, options=opts("inline"))
+    try:
+        log: list = []
+        other = threading.Thread(target=group.call, args=(Scaler.held, log, "thread", 0.2))
+        other.start()
+        time.sleep(0.05)  # the thread's call is under way
+        group.call(Scaler.held, log, "driver", 0.0)
+        other.join()
+        assert log == [("in", "thread"), ("out", "thread"), ("in", "driver"), ("out", "driver")]
+    finally:
+        group.shutdown()

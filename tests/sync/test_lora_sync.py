@@ -11,7 +11,6 @@ import itertools
 import pytest
 import torch
 
-from relayrl.algorithms import AlgoConfig
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.engine.lora import enable_lora, merge_lora, sync_params
 from relayrl.engine.model import EngineModel
@@ -19,7 +18,7 @@ from relayrl.engine.parallel_state import TPInfo
 from relayrl.models import CausalLM, ModelConfig
 from relayrl.models.config import ModelShape
 from relayrl.models.lora import apply_lora, lora_modules, merged_state
-from relayrl.roles.local_policy import LocalPolicy
+from relayrl.roles.group_policy import GroupPolicy
 from relayrl.roles.weight_sync import PlannedWeightSync, SyncVerificationError
 from relayrl.sync.adapters import AdapterShape
 from relayrl.sync.apply import execute_plan, shard_state_dict
@@ -27,10 +26,8 @@ from relayrl.sync.config import SyncConfig
 from relayrl.sync.layout import EngineLayout, TrainerLayout, logical_tensors
 from relayrl.sync.plan import plan_sync
 from relayrl.sync.presets import PRESETS
-from relayrl.trainer.actor import Actor
-from relayrl.trainer.config import TrainerConfig
 
-from helpers import SYNC_CONFIGS
+from helpers import SYNC_CONFIGS, inline_policy, policy_model
 
 CONFIGS = {**SYNC_CONFIGS,
            "tiny-gqa": dict(model_type="qwen2", **dataclasses.asdict(PRESETS["tiny-gqa"]))}
@@ -136,13 +133,13 @@ def test_sync_plan_cli_prints_full_and_adapter_bytes_and_their_ratio(capsys):
 
 
 # ---------------------------------------------------------------------------- one process, through the driver's sync
-def _policy(key: str = "gqa8x2", **lora_kw) -> LocalPolicy:
+def _policy(key: str = "gqa8x2", **lora_kw) -> GroupPolicy:
     model = _lora_model(_cfg(key), **lora_kw)
-    return LocalPolicy(Actor(model, TrainerConfig(), AlgoConfig(), total_steps=1))
+    return inline_policy(model)
 
 
 def _sync(policy, mode: str, dtype=torch.float32, **cfg) -> tuple[PlannedWeightSync, LLMEngine]:
-    model = policy.actor.model
+    model = policy_model(policy)
     config = model.config
     engine = LLMEngine(config, dtype=dtype, runner_group=policy.host_engine(config, dtype, 1), kv_cache_bytes=1 << 16)
     targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in lora_modules(model)}))
@@ -170,7 +167,7 @@ def test_engine_equals_trainer_after_every_sync_and_later_syncs_send_adapters_on
     assert _trainer_vs_engine(ws) < 1e-5
     full_bytes = m["sync/bytes_per_engine_rank"]
     for step in range(2):
-        _new_adapters(policy.actor.model, 100 + step)  # an update moved the adapters
+        _new_adapters(policy_model(policy), 100 + step)  # an update moved the adapters
         assert _trainer_vs_engine(ws) > 0.1  # the engine is stale until the sync
         m = ws.sync(f"step {step}")
         assert m["sync/adapters_only"] == 1 and m["sync/canary_gap"] < 1e-6
@@ -186,7 +183,7 @@ def test_some_targets_only(mode):
     policy = _policy(targets=("q_proj", "v_proj", "o_proj"))
     ws, _ = _sync(policy, mode)
     assert ws.sync()["sync/canary_gap"] < 1e-6
-    _new_adapters(policy.actor.model, 7)
+    _new_adapters(policy_model(policy), 7)
     assert ws.sync()["sync/canary_gap"] < 1e-6
     assert _trainer_vs_engine(ws) < 1e-5
 
@@ -207,7 +204,7 @@ def test_a_misplaced_adapter_piece_is_caught_and_named(mode):
     policy = _policy()
     ws, engine = _sync(policy, mode)
     ws.sync()
-    _new_adapters(policy.actor.model, 3)
+    _new_adapters(policy_model(policy), 3)
     ws.sync()
     engine.run_on_ranks(_swap_kv_rows, mode)
     with pytest.raises(SyncVerificationError,
@@ -223,7 +220,7 @@ def test_deep_sleep_resends_the_base(mode):
     ws, engine = _sync(policy, mode)
     ws.sync()
     engine.sleep(2)  # the weights (and merge's base copies) are released
-    _new_adapters(policy.actor.model, 5)
+    _new_adapters(policy_model(policy), 5)
     m = ws.sync()
     assert m["sync/adapters_only"] == 0 and m["sync/canary_gap"] < 1e-6
     assert _trainer_vs_engine(ws) < 1e-5
@@ -240,10 +237,10 @@ def test_merged_engine_generates_as_a_plain_engine_with_the_merged_weights():
         policy = _policy()
         ws, engine = _sync(policy, mode)
         ws.sync()
-        _new_adapters(policy.actor.model, 11)
+        _new_adapters(policy_model(policy), 11)
         ws.sync()
         outs[mode] = engine.generate(prompts, sp)
-    model = policy.actor.model
+    model = policy_model(policy)
     plain = LLMEngine(model.config, dtype=torch.float32, kv_cache_bytes=1 << 16)
     plain.load_weights(merged_state(model).items())
     want = plain.generate(prompts, sp)
@@ -257,8 +254,8 @@ def test_merged_engine_generates_as_a_plain_engine_with_the_merged_weights():
 # ---------------------------------------------------------------------------- through the driver
 @pytest.mark.e2e
 def test_a_lora_run_syncs_adapters_only_and_both_engine_modes_give_the_same_run(tmp_path):
-    """trainer.lora set: every step's sync sends the adapters only (the base went with the sync before
-    the first step), verified; the engine keeping them apart or merging them samples the same rollouts."""
+    """trainer.lora set: every step's sync sends the adapters only (the base went with the first evaluation's sync,
+    which step 1 then skips), verified; the engine keeping them apart or merging them samples the same rollouts."""
     from relayrl.controller.config import RunConfig
     from relayrl.jobs.train import train
 
@@ -279,6 +276,11 @@ def test_a_lora_run_syncs_adapters_only_and_both_engine_modes_give_the_same_run(
             assert a[k] == b[k], k
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
         for m in (a, b):
-            assert m["sync/adapters_only"] == 1 and m["sync/canary_gap"] < 1e-5
+            assert m["sync/canary_gap"] < 1e-5
+            if m["sync/skipped"]:  # step 1: the first evaluation's sync (base and adapters) is the step's
+                assert m["step"] == 1 and m["sync/adapters_only"] == 0
+                continue
+            assert m["sync/adapters_only"] == 1
             assert m["sync/bytes_per_engine_rank"] == m["sync/bytes_copied_in_place"] == adapter_bytes
     assert len(runs["separate"]) == 3
+    assert [m["sync/skipped"] for m in runs["separate"]] == [1.0, 0.0, 0.0]

@@ -9,8 +9,9 @@ same objects) and no process, process group, heartbeat or thread count is starte
 exception comes back as the group's usual error (a UserError as itself, one line); an interrupt (Ctrl-C) is the
 driver's own and propagates as it is.
 
-What runs inline must not need a process group of its own (init_distributed refuses: the driver's process is not
-a group's rank); those roles (the trainer's ranks) run on the local or Ray backend.
+What runs inline joins no process group (init_distributed refuses: the driver's process is not a group's rank; a
+worker sees `in_group` False): a role that needs one for a world above 1 runs on the local or Ray backend, and
+in a world of 1 skips it (the trainer's workers under `parallel.backend: none` do).
 
 It imports the rest of single_controller only; like all of single_controller, it knows nothing of RL and must
 never import the RL layers (controller, trainer, engine, rewards, sync, ...).
@@ -19,6 +20,7 @@ never import the RL layers (controller, trainer, engine, rewards, sync, ...).
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from relayrl.observe.trace import open_tracer
@@ -65,6 +67,9 @@ class InlineBackend:
         self.hosts = [InlineHost() for _ in range(pool.world_size)]
         self._done: dict[int, Payload] = {}
         self._next = 0
+        # one call at a time, as a worker process serves them: a second thread's call (a stream's, beside the
+        # driver's) waits for the first to finish instead of interleaving in the worker or in the handle table
+        self._lock = threading.RLock()  # re-entrant: a worker may call its own group back
 
     def pid(self, rank: int) -> int:
         return os.getpid()
@@ -75,14 +80,16 @@ class InlineBackend:
     def submit_all(self, calls: dict[int, tuple[str, tuple]]) -> dict[int, int]:
         """Run every rank's operation now, in rank order; wait() returns the payloads."""
         handles = {}
-        for rank, (op, args) in calls.items():
-            self._next += 1
-            self._done[self._next] = getattr(self.hosts[rank], op)(*args)
-            handles[rank] = self._next
+        with self._lock:
+            for rank, (op, args) in calls.items():
+                self._next += 1
+                self._done[self._next] = getattr(self.hosts[rank], op)(*args)
+                handles[rank] = self._next
         return handles
 
     def wait(self, handles: dict[int, Any], timeout: float | None) -> dict[int, Payload]:
-        return {rank: self._done.pop(h) for rank, h in handles.items()}
+        with self._lock:
+            return {rank: self._done.pop(h) for rank, h in handles.items()}
 
     def stop(self, graceful: bool, timeout: float) -> None:
         for host in self.hosts:
