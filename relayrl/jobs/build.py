@@ -16,6 +16,7 @@ Like the rest of relayrl.jobs, it may import every layer below the CLI; it must 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -81,6 +82,8 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
         return RolloutRole.own_process(src, {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)},
                                        options, tokenizer, device=device)
     if par.placement == "disaggregated":
+        if par.backend == "none":  # the trainer is in this process; the engine's ranks are processes all the same
+            options = dataclasses.replace(options, backend="local")
         return RolloutRole.inline(partial(LLMEngine, model, tokenizer, own_processes=True, group_options=options,
                                           device=device, **kwargs), tokenizer)
     hosted = policy.host_engine(model, kwargs["dtype"], r.tp, r.expert_placement)

@@ -172,3 +172,16 @@ def test_the_sync_after_an_evaluation_is_skipped_and_changes_nothing(tmp_path, m
     drop = ("sync/skipped",)
     assert ([{k: v for k, v in m.items() if k not in drop} for m in _training_lines(skipped["run_dir"])]
             == [{k: v for k, v in m.items() if k not in drop} for m in _training_lines(synced["run_dir"])])
+
+
+@pytest.mark.e2e
+def test_a_trainer_in_this_process_syncs_an_engine_in_processes_of_its_own(tmp_path):
+    """parallel.backend none with placement disaggregated: the trainer in the driver's process, the engine's rank in
+    a process of its own (local), every piece sent between processes and verified by the canary."""
+    res = train(cfg_for(tmp_path, "d", parallel={"placement": "disaggregated"}, run={"steps": 2, "save_every": 0}),
+                show_progress=False)
+    lines = [m for m in read_metrics(res["run_dir"]) if "reward/mean" in m]
+    assert len(lines) == 2
+    for m in lines:
+        assert m["sync/bytes_between_processes"] > 0 and m["sync/bytes_copied_in_place"] == 0
+        assert m["sync/canary_gap"] < 1e-5 and m["mismatch/logp_abs_max"] < 1e-5  # fp32 on both sides
