@@ -136,7 +136,7 @@ def test_a_single_process_policy_builds_every_model_on_the_resolved_device(tmp_p
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, tmp_path / "run")
     policy = build_policy(cfg, src)
     actor, critic = _inline_attr(policy.actor, "actor"), _inline_attr(policy.critic, "critic")
-    models = {"actor": actor.model, "reference": _inline_attr(policy.ref, "model"), "critic": critic.model}
+    models = {"actor": actor.model, "reference": _inline_attr(policy.ref, "reference").model, "critic": critic.model}
     assert {k: {p.device.type for p in m.parameters()} for k, m in models.items()} == dict.fromkeys(models, {"meta"})
     assert actor.device.type == critic.device.type == "meta"
 
