@@ -173,7 +173,7 @@ def test_the_models_read_neither_the_environment_nor_the_cpu():
     assert len(_reads_of_the_environment_or_cpu(ROOT / "relayrl" / "parallel" / "cpu_kernels.py")) >= 2
 
 
-@pytest.mark.unit
+@pytest.mark.equivalence
 def test_models_never_configured_ignore_the_variables():
     """A process that never configured its models (no conftest here: a fresh interpreter) runs them on torch's
     kernels and compiled pointwise pieces, its defaults, whatever the variables say: bad values raise nothing."""

@@ -83,7 +83,7 @@ def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch):
     assert host_memory.mode() == "release"
 
 
-@pytest.mark.unit
+@pytest.mark.e2e
 def test_the_cli_reports_a_bad_value_in_one_line_before_the_command_runs(tmp_path):
     env = {**os.environ, host_memory.ENV: "sometimes"}
     out = subprocess.run([sys.executable, "-m", "relayrl.cli.main", "demo", "--out", str(tmp_path / "run")],

@@ -19,8 +19,6 @@ from relayrl.single_controller.resource_pool import ResourcePool
 from relayrl.single_controller.worker import Worker
 from relayrl.single_controller.worker_group import WorkerGroup
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -31,6 +29,7 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("roles") / "m", "0123456789+=", cfg))
 
 
+@pytest.mark.unit
 def test_the_inline_rollout_role_is_the_engine_itself(model_dir):
     built = []
 
@@ -62,6 +61,7 @@ def test_the_inline_rollout_role_is_the_engine_itself(model_dir):
         direct.close()
 
 
+@pytest.mark.unit
 def test_the_inline_rule_scorer_scores_as_the_reward_scorer_does():
     task = build_task(DataConfig(task="arith"))
     examples = [ex for ex in task.generate(4, seed=0) for _ in range(3)]
@@ -77,6 +77,7 @@ def test_the_inline_rule_scorer_scores_as_the_reward_scorer_does():
         direct.close()
 
 
+@pytest.mark.unit
 def test_a_reward_function_failing_everywhere_stops_in_one_line_inline():
     rules = RuleScorer(RewardConfig.from_dict({"functions": [{"name": "tests.fixtures.rewards:always_raises"}]}))
     examples = build_task(DataConfig(task="arith")).generate(2, seed=0)
@@ -94,7 +95,8 @@ class LosesARank(Worker):
         raise WorkerLostError("engine worker rank 1 (pid 7) died during 'run'")
 
 
-@pytest.mark.parametrize("backend", ["inline", "local"])
+@pytest.mark.parametrize("backend", [pytest.param("inline", marks=pytest.mark.unit),
+                                     pytest.param("local", marks=pytest.mark.faults)])
 def test_a_fault_below_a_worker_comes_back_as_that_fault(backend):
     """A group the worker drives lost a process: the run's fault (RunFault, exit status 3), not the worker's bug."""
     with WorkerGroup(ResourcePool([1]), LosesARank, options=GroupOptions(backend=backend)) as group:

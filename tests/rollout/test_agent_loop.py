@@ -110,7 +110,7 @@ def run_guess(tok, model, n_prompts=4, G=4, **engine_kw):
     return trajs, spy
 
 
-@pytest.mark.unit
+@pytest.mark.equivalence
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_trained_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(setup, padding_free):
     tok, model = setup
@@ -145,7 +145,7 @@ def test_trained_ids_are_the_sampled_ids_and_logprobs_match_the_trainer(setup, p
     assert any(r != t.prompt_ids + t.response_ids for r, t in zip(retokenized, trajs, strict=True))
 
 
-@pytest.mark.unit
+@pytest.mark.equivalence
 def test_observations_are_the_templates_continuation(setup):
     tok, model = setup
     trajs, _ = run_guess(tok, model)
@@ -168,7 +168,7 @@ def test_observations_are_the_templates_continuation(setup):
     assert ex.prompt.startswith("Guess my number from ")
 
 
-@pytest.mark.unit
+@pytest.mark.equivalence
 def test_a_continuing_episode_reuses_its_kv_blocks(setup):
     """Each later turn's request is the conversation so far: its full blocks written in the previous
     turn (prompt and generated tokens but the last) come from the prefix cache."""
