@@ -183,16 +183,30 @@ def sync_model(key: str, seed: int = 0) -> CausalLM:
     return model
 
 
-def inline_policy(model: torch.nn.Module):
+def inline_policy(model: torch.nn.Module, engine_dtype: torch.dtype | None = None):
     """A trainer of one rank in this process around `model` (parallel.backend none): GroupPolicy over the inline
-    backend, its actor built from the model itself (no copy), default trainer and algorithm settings."""
+    backend, its actor built from the model itself (no copy), default trainer and algorithm settings. engine_dtype:
+    with a colocated engine rank (in engine_dtype) beside the actor, its role `roles["engine"]` (colocated_engine)."""
     from relayrl.algorithms import AlgoConfig
+    from relayrl.engine.tp_workers import RunnerWorker
     from relayrl.parallel.config import ParallelConfig
     from relayrl.roles.group_policy import GroupPolicy
+    from relayrl.single_controller.worker import RoleSpec
     from relayrl.trainer.config import TrainerConfig
 
+    engine = None if engine_dtype is None else RoleSpec(RunnerWorker, (model.config, engine_dtype))
     return GroupPolicy(lambda: model, par=ParallelConfig(), trainer_cfg=TrainerConfig(), algo_cfg=AlgoConfig(),
-                       total_steps=1)
+                       total_steps=1, colocated_engine=engine)
+
+
+def colocated_engine(policy, dtype: torch.dtype = torch.float32):
+    """The LLMEngine over an inline_policy's colocated engine rank (built with engine_dtype=dtype); empty until the
+    first sync."""
+    from relayrl.engine import LLMEngine
+    from relayrl.engine.tp_workers import colocated_ranks
+
+    return LLMEngine(policy_model(policy).config, dtype=dtype, runner_group=colocated_ranks(policy.roles["engine"], 1),
+                     kv_cache_bytes=1 << 16)
 
 
 def _rank_model(rank):

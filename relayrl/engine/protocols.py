@@ -6,9 +6,9 @@
     StepEngine      what the agent loop uses to drive episodes turn by turn: add a request, run one
                     engine step, collect the requests it completed (LLMEngine is one)
     RunnerGroup     where the engine's tensor-parallel ranks (ModelRunners) live, as the engine
-                    sees them: in this process (InProcessRunner), in worker processes of their own
-                    (a worker group, relayrl.engine.tp_workers), or hosted by the trainer's
-                    processes (relayrl.roles.engine_host). The engine calls every rank alike, with
+                    sees them: in this process (InProcessRunner), or RunnerWorkers in a worker group
+                    (WorkerRanks, relayrl.engine.tp_workers): processes of their own, or placed in the
+                    trainer's processes (colocated). The engine calls every rank alike, with
                     a function, never a method's name: call(ModelRunner.run, ...).
 
 The engine module imports relayrl.models, relayrl.single_controller (its tensor-parallel ranks are a

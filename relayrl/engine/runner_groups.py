@@ -4,8 +4,9 @@ rank itself.
 An LLMEngine talks to its ranks only through a RunnerGroup (relayrl.engine.protocols). With
 tensor_parallel_size 1 and no worker processes asked for, that group is this one: one ModelRunner in
 the calling process, called directly (no pickling, no pipe): `call(fn, *args)` is fn(runner, *args).
-The weight sync's in-place copies and a colocated trainer in the driver's own process (an inline actor
-group hosting the engine's one rank: relayrl.roles.group_policy) reach the runner through `call_all` or `runner`.
+The weight sync's in-place copies reach the runner through `call_all` or `runner`. A colocated engine in the
+driver's own process (an inline RunnerWorker beside the inline actor: relayrl.engine.tp_workers.colocated_ranks)
+is called through one too, so a rollout thread steps it directly.
 
 This module imports the engine's own modules only; like the whole engine, it must never import the
 trainer, sync, the controller or the CLI.

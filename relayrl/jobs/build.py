@@ -30,6 +30,7 @@ from relayrl.controller.step_cost import StepCost
 from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.engine.protocols import RolloutEngine
+from relayrl.engine.tp_workers import RunnerWorker, colocated_ranks
 from relayrl.jobs.base_model import base_model_dir
 from relayrl.jobs.preflight import check_fits_model, check_roles, sync_transport
 from relayrl.models import load_config
@@ -48,6 +49,7 @@ from relayrl.roles.weight_sync import FullWeightSync, PlannedWeightSync, lora_op
 from relayrl.rollout.agent_loop import EpisodeRunner
 from relayrl.rollout.source import LockstepSource, RolloutSource, StreamingSource
 from relayrl.single_controller.liveness import GroupOptions
+from relayrl.single_controller.worker import RoleSpec
 from relayrl.sync.experts import sync_shape
 from relayrl.sync.layout import TrainerLayout
 from relayrl.sync.protocol import WeightSync
@@ -61,8 +63,9 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
     """The rollout engine, its ranks where parallel.placement puts them:
 
         vllm                          vLLM's engine (its own workers; synced with full tensors)
-        colocated                     in the trainer's processes: ranks 0..tp-1 of the actor workers
-                                      (backend none: its one rank beside the actor, in this one)
+        colocated                     in the trainer's processes: the engine role (RunnerWorkers) the
+                                      policy's groups were spawned with (colocated_engine), ranks 0..tp-1
+                                      hosting it (backend none: its one rank beside the actor, in this one)
         disaggregated                 processes of its own (a worker group of its ranks; or the
                                       whole engine in a rollout worker)
 
@@ -86,8 +89,17 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
             options = dataclasses.replace(options, backend="local")
         return RolloutRole.inline(partial(LLMEngine, model, tokenizer, own_processes=True, group_options=options,
                                           device=device, **kwargs), tokenizer)
-    hosted = policy.host_engine(model, kwargs["dtype"], r.tp, r.expert_placement)
+    hosted = colocated_ranks(policy.roles["engine"], r.tp)
     return RolloutRole.inline(partial(LLMEngine, model, tokenizer, runner_group=hosted, **kwargs), tokenizer)
+
+
+def colocated_engine(cfg: RunConfig, model: ModelConfig) -> RoleSpec | None:
+    """The engine's rank role to place in the actor's processes (parallel.placement colocated, relayrl's engine
+    beside the driver), or None: its ranks live elsewhere (build_engine)."""
+    r, par = cfg.rollout, cfg.parallel
+    if r.backend == "vllm" or par.rollout_worker or par.placement != "colocated":
+        return None
+    return RoleSpec(RunnerWorker, (model, DTYPES[r.engine_dtype], r.expert_placement, r.tp))
 
 
 def records_routing(model: ModelConfig) -> bool:
@@ -212,7 +224,8 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Pa
     train_set, eval_set = build_datasets(cfg.data)
     check_roles(cfg)
     options = group_options(cfg.parallel, run_trace_dir(cfg, run_dir))  # every worker group's
-    policy, engine, sync, scorer, agent, source = build_policy(cfg, src, options), None, None, None, None, None
+    policy = build_policy(cfg, src, options, engine=colocated_engine(cfg, model))
+    engine, sync, scorer, agent, source = None, None, None, None, None
     try:
         engine = build_engine(cfg, src, model, policy, options)
         sync = build_weight_sync(cfg, model, policy, engine)
@@ -231,9 +244,11 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Pa
     return driver, Roles(policy, engine, sync, scorer, agent, source), eval_set, src
 
 
-def build_policy(cfg: RunConfig, src: Path, options: GroupOptions | None = None) -> GroupPolicy:
+def build_policy(cfg: RunConfig, src: Path, options: GroupOptions | None = None,
+                 engine: RoleSpec | None = None) -> GroupPolicy:
     """The trainer's worker groups: inline in this process (parallel.backend none, a world of 1) or on local / Ray
-    processes; with PPO's critic (algo.advantage gae) beside the actor, laid out like it."""
+    processes; with PPO's critic (algo.advantage gae) beside the actor, laid out like it; with `engine`
+    (colocated_engine) the engine's ranks in the actor's processes too."""
     return GroupPolicy(src, par=cfg.parallel, trainer_cfg=cfg.trainer, algo_cfg=cfg.algo, total_steps=cfg.run.steps,
                        temperature=cfg.rollout.temperature, seed=cfg.run.seed, with_reference=cfg.algo.kl_coef > 0,
-                       critic_cfg=cfg.critic, options=options)
+                       critic_cfg=cfg.critic, options=options, colocated_engine=engine)

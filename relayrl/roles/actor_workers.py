@@ -1,10 +1,10 @@
-"""This module defines the trainer-side roles as worker-group workers: the actor (which may also host the
-engine's ranks) and the reference model.
+"""This module defines the trainer-side roles as worker-group workers: the actor, the reference model and the
+critic.
 
     ActorWorker       one rank of the actor: its (FSDP / DDP / TP) model, optimizer and schedule;
                       compute_logprobs and update split over data-parallel ranks; checkpoints;
-                      run_on_rank(fn) for the weight sync; colocated, rank r < engine tp also hosts
-                      engine rank r (init_engine, run_on_engine_rank: relayrl.roles.engine_host)
+                      run_on_rank(fn) for the weight sync; colocated, `engine_runner` is the engine rank
+                      beside it in its process (relayrl.roles.group_policy.TrainerProcess sets it)
     ReferenceWorker   one rank of the frozen reference model: compute_ref_logprobs (with trainer.lora
                       none is built: ActorWorker.compute_ref_logprobs runs the actor's base, adapters off)
     CriticWorker      one rank of PPO's value model (laid out like the actor): compute_values, update,
@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from relayrl.engine.model_runner import ModelRunner, available_memory
-from relayrl.engine.parallel_state import TPInfo
+from relayrl.engine.model_runner import ModelRunner
 from relayrl.errors import ModelDirError
 from relayrl.models import load_pretrained
 from relayrl.models.lora import apply_lora_config
@@ -163,38 +162,6 @@ class ActorWorker(_ParallelModelWorker):
     def run_on_rank(self, fn, args: tuple) -> Any:
         """fn(self, *args): how the weight sync acts on this rank's shards (relayrl.roles.sync_steps)."""
         return fn(self, *args)
-
-    # ---- the colocated engine: rank r of the engine's tensor-parallel group lives here (r < tp) ----
-    @dispatch(Dispatch.ONE_TO_ALL, deadline="build")
-    def init_engine(self, model_config, dtype: torch.dtype, tp: int, expert_placement: str = "tp") -> int | None:
-        """Returns the free bytes of this rank's device (hosting ranks): the KV cache's budget base."""
-        import torch.distributed as dist
-
-        group = None
-        if tp > 1:  # every rank takes part in making the group, members or not
-            group = dist.group.WORLD if tp == self.world_size else dist.new_group(list(range(tp)))
-        if self.rank < tp:
-            self.engine_runner = ModelRunner(model_config, dtype, TPInfo(self.rank, tp, group), self.device,
-                                             expert_placement)
-            return available_memory(self.device)
-        return None
-
-    @dispatch(Dispatch.RANK_ZERO, deadline="control")
-    def engine_rank(self) -> ModelRunner | None:
-        """The engine rank hosted here, itself: only for an inline group (the driver's process), whose engine calls
-        its runner directly (relayrl.engine.runner_groups.InProcessRunner), from its rollout thread too."""
-        if self.in_group:
-            raise RuntimeError("engine_rank hands over the runner object itself: inline groups only")
-        return self.engine_runner
-
-    @dispatch(Dispatch.ONE_TO_ALL)
-    def run_on_engine_rank(self, fn, args: tuple, every_rank: bool) -> Any:
-        """fn(this rank's engine runner, *args) (fn: e.g. ModelRunner.run); None from ranks hosting none, and from
-        engine ranks other than 0 unless every_rank (they all compute the same)."""
-        if self.engine_runner is None:
-            return None
-        result = fn(self.engine_runner, *args)
-        return result if every_rank or self.rank == 0 else None
 
     # ---- the RL step ----
     @dispatch(Dispatch.DP_SPLIT)

@@ -7,6 +7,12 @@ process (`parallel.backend: none`: a world of 1, the same workers, no process gr
                               colocated: one ColocatedWorker per process) or a pool of its own;
                               with trainer.lora none: the actor's base (adapters off) is the reference
                           └─> critic: CriticWorker (PPO's value model), placed like the reference
+                          └─> engine: the colocated rollout engine's ranks (colocated_engine, a RoleSpec of
+                              relayrl.engine.tp_workers.RunnerWorker) in the actor's processes; the run's
+                              builder hands `roles["engine"]` to the engine (relayrl.jobs.build)
+
+Roles sharing the actor's processes are hosted by a TrainerProcess (a ColocatedWorker), which also gives each
+actor rank its sibling engine rank's runner (`engine_runner`: what the weight sync copies into in place).
 
 Every call is declared at the worker (relayrl.roles.actor_workers) and called here by the
 method itself, so a reader goes from the driver's call to its definition. `group_options` turns the
@@ -26,16 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from relayrl.engine.runner_groups import InProcessRunner
-from relayrl.models.config import ModelConfig
 from relayrl.parallel.config import ParallelConfig
 from relayrl.parallel.device import resolve_device
 from relayrl.roles.actor_workers import ActorWorker, CriticWorker, ReferenceWorker
-from relayrl.roles.engine_host import ActorHostedRanks
 from relayrl.single_controller.liveness import Deadlines, GroupOptions
 from relayrl.single_controller.placement import spawn_roles
 from relayrl.single_controller.resource_pool import ResourcePool
-from relayrl.single_controller.worker import RoleSpec
+from relayrl.single_controller.worker import ColocatedWorker, RoleSpec
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import CriticConfig
 
@@ -47,14 +50,25 @@ def group_options(par: ParallelConfig, trace_dir: str | None = None) -> GroupOpt
                         deadlines=Deadlines(build=t.build, compute=t.compute, control=t.control, close=t.close))
 
 
+class TrainerProcess(ColocatedWorker):
+    """The roles of one trainer process; its actor rank reaches the engine rank beside it (if any)."""
+
+    def __init__(self, roles: dict):
+        super().__init__(roles)
+        if "actor" in roles and "engine" in roles:
+            self.actor.engine_runner = self.engine.runner
+
+
 class GroupPolicy:
     """The actor (and reference, critic) as worker groups."""
 
     def __init__(self, model_dir: str | Path | Callable[[], nn.Module], *, par: ParallelConfig, trainer_cfg,
                  algo_cfg, total_steps: int, temperature: float = 1.0, seed: int = 0, with_reference: bool = False,
-                 critic_cfg: CriticConfig | None = None, options: GroupOptions | None = None):
+                 critic_cfg: CriticConfig | None = None, options: GroupOptions | None = None,
+                 colocated_engine: RoleSpec | None = None):
         """model_dir: the policy's directory, or a function that builds it (a model made in memory: inline, or
         picklable by name for worker processes; the reference and critic load from a directory).
+        colocated_engine: the engine's rank role, placed in the actor's processes as `roles["engine"]`.
         options: the groups' (group_options(par) when None); parallel.backend none runs them inline."""
         options = options or group_options(par)
         self.inline = par.backend == "none"  # the driver's process is the world of 1
@@ -84,20 +98,13 @@ class GroupPolicy:
                                    else ResourcePool([par.world_size], device=device, name="critic"))
             roles["critic"] = RoleSpec(CriticWorker, (str(model_dir), par, critic_cfg, algo_cfg),
                                        dict(total_steps=total_steps, seed=seed))
-        self.roles = spawn_roles(placement, roles, options=options)
+        if colocated_engine is not None:
+            placement["engine"], roles["engine"] = pool, colocated_engine
+        self.roles = spawn_roles(placement, roles, options=options, colocated_cls=TrainerProcess)
         self.actor = self.roles["actor"]
         self.ref = self.roles["reference"] if "reference" in roles else None
         self.critic = self.roles["critic"] if critic_cfg is not None else None
         self.address = self.actor.master_addr  # where the workers reach the driver (the sync's rendezvous)
-
-    def host_engine(self, model_config: ModelConfig, dtype: torch.dtype, tp: int,
-                    expert_placement: str = "tp") -> ActorHostedRanks | InProcessRunner:
-        """Colocated: the engine's ranks in the actor processes (LLMEngine(runner_group=...)). Inline, its one rank
-        is an object of this process, called directly (the rollout thread steps it while the driver updates)."""
-        free = self.actor.call(ActorWorker.init_engine, model_config, dtype, tp, expert_placement)
-        if self.inline:
-            return InProcessRunner(self.actor.call(ActorWorker.engine_rank))
-        return ActorHostedRanks(self.actor, tp, min(f for f in free if f is not None))
 
     def run_on_ranks(self, fn: Callable, *args) -> list:
         return self.actor.call(ActorWorker.run_on_rank, fn, args)

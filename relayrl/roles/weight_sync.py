@@ -2,7 +2,8 @@
 verifies it every time.
 
     placement colocated      engine rank r runs in trainer rank r's process (the driver's own with
-                             parallel.backend none; the actor workers otherwise): own pieces are
+                             parallel.backend none; otherwise a RunnerWorker beside each actor rank,
+                             whose runner the actor rank holds as engine_runner): own pieces are
                              copied in place, the rest go over a sync group of the trainer ranks
     placement disaggregated  the engine's ranks have processes of their own; a sync group of
                              trainer ranks + engine ranks carries every piece point to point

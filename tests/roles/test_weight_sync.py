@@ -22,6 +22,7 @@ from helpers import (
     SYNC_CONFIGS,
     assert_same_metrics,
     cfg_for,
+    colocated_engine,
     group_cfg,
     inline_policy,
     naive_plan,
@@ -30,13 +31,13 @@ from helpers import (
 )
 
 
-def _policy(key: str = "gqa8x2") -> GroupPolicy:
+def _policy(key: str = "gqa8x2", engine_dtype: torch.dtype | None = None) -> GroupPolicy:
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(**SYNC_CONFIGS[key]))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)  # a peaked distribution: wrong weights move the logprobs far
-    return inline_policy(model)
+    return inline_policy(model, engine_dtype)
 
 
 def _sync(policy, engine, tp: int, colocated: bool, **cfg) -> PlannedWeightSync:
@@ -46,10 +47,10 @@ def _sync(policy, engine, tp: int, colocated: bool, **cfg) -> PlannedWeightSync:
                              temperature=1.0, cfg=SyncConfig(**cfg))
 
 
-def _colocated_engine(policy: GroupPolicy, dtype: torch.dtype = torch.float32) -> LLMEngine:
-    """The engine's one rank beside the actor, in this process (filled by the first sync)."""
-    cfg = policy_model(policy).config
-    return LLMEngine(cfg, dtype=dtype, runner_group=policy.host_engine(cfg, dtype, 1), kv_cache_bytes=1 << 16)
+def _colocated(dtype: torch.dtype = torch.float32) -> tuple[GroupPolicy, LLMEngine]:
+    """A policy and the engine's one rank beside its actor, in this process (filled by the first sync)."""
+    policy = _policy(engine_dtype=dtype)
+    return policy, colocated_engine(policy, dtype)
 
 
 def _write_naive(runner, naive: dict) -> None:
@@ -82,8 +83,7 @@ def test_naive_fused_slicing_is_caught_and_named():
 
 @pytest.mark.faults
 def test_debug_checksums_catch_what_the_canary_cannot():
-    policy = _policy()
-    engine = _colocated_engine(policy)  # colocated: this process
+    policy, engine = _colocated()  # colocated: this process
     ws = _sync(policy, engine, 1, colocated=True)
     m = ws.sync()
     assert m["sync/bytes_copied_in_place"] == m["sync/bytes_per_engine_rank"] and m["sync/bytes_between_processes"] == 0
@@ -111,8 +111,7 @@ def _with_engine_tp(cfg: RunConfig, tp: int) -> RunConfig:
 
 @pytest.mark.faults
 def test_first_sync_compares_every_piece_and_nan_never_passes():
-    policy = _policy()
-    engine = _colocated_engine(policy)
+    policy, engine = _colocated()
     ws = _sync(policy, engine, 1, colocated=True)
     ws.transfer()
 
@@ -136,8 +135,7 @@ def test_first_sync_compares_every_piece_and_nan_never_passes():
 
 @pytest.mark.unit
 def test_bf16_bound_leaves_room_for_the_measured_rounding():
-    policy = _policy()
-    engine = _colocated_engine(policy, torch.bfloat16)
+    policy, engine = _colocated(torch.bfloat16)
     ws = _sync(policy, engine, 1, colocated=True)
     assert ws.bound == 0.05
     gap = ws.sync()["sync/canary_gap"]
@@ -218,8 +216,7 @@ def test_debug_mode_writes_per_tensor_checksums(tmp_path):
 
 @pytest.mark.unit
 def test_float8_wire_rounds_every_piece_the_same_way():
-    policy = _policy()
-    engine = _colocated_engine(policy)
+    policy, engine = _colocated()
     exact = _sync(policy, engine, 1, colocated=True).sync()["sync/canary_gap"]
     ws = _sync(policy, engine, 1, colocated=True, wire="float8", debug_checksums=True)
     gap = ws.sync()["sync/canary_gap"]  # debug: every piece's checksum against the fp8-rounded source

@@ -27,7 +27,7 @@ from relayrl.sync.layout import EngineLayout, TrainerLayout, logical_tensors
 from relayrl.sync.plan import plan_sync
 from relayrl.sync.presets import PRESETS
 
-from helpers import SYNC_CONFIGS, inline_policy, policy_model
+from helpers import SYNC_CONFIGS, colocated_engine, inline_policy, policy_model
 
 CONFIGS = {**SYNC_CONFIGS,
            "tiny-gqa": dict(model_type="qwen2", **dataclasses.asdict(PRESETS["tiny-gqa"]))}
@@ -135,13 +135,13 @@ def test_sync_plan_cli_prints_full_and_adapter_bytes_and_their_ratio(capsys):
 # ---------------------------------------------------------------------------- one process, through the driver's sync
 def _policy(key: str = "gqa8x2", **lora_kw) -> GroupPolicy:
     model = _lora_model(_cfg(key), **lora_kw)
-    return inline_policy(model)
+    return inline_policy(model, torch.float32)  # with the colocated engine's rank
 
 
 def _sync(policy, mode: str, dtype=torch.float32, **cfg) -> tuple[PlannedWeightSync, LLMEngine]:
     model = policy_model(policy)
     config = model.config
-    engine = LLMEngine(config, dtype=dtype, runner_group=policy.host_engine(config, dtype, 1), kv_cache_bytes=1 << 16)
+    engine = colocated_engine(policy, dtype)
     targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in lora_modules(model)}))
     ws = PlannedWeightSync(policy, engine, shape=ModelShape.of(config), trainer_layout=TrainerLayout(), engine_tp=1,
                            colocated=True, engine_dtype=dtype, trainer_dtype=torch.float32, temperature=1.0,
