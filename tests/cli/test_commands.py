@@ -149,8 +149,9 @@ def test_sync_plan_command(capsys):
 
 @pytest.mark.e2e
 def test_a_bad_sync_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path, cfg_file, capsys, monkeypatch):
-    """The third sync (the start of step 2) corrupts one weight in the engine: the canary stops the
-    run with the piece named; the step-1 checkpoint and metrics stay, and the run resumes from them."""
+    """The second sync (the start of step 2: step 1 trains on the first evaluation's) corrupts one weight in the
+    engine: the canary stops the run with the piece named; the step-1 checkpoint and metrics stay, and the run
+    resumes from them."""
     import relayrl.roles.sync_steps as ws
 
     real, calls = ws.sync_step, {"n": 0}
@@ -158,7 +159,7 @@ def test_a_bad_sync_stops_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path,
     def corrupting(spec, **kw):
         out = real(spec, **kw)
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 2:
             kw["params"]["layers.0.mlp.down_proj.weight"][:, :4] *= -3.0
         return out
 
