@@ -154,7 +154,7 @@ def test_a_run_on_two_worker_ranks_traces_driver_and_workers_on_one_timeline(tmp
 
     for rank in (0, 1):
         calls = by[f"actor rank {rank}"]
-        assert {"construct ColocatedWorker", "actor.update"} <= {e["name"] for e in calls}
+        assert {"construct TrainerProcess", "actor.update"} <= {e["name"] for e in calls}
         assert all(e["args"]["rank"] == rank for e in calls)
         updates = [e for e in calls if e["name"].endswith(".update")]
         assert len(updates) == len(steps)
