@@ -38,6 +38,9 @@ def two_forms(completion, example, completions):
 def batch_and_verl(completions, solution_str, ground_truth):
     return [0.0]
 
+def stateful(completions, trainer_state, **kwargs):
+    return [0.0] * len(completions)
+
 def make_bonus(scale):
     def bonus(completion, answer):
         return scale * len(completion)
@@ -107,6 +110,7 @@ def test_keyword_form_fills_prompt_info_and_columns_by_name(rw):
                 "example), TRL's"),
     ("two_forms", "fits several reward forms (batch, sample)"),
     ("batch_and_verl", "fits several reward forms (batch, verl)"),
+    ("stateful", "requires trainer_state, which relayrl does not pass: the scorer runs apart from the trainer"),
     ("needs_parser", "(keyword form) requires parser, which is not filled; required parameters may be "
                      "completion, answer, prompt, info, example"),
 ])
