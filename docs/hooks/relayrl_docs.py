@@ -94,8 +94,10 @@ MEANINGS = {
                                "`module:function` or `path/file.py:function`, or `model` for a reward model.",
     "reward.functions[].weight": "Its weight in the sum.",
     "reward.functions[].params": "Keyword arguments passed to the function (for `model`: `batch_size`, `dtype`).",
-    "reward.functions[].batch": "null: told by the signature (a parameter named `completions` is TRL's batch form); "
-                                "true / false say it.",
+    "reward.functions[].batch": "null: the form is told by the parameter names (a parameter named `completions` is "
+                                "TRL's batch form); true / false say whether it is.",
+    "reward.functions[].args": "`name` is a factory: called once at load as `factory(**args)`, it returns the "
+                               "reward function.",
     "reward.timeout_s": "One call longer than this is killed and scores `on_failure` (counted in "
                         "`reward/timeouts`); a batch function's call covers one prompt's group.",
     "reward.workers": "Reward worker processes; 0 runs the functions in the driver (no isolation, no timeout). Two "

@@ -5,22 +5,28 @@ call one on one sample (or on one prompt's group of samples), and accept only fi
     call_one(f, completion, example) -> (value, None) or (None, "what went wrong")
     call_batch(f, completions, examples) -> ([(value, error), ...], None) or (None, "what went wrong")
 
-A function has one of three forms, told apart by its signature (`batch: true | false` in the config
-entry overrides the first test):
+A function has one of four forms, told apart by its parameter names (relayrl.rewards.forms, which
+refuses a function that fits none or several; `batch: true | false` in the config entry says batch or not):
 
+    sample   relayrl's fn(completion, example, **params) -> float; its second parameter is named `example`.
     batch    a parameter named `completions`: TRL's form, called once per group of samples as
              fn(completions=[...], prompts=[...], **columns, **params) -> one value per completion.
              A completion is the text, or [{"role": "assistant", "content": text}] when its prompt
              is chat messages (TRL's conversational datasets); `prompts` are the raw prompts; each
              dataset column (`meta["fields"]`; `answer` for built-in tasks) is a keyword list, one
              item per completion. TRL's `completion_ids`, `trainer_state`, `log_extra` and
-             `log_metric` are not passed. A function without **kwargs gets only the keywords it names.
+             `log_metric` are not passed (a function that requires one is refused at load).
+             A function without **kwargs gets only the keywords it names.
     verl     parameters named `solution_str` and `ground_truth`: verl's custom reward function,
              fn(data_source=..., solution_str=completion, ground_truth=..., extra_info=..., **params),
              with `reward_model.ground_truth` (else a `ground_truth` column, else the answer), `data_source`
              (else the task's name)
              and `extra_info` of the row; it may return a number or a dict whose "score" is one.
-    sample   anything else: relayrl's fn(completion, example, **params) -> float.
+    keyword  a parameter named `completion`: fn(completion=text, answer=..., prompt=..., info=...,
+             example=..., **columns, **params) -> float, by name (the verifiers style): `answer` and
+             `prompt` are the example's, `info` the row's `info` column (else its columns as a dict, else
+             the example's meta), and each dataset column is filled by its name. A function without
+             **kwargs gets only the keywords it names.
 
 What counts as a value:
     int, float, fractions.Fraction, numpy's real scalars   float(v), if finite
@@ -48,10 +54,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from relayrl.errors import ConfigError
+from relayrl.rewards.forms import BATCH, KEYWORD, KEYWORD_NAMES, SAMPLE, VERL, function_form
 from relayrl.rewards.registry import RewardFn, get_reward_fn
 
+__all__ = ["BATCH", "KEYWORD", "SAMPLE", "VERL", "LoadedFunction", "call_batch", "call_one", "function_form",
+           "load_functions", "to_reward"]
+
 MAX_MESSAGE = 300
-SAMPLE, BATCH, VERL = "sample", "batch", "verl"
 # TRL hands a batch function every column but these (its own names for the model's input and output).
 NOT_COLUMNS = frozenset({"prompt", "completion", "completion_ids", "prompts", "completions"})
 
@@ -70,12 +79,17 @@ class LoadedFunction:
 def load_functions(specs: list[tuple]) -> list[LoadedFunction]:
     """The functions of `reward.functions` in order, their params bound; raises on the first bad entry.
 
-    Each spec is (name, params) or (name, params, batch), batch being True, False or None (detect)."""
+    Each spec is (name, params), (name, params, batch) or (name, params, batch, args), batch being True,
+    False or None (detect); args, when not None, make `name` a factory called once as name(**args)."""
     out = []
     for i, (name, params, *rest) in enumerate(specs):
-        fn = get_reward_fn(name)
+        batch, args = (list(rest) + [None, None])[:2]
+        fn = get_reward_fn(name) if args is None else _from_factory(name, args, i)
         sig = _signature(fn)
-        form = function_form(sig, rest[0] if rest else None)
+        try:
+            form = function_form(sig, name, batch, params)
+        except ConfigError as e:
+            raise ConfigError(f"config error: reward.functions.{i}: {e}") from None
         _check_params(sig, form, name, params, i)
         accepts = None
         if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
@@ -84,13 +98,18 @@ def load_functions(specs: list[tuple]) -> list[LoadedFunction]:
     return out
 
 
-def function_form(sig: inspect.Signature | None, batch: bool | None = None) -> str:
-    names = set(sig.parameters) if sig is not None else set()
-    if batch or (batch is None and "completions" in names):
-        return BATCH
-    if {"solution_str", "ground_truth"} <= names:
-        return VERL
-    return SAMPLE
+def _from_factory(name: str, args: dict[str, Any], i: int) -> RewardFn:
+    """factory(**args), once, at load: the reward function it returns."""
+    factory = get_reward_fn(name)
+    where = f"config error: reward.functions.{i}.args"
+    try:
+        fn = factory(**args)
+    except Exception as e:  # a user factory may raise anything on bad arguments
+        raise ConfigError(f"{where}: factory '{name}' raised {type(e).__name__}: {_first_line(e)}") from None
+    if not callable(fn):
+        raise ConfigError(f"{where}: factory '{name}' returned {_safe_repr(fn)} ({type(fn).__name__}), "
+                          "not a reward function")
+    return fn
 
 
 def _signature(fn: RewardFn) -> inspect.Signature | None:
@@ -105,6 +124,9 @@ def _check_params(sig: inspect.Signature | None, form: str, name: str, params: d
     if sig is None:
         return
     try:
+        taken = sorted(set(params) & set(KEYWORD_NAMES)) if form == KEYWORD else []
+        if taken:
+            raise TypeError(f"{', '.join(taken)} is filled from each sample, not set in params")
         if form == SAMPLE:
             sig.bind("", None, **params)
         else:  # called with keywords only; the columns are not known before the data are
@@ -114,7 +136,9 @@ def _check_params(sig: inspect.Signature | None, form: str, name: str, params: d
 
 
 def call_one(f: LoadedFunction, completion: str, example: Any) -> tuple[float | None, str | None]:
-    """A per-sample call (forms sample and verl)."""
+    """A per-sample call (forms sample, verl and keyword)."""
+    if f.form == KEYWORD:
+        return _call_keyword(f, completion, example)
     if f.form == VERL:
         fields = example.meta.get("fields") or {}
         rm = fields.get("reward_model")
@@ -128,6 +152,16 @@ def call_one(f: LoadedFunction, completion: str, example: Any) -> tuple[float | 
         return (None, error) if error is not None else to_reward(value)
     fn = functools.partial(f.fn, **f.params) if f.params else f.fn
     return call_reward(fn, completion, example)
+
+
+def _call_keyword(f: LoadedFunction, completion: str, example: Any) -> tuple[float | None, str | None]:
+    fields = example.meta.get("fields") or {}
+    named = {"completion": completion, "answer": example.answer, "prompt": example.prompt, "example": example,
+             "info": fields.get("info", dict(fields) if fields else dict(example.meta))}
+    columns = {k: v for k, v in fields.items() if k not in NOT_COLUMNS}
+    kwargs = {**columns, **f.params, **named}
+    value, error = _guarded(lambda: f.fn(**_accepted(f, kwargs)))
+    return (None, error) if error is not None else to_reward(value)
 
 
 def call_batch(f: LoadedFunction, completions: list[str], examples: list[Any]

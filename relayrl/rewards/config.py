@@ -2,9 +2,12 @@
 worker processes that run them.
 
     reward:
-      functions:            a weighted sum; each entry {name, weight, params, batch}
-        - {name: task}      batch: null tells the function's form by its signature (a parameter named
-                            `completions`: TRL's batch form); true / false say it (see relayrl.rewards.calls)
+      functions:            a weighted sum; each entry {name, weight, params, batch, args}
+        - {name: task}      batch: null tells the function's form by its parameter names (relayrl.rewards.forms);
+                            true / false say whether it is TRL's batch form
+        - {name: trl.rewards:get_soft_overlong_punishment, args: {max_completion_len: 64, soft_punish_cache: 16}}
+                            args: name is a factory, called once at load as factory(**args); what it returns
+                            is the reward function (its own parameters tell its form)
         - {name: model, path: DIR, weight: 1.0, params: {batch_size: 16, dtype: float32}}
                             a reward model: DIR is a sequence-classification directory (one label; its logit is
                             the reward) scored by the controller (relayrl.roles.reward_model), not the pool
@@ -40,6 +43,7 @@ class RewardFunctionConfig(Config):
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
     batch: bool | None = None
+    args: dict[str, Any] | None = None  # name is a factory: factory(**args) once at load is the function
     path: str | None = None  # name: model only: the reward model's directory
 
     @field_validator("weight")
@@ -58,6 +62,8 @@ class RewardFunctionConfig(Config):
             return self
         if not self.path:
             raise ValueError(f"name: {MODEL} needs path: the directory of a sequence-classification model")
+        if self.args is not None:
+            raise ValueError(f"args is for reward function factories; a reward model (name: {MODEL}) takes params")
         if self.batch is not None:
             raise ValueError(f"batch is for rule functions; a reward model (name: {MODEL}) batches by "
                              "params.batch_size")

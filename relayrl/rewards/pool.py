@@ -88,7 +88,7 @@ class RewardPool:
     Outcome per (function index, completion, example) in order; `close()` stops every worker.
 
     specs are (name, params) or (name, params, batch) as in reward.functions; a call names its function
-    by index. `forms` is each function's form ("sample", "batch", "verl"), as the workers found it. One
+    by index. `forms` is each function's form ("sample", "batch", "verl", "keyword"), as the workers found it. One
     thread at a time may call run (the scorer is called by the driver's loop, one step at a time)."""
 
     def __init__(self, specs: list[tuple[str, dict[str, Any]]], *, workers: int, timeout_s: float,

@@ -164,7 +164,7 @@ def build_scorer(cfg: RewardConfig) -> RewardScorer:
         from relayrl.sandbox import require_sandbox
 
         require_sandbox()  # without bubblewrap every sample would fail: say so once, before any work
-    specs = [(fc.name, dict(fc.params), fc.batch) for fc in cfg.functions]
+    specs = [(fc.name, dict(fc.params), fc.batch, fc.args) for fc in cfg.functions]
     bound, seen = [], set()
     for i, fc in enumerate(cfg.functions):
         # Two entries may use the same function with different params; keep their metrics apart.
@@ -172,7 +172,7 @@ def build_scorer(cfg: RewardConfig) -> RewardScorer:
         seen.add(name)
         bound.append(BoundFunction(name=name, weight=fc.weight))
     # Accuracy needs the task score: reuse a plain `task` entry's values, else score it as one more function.
-    correct_index = next((i for i, (n, p, _) in enumerate(specs) if n == "task" and not p), None)
+    correct_index = next((i for i, (n, p, _, a) in enumerate(specs) if n == "task" and not p and a is None), None)
     if correct_index is None:
         correct_index = len(specs)
         specs.append(("task", {}, None))

@@ -12,8 +12,8 @@ Protocol on the socket FD (a socketpair with the driver):
                          OK          8-byte float64 value
                          FAIL        utf-8 message (the call raised or returned a non-value)
                          BATCH       json [[value, null] | [null, message], ...]: a batch call's values
-                         READY       json {"vm_mb": ..., "forms": ["sample" | "batch" | "verl", ...]} once the
-                                     functions are loaded
+                         READY       json {"vm_mb": ..., "forms": ["sample" | "batch" | "verl" | "keyword", ...]}
+                                     once the functions are loaded
                          INIT_ERROR  json {"kind": "config" | "reward", "message": ...}
 
 The driver never unpickles what a worker sends: the worker runs user code, the driver only reads
