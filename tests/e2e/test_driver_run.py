@@ -146,8 +146,9 @@ def test_evaluation_seeds_each_prompt_apart():
 
 @pytest.mark.e2e
 def test_the_sync_after_an_evaluation_is_skipped_and_changes_nothing(tmp_path, monkeypatch):
-    """The evaluation before step 1 syncs the weights; step 1's sync finds the engine holding them and is skipped
-    (sync/skipped 1, the engine's weights version unchanged). Forcing that sync to happen gives the same run."""
+    """An evaluation after every step (and before step 1) syncs the weights; the next step's sync finds the engine
+    holding them and is skipped (sync/skipped 1, the engine's weights version unchanged). Forcing those syncs to
+    happen gives the same run, figure for figure."""
     versions = []
     real_sync = driver_mod.Driver.sync_weights
 
@@ -157,18 +158,18 @@ def test_the_sync_after_an_evaluation_is_skipped_and_changes_nothing(tmp_path, m
         return out
 
     monkeypatch.setattr(driver_mod.Driver, "sync_weights", recorded)
-    skipped = train(cfg_for(tmp_path, "skipped"), show_progress=False)
+    skipped = train(cfg_for(tmp_path, "skipped", eval={"max_tokens": 12, "every": 1}), show_progress=False)
     lines = [m for m in read_metrics(skipped["run_dir"]) if "reward/mean" in m]
-    assert [m["sync/skipped"] for m in lines] == [1.0] + [0.0] * (len(lines) - 1)
-    # the first evaluation's sync, step 1's (skipped), then one new version per sync (the last evaluation's too)
-    assert versions == [1, 1, *range(2, len(versions))]
+    # an evaluation after every step: each step trains on the evaluation's sync before it
+    assert [m["sync/skipped"] for m in lines] == [1.0] * len(lines)
+    assert versions == [v for v in range(1, len(lines) + 2) for _ in (0, 1)][:len(versions)]
 
     def never_skips(self):
         self._holds = None
         return recorded(self)
 
     monkeypatch.setattr(driver_mod.Driver, "sync_weights", never_skips)
-    synced = train(cfg_for(tmp_path, "synced"), show_progress=False)
+    synced = train(cfg_for(tmp_path, "synced", eval={"max_tokens": 12, "every": 1}), show_progress=False)
     drop = ("sync/skipped",)
     assert ([{k: v for k, v in m.items() if k not in drop} for m in _training_lines(skipped["run_dir"])]
             == [{k: v for k, v in m.items() if k not in drop} for m in _training_lines(synced["run_dir"])])
