@@ -1,5 +1,5 @@
-"""This package provides the built-in tasks, dataset loading, train/eval splits, prompt formatting and the
-prompt sampler.
+"""This package provides the built-in tasks, user task factories and reasoning-gym, dataset loading, train/eval
+splits, prompt formatting and the prompt sampler.
 
 It imports the standard library, pydantic, pyarrow (for parquet files, on first use) and relayrl's
 ground floor only; it must never import another relayrl layer: data is a leaf, which rewards and the
@@ -7,7 +7,7 @@ controller import.
 """
 
 from relayrl.data.chat import format_prompt
-from relayrl.data.config import DataConfig, build_datasets, build_task
+from relayrl.data.config import DataConfig, build_datasets, build_task, tiny_alphabet
 from relayrl.data.files import load_dataset_file
 from relayrl.data.sampler import PromptSampler
 from relayrl.data.split import split_train_eval
@@ -27,4 +27,5 @@ __all__ = [
     "split_train_eval",
     "task_for_example",
     "task_names",
+    "tiny_alphabet",
 ]

@@ -1,7 +1,8 @@
 """This module defines `DataConfig` and `build_datasets`, which turn the `data:` config section into train
 and eval examples.
 
-Built-in task (`task: arith`, `sort`, ...): both splits are generated, see `split.py`.
+Built-in task (`task: arith`, `sort`, ...), reasoning-gym (`task: reasoning_gym`) or the user's own task factory
+(`task: "pkg.module:factory"`, see `plugin.py`): both splits are generated, see `split.py`.
 
 File (`task: file`, `path: train.jsonl`; `format: auto | plain | trl | verl`, see `files.py`):
     with `eval_path`: train = every row of `path`, eval = the first `n_eval` rows of `eval_path`;
@@ -30,7 +31,7 @@ from relayrl.config import Config
 from relayrl.data.chat import prompt_key
 from relayrl.data.files import load_dataset_file
 from relayrl.data.split import split_train_eval
-from relayrl.data.tasks import Example, get_task, task_names
+from relayrl.data.tasks import Example, check_task, get_task, task_names
 from relayrl.errors import ConfigError, DataError
 
 FILE_TASK = "file"
@@ -54,8 +55,9 @@ class DataConfig(Config):
     @classmethod
     def _known_task(cls, v: str) -> str:
         known = task_names()
-        if v != FILE_TASK and v not in known:
-            raise ValueError(f"unknown task '{v}': use one of {', '.join(known + [FILE_TASK])}")
+        if v != FILE_TASK and v not in known and ":" not in v:  # 'pkg.module:factory': its form is checked below
+            raise ValueError(f"unknown task '{v}': use one of {', '.join(known + [FILE_TASK])}, "
+                             "or your own task factory as 'pkg.module:factory'")
         return v
 
     @model_validator(mode="after")
@@ -72,15 +74,43 @@ class DataConfig(Config):
             raise ValueError("system_prompt needs use_chat_template: true (without a template it would be dropped)")
         if self.task != FILE_TASK:
             try:  # bad task_params fail when the config loads, not after the model is built
-                get_task(self.task, **self.task_params)
+                check_task(self.task, self.task_params)
             except ConfigError as e:
                 raise ValueError(f"task_params: {e}") from None
         return self
 
 
 def build_task(cfg: DataConfig):
-    """The built-in task of `cfg` (None for files), e.g. to get `task.alphabet` for a tokenizer."""
+    """The generated task of `cfg` (None for files), e.g. to get `task.alphabet` for a tokenizer."""
     return None if cfg.task == FILE_TASK else get_task(cfg.task, **cfg.task_params)
+
+
+def tiny_alphabet(cfg: DataConfig) -> str | None:
+    """The characters a tiny char tokenizer needs for the task of `cfg` (None for files): the task's own
+    `alphabet` when it declares one, else every character of the generated train and eval examples, as the
+    model sees them (string prompts, chat messages' roles and contents) and of their answers, and of the system
+    prompt. The chat template's own characters are the tokenizer's to add (relayrl.models.tokenizer)."""
+    task = build_task(cfg)
+    if task is None:
+        return None
+    if task.alphabet is not None:
+        return task.alphabet
+    train, eval_set = build_datasets(cfg)
+    return example_chars(train + eval_set, cfg.system_prompt)
+
+
+def example_chars(examples: list[Example], system_prompt: str | None = None) -> str:
+    """The sorted distinct characters of the examples' prompts (a message's role and content) and answers."""
+    chars: set[str] = set(system_prompt or "")
+    for ex in examples:
+        if isinstance(ex.prompt, str):
+            chars.update(ex.prompt)
+        else:
+            for m in ex.prompt:
+                chars.update(str(m.get("role", "")))
+                chars.update(str(m.get("content", "")))
+        chars.update(ex.answer)
+    return "".join(sorted(chars))
 
 
 def build_datasets(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
