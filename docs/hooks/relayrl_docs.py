@@ -72,9 +72,12 @@ MEANINGS = {
     "model.tiny.tie_word_embeddings": "The lm_head shares the embedding's weights.",
     "model.tiny.init_std": "Standard deviation of the random initialisation.",
     "model.tiny.seed": "Seed of the random initialisation.",
-    "data.task": "A built-in task (`arith`, `sort`, `calculator`, `guess`, `python`) or `file` for a dataset file.",
-    "data.task_params": "Keyword parameters of the built-in task (e.g. `digits`, `ops`, `num_operands` for arith); "
-                        "checked when the config loads.",
+    "data.task": "A built-in task (`arith`, `sort`, `calculator`, `guess`, `python`), `reasoning_gym` (a dataset of "
+                 "the reasoning-gym library), your own task factory as `pkg.module:factory` or "
+                 "`path/file.py:factory`, or `file` for a dataset file.",
+    "data.task_params": "Keyword parameters of the task (e.g. `digits`, `ops`, `num_operands` for arith; `dataset`, "
+                        "`config`, `system_prompt` for reasoning_gym; what your factory takes); checked when the "
+                        "config loads (a factory's only for its name's form: it is imported when the run starts).",
     "data.path": "The dataset file (`.jsonl` or `.parquet`) when `task: file`.",
     "data.eval_path": "A separate held-out file; without it the last `n_eval` rows of a seeded shuffle of `path` "
                       "are held out.",
@@ -82,7 +85,7 @@ MEANINGS = {
     "data.answer_field": "The column holding the reference answer (null: none).",
     "data.format": "The file's layout: `plain`, `trl` (prompt plus any columns), `verl` (`reward_model.ground_truth`"
                    " is the answer), or `auto` (verl when rows have `reward_model` and message prompts, else plain).",
-    "data.n_train": "Training examples generated for a built-in task (a file trains on all its remaining rows).",
+    "data.n_train": "Training examples generated for a task (a file trains on all its remaining rows).",
     "data.n_eval": "Held-out examples.",
     "data.seed": "Seed of the task's generator and of the file's train/eval split.",
     "data.use_chat_template": "Render string prompts through the tokenizer's chat template (message prompts always "
