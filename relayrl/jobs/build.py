@@ -199,7 +199,7 @@ def build_source(cfg: RunConfig, engine: RolloutEngine, scorer: Scorer | None, a
                  sampler: PromptSampler, timer: StageTimer, cost: StepCost | None) -> RolloutSource:
     """The rollout source of rollout.mode: lockstep (sync) or the stream (one_step_off, async)."""
     common = dict(sampler=sampler, rollout=cfg.rollout, data=cfg.data, seed=cfg.run.seed, scorer=scorer, agent=agent,
-                  timer=timer, on_generated=cost.add if cost is not None else None)
+                  timer=timer, on_generated=cost.add if cost is not None else None, total_steps=cfg.run.steps)
     if cfg.rollout.mode == "sync":
         return LockstepSource(engine, filter_groups=cfg.algo.filter_groups,
                               max_resample_rounds=cfg.algo.max_resample_rounds,
@@ -207,8 +207,7 @@ def build_source(cfg: RunConfig, engine: RolloutEngine, scorer: Scorer | None, a
     assert isinstance(engine, RolloutRole)  # RunConfig refuses streaming with vllm and with a rollout worker
     # the stream steps the engine (and the agent loop) itself, from a thread of the driver, between weight syncs
     common["agent"] = agent.local_agent() if isinstance(agent, EpisodeRole) else None
-    return StreamingSource(engine.local_engine(), total_steps=cfg.run.steps, env_name=cfg.env.name if cfg.env else "",
-                           **common)
+    return StreamingSource(engine.local_engine(), env_name=cfg.env.name if cfg.env else "", **common)
 
 
 def run_trace_dir(cfg: RunConfig, run_dir: Path) -> str | None:

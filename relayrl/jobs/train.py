@@ -42,6 +42,7 @@ from relayrl.models.lora import merge_lora_state_dict
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.observe.loggers import LoggerOptions
 from relayrl.observe.trace import open_tracer
+from relayrl.rewards import TrainerState
 from relayrl.rollout.evaluate import evaluate_set
 from relayrl.single_controller.process_setup import configure_process
 
@@ -69,9 +70,12 @@ def _eval(driver: Driver, roles: Roles, eval_set, cfg: RunConfig, run_dir: Path,
           logger: MetricsLogger) -> dict[str, float]:
     driver.sync_weights()
     with roles.source.evaluation():
+        # TRL's reward functions read the trainer state: after driver.step updates, with the sampler where they left it
+        state = TrainerState.at(driver.step, cfg.run.steps, roles.source.sampler_state(driver.step),
+                                cfg.rollout.prompts_per_step)
         res = evaluate_set(roles.engine, eval_set, data=cfg.data, scorer=roles.scorer, agent=roles.agent,
                            max_tokens=cfg.eval.max_tokens, temperature=cfg.eval.temperature, seed=cfg.run.seed,
-                           stop=cfg.rollout.stop)
+                           stop=cfg.rollout.stop, state=state)
         # the engine's figures (engine/*) are training's: an evaluation's prefills and blocks are not the next
         # step's (a resumed run replays a step without the evaluation before it). In an asynchronous run this also
         # drops what the engine generated for coming batches since the last step's figures, before the drain

@@ -21,6 +21,7 @@ _EXPORTS = {
     "ScoreResult": "relayrl.rewards.result",
     "RewardScorer": "relayrl.rewards.scorer",
     "Scorer": "relayrl.rewards.protocol",
+    "TrainerState": "relayrl.rewards.state",
     "build_scorer": "relayrl.rewards.scorer",
     "RewardPool": "relayrl.rewards.pool",
     "Outcome": "relayrl.rewards.pool",
@@ -36,7 +37,7 @@ _EXPORTS = {
 }
 
 __all__ = ["Outcome", "RewardConfig", "RewardFn", "RewardFunctionConfig", "RewardPool", "RewardScorer",
-           "ScoreResult", "Scorer", "build_scorer", "exact_match", "format_reward", "get_reward_fn",
+           "ScoreResult", "Scorer", "TrainerState", "build_scorer", "exact_match", "format_reward", "get_reward_fn",
            "load_user_function", "math_reward", "register_reward", "reward_names", "task_reward"]
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from relayrl.rewards.registry import RewardFn, get_reward_fn, load_user_function, register_reward, reward_names
     from relayrl.rewards.result import ScoreResult
     from relayrl.rewards.scorer import RewardScorer, build_scorer
+    from relayrl.rewards.state import TrainerState
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -3,20 +3,25 @@ call one on one sample (or on one prompt's group of samples), and accept only fi
 
     load_functions([(name, params, batch), ...]) -> [LoadedFunction, ...]   RewardError / ConfigError naming the entry
     call_one(f, completion, example) -> (value, None) or (None, "what went wrong")
-    call_batch(f, completions, examples) -> ([(value, error), ...], None) or (None, "what went wrong")
+    call_batch(f, completions, examples, completion_ids, state)
+                                            -> ([(value, error), ...], None) or (None, "what went wrong")
 
 A function has one of four forms, told apart by its parameter names (relayrl.rewards.forms, which
 refuses a function that fits none or several; `batch: true | false` in the config entry says batch or not):
 
     sample   relayrl's fn(completion, example, **params) -> float; its second parameter is named `example`.
     batch    a parameter named `completions`: TRL's form, called once per group of samples as
-             fn(completions=[...], prompts=[...], **columns, **params) -> one value per completion.
+             fn(prompts=[...], completions=[...], completion_ids=[...], trainer_state=..., **columns,
+             **params) -> one value per completion, as TRL's GRPOTrainer calls it.
              A completion is the text, or [{"role": "assistant", "content": text}] when its prompt
-             is chat messages (TRL's conversational datasets); `prompts` are the raw prompts; each
-             dataset column (`meta["fields"]`; `answer` for built-in tasks) is a keyword list, one
-             item per completion. TRL's `completion_ids`, `trainer_state`, `log_extra` and
-             `log_metric` are not passed (a function that requires one is refused at load).
-             A function without **kwargs gets only the keywords it names.
+             is chat messages (TRL's conversational datasets); `prompts` are the raw prompts;
+             `completion_ids` each completion's sampled token ids (a list of ints, no prompt, the
+             EOS token included when the sample ended on it); `trainer_state` a
+             relayrl.rewards.state.TrainerState (global_step, max_steps, epoch, ...); each dataset
+             column (`meta["fields"]`; `answer` for built-in tasks) is a keyword list, one item per
+             completion. TRL's `log_extra`, `log_metric` and `environments` are not passed (a
+             function that requires one is refused at load). A function without **kwargs gets only
+             the keywords it names. Without ids (a caller that has none) `completion_ids` is left out.
     verl     parameters named `solution_str` and `ground_truth`: verl's custom reward function,
              fn(data_source=..., solution_str=completion, ground_truth=..., extra_info=..., **params),
              with `reward_model.ground_truth` (else a `ground_truth` column, else the answer), `data_source`
@@ -56,6 +61,7 @@ from typing import Any
 from relayrl.errors import ConfigError
 from relayrl.rewards.forms import BATCH, KEYWORD, KEYWORD_NAMES, SAMPLE, VERL, function_form
 from relayrl.rewards.registry import RewardFn, get_reward_fn
+from relayrl.rewards.state import TrainerState
 
 __all__ = ["BATCH", "KEYWORD", "SAMPLE", "VERL", "LoadedFunction", "call_batch", "call_one", "function_form",
            "load_functions", "to_reward"]
@@ -164,9 +170,11 @@ def _call_keyword(f: LoadedFunction, completion: str, example: Any) -> tuple[flo
     return (None, error) if error is not None else to_reward(value)
 
 
-def call_batch(f: LoadedFunction, completions: list[str], examples: list[Any]
+def call_batch(f: LoadedFunction, completions: list[str], examples: list[Any],
+               completion_ids: Sequence[Sequence[int]] | None = None, state: TrainerState | None = None,
                ) -> tuple[list[tuple[float | None, str | None]] | None, str | None]:
-    """One call of a batch function on a group of samples: a (value, error) per sample, or one error for all."""
+    """One call of a batch function on a group of samples: a (value, error) per sample, or one error for all.
+    `state` None: TrainerState() (TRL's state before any training)."""
     n = len(completions)
     columns: dict[str, list] = {}
     rows = [ex.meta["fields"] if "fields" in ex.meta else {"answer": ex.answer} for ex in examples]
@@ -176,7 +184,10 @@ def call_batch(f: LoadedFunction, completions: list[str], examples: list[Any]
     kwargs = {**columns, **f.params,
               "prompts": [ex.prompt for ex in examples],
               "completions": [c if isinstance(ex.prompt, str) else [{"role": "assistant", "content": c}]
-                              for c, ex in zip(completions, examples, strict=True)]}
+                              for c, ex in zip(completions, examples, strict=True)],
+              "trainer_state": state if state is not None else TrainerState()}
+    if completion_ids is not None:
+        kwargs["completion_ids"] = [list(ids) for ids in completion_ids]  # a fresh list each call, as TRL's
     out, error = _guarded(lambda: f.fn(**_accepted(f, kwargs)))
     if error is not None:
         return None, error

@@ -12,8 +12,9 @@ more than one, is refused at load in one line naming the function and the forms.
 
 `batch: true` in the config entry says batch whatever the names; `batch: false` rules batch out.
 A callable without a signature (a C function) is taken as relayrl's form: nothing else can be told.
-TRL's `completion_ids` and `trainer_state` are not available to the scorer (it sees the text only, and
-no trainer), so a batch function that requires one is refused; one that merely accepts them runs without.
+A batch function gets TRL's `completion_ids` and `trainer_state` (relayrl.rewards.calls); TRL's `log_extra`,
+`log_metric` and `environments` are not passed, so a batch function that requires one is refused at load (one
+that merely accepts them runs without).
 
 It imports relayrl.errors only (rewards may use relayrl.data and the ground floor only).
 """
@@ -29,10 +30,11 @@ SAMPLE, BATCH, VERL, KEYWORD = "sample", "batch", "verl", "keyword"
 KEYWORD_NAMES = ("completion", "answer", "prompt", "info", "example")
 FORMS = ("relayrl's fn(completion, example), TRL's fn(completions, **kwargs), verl's compute_score(data_source, "
          "solution_str, ground_truth, extra_info), or the keyword form fn(completion, answer, prompt, info, ...)")
-# What a TRL batch function may require but the scorer cannot give, and why.
+# What TRL's GRPOTrainer passes a reward function but relayrl does not, and why.
 NOT_AVAILABLE = {
-    "completion_ids": "the scorer sees each completion's text, not its token ids",
-    "trainer_state": "the scorer runs apart from the trainer and has no trainer state",
+    "log_extra": "reward functions return values; relayrl keeps no extra completion columns of theirs",
+    "log_metric": "relayrl logs each function's mean as reward/<name>/mean and takes no other metric from it",
+    "environments": "single-turn samples have no environment (an env: section rewards its own episodes)",
 }
 
 

@@ -2,7 +2,8 @@
 
     driver (RewardPool.run)                         worker i (relayrl.rewards.worker)
       pending calls ── chunk of k calls ──────────>   for each call: set RLIMIT_CPU, fn(completion, example)
-                                                      (a batch function: fn(completions=[...], ...) on a group)
+                                                      (a batch function: fn(completions=[...], completion_ids=
+                                                      [...], trainer_state=..., ...) on a group)
       outcomes[id] <── one record per call ────────   (value | message), sent as soon as it is known
       a worker silent for timeout_s on one call:  kill -9 it, that call is a timeout, the rest of its
                                                   chunk goes back to the front of the queue
@@ -85,7 +86,8 @@ class _Worker:
 
 class RewardPool:
     """`RewardPool(specs, workers=2, timeout_s=10, memory_mb=4096, cpu_s=10)`; `run(calls)` returns one
-    Outcome per (function index, completion, example) in order; `close()` stops every worker.
+    Outcome per (function index, completion, example) in order (a batch function's call: (function index,
+    completions, examples, completion_ids, state) of one group); `close()` stops every worker.
 
     specs are (name, params) or (name, params, batch) as in reward.functions; a call names its function
     by index. `forms` is each function's form ("sample", "batch", "verl", "keyword"), as the workers found it. One
@@ -120,7 +122,7 @@ class RewardPool:
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
 
-    def run(self, calls: list[tuple[int, str, Any]]) -> list[Outcome]:
+    def run(self, calls: list[tuple]) -> list[Outcome]:
         if self._closed:
             raise RuntimeError("this reward pool is closed")
         for w in list(self._workers):

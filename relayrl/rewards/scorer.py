@@ -6,7 +6,8 @@
                  (counted in `failures`; timeouts also in `timeouts`; both count samples)
                  A batch function (TRL's form, see relayrl.rewards.calls) is called once per prompt group,
                  the consecutive samples of one Example object (the G samples the driver drew for it),
-                 and gives value_f for each; a failure of the whole call fails each sample of the group.
+                 with their completion_ids and the caller's trainer state, and gives value_f for each; a
+                 failure of the whole call fails each sample of the group.
     correct[i] = task score of sample i >= 1.0  (the `task` reward, always computed, for accuracy)
 
 One sample failing is tolerated (a user function may choke on odd model output); every sample of
@@ -26,6 +27,7 @@ floor only).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,15 +37,17 @@ from relayrl.rewards.calls import BATCH, LoadedFunction, call_batch, call_one, l
 from relayrl.rewards.config import RewardConfig
 from relayrl.rewards.pool import Outcome, RewardPool
 from relayrl.rewards.result import ScoreResult
+from relayrl.rewards.state import TrainerState
 
 
 class Runner(Protocol):
-    """Runs (function index, completion, example) calls (a batch function's: lists of them), returning one
-    Outcome per call, in order; `forms` is each function's form (relayrl.rewards.calls)."""
+    """Runs (function index, completion, example) calls, returning one Outcome per call, in order; a batch
+    function's call is (function index, completions, examples, completion_ids or None, TrainerState or None) of
+    one group. `forms` is each function's form (relayrl.rewards.calls)."""
 
     forms: list[str]
 
-    def run(self, calls: list[tuple[int, Any, Any]]) -> list[Outcome]: ...
+    def run(self, calls: list[tuple]) -> list[Outcome]: ...
 
     def pids(self) -> list[int]: ...
 
@@ -57,14 +61,14 @@ class InProcessRunner:
         self.fns = fns
         self.forms = [f.form for f in fns]
 
-    def run(self, calls: list[tuple[int, Any, Any]]) -> list[Outcome]:
-        return [self._run(self.fns[f], c, ex) for f, c, ex in calls]
+    def run(self, calls: list[tuple]) -> list[Outcome]:
+        return [self._run(self.fns[f], c, ex, *extra) for f, c, ex, *extra in calls]
 
     @staticmethod
-    def _run(f: LoadedFunction, c: Any, ex: Any) -> Outcome:
+    def _run(f: LoadedFunction, c: Any, ex: Any, *extra: Any) -> Outcome:
         if f.form != BATCH:
             return Outcome(*call_one(f, c, ex))
-        items, error = call_batch(f, c, ex)
+        items, error = call_batch(f, c, ex, *extra)
         return Outcome(None, error) if items is None else Outcome(None, items=[Outcome(*i) for i in items])
 
     def pids(self) -> list[int]:
@@ -81,17 +85,22 @@ class BoundFunction:
 
 
 class RewardScorer:
-    """`score(completions, examples, check=True) -> ScoreResult`; `close()`; a context manager."""
+    """`score(completions, examples, check=True, completion_ids=None, state=None) -> ScoreResult`; `close()`;
+    a context manager."""
 
     def __init__(self, functions: list[BoundFunction], runner: Runner, correct_index: int, on_failure: float = 0.0):
         self.functions, self.runner = functions, runner
         self.correct_index, self.on_failure = correct_index, on_failure
 
-    def score(self, completions: list[str], examples: list[Example], check: bool = True) -> ScoreResult:
+    def score(self, completions: list[str], examples: list[Example], check: bool = True, *,
+              completion_ids: Sequence[Sequence[int]] | None = None, state: TrainerState | None = None) -> ScoreResult:
         """check=False: leave the every-sample-failed check to the caller (a shard of a step's
-        samples may fail whole while the step does not; see ScoreResult.merge)."""
+        samples may fail whole while the step does not; see ScoreResult.merge). completion_ids (each
+        completion's sampled ids) and state go to batch functions (TRL's completion_ids and trainer_state)."""
         if len(completions) != len(examples):
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
+        if completion_ids is not None and len(completion_ids) != len(completions):
+            raise ValueError(f"{len(completions)} completions but {len(completion_ids)} completion_ids")
         n = len(completions)
         n_fns = max(len(self.functions), self.correct_index + 1)
         groups = _groups(examples)
@@ -99,7 +108,8 @@ class RewardScorer:
         for f in range(n_fns):
             spans.append(len(calls))
             if self.runner.forms[f] == BATCH:
-                calls += [(f, completions[a:b], examples[a:b]) for a, b in groups]
+                calls += [(f, completions[a:b], examples[a:b],
+                           None if completion_ids is None else completion_ids[a:b], state) for a, b in groups]
             else:
                 calls += [(f, c, ex) for c, ex in zip(completions, examples, strict=True)]
         spans.append(len(calls))

@@ -7,7 +7,8 @@ reporting each result as soon as it has it.
 Protocol on the socket FD (a socketpair with the driver):
 
     driver -> worker   8-byte length + pickle of ("init", {...}) once, then ("run", [(id, fn, completion, example)]),
-                       a batch function's call carrying lists of completions and examples instead
+                       a batch function's call (id, fn, completions, examples, completion_ids, trainer state)
+                       carrying one group's lists instead
     worker -> driver   records: header <IBI (id, kind, payload length) + payload, never pickled:
                          OK          8-byte float64 value
                          FAIL        utf-8 message (the call raised or returned a non-value)
@@ -22,8 +23,8 @@ socket), ignores SIGINT (Ctrl-C is the driver's to handle), writes no core files
 RLIMIT_AS = reward.memory_mb and, for each call, RLIMIT_CPU = the CPU it has used so far + cpu_s.
 A worker that goes past its CPU limit dies of SIGXCPU; the pool charges that sample and replaces it.
 Before the functions themselves it imports only the standard library, relayrl.errors, the reward
-registry and relayrl.data (for `Example`; it brings pydantic): no torch. Like all of rewards, it must
-never import the trainer, the engine, sync or the controller.
+registry, relayrl.data (for `Example`; it brings pydantic) and relayrl.rewards.state: no torch. Like all
+of rewards, it must never import the trainer, the engine, sync or the controller.
 """
 
 from __future__ import annotations
@@ -158,12 +159,12 @@ def serve(sock: socket.socket) -> None:
         msg = _recv_frame(sock)
         if msg is None:  # the driver closed the pool (or died)
             return
-        for tid, fidx, completion, example in msg[1]:
+        for tid, fidx, completion, example, *extra in msg[1]:
             if cpu is not None:
                 cpu.renew()
             f = fns[fidx]
-            if f.form == BATCH_FORM:  # completion and example are the lists of one prompt's group
-                items, error = call_batch(f, completion, example)
+            if f.form == BATCH_FORM:  # the lists of one prompt's group, its completion_ids and trainer state
+                items, error = call_batch(f, completion, example, *extra)
                 record = None if error is not None else _record(tid, BATCH, json.dumps(items).encode())
             else:
                 value, error = call_one(f, completion, example)

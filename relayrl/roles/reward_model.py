@@ -45,6 +45,7 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.rewards.config import MODEL, RewardConfig
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
+from relayrl.rewards.state import TrainerState
 from relayrl.single_controller.batch import DataBatch
 from relayrl.single_controller.dispatch import Dispatch, dispatch
 from relayrl.single_controller.liveness import GroupOptions
@@ -181,8 +182,9 @@ class CombinedScorer:
                  on_failure: float = 0.0):
         self.rules, self.models, self.entries, self.on_failure = rules, models, list(entries), on_failure
 
-    def score(self, completions: Sequence[str], examples: Sequence[Example], check: bool = True) -> ScoreResult:
-        res = self.rules.score(completions, examples, check=check)
+    def score(self, completions: Sequence[str], examples: Sequence[Example], check: bool = True, *,
+              completion_ids: Sequence[Sequence[int]] | None = None, state: TrainerState | None = None) -> ScoreResult:
+        res = self.rules.score(completions, examples, check=check, completion_ids=completion_ids, state=state)
         logits = self.models.score(completions, examples) if len(completions) else {e.name: [] for e in self.entries}
         rewards = list(res.rewards)
         per_function, fails = dict(res.per_function), dict(res.failures_per_function)

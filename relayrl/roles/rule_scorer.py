@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from relayrl.data.tasks import Example
-from relayrl.rewards import RewardConfig, ScoreResult, build_scorer
+from relayrl.rewards import RewardConfig, ScoreResult, TrainerState, build_scorer
 from relayrl.single_controller.batch import DataBatch
 from relayrl.single_controller.dispatch import Dispatch, dispatch
 from relayrl.single_controller.liveness import GroupOptions
@@ -38,7 +38,9 @@ class RewardWorker(Worker):
 
     @dispatch(Dispatch.DP_SPLIT)
     def score(self, batch: DataBatch) -> ScoreResult:
-        return self.scorer.score(batch.non_tensors["texts"], batch.non_tensors["examples"], check=False)
+        return self.scorer.score(batch.non_tensors["texts"], batch.non_tensors["examples"], check=False,
+                                 completion_ids=batch.non_tensors.get("completion_ids"),
+                                 state=batch.meta.get("trainer_state"))
 
     def teardown(self) -> None:
         self.scorer.close()
@@ -53,8 +55,12 @@ class RuleScorer:
         self.group = WorkerGroup(ResourcePool([1 if inline else workers], name="reward"), RewardWorker, reward_cfg,
                                  options=INLINE if inline else options)
 
-    def score(self, completions: Sequence[str], examples: Sequence[Example], check: bool = True) -> ScoreResult:
-        batch = DataBatch({}, non_tensors={"texts": list(completions), "examples": list(examples)})
+    def score(self, completions: Sequence[str], examples: Sequence[Example], check: bool = True, *,
+              completion_ids: Sequence[Sequence[int]] | None = None, state: TrainerState | None = None) -> ScoreResult:
+        rows = {"texts": list(completions), "examples": list(examples)}
+        if completion_ids is not None:
+            rows["completion_ids"] = list(completion_ids)  # split with the samples; the state goes to every worker
+        batch = DataBatch({}, meta={"trainer_state": state}, non_tensors=rows)
         return ScoreResult.merge(self.group.call(RewardWorker.score, batch), check=check)
 
     def close(self) -> None:

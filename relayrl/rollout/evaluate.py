@@ -21,7 +21,7 @@ from relayrl.data import DataConfig, Example
 from relayrl.engine import SamplingParams
 from relayrl.engine.protocols import RolloutEngine, StepEngine
 from relayrl.envs.config import EnvConfig
-from relayrl.rewards import Scorer
+from relayrl.rewards import Scorer, TrainerState
 from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
 from relayrl.rollout.prompts import encode_prompt
 
@@ -29,15 +29,15 @@ from relayrl.rollout.prompts import encode_prompt
 def evaluate_set(
     engine: RolloutEngine, examples: list[Example], *, data: DataConfig, scorer: Scorer | None = None,
     agent: EpisodeRunner | None = None, max_tokens: int, temperature: float = 0.0, seed: int = 0,
-    stop: Sequence[str] = (),
+    stop: Sequence[str] = (), state: TrainerState | None = None,
 ) -> dict[str, float]:
     """The eval/* figures of `examples`: episodes with `agent` (an environment's, on `engine`), else single
-    completions from `engine` scored by `scorer`."""
+    completions from `engine` scored by `scorer` (`state`: the trainer state its TRL reward functions read)."""
     if agent is not None:
         return evaluate_episodes(agent, examples, max_tokens, temperature, seed, stop)
     if scorer is None:
         raise ValueError("evaluate_set needs a scorer, or an agent whose environment rewards its episodes")
-    return evaluate(engine, examples, data, scorer, max_tokens, temperature, seed, stop)
+    return evaluate(engine, examples, data, scorer, max_tokens, temperature, seed, stop, state)
 
 
 @contextmanager
@@ -62,13 +62,14 @@ def sampling(n: int, max_tokens: int, temperature: float, seed: int, stop: Seque
 def evaluate(
     engine: RolloutEngine, examples: list[Example], data: DataConfig, scorer: Scorer,
     max_tokens: int, temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = (),
+    state: TrainerState | None = None,
 ) -> dict[str, float]:
     """One completion per example: accuracy and reward (the scorer's), response length in tokens."""
     tok = engine.tokenizer
     prompts = [encode_prompt(tok, ex, data) for ex in examples]
     outs = engine.generate(prompts, sampling(len(prompts), max_tokens, temperature, seed, stop))
     texts = [o.samples[0].text for o in outs]
-    res = scorer.score(texts, examples)
+    res = scorer.score(texts, examples, completion_ids=[o.samples[0].token_ids for o in outs], state=state)
     n = max(len(examples), 1)
     lengths = [len(o.samples[0].token_ids) for o in outs]
     return {

@@ -8,9 +8,11 @@ what differs is only when the samples of step k are generated and what weights g
     async          StreamingSource   up to eta steps ahead                      between two engine steps
 
 Both give the driver a Collected: the step's scored samples (a Rollout, G per prompt), the share of groups with no
-reward spread, and the source's own figures. Sampling seeds derive from (run seed, step, round, prompt), so every
-source draws the same samples from the same weights, and a resumed run draws exactly the samples the uninterrupted
-run drew.
+reward spread, and the source's own figures. Each batch is scored with its completions' sampled ids and the trainer
+state of its step (relayrl.rewards.state: global_step = the step, 0-based; epoch from the sampler before the draw),
+so TRL's reward functions see what GRPOTrainer gives them, whatever the mode and however the stream is timed.
+Sampling seeds derive from (run seed, step, round, prompt), so every source draws the same samples from the same
+weights, and a resumed run draws exactly the samples the uninterrupted run drew.
 
 Like the rest of relayrl.rollout, it imports the engine, environments, rewards and data below it; never the
 loop, the roles or the jobs.
@@ -36,6 +38,7 @@ from relayrl.errors import DataError, EnvError
 from relayrl.observe import StageTimer
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
+from relayrl.rewards.state import TrainerState
 from relayrl.rollout.agent_loop import EpisodeRunner, StreamingEpisodeRunner, episode_metrics
 from relayrl.rollout.config import RolloutConfig
 from relayrl.rollout.prompts import encode_prompt
@@ -124,10 +127,11 @@ class LockstepSource:
     def __init__(self, engine: RolloutEngine, *, sampler: PromptSampler, rollout: RolloutConfig, data: DataConfig,
                  seed: int, scorer: Scorer | None = None, agent: EpisodeRunner | None = None,
                  filter_groups: bool = False, max_resample_rounds: int = 0, greedy_baseline: bool = False,
-                 timer: StageTimer | None = None, on_generated: OnGenerated | None = None):
+                 timer: StageTimer | None = None, on_generated: OnGenerated | None = None, total_steps: int = 0):
         if (scorer is None) == (agent is None):
             raise ValueError("a rollout source scores single-turn samples (scorer) or runs episodes (agent)")
         self.engine, self.sampler, self.scorer, self.agent = engine, sampler, scorer, agent
+        self.total_steps = total_steps  # the trainer state's max_steps
         self.r, self.data, self.seed = rollout, data, seed
         self.filter_groups, self.rounds, self.greedy_baseline = filter_groups, max_resample_rounds, greedy_baseline
         self.timer = timer or StageTimer()
@@ -138,15 +142,16 @@ class LockstepSource:
 
     def collect(self, step: int) -> Collected:
         r = self.r
-        first = self.rollout(step, self.sampler.next_batch(r.prompts_per_step))
+        state = TrainerState.at(step, self.total_steps, self.sampler.state_dict(), r.prompts_per_step)
+        first = self.rollout(step, self.sampler.next_batch(r.prompts_per_step), state)
         signal = group_has_signal(first.rewards, r.group_size)
         no_signal = 1.0 - float(signal.float().mean())
-        ro = self._filtered(step, first, signal) if self.filter_groups else first
+        ro = self._filtered(step, first, signal, state) if self.filter_groups else first
         if r.sleep_level:  # the KV cache (level 2: the weights too) is free while the trainer works
             self.engine.sleep(r.sleep_level)
         return Collected(ro, no_signal, {})
 
-    def _filtered(self, step: int, first: Rollout, signal: torch.Tensor) -> Rollout:
+    def _filtered(self, step: int, first: Rollout, signal: torch.Tensor, state: TrainerState) -> Rollout:
         """DAPO's dynamic sampling: the first round's groups with spread, then more rounds' until there are
         prompts_per_step of them; with none at all, the first round (zero advantages)."""
         P, G = self.r.prompts_per_step, self.r.group_size
@@ -155,7 +160,7 @@ class LockstepSource:
         for round_ in range(1, self.rounds + 1):
             if have >= P:
                 break
-            more = self.rollout(step, self.sampler.next_batch(P), round_)
+            more = self.rollout(step, self.sampler.next_batch(P), state, round_)
             sig = group_has_signal(more.rewards, G).nonzero().flatten().tolist()
             kept.append(more.select_groups(sig, G))
             have += len(sig)
@@ -165,15 +170,15 @@ class LockstepSource:
         merged.reward_metrics = first.reward_metrics
         return merged.select_groups(list(range(min(have, P))), G)
 
-    def rollout(self, step: int, examples: list[Example], round_: int = 0) -> Rollout:
+    def rollout(self, step: int, examples: list[Example], state: TrainerState, round_: int = 0) -> Rollout:
         params = self._params(step, round_, examples)
-        ro = self._episodes(examples, params) if self.agent is not None else self._samples(examples, params)
+        ro = self._episodes(examples, params) if self.agent is not None else self._samples(examples, params, state)
         if self.greedy_baseline:
             with self.timer.stage("baseline"):
-                ro.baseline = self._greedy_rewards(examples, params)
+                ro.baseline = self._greedy_rewards(examples, params, state)
         return ro
 
-    def _samples(self, examples: list[Example], params: list[SamplingParams]) -> Rollout:
+    def _samples(self, examples: list[Example], params: list[SamplingParams], state: TrainerState) -> Rollout:
         G = self.r.group_size
         with self.timer.stage("rollout"):
             prompts = [encode_prompt(self.engine.tokenizer, ex, self.data) for ex in examples]
@@ -183,7 +188,8 @@ class LockstepSource:
             self.on_generated(samples)
         assert len(samples) == G * len(examples)
         with self.timer.stage("reward"):
-            res = self.scorer.score([s.text for s in samples], [s.example for s in samples])
+            res = self.scorer.score([s.text for s in samples], [s.example for s in samples],
+                                    completion_ids=[s.response_ids for s in samples], state=state)
         return Rollout(scored(samples, res), res.metrics())
 
     def _episodes(self, examples: list[Example], params: list[SamplingParams]) -> Rollout:
@@ -192,14 +198,16 @@ class LockstepSource:
             trajs = self.agent.run(examples, params)
         return Rollout(samples_of_episodes(examples, trajs), episode_metrics(trajs))
 
-    def _greedy_rewards(self, examples: list[Example], params: list[SamplingParams]) -> torch.Tensor:
+    def _greedy_rewards(self, examples: list[Example], params: list[SamplingParams],
+                        state: TrainerState) -> torch.Tensor:
         """ReMax's baseline: the reward of one greedy (temperature 0) sample of each prompt, scored like the rest."""
         greedy = [replace(p, n=1, temperature=0.0) for p in params]
         if self.agent is not None:
             return torch.tensor([t.reward for t in self.agent.run(examples, greedy)], dtype=torch.float32)
         prompts = [encode_prompt(self.engine.tokenizer, ex, self.data) for ex in examples]
         outs = self.engine.generate(prompts, greedy)
-        res = self.scorer.score([o.samples[0].text for o in outs], examples)
+        res = self.scorer.score([o.samples[0].text for o in outs], examples,
+                                completion_ids=[o.samples[0].token_ids for o in outs], state=state)
         return torch.tensor(res.rewards, dtype=torch.float32)
 
     def weight_update(self) -> AbstractContextManager[None]:

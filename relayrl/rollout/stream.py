@@ -43,6 +43,7 @@ from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.episode import Trajectory
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
+from relayrl.rewards.state import TrainerState
 from relayrl.rollout.agent_loop import StreamingEpisodeRunner
 from relayrl.rollout.sample import Sample, samples_of_episodes, samples_of_outputs, scored
 
@@ -59,6 +60,7 @@ class Group:
     params: SamplingParams
     samples: list[Sample] = field(default_factory=list)  # once generated (scored once in `ready`)
     score: ScoreResult | None = None  # single-turn: the scorer's figures of them (the step's reward metrics)
+    state: TrainerState | None = None  # what a TRL reward function reads: its batch's step, not the scoring time's
     episodes: list[Trajectory] | None = None  # multi-turn: the episodes they are (the step's episode figures)
 
     @property
@@ -284,8 +286,9 @@ class RolloutStream:
             while self._drawable():
                 j = self.next_batch
                 self.draw_states[j] = self.sampler.state_dict()
+                state = TrainerState.at(j, self.total, self.draw_states[j], self.P)
                 for i, ex in enumerate(self.sampler.next_batch(self.P)):
-                    self.waiting.append(Group(j, i, ex, self.make_params(j, i, ex)))
+                    self.waiting.append(Group(j, i, ex, self.make_params(j, i, ex), state=state))
                 self.next_batch += 1
             out = []
             while self.waiting and self._capacity():
@@ -329,7 +332,8 @@ class RolloutStream:
             if g is None or self.stopping:  # at shutdown, groups still queued are discarded, not scored
                 return
             texts = [s.text for s in g.samples]
-            g.score = self.scorer.score(texts, [g.example] * len(texts), check=False)
+            g.score = self.scorer.score(texts, [g.example] * len(texts), check=False,
+                                        completion_ids=[s.response_ids for s in g.samples], state=g.state)
             scored(g.samples, g.score)
             with self.cv:
                 self._finish(g)

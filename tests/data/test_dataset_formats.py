@@ -189,7 +189,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     index = (extra_info or {}).get("index", 0)
     return {"score": float(solution_str.strip().startswith(str(ground_truth))) + 0.01 * index, "acc": 1}
 
-def record(completions, prompts, log, **columns):
+def record(completions, prompts, log, trainer_state, **columns):  # trainer_state: TRL passes it; not a column
     with open(log, "a") as f:
         f.write(json.dumps({"completions": completions, "prompts": prompts, "columns": columns}) + "\\n")
     return [len(c) if isinstance(c, str) else -len(c[0]["content"]) for c in completions]
@@ -353,8 +353,8 @@ def test_each_layout_trains_and_logs_the_functions_rewards(rw, tiny_model, tmp_p
     seen = []  # every scoring call of the run: (completions, examples, result)
     real = RewardScorer.score
 
-    def spy(self, completions, examples, check=True):
-        res = real(self, completions, examples, check)
+    def spy(self, completions, examples, check=True, **ids_and_state):
+        res = real(self, completions, examples, check, **ids_and_state)
         seen.append((list(completions), list(examples), res))
         return res
 

@@ -134,7 +134,7 @@ def test_evaluation_seeds_each_prompt_apart():
                     for i in range(len(prompts))]
 
     class Scorer:
-        def score(self, texts, examples):
+        def score(self, texts, examples, completion_ids=None, state=None):
             return ScoreResult(rewards=[0.0] * len(texts), per_function={}, failures=0, correct=[False] * len(texts))
 
     engine = Engine()

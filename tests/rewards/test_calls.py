@@ -38,7 +38,7 @@ def two_forms(completion, example, completions):
 def batch_and_verl(completions, solution_str, ground_truth):
     return [0.0]
 
-def stateful(completions, trainer_state, **kwargs):
+def logs_a_metric(completions, log_metric, **kwargs):
     return [0.0] * len(completions)
 
 def make_bonus(scale):
@@ -110,7 +110,8 @@ def test_keyword_form_fills_prompt_info_and_columns_by_name(rw):
                 "example), TRL's"),
     ("two_forms", "fits several reward forms (batch, sample)"),
     ("batch_and_verl", "fits several reward forms (batch, verl)"),
-    ("stateful", "requires trainer_state, which relayrl does not pass: the scorer runs apart from the trainer"),
+    ("logs_a_metric", "requires log_metric, which relayrl does not pass: relayrl logs each function's mean as "
+                      "reward/<name>/mean and takes no other metric from it"),
     ("needs_parser", "(keyword form) requires parser, which is not filled; required parameters may be "
                      "completion, answer, prompt, info, example"),
 ])
@@ -140,13 +141,9 @@ def test_factory_entry_is_called_once_at_load(rw):
         RewardConfig.from_dict({"functions": [{"name": "model", "path": "d", "args": {}}]})
 
 
-def test_trl_rewards_run_unchanged_or_are_refused_naming_why():
+def test_trl_text_rewards_run_unchanged():
     pytest.importorskip("trl")
     chat = Example(prompt=[{"role": "user", "content": "2+2?"}], answer="4")
     forms, r = score([{"name": "trl.rewards:think_format_reward"}], ["<think>\nhm\n</think>4", "4"], [chat] * 2)
     assert forms == ["batch"] and r.rewards == [1.0, 0.0]
-    for name, args in [("get_soft_overlong_punishment", {"max_completion_len": 64, "soft_punish_cache": 16}),
-                       ("get_repetition_penalty_reward", {"ngram_size": 3})]:
-        assert refusal([{"name": f"trl.rewards:{name}", "args": args}]) == (
-            f"config error: reward.functions.0: reward function 'trl.rewards:{name}' requires completion_ids, "
-            "which relayrl does not pass: the scorer sees each completion's text, not its token ids")
+    # TRL's rewards that read completion_ids and trainer_state: tests/rewards/test_trl_kwargs.py

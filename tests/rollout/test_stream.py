@@ -57,7 +57,7 @@ class ScriptedEngine:
 
 
 class Scorer:
-    def score(self, texts, examples, check=True):
+    def score(self, texts, examples, check=True, completion_ids=None, state=None):
         return ScoreResult(rewards=[1.0] * len(texts), per_function={"f": [1.0] * len(texts)}, failures=0,
                            correct=[True] * len(texts))
 
