@@ -115,7 +115,7 @@ def test_shipped_configs_validate():
     assert load_run_config(root / "grpo_arith.yaml").rollout.group_size == 8
     assert SFTJobConfig.from_dict(load_yaml(root / "sft_arith.yaml")).sft.steps == 300
     agent = load_run_config(root / "agent_calculator.yaml")
-    assert agent.env.name == "calculator" and agent.data.use_chat_template
+    assert agent.env.name == "calculator" and agent.data.chat_template == "always"
     sft = SFTJobConfig.from_dict(load_yaml(root / "sft_agent_calculator.yaml"))
     assert sft.env.params == {"direct_share": 0.75} and sft.data.task == "calculator"
 
