@@ -51,7 +51,7 @@ class DataConfig(Config):
     n_train: int = Field(default=2000, gt=0)
     n_eval: int = Field(default=200, gt=0)
     seed: int = 0
-    chat_template: ChatTemplateMode = "auto"  # for string prompts; message prompts always use the template
+    chat_template: ChatTemplateMode = "auto"
     system_prompt: str | None = None
 
     @field_validator("task")
