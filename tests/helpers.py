@@ -52,7 +52,7 @@ TINY_ENV_MODEL = {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidd
 def env_cfg(tmp_path, name, env, task="calculator", **sections) -> RunConfig:
     """A 2-step run of episodes in environment `env` (an `env:` section) on a chat-templated task."""
     return cfg_for(tmp_path, name, model=TINY_ENV_MODEL,
-                   data={"task": task, "task_params": {}, "use_chat_template": True, "n_train": 32, "n_eval": 4},
+                   data={"task": task, "task_params": {}, "chat_template": "always", "n_train": 32, "n_eval": 4},
                    env=env, rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 12},
                    eval={"max_tokens": 12}, run={"steps": 2, "save_every": 0}, **sections)
 

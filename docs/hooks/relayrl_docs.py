@@ -88,9 +88,11 @@ MEANINGS = {
     "data.n_train": "Training examples generated for a task (a file trains on all its remaining rows).",
     "data.n_eval": "Held-out examples.",
     "data.seed": "Seed of the task's generator and of the file's train/eval split.",
-    "data.use_chat_template": "Render string prompts through the tokenizer's chat template (message prompts always "
-                              "are).",
-    "data.system_prompt": "A system message put before each prompt (needs `use_chat_template: true`).",
+    "data.chat_template": "String prompts through the tokenizer's chat template: `always`, `never` (raw text), or "
+                          "`auto`: where the tokenizer has a template meant for them (not relayrl's tiny tokenizers, "
+                          "whose template is for conversations). Message prompts always go through it.",
+    "data.system_prompt": "A system message put before each prompt (needs the chat template: refused with "
+                          "`chat_template: never`).",
     "reward.functions": "The reward is the weighted sum of these entries: built-in names, `module:function`, "
                         "`path/file.py:function`, or `model` for a reward model.",
     "reward.functions[].name": "A built-in reward (`task`, `exact_match`, `math`, `format`, `code_tests`), a "

@@ -72,36 +72,59 @@ def _cmd_eval(a) -> int:
             raise ConfigError(f"--task-params is not JSON: {e.msg} (e.g. '{{\"digits\": [2, 2, 2]}}')") from None
     flags = Flags(task=a.task, task_params=task_params, path=a.path, n=a.n, seed=a.seed, max_tokens=a.max_tokens,
                   temperature=a.temperature, env=a.env)
-    job, notice = eval_job(a.model, a.run, flags)  # config modules only: a bad run directory or flag, at once
+    # config modules only: a bad run directory, config or flag, at once
+    job, notice = eval_job(a.model, a.run, flags, config=a.config, overrides=a.overrides)
     from relayrl.engine.sampling_params import SamplingParams  # the standard library only (no torch)
 
     SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed)  # a bad flag: one line
     if notice:
         print(notice, file=sys.stderr)
-    from relayrl.jobs.eval import run_eval  # torch and every layer: only once the job is known to be good
+    from relayrl.jobs.eval import held_out_line, run_eval  # torch and every layer: once the job is known good
 
     res = run_eval(job)
+    print(held_out_line(res, job))
     print("  ".join(f"{k}={v:.4g}" for k, v in res.items()))
     return 0
 
 
 def _cmd_generate(a) -> int:
+    """Each prompt's completions on stdout, one per sample (only the completion: the prompt is not repeated),
+    and a line per sample on stderr (why it ended, its tokens, its logprob). A prompt goes through the model's chat
+    template as data.chat_template says (--chat: always, --no-chat: never, neither: auto), and sampling stops at
+    every end-of-sequence id of the model (config.json's, the tokenizer's, generation_config.json's)."""
+    from relayrl.data.chat import has_chat_template, string_template
     from relayrl.engine import LLMEngine, SamplingParams
     from relayrl.errors import PromptError
+    from relayrl.models.hf_io import generation_eos_ids
+    from relayrl.models.tokenizer import load_tokenizer
+    from relayrl.rollout.prompts import encode_text
     from relayrl.single_controller.process_setup import configure_process
 
     # checked before the model loads: a bad flag is one line, at once
-    params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
+    params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed,
+                            stop_token_ids=generation_eos_ids(a.model))
     for i, p in enumerate(a.prompts):
         if not p:  # the BOS token added below would otherwise make it a prompt
             raise PromptError(f"prompt {i} is empty: give some text to continue")
+    mode = {True: "always", False: "never", None: "auto"}[a.chat]
+    tok = load_tokenizer(a.model)
+    if mode == "always" and not has_chat_template(tok):
+        raise UserError(f"--chat: the tokenizer of {a.model} has no chat template; drop --chat (the prompt is then "
+                        "sent as raw text) or add a chat_template to its tokenizer_config.json")
+    if a.system is not None and (mode == "never" or (mode == "auto" and not string_template(tok))):
+        why = ("--no-chat sends raw text" if mode == "never" else
+               f"the tokenizer of {a.model} has no chat template" if not has_chat_template(tok) else
+               f"the chat template of {a.model} is for conversations only (relayrl's tiny tokenizers)")
+        raise UserError(f"--system needs the chat template, but {why}; drop --system"
+                        + ("" if mode == "never" or not has_chat_template(tok) else ", or give --chat"))
+    prompts = [encode_text(tok, p, mode, a.system) for p in a.prompts]
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     engine = LLMEngine.from_pretrained(a.model)
-    bos = [engine.tokenizer.bos_token_id] if engine.tokenizer.bos_token_id is not None else []
-    prompts = [bos + engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in a.prompts]
-    for p, out in zip(a.prompts, engine.generate(prompts, params), strict=True):
-        for s in out.samples:
-            print(f"{p}{s.text}\t[{s.finish_reason}, {len(s.token_ids)} tokens, logprob {sum(s.logprobs):.3f}]")
+    for i, out in enumerate(engine.generate(prompts, params)):
+        for j, s in enumerate(out.samples):
+            print(s.text, flush=True)
+            print(f"[prompt {i}, sample {j}: {s.finish_reason}, {len(s.token_ids)} tokens, "
+                  f"logprob {sum(s.logprobs):.3f}]", file=sys.stderr)
     return 0
 
 
@@ -233,16 +256,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*")
     s.set_defaults(fn=_cmd_sft)
 
-    e = sub.add_parser("eval", help="held-out accuracy of a run's final model with the run's settings (--run "
-                       "RUN_DIR), or of a model directory on a task", description="A run (--run RUN_DIR, --model "
-                       "RUN_DIR or --model RUN_DIR/final_model) is evaluated with its own settings: its data section "
-                       "(task, task_params, dataset file, chat template, n_eval, seed), its reward or environment, "
-                       "eval.max_tokens, eval.temperature and rollout.stop; flags given override them. A bare model "
-                       "directory takes the flags' settings.")
+    e = sub.add_parser("eval", help="held-out reward and accuracy of a run's final model with the run's settings "
+                       "(--run RUN_DIR), or of a model directory on a task",
+                       description="A run (--run RUN_DIR, --model RUN_DIR or --model RUN_DIR/final_model) is "
+                       "evaluated with its own settings: its data section (task, task_params, dataset file, "
+                       "chat_template, system_prompt, n_eval, seed), its reward or environment, eval.max_tokens, "
+                       "eval.temperature and rollout.stop; key=value overrides and flags given override them. "
+                       "--model DIR --config FILE.yaml takes a training config's settings. A bare model directory "
+                       "takes the overrides' and the flags' settings. Prints a held-out line (the configured "
+                       "reward's mean, named, beside exact match or the task's accuracy), then every figure as "
+                       "key=value.")
     e.add_argument("--model", help="a Hugging Face model directory; a run directory, or a run's final_model/ (sft's "
                    "model/), evaluates with that run's settings")
     e.add_argument("--run", metavar="RUN_DIR", help="a run's out_dir (relayrl train's or sft's): its settings, and "
                    "its model unless --model names another")
+    e.add_argument("--config", metavar="FILE.yaml", help="with --model: a training (or SFT) config whose data, "
+                   "reward, eval and rollout settings evaluate the model, as a run's would")
+    e.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the run's or the config's "
+                   "settings (e.g. data.path=test.jsonl 'reward.functions=[{name: my_rewards:correct}]'); with a "
+                   "bare --model, of a training config's defaults")
     e.add_argument("--task", help="a built-in task, or file (with --path); default: the run's data.task, else arith")
     e.add_argument("--path", help="dataset file when --task file")
     e.add_argument("--n", type=int, help="held-out prompts; default: the run's data.n_eval, else 200")
@@ -257,9 +289,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: the run's env section")
     e.set_defaults(fn=_cmd_eval)
 
-    g = sub.add_parser("generate", help="sample completions: relayrl generate --model DIR PROMPT ...")
+    g = sub.add_parser("generate", help="sample completions: relayrl generate --model DIR PROMPT ...",
+                       description="Prints each sample's completion (not the prompt) on stdout; why it ended, its "
+                       "tokens and logprob on stderr. Sampling stops at every end-of-sequence id of the model "
+                       "(generation_config.json's included).")
     g.add_argument("--model", required=True)
     g.add_argument("prompts", nargs="+")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="--chat: render each prompt through the model's chat template as a user message; --no-chat: "
+                   "send the raw text; default: the template where the tokenizer has one meant for string prompts "
+                   "(not relayrl's tiny tokenizers), as data.chat_template=auto")
+    g.add_argument("--system", help="a system message before each prompt (needs the chat template)")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)

@@ -100,8 +100,9 @@ class RunConfig(Config):
         if self.rollout.backend != "relayrl":
             raise ValueError("env: multi-turn episodes drive relayrl's engine step by step; "
                              "set rollout.backend=relayrl")
-        if not self.data.use_chat_template:
-            raise ValueError("env: episodes are conversations; set data.use_chat_template=true")
+        if self.data.chat_template == "never":
+            raise ValueError("env: episodes are conversations, rendered through the chat template; "
+                             "set data.chat_template=auto (or always)")
         return self
 
     @model_validator(mode="after")

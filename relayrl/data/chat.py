@@ -1,10 +1,18 @@
 """This module turns a raw prompt into the text the model sees (optionally through its chat template).
 
 A prompt is a string or a list of chat messages (TRL's conversational format,
-`[{"role": "user", "content": "..."}]`, a system message optionally first). A string goes through the
-chat template only when `data.use_chat_template` is true; a list of messages always does, since a
-template is the only way to turn messages into text: with `use_chat_template: false` message prompts
-are still rendered through the tokenizer's template, and a tokenizer without one is a DataError.
+`[{"role": "user", "content": "..."}]`, a system message optionally first). `data.chat_template` decides:
+
+    prompt      always                    never          auto (the default)
+    messages    the template              the template   the template
+    string      the template (a tokenizer the raw text   the template when the tokenizer has one meant for
+                without one: DataError)                  string prompts (string_template), else the raw text
+
+A list of messages always goes through the template, since a template is the only way to turn messages into
+text (a tokenizer without one is then a DataError). Under auto a string prompt keeps its raw text when the
+tokenizer has no template, or when its template carries the CONVERSATIONS_ONLY mark: relayrl's own tiny
+tokenizers (relayrl.models.tokenizer) carry a plain-line template for tool episodes and message prompts, while
+the built-in tasks they are built for are completion-style ("12+7=" continued by "19").
 
 It imports the standard library and relayrl.errors only; it must never import another relayrl layer:
 data is a leaf, which rewards and the controller import.
@@ -14,19 +22,40 @@ from __future__ import annotations
 
 import json
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Literal
 
 from relayrl.errors import DataError
 
 Prompt = str | list[dict[str, Any]]
+ChatTemplateMode = Literal["auto", "always", "never"]
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+
+# A Jinja comment (it renders nothing) that marks a template as meant for conversations only: under
+# chat_template=auto, string prompts stay raw text. relayrl.models.tokenizer.CHAT_TEMPLATE carries it (a test
+# checks); a user may put it into a template of their own for the same effect.
+CONVERSATIONS_ONLY = "{# relayrl: conversations only #}"
 
 
-def uses_chat_template(prompt: Prompt, use_chat_template: bool) -> bool:
-    """Whether `prompt` is rendered through the chat template: always for messages, for text when asked."""
-    return use_chat_template or not isinstance(prompt, str)
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
-def format_prompt(tokenizer: Any, prompt: Prompt, use_chat_template: bool, system: str | None = None) -> str:
+def string_template(tokenizer: Any) -> bool:
+    """Whether chat_template=auto renders a string prompt through `tokenizer`'s template: it has one, and the
+    template is not marked CONVERSATIONS_ONLY (relayrl's tiny tokenizers' is)."""
+    return has_chat_template(tokenizer) and CONVERSATIONS_ONLY not in tokenizer.chat_template
+
+
+def uses_chat_template(tokenizer: Any, prompt: Prompt, mode: ChatTemplateMode) -> bool:
+    """Whether `prompt` is rendered through the chat template under `mode` (the table in the module docstring)."""
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"chat_template mode must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {mode!r}")
+    if not isinstance(prompt, str) or mode == "always":
+        return True
+    return mode == "auto" and string_template(tokenizer)
+
+
+def format_prompt(tokenizer: Any, prompt: Prompt, mode: ChatTemplateMode, system: str | None = None) -> str:
     """The prompt text to tokenize.
 
     A string prompt without a chat template is used as is (a system prompt is then an error rather
@@ -34,18 +63,20 @@ def format_prompt(tokenizer: Any, prompt: Prompt, use_chat_template: bool, syste
     the list itself for messages (with the system prompt first unless it has one), and the template's
     generation prompt is appended, so the completion starts right where the assistant's turn begins.
     """
-    if not uses_chat_template(prompt, use_chat_template):
+    if not uses_chat_template(tokenizer, prompt, mode):
         if system is not None:
-            raise DataError(
-                "data.system_prompt is set but data.use_chat_template is false; "
-                "enable the chat template or drop the system prompt"
-            )
+            why = ("data.chat_template is never" if mode == "never" else
+                   "the tokenizer has no chat template" if not has_chat_template(tokenizer) else
+                   "the tokenizer's chat template is for conversations only (relayrl's tiny tokenizers)")
+            raise DataError(f"data.system_prompt is set but string prompts are not rendered through a chat "
+                            f"template ({why}); set data.chat_template=always with a tokenizer that has a "
+                            f"template, or drop the system prompt")
         return prompt
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         if isinstance(prompt, str):
             raise DataError(
-                "data.use_chat_template is true but the tokenizer has no chat template; "
-                "set data.use_chat_template=false or add a chat_template to the tokenizer"
+                "data.chat_template is always but the tokenizer has no chat template; "
+                "set data.chat_template=auto (or never) or add a chat_template to the tokenizer"
             )
         raise DataError(
             "the dataset's prompts are chat messages, which only a chat template can turn into text, but the "

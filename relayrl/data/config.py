@@ -13,8 +13,8 @@ File (`task: file`, `path: train.jsonl`; `format: auto | plain | trl | verl`, se
     (the sampler cycles through them for as many steps as the run takes).
 
 Prompts are returned raw (a string or chat messages); the driver applies `format_prompt` with the policy's
-tokenizer. Message prompts are always rendered through the chat template (`use_chat_template` decides for
-string prompts only; see `chat.py`).
+tokenizer. Message prompts are always rendered through the chat template; `chat_template` (auto | always |
+never) decides for string prompts (see `chat.py`).
 
 It imports pydantic, relayrl's ground floor and the data modules only; it must never import another
 relayrl layer: data is a leaf, which rewards and the controller import.
@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from relayrl.config import Config
-from relayrl.data.chat import prompt_key
+from relayrl.data.chat import ChatTemplateMode, prompt_key
 from relayrl.data.files import load_dataset_file
 from relayrl.data.split import split_train_eval
 from relayrl.data.tasks import Example, check_task, get_task, task_names
@@ -38,6 +38,10 @@ FILE_TASK = "file"
 
 
 class DataConfig(Config):
+    RENAMED = {"use_chat_template": "set data.chat_template: always (was true) or never (was false); auto, the "
+                                    "default, renders string prompts through the model's chat template where it "
+                                    "has one"}
+
     task: str = "arith"
     task_params: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None
@@ -48,7 +52,7 @@ class DataConfig(Config):
     n_train: int = Field(default=2000, gt=0)
     n_eval: int = Field(default=200, gt=0)
     seed: int = 0
-    use_chat_template: bool = False
+    chat_template: ChatTemplateMode = "auto"
     system_prompt: str | None = None
 
     @field_validator("task")
@@ -70,8 +74,9 @@ class DataConfig(Config):
             )
         if self.task != FILE_TASK and self.format != "auto":
             raise ValueError(f"format is only used with task 'file' (task is '{self.task}'); set data.task=file")
-        if self.system_prompt is not None and not self.use_chat_template:
-            raise ValueError("system_prompt needs use_chat_template: true (without a template it would be dropped)")
+        if self.system_prompt is not None and self.chat_template == "never":
+            raise ValueError("system_prompt needs a chat template (with chat_template: never it would be dropped); "
+                             "set chat_template: auto or always, or drop system_prompt")
         if self.task != FILE_TASK:
             try:  # bad task_params fail when the config loads, not after the model is built
                 check_task(self.task, self.task_params)

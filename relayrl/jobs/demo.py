@@ -62,7 +62,7 @@ GRPO = {
 # in the head (direct_share). The warm-started model calls the tool now and then; GRPO has to find out that
 # calling it pays.
 CALC_DATA = {"task": "calculator", "task_params": {"digits": [2, 2, 2]}, "n_train": 3000, "n_eval": 100,
-             "seed": 0, "use_chat_template": True}
+             "seed": 0, "chat_template": "always"}
 CALC_ENV = {"name": "calculator", "max_turns": 3, "max_total_tokens": 224}
 CALC_MODEL = {"tiny": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
                        "num_attention_heads": 4, "num_key_value_heads": 2}}

@@ -13,6 +13,7 @@ from contextlib import ExitStack, closing
 import torch
 
 from relayrl.data import build_datasets
+from relayrl.data.config import FILE_TASK
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.base import make_env
 from relayrl.jobs.build import reward_scorer
@@ -46,3 +47,20 @@ def run_eval(job: EvalJob) -> dict[str, float]:
         agent = stack.enter_context(episode_agent(engine, job.env))
         return evaluate_set(engine, eval_set, data=job.data, scorer=scorer, agent=agent, max_tokens=job.max_tokens,
                             temperature=job.temperature, seed=job.seed, stop=job.rollout.stop)
+
+
+def held_out_line(res: dict[str, float], job: EvalJob) -> str:
+    """The figures of `res` named as what they measure: the configured reward (the weighted sum of reward.functions,
+    named), beside the share the task's own check calls correct (exact match for a dataset file) or, in an
+    environment, the share of episodes it calls a success."""
+    if job.env is not None:
+        scorer, correct = f"the {job.env.name} environment's reward", "success rate"
+    else:
+        terms = [(f.name if f.path is None else f"{f.name}:{f.path}") for f in job.reward.functions]
+        weights = [f.weight for f in job.reward.functions]
+        scorer = " + ".join(t if w == 1 else f"{w:g}*{t}" for t, w in zip(terms, weights, strict=True))
+        correct = "exact match" if job.data.task == FILE_TASK else f"accuracy ({job.data.task})"
+    # the share the task calls correct: eval/accuracy, or eval/exact_match where a user reward makes that its name
+    share = res.get("eval/accuracy", res.get("eval/exact_match", float("nan")))
+    return (f"held-out: {int(res.get('eval/n', 0))} prompts  reward {res.get('eval/reward', float('nan')):.4f} "
+            f"(mean of {scorer})  {correct} {share:.4f}  response length {res.get('eval/response_length', 0):.2f}")

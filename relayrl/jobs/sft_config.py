@@ -36,8 +36,9 @@ class SFTJobConfig(Config):
 
     @model_validator(mode="after")
     def _env_fits(self) -> SFTJobConfig:
-        if self.env is not None and not self.data.use_chat_template:
-            raise ValueError("env: traces are conversations; set data.use_chat_template=true")
+        if self.env is not None and self.data.chat_template == "never":
+            raise ValueError("env: traces are conversations, rendered through the chat template; "
+                             "set data.chat_template=auto (or always)")
         if self.trainer.lora is not None:  # SFT trains the full model; LoRA is the RL trainer's (relayrl train)
             raise ValueError("trainer.lora: SFT trains the full model; remove trainer.lora from the SFT config")
         return self

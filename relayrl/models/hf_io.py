@@ -50,6 +50,22 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ModelDirError(f"{cfg_file}: {e}") from None
 
 
+def generation_eos_ids(path: str | Path) -> list[int]:
+    """The end-of-sequence ids of a model directory's generation_config.json ([] without one): an instruct model's
+    end-of-turn token is often there only (HF's generate and vLLM stop at each of them)."""
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return []
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ModelDirError(f"malformed {f}: {e}; fix or remove it") from None
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelDirError(f"{f}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return list(ids)
+
+
 def _weight_files(p: Path) -> list[Path]:
     index = p / INDEX
     if index.is_file():

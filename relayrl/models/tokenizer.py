@@ -43,7 +43,11 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 #   assistant turns    end with EOS, the token the model generates to end its turn, then the newline
 #   tool results       "tool: <tool_response>...</tool_response>\n", as Hermes/Qwen templates wrap them
 # (transformers renders with trim_blocks: a newline right after a block tag is dropped, hence {{ '\\n' }}.)
+# It opens with a comment (it renders nothing) marking it for conversations only: the tiny models' built-in tasks
+# are completion-style, so under data.chat_template=auto their string prompts stay raw text. The mark is
+# relayrl.data.chat.CONVERSATIONS_ONLY, spelled out here because models never import data (a test checks both).
 CHAT_TEMPLATE = (
+    "{# relayrl: conversations only #}"
     "{% if tools %}tools: {% for t in tools %}{% set f = t.function if t.function is defined else t %}"
     "{{ f.name }}({{ f.parameters.properties | join(', ') }}){% if not loop.last %}, {% endif %}{% endfor %}{{ '\\n' }}"
     "{% endif %}"

@@ -12,12 +12,17 @@ from relayrl.data.chat import uses_chat_template
 
 
 def encode_prompt(tokenizer, example: Example, data: DataConfig) -> list[int]:
-    """The prompt's ids: BOS (when the tokenizer has one) + a string prompt, or the chat-formatted prompt
-    (string prompts with data.use_chat_template, message prompts always), whose template decides the BOS."""
-    text = format_prompt(tokenizer, example.prompt, data.use_chat_template, data.system_prompt)
+    """The prompt's ids: BOS (when the tokenizer has one) + a raw string prompt, or the chat-formatted prompt
+    (message prompts always, string prompts as data.chat_template says), whose template decides the BOS."""
+    return encode_text(tokenizer, example.prompt, data.chat_template, data.system_prompt)
+
+
+def encode_text(tokenizer, prompt, chat_template: str = "auto", system: str | None = None) -> list[int]:
+    """encode_prompt of a bare prompt (a string or messages): what `relayrl generate` sends the engine."""
+    text = format_prompt(tokenizer, prompt, chat_template, system)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id
-    if bos is not None and not uses_chat_template(example.prompt, data.use_chat_template):
+    if bos is not None and not uses_chat_template(tokenizer, prompt, chat_template):
         ids = [bos] + ids
     return ids
 

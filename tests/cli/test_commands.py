@@ -98,7 +98,8 @@ def test_train_report_generate_eval_roundtrip(tmp_path, cfg_file, capsys):
     assert section.startswith("## Bottleneck") and "Share of the step:" in section and "### Findings" in section
     assert printed.endswith(section)
     code = main(["generate", "--model", str(out / "final_model"), "12+3=", "--max-tokens", "3"])
-    assert code == 0 and capsys.readouterr().out.startswith("12+3=")
+    printed = capsys.readouterr()  # the completion alone on stdout; how it ended on stderr
+    assert code == 0 and printed.err.startswith("[prompt 0, sample 0: ") and not printed.out.startswith("12+3=")
     code = main(["eval", "--model", str(out / "final_model"), "--task", "arith", "--n", "4", "--max-tokens", "3"])
     assert code == 0 and "eval/accuracy=" in capsys.readouterr().out
 
@@ -115,7 +116,7 @@ def test_shipped_configs_validate():
     assert load_run_config(root / "grpo_arith.yaml").rollout.group_size == 8
     assert SFTJobConfig.from_dict(load_yaml(root / "sft_arith.yaml")).sft.steps == 300
     agent = load_run_config(root / "agent_calculator.yaml")
-    assert agent.env.name == "calculator" and agent.data.use_chat_template
+    assert agent.env.name == "calculator" and agent.data.chat_template == "always"
     sft = SFTJobConfig.from_dict(load_yaml(root / "sft_agent_calculator.yaml"))
     assert sft.env.params == {"direct_share": 0.75} and sft.data.task == "calculator"
 
@@ -131,7 +132,9 @@ def test_eval_in_an_environment(tmp_path, capsys):
     argv = ["eval", "--model", str(model), "--task", "calculator", "--task-params", '{"digits": [2, 2]}',
             "--env", "calculator", "--n", "4", "--max-tokens", "8"]
     assert main(argv) == 0
-    out = dict(kv.split("=") for kv in capsys.readouterr().out.split())
+    held, figures = capsys.readouterr().out.strip().splitlines()
+    out = dict(kv.split("=") for kv in figures.split())
+    assert held.startswith("held-out: 4 prompts  reward ") and "success rate" in held
     assert out["eval/n"] == "4" and float(out["eval/turns"]) >= 1.0 and "eval/tool_calls" in out
     code, err = run_cli(capsys, *argv[:6], '{"digits": [2, 2]', *argv[7:])
     assert code == 2 and err == ("relayrl: error: --task-params is not JSON: Expecting ',' delimiter "
@@ -224,10 +227,10 @@ def test_eval_of_a_run_is_its_last_evaluation(arith_run, capsys):
     for argv in (["--run", str(run)], ["--model", str(run)]):  # a run directory given as --model: the same
         assert main(["eval", *argv]) == 0
         out = capsys.readouterr()
-        assert out.out.strip() == printed(last) and out.err == ""
+        assert out.out.strip().splitlines()[-1] == printed(last) and out.err == ""
     # flags override the run's settings
     assert main(["eval", "--run", str(run), "--n", "4", "--max-tokens", "2"]) == 0
-    figures = dict(kv.split("=") for kv in capsys.readouterr().out.split())
+    figures = dict(kv.split("=") for kv in capsys.readouterr().out.strip().splitlines()[-1].split())
     assert figures["eval/n"] == "4" and float(figures["eval/response_length"]) <= 2
 
 
@@ -240,7 +243,7 @@ def test_eval_of_a_runs_model_directory_says_it_uses_the_run(arith_run, tmp_path
     run, last = arith_run
     assert main(["eval", "--model", str(run / "final_model")]) == 0
     out = capsys.readouterr()
-    assert out.out.strip() == printed(last)
+    assert out.out.strip().splitlines()[-1] == printed(last)
     assert out.err == (f"relayrl: {run / 'final_model'} is the model of run {run}: evaluating with that run's "
                        f"settings ({run / 'config.yaml'}); flags given override them\n")
     bare = shutil.copytree(run / "final_model", tmp_path / "bare")
@@ -267,4 +270,4 @@ def test_eval_of_an_sft_run_is_its_last_evaluation(tmp_path, capsys):
     assert code == 0
     last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     assert main(["eval", "--run", str(out)]) == 0
-    assert capsys.readouterr().out.strip() == printed({k: v for k, v in last.items() if k != "step"})
+    assert capsys.readouterr().out.strip().splitlines()[-1] == printed({k: v for k, v in last.items() if k != "step"})

@@ -152,17 +152,17 @@ def test_held_out_message_prompts_are_dropped_from_train(tmp_path):
 def test_message_prompts_render_through_the_chat_template(tmp_path):
     tok = build_char_tokenizer(tmp_path, "0123456789+=abeirfsy", "llama")
     want = "system: be brief\nuser: 1+2=\nassistant: "
-    # with or without data.use_chat_template: messages have no text form but the template's
-    assert format_prompt(tok, MSG, use_chat_template=False) == want == format_prompt(tok, MSG, True)
-    assert format_prompt(tok, MSG[1:], True, system="sum") == "system: sum\nuser: 1+2=\nassistant: "
-    assert format_prompt(tok, MSG, True, system="sum") == want  # the messages' own system message wins
+    # under every data.chat_template: messages have no text form but the template's
+    assert {format_prompt(tok, MSG, mode) for mode in ("never", "auto", "always")} == {want}
+    assert format_prompt(tok, MSG[1:], "always", system="sum") == "system: sum\nuser: 1+2=\nassistant: "
+    assert format_prompt(tok, MSG, "auto", system="sum") == want  # the messages' own system message wins
     plain = DataConfig()
     # the template decides the BOS for messages; a plain string prompt gets the tokenizer's BOS
     assert encode_prompt(tok, Example(MSG, "3"), plain) == tok(want, add_special_tokens=False)["input_ids"]
     assert encode_prompt(tok, Example("1+2=", "3"), plain) == [tok.bos_token_id] + tok("1+2=")["input_ids"]
     tok.chat_template = None
-    assert "no chat template" in _one_line_error(format_prompt, tok, MSG, False)
-    assert format_prompt(tok, "1+2=", False) == "1+2="
+    assert "no chat template" in _one_line_error(format_prompt, tok, MSG, "never")
+    assert format_prompt(tok, "1+2=", "never") == format_prompt(tok, "1+2=", "auto") == "1+2="
 
 
 # ---------------------------------------------------------------------------- reward function forms

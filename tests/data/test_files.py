@@ -102,11 +102,11 @@ def test_file_with_separate_eval(tmp_path):
 
 def test_format_prompt(tmp_path):
     tok = build_char_tokenizer(tmp_path, "0123456789+=", "llama")
-    assert format_prompt(tok, "1+2=", use_chat_template=False, system=None) == "1+2="
-    assert format_prompt(tok, "1+2=", True, None) == "user: 1+2=\nassistant: "
-    assert format_prompt(tok, "1+2=", True, "sum") == "system: sum\nuser: 1+2=\nassistant: "
-    with pytest.raises(DataError, match="use_chat_template"):
-        format_prompt(tok, "1+2=", False, "sum")
+    assert format_prompt(tok, "1+2=", "never", system=None) == "1+2="
+    assert format_prompt(tok, "1+2=", "always", None) == "user: 1+2=\nassistant: "
+    assert format_prompt(tok, "1+2=", "always", "sum") == "system: sum\nuser: 1+2=\nassistant: "
+    with pytest.raises(DataError, match="data.chat_template is never"):
+        format_prompt(tok, "1+2=", "never", "sum")
     tok.chat_template = None
-    with pytest.raises(DataError, match="no chat template"):
-        format_prompt(tok, "1+2=", True, None)
+    with pytest.raises(DataError, match="data.chat_template is always but the tokenizer has no chat template"):
+        format_prompt(tok, "1+2=", "always", None)

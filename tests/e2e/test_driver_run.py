@@ -139,7 +139,7 @@ def test_evaluation_seeds_each_prompt_apart():
 
     engine = Engine()
     exs = [Example(prompt=f"{i}+1=", answer="") for i in range(3)]
-    evaluate(engine, exs, DataConfig(use_chat_template=False), Scorer(), 4, temperature=1.0, seed=10)
+    evaluate(engine, exs, DataConfig(chat_template="never"), Scorer(), 4, temperature=1.0, seed=10)
     # one shared seed would draw the same uniforms for every prompt at temperature 1
     assert [p.seed for p in engine.params] == [10, 11, 12]
 

@@ -72,7 +72,7 @@ def test_sft_on_the_environments_traces_teaches_its_tool_calls(tmp_path):
     cfg = SFTJobConfig.from_dict({
         "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}},
         "data": {"task": "calculator", "task_params": {"digits": [2, 2, 2]}, "n_train": 128, "n_eval": 16,
-                 "use_chat_template": True},
+                 "chat_template": "always"},
         "env": {"name": "calculator", "max_total_tokens": 224},
         "trainer": {"lr": 3e-3, "warmup_steps": 10, "micro_batch_size": 32},
         "eval": {"max_tokens": 96},

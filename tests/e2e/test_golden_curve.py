@@ -41,7 +41,7 @@ RUNS: dict[str, dict] = {
                        critic={"lr": 1e-3, "warmup_updates": 1}, run={"steps": 3, "save_every": 0}),
     "remax_filtered": dict(algo={"advantage": "remax", "filter_groups": True, "max_resample_rounds": 1},
                            reward=SEVENS, run={"steps": 3, "save_every": 0}),
-    "env_episodes": dict(model=TINY, data={"task": "calculator", "task_params": {}, "use_chat_template": True,
+    "env_episodes": dict(model=TINY, data={"task": "calculator", "task_params": {}, "chat_template": "always",
                                            "n_train": 32, "n_eval": 4},
                          env={"name": "tests.fixtures.envs:TwoTurns", "params": {"reward": 0.5},
                               "max_total_tokens": 200},

@@ -380,7 +380,7 @@ def test_generate_wrong_shaped_weights_is_one_line_and_exit_2(model_dir, tmp_pat
                                        f"(32, 60), the model config implies (32, 64); check that the weights belong "
                                        f"to this config.json\n")
     assert main(["generate", "--model", model_dir, "1+2=", "--max-tokens", "3"]) == 0  # the good directory runs
-    assert capsys.readouterr().out.startswith("1+2=")
+    assert capsys.readouterr().err.startswith("[prompt 0, sample 0: ")
 
 
 @pytest.mark.e2e

@@ -175,11 +175,13 @@ def test_user_env_class_by_module_path(tmp_path):
 
 
 def test_env_config_needs_the_chat_template_and_relayrls_engine():
-    base = {"data": {"task": "calculator"}, "env": {"name": "calculator"}}
-    with pytest.raises(ConfigError, match="use_chat_template"):
+    base = {"data": {"task": "calculator", "chat_template": "never"}, "env": {"name": "calculator"}}
+    with pytest.raises(ConfigError, match="env: episodes are conversations, rendered through the chat template; "
+                                          "set data.chat_template=auto"):
         RunConfig.from_dict(base)
+    assert RunConfig.from_dict({**base, "data": {"task": "calculator"}}).data.chat_template == "auto"
     with pytest.raises(ConfigError, match="rollout.backend=relayrl"):
-        RunConfig.from_dict({**base, "data": {"task": "calculator", "use_chat_template": True},
+        RunConfig.from_dict({**base, "data": {"task": "calculator", "chat_template": "always"},
                              "rollout": {"backend": "vllm"}})
     with pytest.raises(ConfigError, match="env.max_turns"):
         RunConfig.from_dict({**base, "env": {"name": "calculator", "max_turns": 0}})

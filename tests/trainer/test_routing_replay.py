@@ -263,7 +263,7 @@ def test_refusals_name_the_key():
     with pytest.raises(ConfigError, match="parallel.ep=2 must divide parallel.dp_shard=3"):
         RunConfig.from_dict({"parallel": {"backend": "local", "dp_shard": 3, "ep": 2}})
     with pytest.raises(ConfigError, match="algo.routing_replay replays the engine's routing record, which multi-turn"):
-        RunConfig.from_dict({"algo": {"routing_replay": True}, "data": {"use_chat_template": True},
+        RunConfig.from_dict({"algo": {"routing_replay": True}, "data": {"chat_template": "always"},
                              "env": {"name": "guess"}})
     with pytest.raises(ValueError, match="need an MoE model"):
         Actor(CausalLM(dense), TrainerConfig(), AlgoConfig(routing_replay=True), total_steps=1)
