@@ -38,7 +38,8 @@ MARKER = re.compile(r"^<!-- relayrl:(config|cli|include)(?: (\S+))? -->$", re.M)
 
 # What each top-level section is for (the sections' classes say more in their own docstrings where they have one).
 SECTIONS = {
-    "model": "Where the policy comes from: a Hugging Face directory, or a tiny model built for a built-in task.",
+    "model": "Where the policy comes from: a Hugging Face directory, or a tiny model built for a built-in task or "
+             "over a dataset file's characters.",
     "data": "The prompts: a built-in task (generated, seeded) or a dataset file, and how they are split and "
             "rendered.",
     "reward": "What scores a sample: a weighted sum of reward functions and reward models, and the limits of the "
@@ -62,7 +63,8 @@ SECTIONS = {
 # Meanings of the fields that carry no comment in their source, by dotted key ([] marks a list's entries); `critic.*`
 # falls back on `trainer.*`.
 MEANINGS = {
-    "model.tiny": "The tiny model's shape, used when `model.path` is null.",
+    "model.tiny": "The tiny model's shape, used when `model.path` is null: its tokenizer covers a built-in task's "
+                  "alphabet, or every character of a dataset file's prompts (as rendered) and answers.",
     "model.tiny.model_type": "Which family's layout the tiny model takes.",
     "model.tiny.hidden_size": "Width of the residual stream.",
     "model.tiny.intermediate_size": "Width of the MLP.",

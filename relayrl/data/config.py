@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from relayrl.config import Config
+from relayrl.data.alphabet import alphabet_of
 from relayrl.data.chat import ChatTemplateMode, prompt_key
 from relayrl.data.files import load_dataset_file
 from relayrl.data.split import split_train_eval
@@ -101,21 +102,7 @@ def tiny_alphabet(cfg: DataConfig) -> str | None:
     if task.alphabet is not None:
         return task.alphabet
     train, eval_set = build_datasets(cfg)
-    return example_chars(train + eval_set, cfg.system_prompt)
-
-
-def example_chars(examples: list[Example], system_prompt: str | None = None) -> str:
-    """The sorted distinct characters of the examples' prompts (a message's role and content) and answers."""
-    chars: set[str] = set(system_prompt or "")
-    for ex in examples:
-        if isinstance(ex.prompt, str):
-            chars.update(ex.prompt)
-        else:
-            for m in ex.prompt:
-                chars.update(str(m.get("role", "")))
-                chars.update(str(m.get("content", "")))
-        chars.update(ex.answer)
-    return "".join(sorted(chars))
+    return alphabet_of(train + eval_set, cfg.system_prompt or "")
 
 
 def build_datasets(cfg: DataConfig) -> tuple[list[Example], list[Example]]:

@@ -31,7 +31,7 @@ from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.engine.tp_workers import RunnerWorker, colocated_ranks
-from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.base_model import base_model_dir, check_datasets
 from relayrl.jobs.preflight import check_fits_model, check_roles, sync_transport
 from relayrl.models import load_config
 from relayrl.models.config import ModelConfig, MoEShape
@@ -221,6 +221,7 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Pa
     check_fits_model(cfg, model)
     torch.manual_seed(cfg.run.seed)
     train_set, eval_set = build_datasets(cfg.data)
+    check_datasets(cfg.data, cfg.model.path, src, {"train": train_set, "eval": eval_set})  # before any process starts
     check_roles(cfg)
     options = group_options(cfg.parallel, run_trace_dir(cfg, run_dir))  # every worker group's
     policy = build_policy(cfg, src, options, engine=colocated_engine(cfg, model))

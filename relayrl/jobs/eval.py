@@ -18,7 +18,9 @@ from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.base import make_env
 from relayrl.jobs.build import reward_scorer
 from relayrl.jobs.eval_config import EvalJob
+from relayrl.models.tokenizer import load_tokenizer
 from relayrl.parallel.device import resolve_device
+from relayrl.rollout.charset import check_representable
 from relayrl.rollout.evaluate import episode_agent, evaluate_set
 from relayrl.single_controller.process_setup import configure_process
 
@@ -36,6 +38,8 @@ def run_eval(job: EvalJob) -> dict[str, float]:
     # a bad setting, an empty dataset, an unknown environment or a missing sandbox: one line, before the model loads
     SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed)
     _, eval_set = build_datasets(job.data)
+    check_representable(load_tokenizer(job.model_dir), {"eval": eval_set}, job.data, job.model_dir,
+                        advice="remove them from the data, or evaluate a model whose tokenizer has them")
     if job.env is not None:
         make_env(job.env)
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)

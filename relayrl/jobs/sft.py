@@ -20,7 +20,7 @@ from relayrl.envs.base import demonstration, make_env
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import ChatFormat, Trajectory, encode_conversation
 from relayrl.errors import DataError, UserError
-from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.base_model import base_model_dir, check_datasets
 from relayrl.jobs.sft_config import SFTJobConfig
 from relayrl.jobs.train import write_atomic
 from relayrl.models import load_pretrained, save_pretrained
@@ -66,6 +66,7 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     train_set, eval_set = build_datasets(cfg.data)
     if any(ex.answer is None for ex in train_set):
         raise DataError("SFT needs an answer for every training example; set data.answer_field")
+    check_datasets(cfg.data, cfg.model.path, src, {"train": train_set, "eval": eval_set})
     model = load_pretrained(src).to(device)
     trainer = SFTTrainer(model, cfg.trainer, cfg.sft.steps)
     sampler = PromptSampler(train_set, cfg.sft.seed)

@@ -313,7 +313,8 @@ class MoEConfig(ModelConfig, MoEShape):
 
 
 class TinyModelConfig(Config):
-    """The `model.tiny` section: the shape of the tiny model built for a built-in task (no download)."""
+    """The `model.tiny` section: the shape of the tiny model built for a built-in task or a dataset file (no
+    download)."""
 
     model_type: Literal["llama", "mistral", "qwen2", "qwen3"] = "qwen2"
     hidden_size: int = Field(128, ge=8)

@@ -97,6 +97,17 @@ def build_char_tokenizer(out_dir: str | Path, chars: str, model_type: str = "lla
     every family, because the tokenizer round-trips under each family's loader (module docstring);
     the argument documents intent at call sites and is kept for families that may need more.
     """
+    tok = char_tokenizer(chars, tool_tokens)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out))
+    _pin_tokenizer_config(out)
+    return tok
+
+
+def char_tokenizer(chars: str, tool_tokens: bool = False) -> PreTrainedTokenizerFast:
+    """The char tokenizer over `chars` in memory (build_char_tokenizer saves it): e.g. to render prompts through
+    CHAT_TEMPLATE before the characters are known, since the rendered text does not depend on the vocab."""
     vocab = _vocab_for(chars, tool_tokens)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", fuse_unk=False))
     backend.pre_tokenizer = _byte_level()
@@ -113,10 +124,6 @@ def build_char_tokenizer(out_dir: str | Path, chars: str, model_type: str = "lla
     if tool_tokens:
         tok.add_tokens(list(TOOL_TOKENS))  # not special: decoding keeps them, as the tool-call parser needs
     tok.chat_template = CHAT_TEMPLATE
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(out))
-    _pin_tokenizer_config(out)
     return tok
 
 

@@ -19,12 +19,18 @@ def encode_prompt(tokenizer, example: Example, data: DataConfig) -> list[int]:
 
 def encode_text(tokenizer, prompt, chat_template: str = "auto", system: str | None = None) -> list[int]:
     """encode_prompt of a bare prompt (a string or messages): what `relayrl generate` sends the engine."""
-    text = format_prompt(tokenizer, prompt, chat_template, system)
+    text = format_prompt(tokenizer, prompt, chat_template, system)  # prompt_text of a bare prompt
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id
     if bos is not None and not uses_chat_template(tokenizer, prompt, chat_template):
         ids = [bos] + ids
     return ids
+
+
+def prompt_text(tokenizer, example: Example, data: DataConfig) -> str:
+    """The prompt as the model sees it, before tokenizing: the text encode_prompt encodes (its BOS aside), and
+    what relayrl.rollout.charset checks the tokenizer can represent."""
+    return format_prompt(tokenizer, example.prompt, data.chat_template, data.system_prompt)
 
 
 def encode_answer(tokenizer, answer: str) -> list[int]:
