@@ -92,11 +92,13 @@ def _cmd_generate(a) -> int:
     and a line per sample on stderr (why it ended, its tokens, its logprob). A prompt goes through the model's chat
     template as data.chat_template says (--chat: always, --no-chat: never, neither: auto), and sampling stops at
     every end-of-sequence id of the model (config.json's, the tokenizer's, generation_config.json's)."""
+    from relayrl.data import DataConfig, Example
     from relayrl.data.chat import has_chat_template, string_template
     from relayrl.engine import LLMEngine, SamplingParams
     from relayrl.errors import PromptError
     from relayrl.models.hf_io import generation_eos_ids
     from relayrl.models.tokenizer import load_tokenizer
+    from relayrl.rollout.charset import check_representable
     from relayrl.rollout.prompts import encode_text
     from relayrl.single_controller.process_setup import configure_process
 
@@ -117,6 +119,10 @@ def _cmd_generate(a) -> int:
                f"the chat template of {a.model} is for conversations only (relayrl's tiny tokenizers)")
         raise UserError(f"--system needs the chat template, but {why}; drop --system"
                         + ("" if mode == "never" or not has_chat_template(tok) else ", or give --chat"))
+    # text the tokenizer would drop is refused, as in train and eval: the model would answer another prompt
+    check_representable(tok, {"command-line": [Example(p, "") for p in a.prompts]},
+                        DataConfig(chat_template=mode, system_prompt=a.system), str(a.model),
+                        "rephrase the prompt, or use a model whose tokenizer has them")
     prompts = [encode_text(tok, p, mode, a.system) for p in a.prompts]
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     engine = LLMEngine.from_pretrained(a.model)

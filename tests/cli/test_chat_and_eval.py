@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from relayrl.cli.main import main
+from relayrl.models.tokenizer import CHAT_TEMPLATE_CHARS
 
 pytestmark = pytest.mark.e2e
 
@@ -102,6 +103,14 @@ def test_generate_bad_chat_flags_are_one_line(tiny, tmp_path, capsys):
     for (model, *flags), want in cases.items():
         code, out, err = run_cli(capsys, "generate", "--model", model, *flags, "1+2=")
         assert (code, out, err) == (2, "", f"relayrl: error: {want}\n")
+    # a character the tiny tokenizer lacks (in neither ALPHABET nor its chat template's) is refused, not dropped
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny), "1+2=", "What 1+2=")
+    lost = ", ".join(repr(c) for c in dict.fromkeys("What ") if c not in ALPHABET + CHAT_TEMPLATE_CHARS)
+    assert lost == "'W', 'h'"
+    assert (code, out) == (2, "")
+    assert err == (f"relayrl: error: command-line example 1: the prompt has characters the tokenizer of {tiny} cannot "
+                   f"represent ({lost}), which the model would never see; rephrase the prompt, or use a model whose "
+                   "tokenizer has them\n")
 
 
 # ---------------------------------------------------------------------------- relayrl eval with the user's reward
