@@ -95,8 +95,11 @@ def _cmd_generate(a) -> int:
     for i, p in enumerate(a.prompts):
         if not p:  # the BOS token added below would otherwise make it a prompt
             raise PromptError(f"prompt {i} is empty: give some text to continue")
+    from relayrl.models.hf_io import resolve_model_path
+
+    model_dir = resolve_model_path(a.model)  # no tokenizer: one line; a GGUF file: converted once into the cache
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
-    engine = LLMEngine.from_pretrained(a.model)
+    engine = LLMEngine.from_pretrained(model_dir)
     bos = [engine.tokenizer.bos_token_id] if engine.tokenizer.bos_token_id is not None else []
     prompts = [bos + engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in a.prompts]
     for p, out in zip(a.prompts, engine.generate(prompts, params), strict=True):
@@ -125,6 +128,21 @@ def _cmd_export(a) -> int:
 
     out = export_hf(a.checkpoint, a.out, model_dir=a.model_dir, peft=a.peft)
     print(f"exported {a.checkpoint} -> {out}")
+    return 0
+
+
+def _cmd_convert(a) -> int:
+    import time
+
+    from relayrl.models.gguf import convert_gguf
+
+    start = time.perf_counter()
+    out = convert_gguf(a.file, a.out, dtype=a.dtype, force=a.force,
+                       log=lambda msg: print(f"relayrl: {msg}", file=sys.stderr))
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    print(f"converted {a.file} -> {out} ({a.dtype}, {size / 2**20:.1f} MiB, eos ids {eos}) "
+          f"in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -258,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=_cmd_eval)
 
     g = sub.add_parser("generate", help="sample completions: relayrl generate --model DIR PROMPT ...")
-    g.add_argument("--model", required=True)
+    g.add_argument("--model", required=True, help="a Hugging Face model directory or a .gguf file")
     g.add_argument("prompts", nargs="+")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--max-tokens", type=int, default=32)
@@ -266,6 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(fn=_cmd_generate)
+
+    c = sub.add_parser("convert", help="a GGUF file as a Hugging Face directory: relayrl convert FILE.gguf --out DIR",
+                       description="Dequantizes the GGUF's weights (transformers' GGUF reader) and writes config.json, "
+                       "safetensors weights, the tokenizer with its chat template and generation_config.json with "
+                       "every end-of-generation id. model.path, eval --model and generate --model also take a .gguf "
+                       "file directly (converted once into $RELAYRL_CACHE/gguf or ~/.cache/relayrl/gguf).")
+    c.add_argument("file", help="a .gguf file (llama, mistral, qwen2 or qwen3 architecture)")
+    c.add_argument("--out", required=True, help="the directory to write (refused if it exists and is not empty)")
+    c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' dtype (default fp32)")
+    c.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    c.set_defaults(fn=_cmd_convert)
 
     r = sub.add_parser("report", help="PNG plots of a run: relayrl report RUN_DIR")
     r.add_argument("run_dir")

@@ -1,5 +1,6 @@
-"""This module decides where the policy starts from: a given Hugging Face directory, or the tiny model of
-a built-in task, which it builds into the run directory (nothing is downloaded).
+"""This module decides where the policy starts from: a given Hugging Face directory or GGUF file (converted once
+into the cache: relayrl.models.hf_io.resolve_model_path), or the tiny model of a built-in task, which it builds into
+the run directory (nothing is downloaded).
 
 Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
 """
@@ -10,15 +11,16 @@ from pathlib import Path
 
 from relayrl.data import DataConfig, build_task
 from relayrl.errors import ConfigError
-from relayrl.models import load_config
 from relayrl.models.config import TinyModelConfig
+from relayrl.models.hf_io import resolve_model_path
 from relayrl.models.tiny import build_tiny_model
 
 
 def base_model_dir(model_path: str | None, tiny: TinyModelConfig, data: DataConfig, run_dir: Path) -> Path:
     if model_path is not None:
-        load_config(model_path)  # a missing or malformed directory fails here, before any work
-        return Path(model_path)
+        # a missing or malformed directory, or one without a tokenizer, fails here, before any work; a GGUF file is
+        # converted here, before any worker starts
+        return resolve_model_path(model_path)
     task = build_task(data)
     if task is None:
         raise ConfigError("model.path is required for file datasets (the tiny model is only built for built-in tasks)")

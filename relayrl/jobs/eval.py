@@ -17,6 +17,7 @@ from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.base import make_env
 from relayrl.jobs.build import reward_scorer
 from relayrl.jobs.eval_config import EvalJob
+from relayrl.models.hf_io import resolve_model_path
 from relayrl.parallel.device import resolve_device
 from relayrl.rollout.evaluate import episode_agent, evaluate_set
 from relayrl.single_controller.process_setup import configure_process
@@ -37,12 +38,13 @@ def run_eval(job: EvalJob) -> dict[str, float]:
     _, eval_set = build_datasets(job.data)
     if job.env is not None:
         make_env(job.env)
+    model_dir = resolve_model_path(job.model_dir)  # no tokenizer: one line; a GGUF file: converted once, here
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     with ExitStack() as stack:
         # an environment rewards its own episodes; otherwise the run's reward (its rule functions in the reward
         # pool, its reward models in this process)
         scorer = None if job.env is not None else stack.enter_context(closing(reward_scorer(job.reward, job.device)))
-        engine = stack.enter_context(closing(LLMEngine.from_pretrained(job.model_dir, **engine_options(job))))
+        engine = stack.enter_context(closing(LLMEngine.from_pretrained(model_dir, **engine_options(job))))
         agent = stack.enter_context(episode_agent(engine, job.env))
         return evaluate_set(engine, eval_set, data=job.data, scorer=scorer, agent=agent, max_tokens=job.max_tokens,
                             temperature=job.temperature, seed=job.seed, stop=job.rollout.stop)
