@@ -38,8 +38,10 @@ from pathlib import Path
 
 from relayrl.errors import ModelDirError
 
-# GGUF general.architecture -> relayrl's model_type (the dense families relayrl.models.config decodes)
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF general.architecture values relayrl converts: the dense families relayrl.models.config decodes (llama.cpp
+# writes Mistral as llama; transformers tells it apart by the file's name and relayrl follows its config)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED = "llama (Mistral's too), qwen2, qwen3; dense models only"
 DTYPES = ("fp32", "bf16")
 MAGIC = b"GGUF"
 # special tokens llama.cpp ends generation on by their text (llama-vocab.cpp's EOT/EOG detection)
@@ -51,14 +53,14 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class GGUFInfo:
-    """What the header says: the architecture, relayrl's model_type for it, and the file's own EOS-like ids."""
+    """What the header says: the architecture, the model's name, and the file's own EOS-like ids."""
 
     path: Path
     architecture: str
-    model_type: str
     name: str
     end_ids: list[int] = field(default_factory=list)  # tokenizer.ggml.eos / eot / eom_token_id, in that order
     tensors: int = 0
+    head_dim: int | None = None  # <arch>.attention.key_length, where the file says it
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -109,20 +111,19 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     name = _field(reader, "general.name") or ""
     if not isinstance(arch, str):
         raise ModelDirError(f"{p}: no general.architecture in the GGUF header; not a model file")
-    model_type = ARCHITECTURES.get(arch)
-    if arch == "llama" and "mistral" in str(name).lower():
-        model_type = "mistral"  # llama.cpp writes Mistral as llama; transformers tells them apart by the name
     experts = _field(reader, f"{arch}.expert_count")
-    if model_type is None or (experts or 0) > 0:
+    if arch not in ARCHITECTURES or (experts or 0) > 0:
         what = f"'{arch}'" + (f" with {experts} experts" if experts else "")
-        raise ModelDirError(f"{p}: GGUF architecture {what} is not supported by relayrl (supported: "
-                            f"{', '.join(ARCHITECTURES)}, dense); convert a model of one of those families")
+        raise ModelDirError(f"{p}: GGUF architecture {what} is not supported by relayrl (supported: {SUPPORTED}); "
+                            "use a model of one of those families")
     end_ids = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         v = _field(reader, f"tokenizer.ggml.{key}")
         if isinstance(v, int) and v not in end_ids:
             end_ids.append(int(v))
-    return GGUFInfo(p, arch, model_type, str(name), end_ids, len(reader.tensors))
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    return GGUFInfo(p, arch, str(name), end_ids, len(reader.tensors),
+                    int(key_length) if isinstance(key_length, int) else None)
 
 
 def _template_end_token(tok) -> str | None:
@@ -207,10 +208,10 @@ def convert_gguf(path: str | Path, out: str | Path, dtype: str = "fp32", force: 
 
 def _convert_into(info: GGUFInfo, out: Path, dtype: str, log=None) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from relayrl.models.config import ModelConfig
+    from relayrl.models.config import DENSE_ARCHITECTURES, ModelConfig
     from relayrl.models.hf_io import save_pretrained
     from relayrl.models.transformer import CausalLM
 
@@ -218,8 +219,15 @@ def _convert_into(info: GGUFInfo, out: Path, dtype: str, log=None) -> None:
     folder, name = str(info.path.parent), info.path.name
     try:
         hf_cfg = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        with torch.device("meta"):  # its tensor names only: transformers maps GGUF's names onto them
-            named = AutoModelForCausalLM.from_config(hf_cfg)
+        if info.head_dim is not None and getattr(hf_cfg, "head_dim", None) != info.head_dim:
+            hf_cfg.head_dim = info.head_dim  # transformers' qwen3 mapping skips key_length (its default is 128)
+        # a meta-device model for its tensor names only: transformers maps GGUF's names onto them. Mistral's are
+        # Llama's, and gguf-py has no 'mistral' name map (llama.cpp writes Mistral as llama): name it as llama
+        names_cfg = hf_cfg
+        if hf_cfg.model_type == "mistral":
+            names_cfg = LlamaConfig(**{k: v for k, v in hf_cfg.to_dict().items() if k != "model_type"})
+        with torch.device("meta"):
+            named = AutoModelForCausalLM.from_config(names_cfg)
         say(f"dequantizing {info.tensors} tensors of {info.path.name} ({info.architecture})")
         tensors = load_gguf_checkpoint(str(info.path), return_tensors=True, model_to_load=named)["tensors"]
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
@@ -231,11 +239,15 @@ def _convert_into(info: GGUFInfo, out: Path, dtype: str, log=None) -> None:
     # version) and the file's name are not the model's
     generic = set(PretrainedConfig().to_dict()) | {"_model_name_or_path", "name_or_path", "torch_dtype"}
     d = {k: v for k, v in hf_cfg.to_dict().items() if k not in generic}
-    d["model_type"] = info.model_type
+    model_type = hf_cfg.model_type
+    if model_type not in DENSE_ARCHITECTURES:
+        raise ModelDirError(f"{info.path}: transformers reads it as a '{model_type}' model, which relayrl does not "
+                            f"support (supported: {SUPPORTED})")
+    d["model_type"] = model_type
     try:
         cfg = ModelConfig.from_hf_dict(d)
     except (KeyError, ValueError) as e:
-        raise ModelDirError(f"{info.path}: its config does not fit relayrl's {info.model_type} decoder: {e}") from None
+        raise ModelDirError(f"{info.path}: its config does not fit relayrl's {model_type} decoder: {e}") from None
     eos = end_of_generation_ids(tok, info)
     cfg.eos_token_id = eos[0] if len(eos) == 1 else eos
     if cfg.pad_token_id is None:
@@ -248,8 +260,8 @@ def _convert_into(info: GGUFInfo, out: Path, dtype: str, log=None) -> None:
         tensors.pop("lm_head.weight", None)
     missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or extra:
-        what = f"lacks '{missing[0]}'" if missing else f"has '{extra[0]}', which relayrl's {info.model_type} has not"
-        raise ModelDirError(f"{info.path}: the GGUF's tensors do not fit relayrl's {info.model_type} decoder: it "
+        what = f"lacks '{missing[0]}'" if missing else f"has '{extra[0]}', which relayrl's {model_type} has not"
+        raise ModelDirError(f"{info.path}: the GGUF's tensors do not fit relayrl's {model_type} decoder: it "
                             f"{what} ({len(missing)} missing, {len(extra)} unexpected)")
     own = model.state_dict()
     for k in expected:

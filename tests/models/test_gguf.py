@@ -50,25 +50,29 @@ def _vocab() -> tuple[list[str], list[int]]:
     return tokens + list(SPECIALS), types
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0):
-    """A small llama GGUF from a random transformers model; returns that model, its weights as the file holds
-    them (Q8_0 / F16 rounded)."""
+def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0, tied: bool = False, name: str | None = None):
+    """A small GGUF of `arch` (llama, qwen2, qwen3) from a random transformers model; returns that model, its
+    weights as the file holds them (Q8_0 / F16 rounded)."""
     import gguf
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     tokens, types = _vocab()
     s = SHAPE
-    cfg = LlamaConfig(vocab_size=len(tokens), hidden_size=s["hidden"], intermediate_size=s["inter"],
-                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                      max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=len(tokens), hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["hidden"] // s["heads"],
+        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied)
     torch.manual_seed(seed)
-    ref = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # random norms, so a swapped norm tensor would show
+    ref = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    with torch.no_grad():  # random norms and biases, so a swapped or dropped one would show
         for n, p in ref.named_parameters():
             if "norm" in n:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif n.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny test model")
+    w.add_name(name or f"tiny {arch} test model")
     w.add_block_count(s["layers"])
     w.add_context_length(128)
     w.add_embedding_length(s["hidden"])
@@ -78,6 +82,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0):
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(s["hidden"] // s["heads"])
+    w.add_key_length(s["hidden"] // s["heads"])  # Qwen3's head_dim (its config's default is 128)
+    w.add_value_length(s["hidden"] // s["heads"])
     w.add_vocab_size(len(tokens))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     w.add_tokenizer_model("gpt2")
@@ -94,9 +100,12 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0):
              "lm_head.weight": "output.weight"}
     parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     held = {}
     for name, t in ref.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue  # llama.cpp writes no output.weight for tied embeddings
         if name.startswith("model.layers."):
             i, rest = name.removeprefix("model.layers.").split(".", 1)
             mod, suffix = rest.rsplit(".", 1)
@@ -104,7 +113,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0):
         else:
             gname = names[name]
         a = t.numpy().astype(np.float32)
-        if gname.endswith("attn_q.weight"):
+        if arch != "llama":  # llama.cpp permutes q and k rows for llama only
+            pass
+        elif gname.endswith("attn_q.weight"):
             a = _permute(a, s["heads"], s["heads"])
         elif gname.endswith("attn_k.weight"):
             a = _permute(a, s["heads"], s["kv_heads"])
@@ -122,7 +133,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    ref.load_state_dict(held)
+    ref.load_state_dict(held, strict=not tied)
     return ref
 
 
@@ -154,6 +165,23 @@ def test_converted_logits_equal_transformers_from_the_gguf_and_the_original(tiny
     assert (got - want).abs().max().item() < 1e-5
     assert (got - orig).abs().max().item() < 1e-5  # q/k un-permuted, the Q8_0 and F16 tensors as stored
     assert got.abs().max().item() > 0.1  # not a degenerate all-zero model
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("arch,tied,name,model_type", [("qwen2", False, None, "qwen2"), ("qwen3", True, None, "qwen3"),
+                                                        ("llama", True, None, "llama"),
+                                                        ("llama", False, "mistral", "mistral")])
+def test_each_family_converts_to_the_logits_of_its_original(arch, tied, name, model_type, tmp_path):
+    """Qwen2's q/k/v biases, Qwen3's q/k norms, tied embeddings (no output.weight in the file), and Mistral, which
+    llama.cpp writes as llama and transformers tells apart by its name."""
+    path = tmp_path / f"{arch}.gguf"
+    ref = write_tiny_gguf(path, arch, seed=2, tied=tied, name=name)
+    out = convert_gguf(path, tmp_path / "out")
+    ours = load_pretrained(out).eval()
+    assert ours.config.model_type == model_type and ours.config.tie_word_embeddings is tied
+    ids = torch.tensor([[5, 260, 77, 263, 1, 99, 200, 3, 262, 40]])
+    with torch.no_grad():
+        assert (ours(ids) - ref(ids).logits).abs().max().item() < 1e-5
 
 
 @pytest.mark.equivalence
@@ -273,8 +301,8 @@ def test_bad_files_are_refused_in_one_line(tiny, tmp_path):
     path, _, _ = tiny
     cases = []
     _header_only(tmp_path / "gemma.gguf", "gemma2")
-    cases.append((tmp_path / "gemma.gguf", "GGUF architecture 'gemma2' is not supported by relayrl (supported: llama, "
-                  "mistral, qwen2, qwen3, dense)"))
+    cases.append((tmp_path / "gemma.gguf", "GGUF architecture 'gemma2' is not supported by relayrl (supported: llama "
+                  "(Mistral's too), qwen2, qwen3; dense models only)"))
     _header_only(tmp_path / "moe.gguf", "llama", **{"llama.expert_count": 8})
     cases.append((tmp_path / "moe.gguf", "'llama' with 8 experts is not supported"))
     data = path.read_bytes()
@@ -289,7 +317,7 @@ def test_bad_files_are_refused_in_one_line(tiny, tmp_path):
         with pytest.raises(ModelDirError) as e:
             inspect_gguf(p)
         assert msg in str(e.value) and "\n" not in str(e.value), (p, str(e.value))
-    assert inspect_gguf(path).model_type == "llama"
+    assert inspect_gguf(path).architecture == "llama"
 
 
 @pytest.mark.unit
@@ -402,7 +430,7 @@ def test_bad_model_files_and_directories_exit_2_in_one_line(tiny, tmp_path, caps
     cases = [
         (["convert", str(tmp_path / "phi.gguf"), "--out", str(tmp_path / "o1")],
          f"relayrl: error: {tmp_path / 'phi.gguf'}: GGUF architecture 'phi3' is not supported by relayrl (supported: "
-         "llama, mistral, qwen2, qwen3, dense); convert a model of one of those families"),
+         "llama (Mistral's too), qwen2, qwen3; dense models only); use a model of one of those families"),
         (["convert", str(tmp_path / "short.gguf"), "--out", str(tmp_path / "o2")], "truncated"),
         (["generate", "--model", str(tmp_path / "short.gguf"), "hi"], "truncated"),
         (["generate", "--model", str(bare), "hi"], no_tok),
