@@ -95,9 +95,9 @@ def _cmd_generate(a) -> int:
     for i, p in enumerate(a.prompts):
         if not p:  # the BOS token added below would otherwise make it a prompt
             raise PromptError(f"prompt {i} is empty: give some text to continue")
-    from relayrl.models.hf_io import resolve_model_path
+    from relayrl.jobs.base_model import resolve_model
 
-    model_dir = resolve_model_path(a.model)  # no tokenizer: one line; a GGUF file: converted once into the cache
+    model_dir = resolve_model(a.model)  # no tokenizer: one line; a GGUF file: converted once into the cache
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     engine = LLMEngine.from_pretrained(model_dir)
     bos = [engine.tokenizer.bos_token_id] if engine.tokenizer.bos_token_id is not None else []

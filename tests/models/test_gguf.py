@@ -21,8 +21,9 @@ import torch
 from safetensors import safe_open
 
 from relayrl.errors import ModelDirError
+from relayrl.jobs.base_model import resolve_model
 from relayrl.models.gguf import cached_conversion, convert_gguf, file_key, inspect_gguf, smollm2_gguf
-from relayrl.models.hf_io import load_pretrained, resolve_model_path
+from relayrl.models.hf_io import load_pretrained
 from relayrl.models.tokenizer import load_tokenizer
 
 CHAT_TEMPLATE = (
@@ -261,12 +262,12 @@ def test_cache_converts_once_per_content_and_leaves_no_half_directory(tiny, tmp_
 
     path, _, _ = tiny
     monkeypatch.setenv("RELAYRL_CACHE", str(tmp_path / "cache"))
-    first = resolve_model_path(path)
+    first = resolve_model(path)
     assert first == tmp_path / "cache" / "gguf" / file_key(path)
     assert file_key(path).startswith(f"{path.stat().st_size}-")
     calls = []
     monkeypatch.setattr(g, "_convert_into", lambda *a, **k: calls.append(a))
-    assert resolve_model_path(path) == first and calls == []  # reused: no second conversion
+    assert resolve_model(path) == first and calls == []  # reused: no second conversion
 
     other = tmp_path / "other.gguf"
     write_tiny_gguf(other, seed=1)  # other weights: another key
@@ -279,7 +280,7 @@ def test_cache_converts_once_per_content_and_leaves_no_half_directory(tiny, tmp_
 
     monkeypatch.setattr(g, "_convert_into", crash)
     with pytest.raises(RuntimeError, match="killed"):
-        cached_conversion(other, log=lambda m: None)
+        cached_conversion(other, tmp_path / "cache" / "gguf", log=lambda m: None)
     assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == [first.name]
 
 
@@ -329,9 +330,9 @@ def test_a_model_directory_without_tokenizer_is_refused_in_one_line(tiny, tmp_pa
     for name in ("config.json", "model.safetensors"):
         os.link(out / name, bare / name)
     with pytest.raises(ModelDirError) as e:
-        resolve_model_path(bare)
+        resolve_model(bare)
     assert "has no tokenizer files" in str(e.value) and "save_pretrained" in str(e.value)
-    assert resolve_model_path(out) == out
+    assert resolve_model(out) == out
 
 
 @pytest.mark.equivalence
