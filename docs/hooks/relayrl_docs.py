@@ -38,8 +38,8 @@ MARKER = re.compile(r"^<!-- relayrl:(config|cli|include)(?: (\S+))? -->$", re.M)
 
 # What each top-level section is for (the sections' classes say more in their own docstrings where they have one).
 SECTIONS = {
-    "model": "Where the policy comes from: a Hugging Face directory, or a tiny model built for a built-in task or "
-             "over a dataset file's characters.",
+    "model": "Where the policy comes from: a Hugging Face directory or a GGUF file (converted once into a cache), or "
+             "a tiny model built for a built-in task or over a dataset file's characters.",
     "data": "The prompts: a built-in task (generated, seeded) or a dataset file, and how they are split and "
             "rendered.",
     "reward": "What scores a sample: a weighted sum of reward functions and reward models, and the limits of the "

@@ -92,6 +92,8 @@ def _cmd_generate(a) -> int:
     and a line per sample on stderr (why it ended, its tokens, its logprob). A prompt goes through the model's chat
     template as data.chat_template says (--chat: always, --no-chat: never, neither: auto), and sampling stops at
     every end-of-sequence id of the model (config.json's, the tokenizer's, generation_config.json's)."""
+    from dataclasses import replace
+
     from relayrl.data import DataConfig, Example
     from relayrl.data.chat import has_chat_template, string_template
     from relayrl.engine import LLMEngine, SamplingParams
@@ -103,13 +105,16 @@ def _cmd_generate(a) -> int:
     from relayrl.single_controller.process_setup import configure_process
 
     # checked before the model loads: a bad flag is one line, at once
-    params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed,
-                            stop_token_ids=generation_eos_ids(a.model))
+    params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
     for i, p in enumerate(a.prompts):
         if not p:  # the BOS token added below would otherwise make it a prompt
             raise PromptError(f"prompt {i} is empty: give some text to continue")
     mode = {True: "always", False: "never", None: "auto"}[a.chat]
-    tok = load_tokenizer(a.model)
+    from relayrl.jobs.base_model import resolve_model
+
+    model_dir = resolve_model(a.model)  # no tokenizer: one line; a GGUF file: converted once into the cache
+    params = replace(params, stop_token_ids=generation_eos_ids(model_dir))
+    tok = load_tokenizer(model_dir)
     if mode == "always" and not has_chat_template(tok):
         raise UserError(f"--chat: the tokenizer of {a.model} has no chat template; drop --chat (the prompt is then "
                         "sent as raw text) or add a chat_template to its tokenizer_config.json")
@@ -125,7 +130,7 @@ def _cmd_generate(a) -> int:
                         "rephrase the prompt, or use a model whose tokenizer has them")
     prompts = [encode_text(tok, p, mode, a.system) for p in a.prompts]
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
-    engine = LLMEngine.from_pretrained(a.model)
+    engine = LLMEngine.from_pretrained(model_dir)
     for i, out in enumerate(engine.generate(prompts, params)):
         for j, s in enumerate(out.samples):
             print(s.text, flush=True)
@@ -154,6 +159,21 @@ def _cmd_export(a) -> int:
 
     out = export_hf(a.checkpoint, a.out, model_dir=a.model_dir, peft=a.peft)
     print(f"exported {a.checkpoint} -> {out}")
+    return 0
+
+
+def _cmd_convert(a) -> int:
+    import time
+
+    from relayrl.models.gguf import convert_gguf
+
+    start = time.perf_counter()
+    out = convert_gguf(a.file, a.out, dtype=a.dtype, force=a.force,
+                       log=lambda msg: print(f"relayrl: {msg}", file=sys.stderr))
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    print(f"converted {a.file} -> {out} ({a.dtype}, {size / 2**20:.1f} MiB, eos ids {eos}) "
+          f"in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -299,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Prints each sample's completion (not the prompt) on stdout; why it ended, its "
                        "tokens and logprob on stderr. Sampling stops at every end-of-sequence id of the model "
                        "(generation_config.json's included).")
-    g.add_argument("--model", required=True)
+    g.add_argument("--model", required=True, help="a Hugging Face model directory or a .gguf file")
     g.add_argument("prompts", nargs="+")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="--chat: render each prompt through the model's chat template as a user message; --no-chat: "
@@ -312,6 +332,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(fn=_cmd_generate)
+
+    c = sub.add_parser("convert", help="a GGUF file as a Hugging Face directory: relayrl convert FILE.gguf --out DIR",
+                       description="Dequantizes the GGUF's weights (transformers' GGUF reader) and writes config.json, "
+                       "safetensors weights, the tokenizer with its chat template and generation_config.json with "
+                       "every end-of-generation id. model.path, eval --model and generate --model also take a .gguf "
+                       "file directly (converted once into $RELAYRL_CACHE/gguf or ~/.cache/relayrl/gguf).")
+    c.add_argument("file", help="a .gguf file (llama, mistral, qwen2 or qwen3 architecture)")
+    c.add_argument("--out", required=True, help="the directory to write (refused if it exists and is not empty)")
+    c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' dtype (default fp32)")
+    c.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    c.set_defaults(fn=_cmd_convert)
 
     r = sub.add_parser("report", help="PNG plots of a run: relayrl report RUN_DIR")
     r.add_argument("run_dir")

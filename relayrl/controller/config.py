@@ -33,7 +33,7 @@ from relayrl.trainer.config import CriticConfig, TrainerConfig
 
 
 class ModelSection(Config):
-    path: str | None = None  # a Hugging Face directory; None builds the tiny model of the task
+    path: str | None = None  # a Hugging Face directory or a .gguf file (converted once); None: the task's tiny model
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
 
 

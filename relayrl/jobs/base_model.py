@@ -1,32 +1,50 @@
-"""This module decides where the policy starts from: a given Hugging Face directory, or a tiny model it builds into
-the run directory (nothing is downloaded):
+"""This module decides where the policy starts from: a given Hugging Face directory or GGUF file (converted once
+into the cache, $RELAYRL_CACHE/gguf or ~/.cache/relayrl/gguf: resolve_model), or a tiny model it builds into the run
+directory (nothing is downloaded):
 - a generated task's, over the task's alphabet (or, for a task without one, such as reasoning_gym or a user's
   factory, the generated examples' characters: data.tiny_alphabet);
 - a dataset file's, over every character of its prompts as the model sees them (through the tiny tokenizer's chat
   template where one applies) and of its answers (dataset_alphabet), so a user's own data trains with no
   pretrained model and loses no character.
 Then check_datasets refuses, before any work, text the chosen model's tokenizer cannot represent.
+
 Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from relayrl.data import DataConfig, build_datasets, build_task, tiny_alphabet
 from relayrl.data.alphabet import alphabet_of
-from relayrl.models import load_config
 from relayrl.models.config import TinyModelConfig
+from relayrl.models.hf_io import resolve_model_path
 from relayrl.models.tiny import build_tiny_model
 from relayrl.models.tokenizer import char_tokenizer, load_tokenizer
 from relayrl.rollout.charset import ADVICE, check_representable
 from relayrl.rollout.prompts import prompt_text
 
+CACHE_ENV = "RELAYRL_CACHE"
+
+
+def gguf_cache() -> Path:
+    """Where GGUF files are converted to: $RELAYRL_CACHE/gguf, else ~/.cache/relayrl/gguf."""
+    base = os.environ.get(CACHE_ENV)
+    return (Path(base) if base else Path.home() / ".cache" / "relayrl") / "gguf"
+
+
+def resolve_model(path: str | Path) -> Path:
+    """The checked Hugging Face directory of a model path (relayrl.models.hf_io.resolve_model_path): a GGUF file is
+    converted once into gguf_cache()."""
+    return resolve_model_path(path, gguf_cache())
+
 
 def base_model_dir(model_path: str | None, tiny: TinyModelConfig, data: DataConfig, run_dir: Path) -> Path:
     if model_path is not None:
-        load_config(model_path)  # a missing or malformed directory fails here, before any work
-        return Path(model_path)
+        # a missing or malformed directory, or one without a tokenizer, fails here, before any work; a GGUF file is
+        # converted here, before any worker starts
+        return resolve_model(model_path)
     out = run_dir / "base_model"
     if not (out / "config.json").is_file():
         task = build_task(data)

@@ -16,6 +16,7 @@ from relayrl.data import build_datasets
 from relayrl.data.config import FILE_TASK
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.base import make_env
+from relayrl.jobs.base_model import resolve_model
 from relayrl.jobs.build import reward_scorer
 from relayrl.jobs.eval_config import EvalJob
 from relayrl.models.tokenizer import load_tokenizer
@@ -38,16 +39,17 @@ def run_eval(job: EvalJob) -> dict[str, float]:
     # a bad setting, an empty dataset, an unknown environment or a missing sandbox: one line, before the model loads
     SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed)
     _, eval_set = build_datasets(job.data)
-    check_representable(load_tokenizer(job.model_dir), {"eval": eval_set}, job.data, job.model_dir,
-                        advice="remove them from the data, or evaluate a model whose tokenizer has them")
     if job.env is not None:
         make_env(job.env)
+    model_dir = resolve_model(job.model_dir)  # no tokenizer: one line; a GGUF file: converted once, here
+    check_representable(load_tokenizer(model_dir), {"eval": eval_set}, job.data, str(job.model_dir),
+                        advice="remove them from the data, or evaluate a model whose tokenizer has them")
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     with ExitStack() as stack:
         # an environment rewards its own episodes; otherwise the run's reward (its rule functions in the reward
         # pool, its reward models in this process)
         scorer = None if job.env is not None else stack.enter_context(closing(reward_scorer(job.reward, job.device)))
-        engine = stack.enter_context(closing(LLMEngine.from_pretrained(job.model_dir, **engine_options(job))))
+        engine = stack.enter_context(closing(LLMEngine.from_pretrained(model_dir, **engine_options(job))))
         agent = stack.enter_context(episode_agent(engine, job.env))
         return evaluate_set(engine, eval_set, data=job.data, scorer=scorer, agent=agent, max_tokens=job.max_tokens,
                             temperature=job.temperature, seed=job.seed, stop=job.rollout.stop)

@@ -66,6 +66,26 @@ def generation_eos_ids(path: str | Path) -> list[int]:
     return list(ids)
 
 
+def resolve_model_path(path: str | Path, gguf_cache: str | Path, log=None) -> Path:
+    """The Hugging Face directory a policy model path names, checked: a directory (its config.json readable, its
+    tokenizer files present), or a GGUF file converted once into `gguf_cache` (relayrl.models.gguf.cached_conversion).
+    Every entry point (train and sft's model.path, eval and generate's --model) resolves through here, by way of
+    relayrl.jobs.base_model.resolve_model, before any worker starts."""
+    p = Path(path)
+    if p.is_file() or p.suffix.lower() == ".gguf":
+        from relayrl.models.gguf import cached_conversion, is_gguf
+
+        if is_gguf(p):
+            return cached_conversion(p, gguf_cache, log=log)
+        raise ModelDirError(f"{p} is a file, not a model directory: pass a Hugging Face directory (config.json, "
+                            "*.safetensors, tokenizer files) or a .gguf file")
+    load_config(p)  # a missing or malformed directory: one line
+    from relayrl.models.tokenizer import require_tokenizer_files
+
+    require_tokenizer_files(p)
+    return p
+
+
 def _weight_files(p: Path) -> list[Path]:
     index = p / INDEX
     if index.is_file():

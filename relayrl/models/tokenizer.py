@@ -151,15 +151,24 @@ def _pin_tokenizer_config(out: Path) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")  # any one makes a tokenizer
+
+
+def require_tokenizer_files(p: Path) -> None:
+    """One-line ModelDirError when model directory `p` holds no tokenizer files."""
+    if not any((p / f).is_file() for f in TOKENIZER_MARKERS):
+        raise ModelDirError(
+            f"{p} has no tokenizer files (tokenizer.json, tokenizer_config.json): copy them from the model's original "
+            f"directory, or save them with AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained('{p}')"
+        )
+
+
 def load_tokenizer(path: str | Path):
     """Load the tokenizer of a model directory, never touching the network."""
     p = Path(path)
     if not p.is_dir():
         raise ModelDirError(f"tokenizer directory not found: {p} (pass a local model directory)")
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")):
-        raise ModelDirError(
-            f"no tokenizer files in {p} (expected tokenizer.json); save the tokenizer into the model directory"
-        )
+    require_tokenizer_files(p)
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # json, tokenizers (Rust) and transformers each raise their own types
