@@ -1,7 +1,8 @@
 """`relayrl eval`: an EvalJob (relayrl.jobs.eval_config: a run's settings, or the command line's) evaluated — the
 held-out set built from its data section, the model loaded into an engine with the run's engine settings, scored by
 its reward (or its environment), greedy by default: on a run's final model, the figures of the run's last
-evaluation.
+evaluation. With a samples file (`relayrl eval --samples FILE`) each example's row (prompt, completion, reward,
+answer, correctness: relayrl.rollout.sample_rows) is appended to it, as a run's samples.jsonl holds them.
 
 Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
 """
@@ -9,6 +10,7 @@ Like the rest of relayrl.jobs, it may import every layer below the CLI; it must 
 from __future__ import annotations
 
 from contextlib import ExitStack, closing
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,7 @@ from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.envs.base import make_env
 from relayrl.jobs.build import reward_scorer
 from relayrl.jobs.eval_config import EvalJob
+from relayrl.observe.samples import SampleLog
 from relayrl.parallel.device import resolve_device
 from relayrl.rollout.evaluate import episode_agent, evaluate_set
 from relayrl.single_controller.process_setup import configure_process
@@ -30,8 +33,9 @@ def engine_options(job: EvalJob) -> dict:
                 device=resolve_device(job.device))
 
 
-def run_eval(job: EvalJob) -> dict[str, float]:
-    """The eval/* figures of `job` (relayrl.rollout.evaluate.evaluate_set)."""
+def run_eval(job: EvalJob, samples: str | Path | None = None) -> dict[str, float]:
+    """The eval/* figures of `job` (relayrl.rollout.evaluate.evaluate_set); with `samples`, a file that each
+    example's row is appended to (step 0, split eval)."""
     # a bad setting, an empty dataset, an unknown environment or a missing sandbox: one line, before the model loads
     SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed)
     _, eval_set = build_datasets(job.data)
@@ -44,5 +48,10 @@ def run_eval(job: EvalJob) -> dict[str, float]:
         scorer = None if job.env is not None else stack.enter_context(closing(reward_scorer(job.reward, job.device)))
         engine = stack.enter_context(closing(LLMEngine.from_pretrained(job.model_dir, **engine_options(job))))
         agent = stack.enter_context(episode_agent(engine, job.env))
-        return evaluate_set(engine, eval_set, data=job.data, scorer=scorer, agent=agent, max_tokens=job.max_tokens,
-                            temperature=job.temperature, seed=job.seed, stop=job.rollout.stop)
+        rows: list[dict] | None = [] if samples is not None else None
+        res = evaluate_set(engine, eval_set, data=job.data, scorer=scorer, agent=agent, max_tokens=job.max_tokens,
+                           temperature=job.temperature, seed=job.seed, stop=job.rollout.stop, rows=rows)
+    if samples is not None:
+        with SampleLog(samples) as log:
+            log.write(0, rows)
+    return res
