@@ -119,3 +119,24 @@ def test_a_resumed_run_writes_each_steps_rows_once_as_the_uninterrupted_run_did(
     assert (out / "samples.jsonl").read_text() == whole
     keys = [(r["step"], r["split"], r["index"]) for r in read_samples(out)]
     assert len(keys) == len(set(keys)) and {k[0] for k in keys} == {0, 1, 2, 3}
+
+
+def test_sft_records_its_evaluations_and_a_tasks_correctness_stays_accuracy_beside_a_user_reward(tmp_path, capsys):
+    """relayrl sft on the built-in arith task, its evaluations scored by the keyword reward: the task's own
+    correctness is still accuracy, the line reports the user's scorer, and each evaluation's rows are its figures."""
+    out = tmp_path / "sft"
+    assert main(["sft", f"sft.out_dir={out}", "sft.steps=1", "sft.batch_size=8", "model.tiny.hidden_size=32",
+                 "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=1", "data.n_train=16",
+                 f"data.n_eval={N_EVAL}", "eval.max_tokens=3", "sft.tensorboard=false", "reward.workers=0",
+                 "reward.functions=[{name: tests.fixtures.rewards:answer_chars}]"]) == 0
+    evals = [m for m in read_metrics(out) if "eval/reward" in m]
+    assert [m["step"] for m in evals] == [0, 1] and all("eval/accuracy" in m for m in evals)
+    assert capsys.readouterr().out.strip() == (f"model: {out / 'model'}  held-out reward: "
+                                               f"{evals[0]['eval/reward']:.3f} -> {evals[1]['eval/reward']:.3f}")
+    rows = read_samples(out)
+    for m in evals:
+        got = [r for r in rows if r["step"] == m["step"]]
+        assert [(r["split"], r["index"]) for r in got] == [("eval", i) for i in range(N_EVAL)]
+        assert all(r["reward"] == answer_chars(r["completion"], r["answer"]) for r in got)
+        assert sum(r["reward"] for r in got) / N_EVAL == pytest.approx(m["eval/reward"], abs=1e-12)
+        assert sum(r["correct"] for r in got) / N_EVAL == m["eval/accuracy"]
