@@ -156,7 +156,11 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
                            options=LoggerOptions(wandb_project=r.wandb_project, wandb_name=r.wandb_name,
                                                  mlflow_tracking_uri=r.mlflow_tracking_uri,
                                                  mlflow_experiment=r.mlflow_experiment))
-    samples = SampleLog(samples_path(run_dir), logger, resume_step=start if ckpt else None)
+    try:
+        samples = SampleLog(samples_path(run_dir), logger, resume_step=start if ckpt else None)
+    except BaseException:  # a damaged samples.jsonl: one line, and the loggers' runs closed
+        logger.close()
+        raise
     if ckpt is not None:
         _truncate_jsonl(run_dir / "eval.jsonl", start)
         _truncate_jsonl(run_dir / "trained_prompts.jsonl", start)

@@ -34,6 +34,7 @@ import re
 import secrets
 import string
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,8 +271,10 @@ class MlflowSink:
 
     def log_table(self, step: int, name: str, columns: list[str], data: list[list[Any]]) -> None:
         split = name.rsplit("/", 1)[-1]
-        self._client.log_table(self.run_id, {c: [row[j] for row in data] for j, c in enumerate(columns)},
-                               f"samples/{split}_step_{int(step):06d}.json")
+        with warnings.catch_warnings():  # pandas' deprecation notes from inside MLflow: not the run's output
+            warnings.simplefilter("ignore")
+            self._client.log_table(self.run_id, {c: [row[j] for row in data] for j, c in enumerate(columns)},
+                                   f"samples/{split}_step_{int(step):06d}.json")
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
