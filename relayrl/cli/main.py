@@ -41,10 +41,15 @@ def _cmd_train(a) -> int:
     from relayrl.jobs.train import train  # torch and every layer: only once the config is known to be good
 
     res = train(cfg, resume=bool(a.resume))
-    last = res["eval_last"] or {}
-    accuracy = last.get("eval/accuracy", float("nan"))
-    print(f"run: {res['run_dir']}  steps: {res['steps']}  held-out accuracy: {accuracy:.3f}")
+    key = res["held_out"]  # eval/reward where the user's own reward scores the run (relayrl.rewards.naming)
+    value = (res["eval_last"] or {}).get(key, float("nan"))
+    print(f"run: {res['run_dir']}  steps: {res['steps']}  held-out {_figure(key)}: {value:.3f}")
     return 0
+
+
+def _figure(key: str) -> str:
+    """How the summary line names a held-out figure: accuracy, or the user's scorer's reward."""
+    return "reward" if key == "eval/reward" else key.removeprefix("eval/")
 
 
 def _cmd_sft(a) -> int:
@@ -56,8 +61,9 @@ def _cmd_sft(a) -> int:
     from relayrl.jobs.sft import run_sft  # torch and every layer: only once the config is known to be good
 
     res = run_sft(cfg)
-    print(f"model: {res['model_dir']}  held-out accuracy: {res['eval_first']['eval/accuracy']:.3f} -> "
-          f"{res['eval_last']['eval/accuracy']:.3f}")
+    key = res["held_out"]
+    print(f"model: {res['model_dir']}  held-out {_figure(key)}: {res['eval_first'][key]:.3f} -> "
+          f"{res['eval_last'][key]:.3f}")
     return 0
 
 
@@ -81,7 +87,7 @@ def _cmd_eval(a) -> int:
         print(notice, file=sys.stderr)
     from relayrl.jobs.eval import held_out_line, run_eval  # torch and every layer: once the job is known good
 
-    res = run_eval(job)
+    res = run_eval(job, samples=a.samples)
     print(held_out_line(res, job))
     print("  ".join(f"{k}={v:.4g}" for k, v in res.items()))
     return 0
@@ -313,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the task's defaults")
     e.add_argument("--env", help="evaluate episodes in this environment (e.g. calculator), max-tokens per turn; "
                    "default: the run's env section")
+    e.add_argument("--samples", metavar="FILE", help="append one JSON line per held-out example to FILE: its prompt, "
+                   "completion, reward, answer and correctness (the rows of a run's samples.jsonl)")
     e.set_defaults(fn=_cmd_eval)
 
     g = sub.add_parser("generate", help="sample completions: relayrl generate --model DIR PROMPT ...",

@@ -60,6 +60,10 @@ class RunSection(Config):
     # spans of every stage and every worker call, per process, in run_dir/trace/ (`relayrl report RUN --trace`
     # merges them into one Perfetto timeline); a few microseconds per span
     trace: bool = True
+    # what the model said (samples.jsonl, and a table in each logger: relayrl.observe.samples): every evaluation's
+    # completions, and every this many steps the first samples_per_step samples the step trained on (0: none)
+    samples_every: int = Field(10, ge=0)
+    samples_per_step: int = Field(16, ge=1)
     # every this many steps the update runs under torch.profiler on trainer rank 0, which logs the seconds its
     # collectives ran (time/update_comm, comm/update_share: relayrl.observe.comm_profile); 0: never
     profile_every: int = Field(10, ge=0)

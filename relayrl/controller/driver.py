@@ -28,6 +28,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from relayrl.algorithms import mismatch_stats
 from relayrl.algorithms.config import AlgoConfig
 from relayrl.controller.advantage_step import compute_advantages
@@ -85,6 +87,8 @@ class Driver:
         self.timer = timer or StageTimer()
         self.policy_versions: dict[int, int] = {}  # engine weights version -> policy version (updates applied)
         self.last_prompts = []  # the prompts of the last trained step, one per group
+        self.last_samples: list[Sample] = []  # the last trained step's samples (G per prompt), scored
+        self.last_advantages: list[float] = []  # each one's advantage (a per-token one: its mean over the response)
         self._holds: tuple[int, int] | None = None  # (policy version, engine weights version) of the last sync
         self._last_sync: dict[str, float] = {}
 
@@ -160,6 +164,7 @@ class Driver:
         cost = self.cost.metrics(batch, times | extra, updated=updated) if self.cost is not None else {}
         lengths = [sum(s.mask) for s in samples]  # the model's tokens (not a multi-turn episode's observations)
         self.last_prompts = [samples[i].example for i in range(0, len(samples), G)]
+        self.last_samples, self.last_advantages = samples, sample_advantages(batch.advantages, resp)
         self.step += 1
         return {
             **ro.reward_metrics,  # reward/mean, reward/accuracy, reward/failures, reward/<fn>/mean
@@ -203,6 +208,14 @@ class Driver:
             stats = self.engine.stats()
             self.engine.reset_stats()
         return stats
+
+
+def sample_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> list[float]:
+    """Each sample's advantage: itself ([B]), or its mean over the response's tokens ([B, T], PPO's GAE)."""
+    if advantages.dim() == 1:
+        return advantages.tolist()
+    mask = response_mask.to(advantages.dtype)
+    return ((advantages * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
 
 
 def rows_of(samples: list[Sample], pad_id: int) -> TrainBatch:

@@ -1,7 +1,8 @@
 """`relayrl eval`: an EvalJob (relayrl.jobs.eval_config: a run's settings, or the command line's) evaluated — the
 held-out set built from its data section, the model loaded into an engine with the run's engine settings, scored by
 its reward (or its environment), greedy by default: on a run's final model, the figures of the run's last
-evaluation.
+evaluation. With a samples file (`relayrl eval --samples FILE`) each example's row (prompt, completion, reward,
+answer, correctness: relayrl.rollout.sample_rows) is appended to it, as a run's samples.jsonl holds them.
 
 Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
 """
@@ -9,6 +10,7 @@ Like the rest of relayrl.jobs, it may import every layer below the CLI; it must 
 from __future__ import annotations
 
 from contextlib import ExitStack, closing
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,7 @@ from relayrl.jobs.base_model import resolve_model
 from relayrl.jobs.build import reward_scorer
 from relayrl.jobs.eval_config import EvalJob
 from relayrl.models.tokenizer import load_tokenizer
+from relayrl.observe.samples import SampleLog
 from relayrl.parallel.device import resolve_device
 from relayrl.rollout.charset import check_representable
 from relayrl.rollout.evaluate import episode_agent, evaluate_set
@@ -34,8 +37,9 @@ def engine_options(job: EvalJob) -> dict:
                 device=resolve_device(job.device))
 
 
-def run_eval(job: EvalJob) -> dict[str, float]:
-    """The eval/* figures of `job` (relayrl.rollout.evaluate.evaluate_set)."""
+def run_eval(job: EvalJob, samples: str | Path | None = None) -> dict[str, float]:
+    """The eval/* figures of `job` (relayrl.rollout.evaluate.evaluate_set); with `samples`, a file that each
+    example's row is appended to (step 0, split eval)."""
     # a bad setting, an empty dataset, an unknown environment or a missing sandbox: one line, before the model loads
     SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed)
     _, eval_set = build_datasets(job.data)
@@ -51,8 +55,13 @@ def run_eval(job: EvalJob) -> dict[str, float]:
         scorer = None if job.env is not None else stack.enter_context(closing(reward_scorer(job.reward, job.device)))
         engine = stack.enter_context(closing(LLMEngine.from_pretrained(model_dir, **engine_options(job))))
         agent = stack.enter_context(episode_agent(engine, job.env))
-        return evaluate_set(engine, eval_set, data=job.data, scorer=scorer, agent=agent, max_tokens=job.max_tokens,
-                            temperature=job.temperature, seed=job.seed, stop=job.rollout.stop)
+        rows: list[dict] | None = [] if samples is not None else None
+        res = evaluate_set(engine, eval_set, data=job.data, scorer=scorer, agent=agent, max_tokens=job.max_tokens,
+                           temperature=job.temperature, seed=job.seed, stop=job.rollout.stop, rows=rows)
+    if samples is not None:
+        with SampleLog(samples) as log:
+            log.write(0, rows)
+    return res
 
 
 def held_out_line(res: dict[str, float], job: EvalJob) -> str:

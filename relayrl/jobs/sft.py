@@ -2,6 +2,7 @@
 only). It writes this run directory:
 
     run_dir/  config.yaml  metrics.jsonl  eval.jsonl  model/ (Hugging Face directory)
+              samples.jsonl  every evaluation's completions, scored (relayrl.observe.samples)
 
 Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
 """
@@ -26,8 +27,10 @@ from relayrl.jobs.train import write_atomic
 from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
+from relayrl.observe.samples import SampleLog, samples_path
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import build_scorer
+from relayrl.rewards.naming import held_out_metric
 from relayrl.rollout.evaluate import episode_agent, evaluate_set
 from relayrl.rollout.prompts import encode_answer, encode_prompt
 from relayrl.single_controller.process_setup import configure_process
@@ -76,13 +79,17 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
     scorer = build_scorer(cfg.reward.rule_config())
     try:
         logger = MetricsLogger(run_dir, use_tensorboard=cfg.sft.tensorboard)
+        samples = SampleLog(samples_path(run_dir), logger)
 
         def run_eval(step: int) -> dict:
             engine = LLMEngine.from_model(model, tok, max_num_seqs=len(eval_set), device=device)
+            rows: list[dict] = []
             with episode_agent(engine, cfg.env) as agent:
                 res = evaluate_set(engine, eval_set, data=cfg.data, scorer=scorer, agent=agent,
-                                   max_tokens=cfg.eval.max_tokens, temperature=cfg.eval.temperature, seed=cfg.sft.seed)
+                                   max_tokens=cfg.eval.max_tokens, temperature=cfg.eval.temperature, seed=cfg.sft.seed,
+                                   rows=rows)
             logger.log(step, res)
+            samples.write(step, rows)
             with open(run_dir / "eval.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, **res}) + "\n")
             return res
@@ -106,8 +113,12 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
         finally:
             progress.close()
         last = run_eval(cfg.sft.steps)
+        samples.close()
         logger.close()
         save_pretrained(model, run_dir / "model", tokenizer_dir=src)
     finally:
         scorer.close()
-    return {"run_dir": str(run_dir), "model_dir": str(run_dir / "model"), "eval_first": first, "eval_last": last}
+    # its evaluations score with the rule functions (relayrl.rewards.naming: the user's own, or the task's)
+    held_out = held_out_metric([f.name for f in cfg.reward.rule_config().functions], env=cfg.env is not None)
+    return {"run_dir": str(run_dir), "model_dir": str(run_dir / "model"), "eval_first": first, "eval_last": last,
+            "held_out": held_out}

@@ -9,6 +9,10 @@ never import relayrl.cli.
       metrics.jsonl, tb/   one line / TensorBoard scalars per step (eval lines share the step)
       wandb/, mlruns/      with run.loggers [wandb, mlflow]: W&B offline run, MLflow file store (observe.loggers)
       eval.jsonl           held-out evaluations
+      samples.jsonl        what the model said: every evaluation's completions (split eval), and every
+                           run.samples_every steps the first run.samples_per_step trained samples (split train), each
+                           with its prompt, reward, answer and correctness (relayrl.rollout.sample_rows); the same
+                           rows as a table in each logger (relayrl.observe.samples)
       trained_prompts.jsonl per step, a digest of each prompt trained on; a resumed run continues it, so every
                            prompt the sampler drew is trained exactly once in every rollout mode, except that
                            DAPO's algo.filter_groups (sync only) drops the groups it filters
@@ -41,9 +45,12 @@ from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.lora import merge_lora_state_dict
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.observe.loggers import LoggerOptions
+from relayrl.observe.samples import SampleLog, samples_path
 from relayrl.observe.trace import open_tracer
 from relayrl.rewards import TrainerState
+from relayrl.rewards.naming import held_out_metric
 from relayrl.rollout.evaluate import evaluate_set
+from relayrl.rollout.sample_rows import train_rows
 from relayrl.single_controller.process_setup import configure_process
 
 
@@ -67,15 +74,16 @@ def _restore(driver: Driver, ckpt: Path) -> int:
 
 
 def _eval(driver: Driver, roles: Roles, eval_set, cfg: RunConfig, run_dir: Path,
-          logger: MetricsLogger) -> dict[str, float]:
+          logger: MetricsLogger, samples: SampleLog) -> dict[str, float]:
     driver.sync_weights()
+    rows: list[dict] = []
     with roles.source.evaluation():
         # TRL's reward functions read the trainer state: after driver.step updates, with the sampler where they left it
         state = TrainerState.at(driver.step, cfg.run.steps, roles.source.sampler_state(driver.step),
                                 cfg.rollout.prompts_per_step)
         res = evaluate_set(roles.engine, eval_set, data=cfg.data, scorer=roles.scorer, agent=roles.agent,
                            max_tokens=cfg.eval.max_tokens, temperature=cfg.eval.temperature, seed=cfg.run.seed,
-                           stop=cfg.rollout.stop, state=state)
+                           stop=cfg.rollout.stop, state=state, rows=rows)
         # the engine's figures (engine/*) are training's: an evaluation's prefills and blocks are not the next
         # step's (a resumed run replays a step without the evaluation before it). In an asynchronous run this also
         # drops what the engine generated for coming batches since the last step's figures, before the drain
@@ -84,9 +92,24 @@ def _eval(driver: Driver, roles: Roles, eval_set, cfg: RunConfig, run_dir: Path,
         # its prompts must find the cache as that sync would have left it, empty
         roles.engine.reset_prefix_cache()
     logger.log(driver.step, res)
+    samples.write(driver.step, rows)
     with open(run_dir / "eval.jsonl", "a") as f:
         f.write(json.dumps({"step": driver.step, **res}) + "\n")
     return res
+
+
+def _train_samples(driver: Driver, roles: Roles, cfg: RunConfig, samples: SampleLog) -> None:
+    """Every run.samples_every steps, the first run.samples_per_step samples the step trained on."""
+    every = cfg.run.samples_every
+    if every and driver.step % every == 0:
+        samples.write(driver.step, train_rows(driver.last_samples, cfg.rollout.group_size, driver.last_advantages,
+                                              roles.engine.tokenizer, cfg.run.samples_per_step))
+
+
+def held_out(cfg: RunConfig) -> str:
+    """The held-out figure the run reports first (relayrl.rewards.naming): eval/reward where the user's own reward
+    scores it, else eval/accuracy."""
+    return held_out_metric([f.name for f in cfg.reward.functions], env=cfg.env is not None)
 
 
 def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict:
@@ -137,6 +160,11 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
                            options=LoggerOptions(wandb_project=r.wandb_project, wandb_name=r.wandb_name,
                                                  mlflow_tracking_uri=r.mlflow_tracking_uri,
                                                  mlflow_experiment=r.mlflow_experiment))
+    try:
+        samples = SampleLog(samples_path(run_dir), logger, resume_step=start if ckpt else None)
+    except BaseException:  # a damaged samples.jsonl: one line, and the loggers' runs closed
+        logger.close()
+        raise
     if ckpt is not None:
         _truncate_jsonl(run_dir / "eval.jsonl", start)
         _truncate_jsonl(run_dir / "trained_prompts.jsonl", start)
@@ -145,7 +173,7 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
         first = None
         if start == 0:
             with tracer.span("eval", step=0):
-                first = _eval(driver, roles, eval_set, cfg, run_dir, logger)
+                first = _eval(driver, roles, eval_set, cfg, run_dir, logger, samples)
         last = first
         while driver.step < cfg.run.steps:
             with tracer.span("step", step=driver.step + 1):  # the driver's stages nest inside it
@@ -157,11 +185,12 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
             if cfg.sync.debug_checksums:  # per-tensor checksums, trainer vs engine, of this step's sync
                 with open(run_dir / "sync_checksums.jsonl", "a") as f:
                     f.write(json.dumps({"step": driver.step, "checksums": driver.weight_sync.last_table}) + "\n")
-            progress.update(driver.step, {"reward": m["reward/mean"], "acc": m["reward/accuracy"]})
+            _train_samples(driver, roles, cfg, samples)
+            progress.update(driver.step, progress_figures(m))
             done = driver.step == cfg.run.steps
             if done or (cfg.eval.every and driver.step % cfg.eval.every == 0):
                 with tracer.span("eval", step=driver.step):
-                    last = _eval(driver, roles, eval_set, cfg, run_dir, logger)
+                    last = _eval(driver, roles, eval_set, cfg, run_dir, logger, samples)
             if done or (cfg.run.save_every and driver.step % cfg.run.save_every == 0):
                 with tracer.span("checkpoint", step=driver.step):
                     _save(driver, run_dir, cfg, src)
@@ -170,8 +199,20 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
         save_pretrained(final, run_dir / "final_model", tokenizer_dir=src)
     finally:
         progress.close()
+        samples.close()
         logger.close()
-    return {"run_dir": str(run_dir), "eval_first": first, "eval_last": last, "steps": driver.step}
+    return {"run_dir": str(run_dir), "eval_first": first, "eval_last": last, "steps": driver.step,
+            "held_out": held_out(cfg)}
+
+
+def progress_figures(m: dict[str, float]) -> dict[str, float]:
+    """The progress bar's figures of a step: its reward, and its correctness under the name it was logged by
+    (relayrl.rewards.naming): acc, or em for exact match beside the user's own reward."""
+    out = {"reward": m["reward/mean"]}
+    for key, short in (("reward/accuracy", "acc"), ("reward/exact_match", "em")):
+        if key in m:
+            out[short] = m[key]
+    return out
 
 
 def final_weights(weights: dict[str, torch.Tensor], lora) -> dict[str, torch.Tensor]:

@@ -10,6 +10,10 @@ MLflow (a local file store). MetricsLogger (relayrl.observe.metrics) fans each r
 
 Each run logs the resolved config: W&B's run config, MLflow's params (dotted keys) and a config.json artifact.
 
+Tables (what the model said, relayrl.observe.samples: `samples/eval` at every evaluation, `samples/train` every
+run.samples_every steps) go to each sink in its own table view: TensorBoard's text (a Markdown table), a
+wandb.Table, an MLflow table artifact (samples/<split>_step_<step>.json, MlflowClient.log_table).
+
 Resuming: TensorBoard purges the events of the replayed steps (purge_step). W&B's offline files and MLflow's
 metric histories are append-only, so a resumed run continues the same W&B run (the id is kept in
 run_dir/wandb/run_id) and the same MLflow run (run_dir/mlflow_run.json), and MetricsLogger sends them only
@@ -30,6 +34,7 @@ import re
 import secrets
 import string
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +58,8 @@ class Sink(Protocol):
     append_only: bool
 
     def log(self, step: int, values: Mapping[str, float]) -> None: ...
+
+    def log_table(self, step: int, name: str, columns: list[str], data: list[list[Any]]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -116,8 +123,24 @@ class TensorBoardSink:
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
+    def log_table(self, step: int, name: str, columns: list[str], data: list[list[Any]]) -> None:
+        self._writer.add_text(name, markdown(columns, data), global_step=step)
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
+
+
+def markdown(columns: Sequence[str], data: Sequence[Sequence[Any]]) -> str:
+    """The table in Markdown (TensorBoard's text view renders it): `|` and backslashes escaped, `<`, `>` and `&` as
+    HTML entities (a chat template's `<|im_end|>` stays visible), line breaks as <br>."""
+    def esc(v: Any) -> str:
+        text = str(v).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("\\", "\\\\")
+        return text.replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(esc(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(esc(v) for v in row) + " |" for row in data]
+    return "\n".join(lines)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -153,6 +176,13 @@ class WandbSink:
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         self._run.log(dict(values), step=step)
+
+    def log_table(self, step: int, name: str, columns: list[str], data: list[list[Any]]) -> None:
+        import wandb
+
+        # allow_mixed_types: a column of an empty answer ("") beside numbers is still one column
+        self._run.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in data], allow_mixed_types=True)},
+                      step=step)
 
     def close(self) -> None:
         import wandb
@@ -238,6 +268,13 @@ class MlflowSink:
         metrics = [Metric(mlflow_key(k, self._file_store), float(v), ms, int(step)) for k, v in values.items()]
         for i in range(0, len(metrics), 1000):
             self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def log_table(self, step: int, name: str, columns: list[str], data: list[list[Any]]) -> None:
+        split = name.rsplit("/", 1)[-1]
+        with warnings.catch_warnings():  # pandas' deprecation notes from inside MLflow: not the run's output
+            warnings.simplefilter("ignore")
+            self._client.log_table(self.run_id, {c: [row[j] for row in data] for j, c in enumerate(columns)},
+                                   f"samples/{split}_step_{int(step):06d}.json")
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)

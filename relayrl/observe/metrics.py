@@ -11,6 +11,8 @@ purge them), so a resumed run's file equals the one a never-stopped run would ha
 append-only sinks (W&B, MLflow) cannot forget: the (step, metric) pairs the dropped lines held are not
 sent to them again.
 
+Tables (what the model said: relayrl.observe.samples) go to the sinks through `log_table`, beside the scalars.
+
 It imports relayrl.observe.loggers (whose packages load lazily) and relayrl.errors only; it must never
 import another relayrl layer: observe is a leaf, which the controller and the CLI import.
 """
@@ -101,6 +103,14 @@ class MetricsLogger:
             out = fresh if sink.append_only else values
             if out:
                 sink.log(int(step), out)
+
+    def log_table(self, step: int, name: str, columns: list[str], data: list[list[Any]],
+                  replayed: bool = False) -> None:
+        """A table (relayrl.observe.samples' rows of what the model said) to each sink that shows tables;
+        `replayed`: the interrupted run already sent it, so the append-only sinks are not sent it again."""
+        for sink in self._sinks:
+            if not (replayed and sink.append_only):
+                sink.log_table(int(step), name, columns, data)
 
     def close(self) -> None:
         if not self._file.closed:

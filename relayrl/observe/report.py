@@ -1,6 +1,8 @@
 """This module makes the plots and a short summary of a run, read back from run_dir/metrics.jsonl.
 
-    metrics.jsonl ──> reward.png      reward/mean and training accuracy per step, eval accuracy dots
+    metrics.jsonl ──> reward.png      reward/mean and training accuracy per step, held-out reward and accuracy
+                                      dots (exact match where the run logged it under that name: beside the
+                                      user's own reward, exact match is not called accuracy)
                       mismatch.png    |logp_trainer - logp_engine| mean and max per step, and
                                       the weight sync's canary gap
                       time_share.png  each stage's share of the timed step (stacked)
@@ -37,9 +39,12 @@ from relayrl.observe.metrics import metrics_path, read_metrics
 REPORT_DIR = "report"
 
 REWARD_MEAN = "reward/mean"
-# Training accuracy: the first of these that the run logged.
-ACCURACY_KEYS = ("reward/accuracy", "accuracy")
+# Training correctness: the first of these that the run logged (relayrl.rewards.naming: exact match is logged as
+# reward/exact_match where the user's own reward scores the run)
+ACCURACY_KEYS = ("reward/accuracy", "accuracy", "reward/exact_match")
 EVAL_ACCURACY = "eval/accuracy"
+EVAL_EXACT_MATCH = "eval/exact_match"
+EVAL_REWARD = "eval/reward"  # the user's scorer on the held-out set
 MISMATCH_MEAN = "mismatch/logp_abs_mean"
 MISMATCH_MAX = "mismatch/logp_abs_max"
 CANARY_GAP = "sync/canary_gap"  # the weight sync's check: mean |Δ logp| on fixed rows after each sync
@@ -55,7 +60,9 @@ SUMMARY_KEYS = (
     VALUE_LOSS,
     EXPLAINED_VARIANCE,
     *ACCURACY_KEYS,
+    EVAL_REWARD,
     EVAL_ACCURACY,
+    EVAL_EXACT_MATCH,
     MISMATCH_MEAN,
     MISMATCH_MAX,
     LENGTH_MEAN,
@@ -104,14 +111,16 @@ def _save(fig: Figure, path: Path) -> Path:
 def _plot_reward(records: list[dict[str, Any]], out: Path) -> Path | None:
     acc_key = _first_key(records, ACCURACY_KEYS)
     keys = [k for k in (REWARD_MEAN, acc_key) if k is not None and _series(records, k)[0]]
-    eval_steps, eval_values = _series(records, EVAL_ACCURACY)
-    if not keys and not eval_steps:
+    evals = [(k, _series(records, k)) for k in (EVAL_REWARD, EVAL_ACCURACY, EVAL_EXACT_MATCH)]
+    evals = [(k, s) for k, s in evals if s[0]]
+    if not keys and not evals:
         return None
-    fig, ax = _new_axes("reward and accuracy")
+    exact = acc_key == "reward/exact_match" or any(k == EVAL_EXACT_MATCH for k, _ in evals)
+    fig, ax = _new_axes("reward and exact match" if exact else "reward and accuracy")
     for key in keys:
         ax.plot(*_series(records, key), label=key)
-    if eval_steps:
-        ax.plot(eval_steps, eval_values, "o", label=EVAL_ACCURACY)
+    for key, (steps, values) in evals:
+        ax.plot(steps, values, "o", label=key)
     ax.legend()
     ax.grid(alpha=0.3)
     return _save(fig, out / "reward.png")

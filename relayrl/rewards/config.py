@@ -107,6 +107,13 @@ class RewardConfig(Config):
         """(index in reward.functions, entry) of each reward-model entry, in order."""
         return [(i, f) for i, f in enumerate(self.functions) if f.name == MODEL]
 
+    def user_scored(self) -> bool:
+        """Whether the user's own reward scores the run: anything but the built-in task / exact_match
+        (relayrl.rewards.naming: exact match is then not called accuracy, and eval/reward is the headline)."""
+        from relayrl.rewards.naming import user_scored  # not loaded with a config (tests/test_layering.py)
+
+        return user_scored(f.name for f in self.functions)
+
     def cpu_limit_s(self) -> int:
         """CPU seconds one call may use: cpu_s, or the wall-clock timeout rounded up."""
         return self.cpu_s if self.cpu_s is not None else math.ceil(self.timeout_s)

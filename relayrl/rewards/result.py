@@ -1,6 +1,10 @@
 """`ScoreResult`: the rewards of one batch, per function, with its failure and timeout counts, and
 the merge of the results of consecutive shards of one step (reward worker groups score a step in shards).
 
+What `correct` measures names its metric (`correct_name`, relayrl.rewards.naming): `reward/accuracy` where it
+is a task's own correctness, or the exact match of a dataset file's answer under the built-in reward;
+`reward/exact_match` where it is exact match while the user's own reward scores the run.
+
 It imports relayrl.errors only; like all of rewards, it must never import the trainer, the engine, sync
 or the controller (rewards may use relayrl.data and the ground floor only).
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from relayrl.errors import RewardError
+from relayrl.rewards.naming import ACCURACY, EXACT_MATCH
 
 
 @dataclass(kw_only=True)
@@ -22,6 +27,7 @@ class ScoreResult:
     timeouts: int = 0  # calls killed after reward.timeout_s
     timeouts_per_function: dict[str, int] = field(default_factory=dict)
     first_errors: dict[str, str] = field(default_factory=dict)  # per function, the first failure's message
+    correct_name: str = ACCURACY  # what `correct` measures: accuracy | exact_match (relayrl.rewards.naming)
 
     @staticmethod
     def merge(parts: list[ScoreResult], check: bool = True) -> ScoreResult:
@@ -46,17 +52,20 @@ class ScoreResult:
             timeouts=sum(timeouts.values()),
             timeouts_per_function=timeouts,
             first_errors=first,
+            # the shards of one step share a scorer; exact match in one shard (an example without a task) is what
+            # the whole step's `correct` partly counts
+            correct_name=EXACT_MATCH if any(p.correct_name == EXACT_MATCH for p in parts) else ACCURACY,
         )
 
     def metrics(self) -> dict[str, float]:
         """Scalar metrics for logging: reward/mean, reward/<fn>/mean, reward/failures (timeouts included),
-        reward/timeouts, reward/accuracy."""
+        reward/timeouts, and reward/accuracy or reward/exact_match (correct_name)."""
         n = max(len(self.rewards), 1)
         out = {
             "reward/mean": sum(self.rewards) / n,
             "reward/failures": float(self.failures),
             "reward/timeouts": float(self.timeouts),
-            "reward/accuracy": sum(self.correct) / n,
+            f"reward/{self.correct_name}": sum(self.correct) / n,
         }
         for name, values in self.per_function.items():
             out[f"reward/{name}/mean"] = sum(values) / n

@@ -9,6 +9,8 @@
                  with their completion_ids and the caller's trainer state, and gives value_f for each; a
                  failure of the whole call fails each sample of the group.
     correct[i] = task score of sample i >= 1.0  (the `task` reward, always computed, for accuracy)
+                 named exact_match, not accuracy, where it is exact match (an example without a task) while the
+                 user's own reward scores the run (relayrl.rewards.naming)
 
 One sample failing is tolerated (a user function may choke on odd model output); every sample of
 one function failing in one call means the function itself is broken, so the run stops with a
@@ -31,10 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from relayrl.data.tasks import Example
+from relayrl.data.tasks import Example, task_for_example
 from relayrl.errors import RewardError
 from relayrl.rewards.calls import BATCH, LoadedFunction, call_batch, call_one, load_functions
 from relayrl.rewards.config import RewardConfig
+from relayrl.rewards.naming import correct_name
 from relayrl.rewards.pool import Outcome, RewardPool
 from relayrl.rewards.result import ScoreResult
 from relayrl.rewards.state import TrainerState
@@ -88,9 +91,11 @@ class RewardScorer:
     """`score(completions, examples, check=True, completion_ids=None, state=None) -> ScoreResult`; `close()`;
     a context manager."""
 
-    def __init__(self, functions: list[BoundFunction], runner: Runner, correct_index: int, on_failure: float = 0.0):
+    def __init__(self, functions: list[BoundFunction], runner: Runner, correct_index: int, on_failure: float = 0.0,
+                 user_reward: bool = False):
         self.functions, self.runner = functions, runner
         self.correct_index, self.on_failure = correct_index, on_failure
+        self.user_reward = user_reward  # reward.functions is the user's own: exact match is not called accuracy
 
     def score(self, completions: list[str], examples: list[Example], check: bool = True, *,
               completion_ids: Sequence[Sequence[int]] | None = None, state: TrainerState | None = None) -> ScoreResult:
@@ -136,7 +141,8 @@ class RewardScorer:
         correct = [o.error is None and o.value >= 1.0 for o in block]
         return ScoreResult(rewards=rewards, per_function=per_function, failures=sum(failures.values()),
                            correct=correct, failures_per_function=failures, timeouts=sum(timeouts.values()),
-                           timeouts_per_function=timeouts, first_errors=first_errors)
+                           timeouts_per_function=timeouts, first_errors=first_errors,
+                           correct_name=correctness(examples, self.user_reward))
 
     def _per_sample(self, outs: list[Outcome], groups: list[tuple[int, int]], f: int) -> list[Outcome]:
         """One Outcome per sample: a batch call's items, or its failure repeated for each sample of its group."""
@@ -161,6 +167,11 @@ class RewardScorer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def correctness(examples: Sequence[Example], user_reward: bool) -> str:
+    """What `correct` measures for these examples (relayrl.rewards.naming): exact match where one has no task."""
+    return correct_name(user_reward, any(task_for_example(ex) is None for ex in examples))
 
 
 def _groups(examples: list[Example]) -> list[tuple[int, int]]:
@@ -191,4 +202,4 @@ def build_scorer(cfg: RewardConfig) -> RewardScorer:
     else:
         runner = RewardPool(specs, workers=cfg.workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
                             cpu_s=cfg.cpu_limit_s())
-    return RewardScorer(bound, runner, correct_index, cfg.on_failure)
+    return RewardScorer(bound, runner, correct_index, cfg.on_failure, user_reward=cfg.user_scored())

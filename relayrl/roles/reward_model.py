@@ -17,7 +17,8 @@ with the tokenizer's own special tokens (a BOS where the tokenizer adds one), as
               none) or one process of its own (backend local / ray)
       reward[i]  = rules' sum[i] + sum_m weight_m * logit_m[i]
       correct[i] = the task's score >= 1.0, from the rule side as always (accuracy is a metric, not a reward):
-                   with only model entries configured the pool still computes the task score for it
+                   with only model entries configured the pool still computes the task score for it; where it is
+                   exact match (examples without a task) it is named exact_match (relayrl.rewards.naming)
 
 A non-finite logit (a model in bfloat16 that overflowed) scores reward.on_failure and counts in
 reward/failures, like a rule function's failure. Metrics name the first model entry `model` and later ones
@@ -45,6 +46,7 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.rewards.config import MODEL, RewardConfig
 from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
+from relayrl.rewards.scorer import correctness
 from relayrl.rewards.state import TrainerState
 from relayrl.single_controller.batch import DataBatch
 from relayrl.single_controller.dispatch import Dispatch, dispatch
@@ -201,7 +203,9 @@ class CombinedScorer:
             rewards = [r + e.weight * v for r, v in zip(rewards, values, strict=True)]
         return ScoreResult(rewards=rewards, per_function=per_function, failures=sum(fails.values()),
                            correct=list(res.correct), failures_per_function=fails, timeouts=sum(timeouts.values()),
-                           timeouts_per_function=timeouts, first_errors=first)
+                           timeouts_per_function=timeouts, first_errors=first,
+                           # a reward model is the user's own reward: exact match is not called accuracy beside it
+                           correct_name=correctness(examples, user_reward=True))
 
     def close(self) -> None:
         try:

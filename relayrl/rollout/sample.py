@@ -46,6 +46,7 @@ class Sample:
     cost: SampleCost | None = None  # what the engine spent on it (the step's FLOPs); None: not counted
     reward: float = 0.0  # set once scored (an episode: its environment's)
     correct: bool = False
+    per_function: dict[str, float] | None = None  # each reward function's value, once scored (samples.jsonl's rows)
 
     @classmethod
     def of_completion(cls, example: Example, out: RequestOutput, s: CompletionSample) -> Sample:
@@ -76,8 +77,9 @@ def samples_of_episodes(examples: list[Example], trajs: list[Trajectory]) -> lis
 
 def scored(samples: list[Sample], res: ScoreResult) -> list[Sample]:
     """The samples with their rewards (in order): set in place, returned for the caller's convenience."""
-    for s, r, c in zip(samples, res.rewards, res.correct, strict=True):
+    for i, (s, r, c) in enumerate(zip(samples, res.rewards, res.correct, strict=True)):
         s.reward, s.correct = r, c
+        s.per_function = {name: values[i] for name, values in res.per_function.items()}
     return samples
 
 

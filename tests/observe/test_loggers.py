@@ -58,10 +58,12 @@ def wandb_history(run_dir: Path) -> tuple[list[tuple[int, str, float]], set[str]
                 config.update({u.key: json.loads(u.value_json) for u in r.run.config.update})
             elif kind == "history":
                 step = r.history.step.num
-                for item in r.history.item:
-                    key = item.key or "/".join(item.nested_key)
-                    if not key.startswith("_"):
-                        rows.append((step, key, float(json.loads(item.value_json))))
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+                # a table (samples/<split>: tests/observe/test_samples.py reads them) is logged as its fields
+                tables = {k.removesuffix("/_type") for k, v in items.items() if k.endswith("/_type")}
+                for key, value in items.items():
+                    if not key.startswith("_") and key.rpartition("/")[0] not in tables:
+                        rows.append((step, key, float(value)))
     return rows, ids, config
 
 

@@ -133,3 +133,20 @@ def test_report_plots_the_critic_when_the_run_had_one(tmp_path):
     assert "critic.png" in names
     _write_metrics(tmp_path / "grpo", [{"step": 1, "reward/mean": 0.1}])
     assert "critic.png" not in {p.name for p in make_report(tmp_path / "grpo")}
+
+
+def test_a_user_reward_runs_report_shows_its_scorer_and_exact_match_not_accuracy(tmp_path):
+    """Beside a user's reward exact match is logged as exact_match (relayrl.rewards.naming): the summary and the
+    reward plot take it, and the held-out eval/reward, with no accuracy at all."""
+    records = [{"step": 0, "eval/reward": 0.2, "eval/exact_match": 0.0, "eval/n": 4.0},
+               {"step": 1, "eval/reward": 0.4, "eval/exact_match": 0.25, "eval/n": 4.0}]
+    _write_metrics(tmp_path / "evals", records)  # evaluations only: the held-out dots are the whole plot
+    (path,) = make_report(tmp_path / "evals")
+    assert path.name == "reward.png"
+    _assert_png(path)
+    _write_metrics(tmp_path / "run", [records[0], {"step": 1, "reward/mean": 0.3, "reward/exact_match": 0.125},
+                                      records[1]])
+    metrics = summarize(tmp_path / "run")["metrics"]
+    assert metrics["eval/reward"]["first"] == 0.2 and metrics["eval/reward"]["last"] == 0.4
+    assert metrics["eval/exact_match"]["last"] == 0.25 and metrics["reward/exact_match"]["last"] == 0.125
+    assert not any("accuracy" in k for k in metrics)
