@@ -26,24 +26,22 @@ Config validation checks the spec's form only: the factory is imported when the 
 thing a run does, before any model is loaded), since a user module may import torch or take seconds, and
 loading a config must stay torch-free and fast.
 
-It imports the standard library, the task registry and relayrl.errors only; it must never import another
-relayrl layer: data is a leaf, which rewards and the controller import.
+It imports the standard library, the task registry and the ground floor (relayrl.errors, relayrl.lazy) only; it
+must never import another relayrl layer: data is a leaf, which rewards and the controller import.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import numbers
 import pickle
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 from relayrl.data.tasks import Example
 from relayrl.errors import ConfigError, DataError, RewardError
+from relayrl.lazy import import_file
 
 _IDENT = r"[A-Za-z_]\w*"
 _MODULE_SPEC = re.compile(rf"{_IDENT}(\.{_IDENT})*:{_IDENT}")
@@ -173,25 +171,7 @@ def _load_factory(spec: str):
 
 
 def _import_file(path_str: str):
-    path = Path(path_str)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file {path}")
-    # A private module name per absolute path, as reward files get (relayrl.rewards.registry): two files of the
-    # same name do not collide, and no installed module is shadowed.
-    name = "relayrl_task_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return import_file(path_str, "relayrl_task_")
 
 
 def _one_line(e: BaseException) -> str:

@@ -16,14 +16,12 @@ trainer, the engine, sync or the controller (rewards may use relayrl.data and th
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from relayrl.errors import RewardError, UserError
+from relayrl.lazy import import_file
 
 RewardFn = Callable[..., float]
 
@@ -99,25 +97,7 @@ def _is_path(module_part: str) -> bool:
 
 
 def _import_file(path_str: str):
-    path = Path(path_str)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file {path}")
-    # A private module name per absolute path: two user files both called rewards.py must not
-    # collide, and we must not shadow an installed module of the same name.
-    name = "relayrl_user_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"cannot import {path} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return import_file(path_str, "relayrl_user_")
 
 
 def _one_line(e: BaseException) -> str:
