@@ -169,12 +169,16 @@ def truncate_metrics(run_dir: str | os.PathLike[str], last_step: int) -> None:
     path = metrics_path(run_dir)
     if not path.exists():
         return
-    kept = [r for r in _parse_lines(path) if r.get("step", -math.inf) <= last_step]
-    fd, tmp = tempfile.mkstemp(prefix=".metrics.", suffix=".tmp", dir=path.parent)
+    rewrite_jsonl(path, [r for r in _parse_lines(path) if r.get("step", -math.inf) <= last_step])
+
+
+def rewrite_jsonl(path: Path, records: list[dict[str, Any]], ensure_ascii: bool = True) -> None:
+    """Replace the JSON-lines file `path` by `records`, atomically: the new content goes to a temporary file in the
+    same directory, is fsynced, then replaces the old file by rename, so a crash leaves either file whole."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for record in kept:
-                f.write(json.dumps(record) + "\n")
+            f.write("".join(json.dumps(r, ensure_ascii=ensure_ascii) + "\n" for r in records))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

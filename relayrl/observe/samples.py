@@ -23,12 +23,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from relayrl.observe.metrics import MetricsLogger, _parse_lines
+from relayrl.observe.metrics import MetricsLogger, _parse_lines, rewrite_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -58,18 +57,7 @@ def truncate_samples(path: Path, last_step: int) -> set[tuple[int, str]]:
         return set()
     rows = _parse_lines(path)
     dropped = {(int(r["step"]), str(r.get("split"))) for r in rows if r.get("step", -math.inf) > last_step}
-    fd, tmp = tempfile.mkstemp(prefix=".samples.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows
-                            if r.get("step", -math.inf) <= last_step))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    rewrite_jsonl(path, [r for r in rows if r.get("step", -math.inf) <= last_step], ensure_ascii=False)
     return dropped
 
 
