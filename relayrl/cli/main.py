@@ -268,7 +268,7 @@ def _cmd_plan(a) -> int:
 def _cmd_demo(a) -> int:
     from relayrl.jobs.demo import run_demo
 
-    run_demo(Path(a.out), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora)
+    run_demo(Path(a.out), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora, seed=a.seed)
     return 0
 
 
@@ -411,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after")
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the demo's)")
+    d.add_argument("--seed", type=int, default=0, help="seeds the task's data, the tiny model's initial weights, the "
+                   "SFT batches and the RL run's sampling (the README's figures: seeds 0, 1 and 2)")
     d.add_argument("--env", default=None, choices=["calculator"],
                    help="an agent in an environment: SFT on its tool-use traces, then GRPO on episodes")
     d.add_argument("--algo", default="grpo", choices=["grpo", "ppo"],

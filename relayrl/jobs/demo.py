@@ -102,18 +102,25 @@ ALGOS = ("grpo", "ppo")
 LORA = {"trainer": {"lora": {"rank": 8, "alpha": 16.0}, "lr": 5e-4}}
 
 
-def recipe(env: str | None, algo: str, lora: bool = False) -> tuple[dict, dict, str]:
-    """(SFT recipe, RL recipe, what it trains on) for the demo of `env` with `algo` (LoRA adapters: `lora`)."""
+def recipe(env: str | None, algo: str, lora: bool = False, seed: int = 0) -> tuple[dict, dict, str]:
+    """(SFT recipe, RL recipe, what it trains on) for the demo of `env` with `algo` (LoRA adapters: `lora`). `seed`
+    seeds everything random: the task's data, the tiny model's initial weights, the SFT batches and the RL run's
+    sampling (the recipes' own seeds are all 0)."""
     sft, rl, what = RECIPES[env]
     if algo == "ppo":
         rl = {**rl, "algo": {**rl["algo"], **PPO["algo"]}, "critic": PPO["critic"], "run": {**rl["run"], **PPO["run"]}}
     if lora:
         rl = {**rl, "trainer": {**rl["trainer"], **LORA["trainer"]}}
+    if seed:
+        model = sft.get("model", {})
+        sft = {**sft, "data": {**sft["data"], "seed": seed}, "sft": {**sft["sft"], "seed": seed},
+               "model": {**model, "tiny": {**model.get("tiny", {}), "seed": seed}}}
+        rl = {**rl, "data": {**rl["data"], "seed": seed}, "run": {**rl["run"], "seed": seed}}
     return sft, rl, what
 
 
 def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, env: str | None = None,
-             algo: str = "grpo", lora: bool = False) -> dict:
+             algo: str = "grpo", lora: bool = False, seed: int = 0) -> dict:
     from relayrl.observe.report import make_report
 
     if env not in RECIPES:
@@ -124,7 +131,7 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
     if lora and algo == "ppo":
         raise UserError("relayrl demo --lora trains the policy's adapters with GRPO; drop --algo ppo "
                         "(the critic trains in full)")
-    sft_recipe, grpo_recipe, what = recipe(env, algo, lora)
+    sft_recipe, grpo_recipe, what = recipe(env, algo, lora, seed)
     configure_process()  # a bad RELAYRL_HOST_MEMORY / RELAYRL_CPU_LINEAR is one line here, before anything is written
     measure = "success" if env else "accuracy"
     start = time.perf_counter()
@@ -147,7 +154,7 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
     print("[3/3] report")
     plots = make_report(out / "grpo")
     seconds = time.perf_counter() - start
-    summary = {"env": env, "algo": algo, "lora": lora, "accuracy_before": before, "accuracy_after": after,
+    summary = {"env": env, "algo": algo, "lora": lora, "seed": seed, "accuracy_before": before, "accuracy_after": after,
                "seconds": round(seconds, 1),
                "sft_dir": str(out / "sft"), "grpo_dir": str(out / "grpo"), "plots": [str(p) for p in plots]}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
