@@ -1,5 +1,6 @@
 """The README's "Bring your own" commands, run as written (through bash, in a fresh directory holding the repository's
-examples/), with their steps cut to 1-2, so the README cannot rot. Each run's figures are checked against the peer
+examples/), with their steps cut (SFT 50, enough for a few right answers, so every reward has positives; GRPO 1),
+so the README cannot rot. Each run's figures are checked against the peer
 library's own function on the completions the run wrote (TRL's reward functions, verl's gsm8k compute_score,
 reasoning-gym's score_answer, transformers' tokenizer, chat template and greedy generation), or against the rule
 the example's reward states by hand.
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Bring your own"
+SFT_STEPS = 50
 
 
 def readme_commands() -> list[str]:
@@ -66,7 +68,7 @@ def _env(bin_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def byo(tmp_path_factory):
     """A fresh directory holding examples/ (the README's paths are relative to the repository), `relayrl` and `python`
-    as this interpreter, and the HF model directory the README's `relayrl sft` writes (2 steps here)."""
+    as this interpreter, and the HF model directory the README's `relayrl sft` writes (50 steps here)."""
     work = tmp_path_factory.mktemp("byo")
     (work / "examples").symlink_to(ROOT / "examples")
     bin_dir = work / ".bin"
@@ -85,7 +87,7 @@ def byo(tmp_path_factory):
         return r
 
     (sft,) = commands("sft")
-    sh(sft, "sft.steps=2")
+    sh(sft, f"sft.steps={SFT_STEPS}")
     return work, sh
 
 
@@ -133,7 +135,7 @@ def test_the_model_relayrl_sft_writes_is_a_hf_directory_with_the_files_chat_temp
     assert AutoModelForCausalLM.from_pretrained(run / "model").config.model_type == "qwen2"
     file_rows = _file_rows()
     rows, evals = _rows(run), _evals(run)
-    assert sorted(rows) == sorted(evals) == [0, 2]
+    assert sorted(rows) == sorted(evals) == [0, SFT_STEPS]
     for step, rs in rows.items():
         assert len(rs) == 40
         for r in rs:  # the prompt as transformers' tokenizer renders it; the answer is the file's solution column
@@ -141,6 +143,7 @@ def test_the_model_relayrl_sft_writes_is_a_hf_directory_with_the_files_chat_temp
             assert r["answer"] == file_rows[r["prompt"][0]["content"]]["solution"]
             assert r["correct"] == (r["completion"].strip() == r["answer"])
         assert evals[step]["eval/accuracy"] == pytest.approx(sum(r["correct"] for r in rs) / len(rs))
+    assert evals[SFT_STEPS]["eval/accuracy"] > 0  # some answers right: the GRPO cases' rewards have positives
 
 
 def test_a_trl_dataset_scored_by_trls_own_reward_functions(byo):
@@ -157,6 +160,7 @@ def test_a_trl_dataset_scored_by_trls_own_reward_functions(byo):
         long = overlong(completion_ids=[[0] * r["tokens"]])[0]
         assert r["rewards"] == {"trl.rewards:accuracy_reward": acc, "trl.rewards:get_soft_overlong_punishment": long}
         assert r["reward"] == pytest.approx(acc + long)
+    assert any(r["rewards"]["trl.rewards:accuracy_reward"] == 1.0 for r in rows[0])
 
 
 def test_a_verl_parquet_scored_by_verls_gsm8k_reward(byo):
@@ -169,6 +173,7 @@ def test_a_verl_parquet_scored_by_verls_gsm8k_reward(byo):
     for r in rows[0] + rows[1]:
         truth = file_rows[r["prompt"][0]["content"]]["answer"]
         assert r["reward"] == gsm8k.compute_score(r["completion"], truth, method="flexible")
+    assert any(r["reward"] == 1.0 for r in rows[0])
     trl_run = work / "runs/byo/trl"
     if trl_run.exists():  # the same model, prompts and greedy evaluation: the verl layout reads as the TRL one
         before = {json.dumps(r["prompt"]): r["completion"] for r in _rows(trl_run)[0]}
@@ -186,6 +191,7 @@ def test_a_keyword_style_reward_filled_by_name(byo):
         assert r["reward"] == float(r["completion"].strip() == file_rows[r["prompt"][0]["content"]]["solution"])
     for e in evals.values():  # the rule is exact match, so the two figures agree
         assert e["eval/reward"] == e["eval/exact_match"]
+    assert evals[0]["eval/reward"] > 0
 
 
 @pytest.fixture(scope="module")
