@@ -29,7 +29,7 @@ from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe import MetricsLogger, Progress
 from relayrl.observe.samples import SampleLog, samples_path
 from relayrl.parallel.device import resolve_device
-from relayrl.rewards import build_scorer
+from relayrl.rewards import TrainerState, build_scorer
 from relayrl.rewards.naming import held_out_metric
 from relayrl.rollout.evaluate import episode_agent, evaluate_set
 from relayrl.rollout.prompts import encode_answer, encode_prompt
@@ -84,10 +84,13 @@ def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
         def run_eval(step: int) -> dict:
             engine = LLMEngine.from_model(model, tok, max_num_seqs=len(eval_set), device=device)
             rows: list[dict] = []
+            # TRL's reward functions read the trainer state, as in `relayrl train`: `step` updates done, of
+            # sft.steps, with the sampler where they left it (batches of sft.batch_size examples)
+            state = TrainerState.at(step, cfg.sft.steps, sampler.state_dict(), cfg.sft.batch_size)
             with episode_agent(engine, cfg.env) as agent:
                 res = evaluate_set(engine, eval_set, data=cfg.data, scorer=scorer, agent=agent,
                                    max_tokens=cfg.eval.max_tokens, temperature=cfg.eval.temperature, seed=cfg.sft.seed,
-                                   rows=rows)
+                                   state=state, rows=rows)
             logger.log(step, res)
             samples.write(step, rows)
             with open(run_dir / "eval.jsonl", "a") as f:

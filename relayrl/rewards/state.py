@@ -4,7 +4,8 @@ transformers; a function cannot change what the other calls see).
 
     global_step       updates done before the samples were drawn: 0 for the first step's batch (TRL scores
                       step k's completions before update k), s for an evaluation after s steps
-    max_steps         the run's steps (run.steps); 0 outside training (`relayrl eval`), as TRL's own default
+    max_steps         the run's steps (run.steps; sft.steps in `relayrl sft`'s evaluations); 0 outside training
+                      (`relayrl eval`), as TRL's own default
     epoch             passes over the training prompts drawn before this batch (fractional: 1.5 is half-way
                       through the second pass)
     num_train_epochs  passes the whole run draws: ceil(max_steps * prompts_per_step / training prompts)
