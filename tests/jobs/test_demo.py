@@ -15,8 +15,10 @@ def test_the_lora_recipe_is_the_grpo_recipe_with_adapters():
     assert cfg.trainer.lr == 5e-4
     plain = RunConfig.from_dict({**GRPO, "model": {"path": "unused"}})
     assert plain.trainer.lora is None
-    # everything but the adapters and their step size is the GRPO demo's
-    assert cfg.rollout == plain.rollout and cfg.algo == plain.algo and cfg.run == plain.run
+    # everything but the adapters, their step size and the steps its figures were measured with is the GRPO demo's
+    assert cfg.run.steps == 600 and plain.run.steps == 800
+    assert cfg.rollout == plain.rollout and cfg.algo == plain.algo
+    assert cfg.run.model_copy(update={"steps": plain.run.steps}) == plain.run
     assert cfg.trainer.model_copy(update={"lora": None, "lr": plain.trainer.lr}) == plain.trainer
 
 
