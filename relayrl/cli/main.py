@@ -272,13 +272,13 @@ def _cmd_demo(a) -> int:
                             "--algo and --lora")
         from relayrl.jobs.demo_smollm2 import run_smollm2_demo
 
-        run_smollm2_demo(Path(a.out), steps=a.steps, seed=a.seed or 0)
+        run_smollm2_demo(Path(a.out or "runs/demo-smollm2"), steps=a.steps, seed=a.seed or 0)
         return 0
     if a.seed is not None:
         raise UserError("relayrl demo --seed is for --model smollm2 (the tiny demo's seeds are its recipe's)")
     from relayrl.jobs.demo import run_demo
 
-    run_demo(Path(a.out), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora)
+    run_demo(Path(a.out or "runs/demo"), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora)
     return 0
 
 
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=_cmd_plan)
 
     d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after")
-    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--out", default=None, help="the demo's folder (default runs/demo; runs/demo-smollm2 with --model)")
     d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the demo's)")
     d.add_argument("--env", default=None, choices=["calculator"],
                    help="an agent in an environment: SFT on its tool-use traces, then GRPO on episodes")
