@@ -86,7 +86,7 @@ def test_the_cli_refuses_options_the_smollm2_recipe_does_not_have(capsys):
 
 
 @pytest.mark.e2e
-@pytest.mark.slow  # the real model: 18-31 minutes on 2 CPU cores, with the load (benchmarks/HISTORY.md)
+@pytest.mark.slow  # the real model: 6-31 minutes on 2 CPU cores, with the load (benchmarks/HISTORY.md)
 def test_smollm2_demo_gains_held_out_accuracy(tmp_path):
     from relayrl.errors import ModelDirError
     from relayrl.models.gguf import smollm2_gguf
