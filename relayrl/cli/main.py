@@ -95,53 +95,17 @@ def _cmd_eval(a) -> int:
 
 def _cmd_generate(a) -> int:
     """Each prompt's completions on stdout, one per sample (only the completion: the prompt is not repeated),
-    and a line per sample on stderr (why it ended, its tokens, its logprob). A prompt goes through the model's chat
-    template as data.chat_template says (--chat: always, --no-chat: never, neither: auto), and sampling stops at
-    every end-of-sequence id of the model (config.json's, the tokenizer's, generation_config.json's)."""
-    from dataclasses import replace
+    and a line per sample on stderr (why it ended, its tokens, its logprob): relayrl.jobs.generate."""
+    from relayrl.engine import SamplingParams
 
-    from relayrl.data import DataConfig, Example
-    from relayrl.data.chat import has_chat_template, string_template
-    from relayrl.engine import LLMEngine, SamplingParams
-    from relayrl.errors import PromptError
-    from relayrl.models.hf_io import generation_eos_ids
-    from relayrl.models.tokenizer import load_tokenizer
-    from relayrl.rollout.charset import check_representable
-    from relayrl.rollout.prompts import encode_text
-    from relayrl.single_controller.process_setup import configure_process
-
-    # checked before the model loads: a bad flag is one line, at once
+    # checked before anything loads: a bad flag is one line, at once
     params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed)
-    for i, p in enumerate(a.prompts):
-        if not p:  # the BOS token added below would otherwise make it a prompt
-            raise PromptError(f"prompt {i} is empty: give some text to continue")
-    mode = {True: "always", False: "never", None: "auto"}[a.chat]
-    from relayrl.jobs.base_model import resolve_model
+    from relayrl.jobs.generate import generate
 
-    model_dir = resolve_model(a.model)  # no tokenizer: one line; a GGUF file: converted once into the cache
-    params = replace(params, stop_token_ids=generation_eos_ids(model_dir))
-    tok = load_tokenizer(model_dir)
-    if mode == "always" and not has_chat_template(tok):
-        raise UserError(f"--chat: the tokenizer of {a.model} has no chat template; drop --chat (the prompt is then "
-                        "sent as raw text) or add a chat_template to its tokenizer_config.json")
-    if a.system is not None and (mode == "never" or (mode == "auto" and not string_template(tok))):
-        why = ("--no-chat sends raw text" if mode == "never" else
-               f"the tokenizer of {a.model} has no chat template" if not has_chat_template(tok) else
-               f"the chat template of {a.model} is for conversations only (relayrl's tiny tokenizers)")
-        raise UserError(f"--system needs the chat template, but {why}; drop --system"
-                        + ("" if mode == "never" or not has_chat_template(tok) else ", or give --chat"))
-    # text the tokenizer would drop is refused, as in train and eval: the model would answer another prompt
-    check_representable(tok, {"command-line": [Example(p, "") for p in a.prompts]},
-                        DataConfig(chat_template=mode, system_prompt=a.system), str(a.model),
-                        "rephrase the prompt, or use a model whose tokenizer has them")
-    prompts = [encode_text(tok, p, mode, a.system) for p in a.prompts]
-    configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
-    engine = LLMEngine.from_pretrained(model_dir)
-    for i, out in enumerate(engine.generate(prompts, params)):
-        for j, s in enumerate(out.samples):
-            print(s.text, flush=True)
-            print(f"[prompt {i}, sample {j}: {s.finish_reason}, {len(s.token_ids)} tokens, "
-                  f"logprob {sum(s.logprobs):.3f}]", file=sys.stderr)
+    for i, j, s in generate(a.model, a.prompts, params, a.chat, a.system):
+        print(s.text, flush=True)
+        print(f"[prompt {i}, sample {j}: {s.finish_reason}, {len(s.token_ids)} tokens, "
+              f"logprob {sum(s.logprobs):.3f}]", file=sys.stderr)
     return 0
 
 
