@@ -12,7 +12,8 @@ Each run logs the resolved config: W&B's run config, MLflow's params (dotted key
 
 Tables (what the model said, relayrl.observe.samples: `samples/eval` at every evaluation, `samples/train` every
 run.samples_every steps) go to each sink in its own table view: TensorBoard's text (a Markdown table), a
-wandb.Table, an MLflow table artifact (samples/<split>_step_<step>.json, MlflowClient.log_table).
+wandb.Table, an MLflow table artifact (samples/<split>_step_<step>.json: the file and the run tag that
+MlflowClient.log_table writes, written without pandas).
 
 Resuming: TensorBoard purges the events of the replayed steps (purge_step). W&B's offline files and MLflow's
 metric histories are append-only, so a resumed run continues the same W&B run (the id is kept in
@@ -34,7 +35,6 @@ import re
 import secrets
 import string
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,11 +270,17 @@ class MlflowSink:
             self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def log_table(self, step: int, name: str, columns: list[str], data: list[list[Any]]) -> None:
-        split = name.rsplit("/", 1)[-1]
-        with warnings.catch_warnings():  # pandas' deprecation notes from inside MLflow: not the run's output
-            warnings.simplefilter("ignore")
-            self._client.log_table(self.run_id, {c: [row[j] for row in data] for j, c in enumerate(columns)},
-                                   f"samples/{split}_step_{int(step):06d}.json")
+        # MlflowClient.log_table needs pandas, which relayrl does not: the same artifact (pandas' "split" JSON) and the
+        # same run tag (mlflow.loggedArtifacts, which the UI's table view reads) are written here directly.
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+        artifact = f"samples/{name.rsplit('/', 1)[-1]}_step_{int(step):06d}.json"
+        self._client.log_dict(self.run_id, {"columns": list(columns), "data": [list(r) for r in data]}, artifact)
+        tags = self._client.get_run(self.run_id).data.tags
+        logged = json.loads(tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+        if {"path": artifact, "type": "table"} not in logged:
+            logged.append({"path": artifact, "type": "table"})
+            self._client.set_tag(self.run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(logged))
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)

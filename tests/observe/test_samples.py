@@ -129,7 +129,14 @@ def test_tensorboard_wandb_and_mlflow_show_the_rows_and_a_resume_sends_a_table_o
     got = wandb_tables(tmp_path, "samples/train")
     assert [(s, t["columns"], t["data"]) for s, t in got] == [(s, *map(list, want[s])) for s in range(4)]
     assert [(s, t["data"]) for s, t in wandb_tables(tmp_path, "samples/eval")] == [(2, table([ROW])[1])]
-    for s in range(4):  # log_table appends to an existing artifact: a table sent twice would hold its rows twice
+    for s in range(4):
         assert mlflow_table(tmp_path, f"samples/train_step_{s:06d}.json") == {"columns": want[s][0],
                                                                               "data": want[s][1]}
     assert mlflow_table(tmp_path, "samples/eval_step_000002.json")["data"] == table([ROW])[1]
+    # the run tag MLflow's UI reads its tables from (what MlflowClient.log_table sets), each table once
+    from mlflow.tracking import MlflowClient
+
+    saved = json.loads((tmp_path / "mlflow_run.json").read_text())
+    tag = MlflowClient(tracking_uri=saved["tracking_uri"]).get_run(saved["run_id"]).data.tags["mlflow.loggedArtifacts"]
+    assert sorted(t["path"] for t in json.loads(tag) if t["type"] == "table") == sorted(
+        [f"samples/train_step_{s:06d}.json" for s in range(4)] + ["samples/eval_step_000002.json"])
