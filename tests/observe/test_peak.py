@@ -48,14 +48,17 @@ def test_key_names_host_processor_torch_threads_dtype():
 def test_the_peak_is_the_fastest_kernel_and_cpu_fp32_times_onednn_too(monkeypatch):
     """measure_gflops takes the fastest of the kernels it times (for the CPU in fp32: torch's mm and oneDNN's linear,
     which relayrl.models.linear runs where it is faster)."""
-    import time as _time
+    import types
+
+    clock = [0.0]  # a clock each fake kernel advances by its own time: a sleep on a loaded machine overshoots
 
     def kernel(seconds):
-        return lambda a, b, out: _time.sleep(seconds)
+        return lambda a, b, out: clock.__setitem__(0, clock[0] + seconds)
 
+    monkeypatch.setattr(peak, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(peak, "_kernels", lambda dev, dt: [kernel(0.05), kernel(0.01)])
     got = peak.measure_gflops("cpu", "float32", 1, reps=2, budget_s=0.0)  # the first size only: n = 256
-    assert 2 * 256**3 / 0.012 / 1e9 < got <= 2 * 256**3 / 0.01 / 1e9
+    assert got == pytest.approx(2 * 256**3 / 0.01 / 1e9)
     monkeypatch.undo()
     names = len(peak._kernels(torch.device("cpu"), torch.float32))
     assert names == (2 if torch.backends.mkldnn.is_available() else 1)
