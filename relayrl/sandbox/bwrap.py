@@ -89,10 +89,12 @@ def find_interpreter() -> Interpreter | None:
 
 
 def command(bwrap: str, interpreter: Interpreter, limits: Limits, *, files: dict[str, int], code_fd: int,
-            info_fd: int, block_fd: int) -> list[str]:
+            info_fd: int, block_fd: int, seccomp_fd: int) -> list[str]:
     """The argv that runs the program in `code_fd` under `limits`, with each `files[name]` descriptor's
-    content copied to /sandbox/name. bwrap writes the child's host pid to `info_fd` and waits for one
-    byte on `block_fd` before the program starts, so the host holds a handle on the sandbox first."""
+    content copied to /sandbox/name and the seccomp filter in `seccomp_fd` (relayrl.sandbox.seccomp)
+    installed on pid 1. bwrap writes the child's host pid to `info_fd` and waits for one byte on
+    `block_fd` before the program starts, so the host holds a handle on the sandbox first (and puts it
+    in its memory cgroup)."""
     tmpfs_bytes = str(int(limits.disk_mb) * 1024 * 1024)
     # --as-pid-1: the launcher, held to the limits, is the namespace's pid 1 (not bwrap's reaper, which is not)
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -117,6 +119,7 @@ def command(bwrap: str, interpreter: Interpreter, limits: Limits, *, files: dict
     argv += ["--ro-bind-data", str(code_fd), CODE_PATH]
     for path in ("/", "/dev", *hidden):  # non-recursive: the tmpfs mounted below these stay writable
         argv += ["--remount-ro", path]
+    argv += ["--add-seccomp-fd", str(seccomp_fd)]
     argv += ["--chdir", WORK_DIR, "--info-fd", str(info_fd), "--block-fd", str(block_fd), "--"]
     # -E -s -S: no PYTHON* variables, no user site, no site module (so no .pth files, no site-packages);
     # -u: unbuffered, so output written before a kill is not lost in a buffer; -B: no __pycache__ in /sandbox.

@@ -1,0 +1,191 @@
+"""The sandbox's bounds hold (issue 36, problem 1): memory in total per run (memfd, shared memory and
+the pages of every process counted together), inodes on its tmpfs, and the seccomp filter's EPERM for
+io_uring, keyrings and the other calls a test harness never needs. Each test is the attack from the
+issue, run in the real sandbox, with what it reached measured on the host.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+from relayrl.sandbox import Limits, run, sandbox_available, seccomp
+from relayrl.sandbox import runner as sandbox_runner
+from relayrl.sandbox.cgroup import MemoryCgroup, writable_parent
+
+UNAVAILABLE = sandbox_available()
+needs_sandbox = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"sandbox unavailable: {UNAVAILABLE}")
+needs_cgroup = pytest.mark.skipif(writable_parent() is None, reason="no writable memory cgroup here")
+MB = 1024 * 1024
+
+# The issue's probe: one process fills 16 MB memfd files (RLIMIT_FSIZE caps each at file_size_mb) and
+# says after each how much it holds; with memory_mb=128 it held 960 MB of host memory before the fix.
+MEMFD_PROBE = """
+import os
+held = 0
+fds = []
+try:
+    for _ in range(60):
+        fd = os.memfd_create("hoard")
+        for _ in range(16):
+            os.write(fd, b"x" * (1 << 20))
+        fds.append(fd)
+        held += 16
+        print("held", held, flush=True)
+except OSError as e:
+    print("refused", errno_name(e), flush=True)
+""".replace("errno_name(e)", "__import__('errno').errorcode[e.errno]")
+
+
+@needs_sandbox
+@needs_cgroup
+@pytest.mark.faults
+def test_memfd_cannot_hold_more_than_memory_mb_in_total():
+    r = run(MEMFD_PROBE, limits=Limits(memory_mb=128, wall_s=20, cpu_s=20))
+    held = [int(m) for m in re.findall(r"^held (\d+)$", r.stdout, re.M)]
+    assert r.memory_exceeded and r.exit_code == 128 + 9, (r.stdout[-200:], r.stderr[-200:])  # the OOM kill
+    assert r.describe() == "memory limit exceeded"
+    assert held and max(held) < 128  # the probe never held memory_mb in memfd pages (960 before)
+    assert 100 * MB < r.memory_peak_bytes <= 128 * MB  # the host's own count of what the run reached
+
+
+@needs_sandbox
+@needs_cgroup
+@pytest.mark.faults
+def test_memory_is_bounded_across_processes_not_per_process():
+    # 4 processes of 70 MB each: each within its RLIMIT_AS of 128 MB, 280 MB together
+    code = ("import os, time\n"
+            "pids = []\n"
+            "for _ in range(4):\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        hoard = bytearray(70 * 2**20)\n"
+            "        hoard[::4096] = b'x' * len(hoard[::4096])\n"
+            "        print('child holds 70', flush=True)\n"
+            "        time.sleep(3)\n"
+            "        os._exit(0)\n"
+            "    pids.append(pid)\n"
+            "codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]\n"
+            "print('children', sorted(codes))\n")
+    r = run(code, limits=Limits(memory_mb=128, processes=8, wall_s=20, cpu_s=20))
+    assert r.exit_code == 0, r.stderr
+    assert r.memory_exceeded and 0 < r.memory_peak_bytes <= 128 * MB
+    codes = eval(r.stdout.splitlines()[-1].removeprefix("children "))
+    assert -9 in codes and 0 < r.stdout.count("child holds 70") < 4  # some were killed, not all fit
+
+
+@needs_sandbox
+@pytest.mark.faults
+def test_without_a_cgroup_memfd_and_sysv_shm_are_denied(monkeypatch):
+    monkeypatch.setattr(MemoryCgroup, "create", classmethod(lambda cls, limit: None))
+    code = (MEMFD_PROBE
+            + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            + "print('shmget', libc.shmget(0, 1 << 20, 0o1600), __import__('errno').errorcode[ctypes.get_errno()])\n")
+    r = run(code, limits=Limits(memory_mb=128, wall_s=10))
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == ["refused EPERM", "shmget -1 EPERM"]
+    assert r.memory_peak_bytes is None and not r.memory_exceeded
+
+
+@needs_sandbox
+@pytest.mark.faults
+def test_denied_system_calls_fail_with_eperm_inside():
+    arch = seccomp.machine()
+    names = ["io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl", "add_key", "request_key", "bpf",
+             "userfaultfd", "perf_event_open", "ptrace", "mount", "fsopen", "unshare", "setns", "memfd_secret",
+             "kexec_load", "init_module", "process_vm_readv", "pidfd_getfd"]
+    column = list(seccomp.AUDIT_ARCH).index(arch)
+    numbers = {name: seccomp.DENIED[name][column] for name in names}
+    if arch == "x86_64":
+        numbers["getpid in the x32 ABI"] = 0x40000000 | 39
+    code = ("import ctypes, os\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.syscall.restype = ctypes.c_long\n"
+            f"for name, nr in {numbers!r}.items():\n"
+            "    ctypes.set_errno(0)\n"
+            "    buf = ctypes.create_string_buffer(256)\n"
+            "    print(name, libc.syscall(nr, 1, buf, 0, 0, 0, 0), ctypes.get_errno())\n"
+            "print('getpid', os.getpid(), 'memfd', os.memfd_create('ok') > 2)\n")
+    r = run(code, limits=Limits(wall_s=10))
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[:-1] == [f"{name} -1 {errno.EPERM}" for name in numbers]
+    # ordinary calls still work; memfd_create is allowed where the memory cgroup counts its pages
+    assert lines[-1] == f"getpid 2 memfd {writable_parent() is not None}"
+
+
+# --- the filter itself, evaluated as the kernel would --------------------------------------------------
+
+def _evaluate(program: bytes, arch: int, nr: int) -> int:
+    """Run a classic BPF seccomp program (the four instructions seccomp.program emits) on one call."""
+    insns = [struct.unpack("=HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
+    data, acc, pc = {0: nr, 4: arch}, 0, 0
+    while True:
+        code, jt, jf, k = insns[pc]
+        if code == 0x20:
+            acc = data[k]
+        elif code == 0x15:
+            pc += jt if acc == k else jf
+        elif code == 0x35:
+            pc += jt if acc >= k else jf
+        elif code == 0x06:
+            return k
+        else:
+            raise AssertionError(f"unexpected instruction {code:#x}")
+        pc += 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_filter_denies_listed_calls_and_allows_the_rest(arch):
+    audit = seccomp.AUDIT_ARCH[arch]
+    eperm, allow = 0x00050000 | errno.EPERM, 0x7FFF0000
+    strict = seccomp.program(deny_unbounded_memory=True, arch=arch)
+    lenient = seccomp.program(deny_unbounded_memory=False, arch=arch)
+    # hand-picked numbers from the kernel's tables: (x86_64, aarch64)
+    io_uring_setup, keyctl, memfd_create, read, getpid, clone = 425, (250, 219), (319, 279), (0, 63), (39, 172), \
+        (56, 220)
+    pick = 0 if arch == "x86_64" else 1
+    for program in (strict, lenient):
+        assert _evaluate(program, audit, io_uring_setup) == eperm
+        assert _evaluate(program, audit, keyctl[pick]) == eperm
+        assert _evaluate(program, audit, read[pick]) == allow
+        assert _evaluate(program, audit, getpid[pick]) == allow
+        assert _evaluate(program, audit, clone[pick]) == allow
+        assert _evaluate(program, 0x40000003, getpid[pick]) == eperm  # i386 (int 0x80): another ABI
+    assert _evaluate(strict, audit, memfd_create[pick]) == eperm
+    assert _evaluate(lenient, audit, memfd_create[pick]) == allow
+    if arch == "x86_64":
+        assert _evaluate(strict, audit, 0x40000000 | 39) == eperm  # x32
+
+
+@pytest.mark.unit
+def test_filter_numbers_match_the_kernel_headers():
+    headers = {0: Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h"), 1: Path("/usr/include/asm-generic/unistd.h")}
+    if not all(p.exists() for p in headers.values()):
+        pytest.skip("kernel headers not installed")
+    checked = 0
+    for column, path in headers.items():
+        defined = {m[1]: int(m[2]) for m in re.finditer(r"#define __NR(?:3264)?_(\w+)\s+(\d+)", path.read_text())}
+        for name, numbers in {**seccomp.DENIED, **seccomp.UNBOUNDED_MEMORY}.items():
+            if name in defined:  # headers older than the kernel may lack the newest calls
+                assert numbers[column] == defined[name], (path.name, name)
+                checked += 1
+            else:
+                assert name in ("open_tree_attr", "create_module", "get_kernel_syms", "query_module",
+                                "iopl", "ioperm", "modify_ldt", "uselib", "_sysctl", "ustat", "sysfs") \
+                    or numbers[column] is None, (path.name, name)
+    assert checked > 100
+
+
+@pytest.mark.unit
+def test_unknown_architecture_is_refused():
+    with pytest.raises(seccomp.UnsupportedArch, match="x86_64 and aarch64, not riscv64"):
+        seccomp.program(deny_unbounded_memory=True, arch="riscv64")
+
+
+assert sandbox_runner.MemoryCgroup is MemoryCgroup  # the tests above patch the class the runner uses
