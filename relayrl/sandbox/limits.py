@@ -17,6 +17,9 @@ config value. Each limit says where it is enforced:
                   is killed and marked output_truncated
     disk_mb       the size of each writable tmpfs (/sandbox, /tmp, /dev/shm); everything else is
                   read-only
+    files         the most files and directories (inodes, its root included) on each writable tmpfs,
+                  where the host is root (relayrl.sandbox.stage); past it creating one fails with
+                  ENOSPC. Elsewhere only the run's memory cgroup bounds what its inodes cost
 
 The rlimits bind each process. Where no memory cgroup can be made (no writable cgroup v1 memory
 hierarchy, no cgroup v2 with the memory controller delegated), the seccomp filter denies memfd_create
@@ -47,6 +50,7 @@ class Limits:
     open_files: int = 64
     output_bytes: int = 65536
     disk_mb: int = 64
+    files: int = 4096
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -4,6 +4,7 @@ The life of one run, on the host:
 
     a memory cgroup capped at Limits.memory_mb, where one can be made (relayrl.sandbox.cgroup)
     memfds (code, files, stdin, seccomp filter) ──> Popen(bwrap ...) as SANDBOX_UID, in a new session
+       (as root: Popen(stage ... bwrap ...), which mounts tmpfs bounded in files, then drops and runs bwrap)
     read --info-fd: the host pid of the sandbox's pid-1 ──> pidfd_open (a handle no pid reuse can fool)
        ──> pid-1 into the memory cgroup (every process of the run starts from it)
     write --block-fd: the program starts
@@ -55,6 +56,10 @@ def run(code: str, *, files: dict[str, str | bytes] | None = None, limits: Limit
     encoded = {bwrap.check_file_name(name): _file_bytes(name, data) for name, data in (files or {}).items()}
     if sum(map(len, encoded.values())) > limits.disk_mb * 1024 * 1024:
         raise ValueError(f"the sandbox files hold more than its {limits.disk_mb} MB working directory")
+    inodes = 1 + len(encoded) + len({"/".join(name.split("/")[:i]) for name in encoded
+                                     for i in range(1, name.count("/") + 1)})  # its root, files, directories
+    if inodes > limits.files:
+        raise ValueError(f"the sandbox files need {inodes} inodes, more than its limit of {limits.files} files")
     interpreter = bwrap.find_interpreter()
     bwrap_path = bwrap.find_bwrap()
     assert interpreter is not None and bwrap_path is not None  # sandbox_available checked both
@@ -67,10 +72,14 @@ def run(code: str, *, files: dict[str, str | bytes] | None = None, limits: Limit
         stdin_fd = fds.memfd("stdin", stdin.encode())
         info_r, info_w = fds.pipe()
         block_r, block_w = fds.pipe()
+        staging = bwrap.staging_dir(interpreter)
         argv = bwrap.command(bwrap_path, interpreter, limits, files=file_fds, code_fd=code_fd,
-                             info_fd=info_w, block_fd=block_r, seccomp_fd=seccomp_fd)
-        drop = {"user": bwrap.SANDBOX_UID, "group": bwrap.SANDBOX_UID, "extra_groups": []} \
-            if bwrap.drops_privileges() else {}
+                             info_fd=info_w, block_fd=block_r, seccomp_fd=seccomp_fd, staging=staging)
+        if staging is not None:  # the stage mounts the bounded tmpfs as root, then drops to SANDBOX_UID
+            argv, drop = bwrap.staged(argv, limits, staging), {}
+        else:
+            drop = {"user": bwrap.SANDBOX_UID, "group": bwrap.SANDBOX_UID, "extra_groups": []} \
+                if bwrap.drops_privileges() else {}
         start = time.monotonic()
         proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 pass_fds=(code_fd, *file_fds.values(), info_w, block_r, seccomp_fd), env={}, cwd="/",

@@ -189,3 +189,38 @@ def test_unknown_architecture_is_refused():
 
 
 assert sandbox_runner.MemoryCgroup is MemoryCgroup  # the tests above patch the class the runner uses
+
+
+# --- inodes on its tmpfs -------------------------------------------------------------------------------
+
+@needs_sandbox
+@pytest.mark.faults
+def test_tmpfs_holds_at_most_limits_files_and_keeps_what_was_written():
+    from relayrl.sandbox.bwrap import find_interpreter, staging_dir
+
+    if staging_dir(find_interpreter()) is None:
+        pytest.skip("not root: the tmpfs are bwrap's, bounded in inodes by the memory cgroup only")
+    code = ("import os\n"
+            "for d in ('/sandbox', '/tmp', '/dev/shm'):\n"
+            "    n = 0\n"
+            "    try:\n"
+            "        while n < 100000:\n"
+            "            with open(f'{d}/f{n}', 'w') as f:\n"
+            "                f.write(str(n))\n"
+            "            n += 1\n"
+            "        print(d, n, 'NO LIMIT')\n"
+            "    except OSError as e:\n"
+            "        print(d, n, __import__('errno').errorcode[e.errno])\n"
+            "print(open('/sandbox/pkg/helper.py').read(), open('/sandbox/f95').read(), open('/tmp/f98').read())\n")
+    r = run(code, files={"pkg/helper.py": "x = 1", "data.txt": "abc"}, limits=Limits(files=100, wall_s=10))
+    assert r.exit_code == 0, r.stderr
+    # 100 inodes: the root, and in /sandbox also pkg/, pkg/helper.py and data.txt (489 000 files before)
+    assert r.stdout.splitlines() == ["/sandbox 96 ENOSPC", "/tmp 99 ENOSPC", "/dev/shm 99 ENOSPC", "x = 1 95 98"]
+
+
+@needs_sandbox
+@pytest.mark.unit
+def test_files_that_need_more_inodes_than_the_limit_are_refused_before_the_run():
+    files = {"a/b/c.py": "", "a/d.py": "", "e.py": ""}  # root + a/ + a/b/ + 3 files = 6 inodes
+    with pytest.raises(ValueError, match="need 6 inodes, more than its limit of 5 files"):
+        run("print(1)", files=files, limits=Limits(files=5))
