@@ -30,6 +30,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 _counter = itertools.count()
+_PREFIX = "relayrl-sandbox-"
 _RMDIR_TRIES = 50  # a cgroup whose last process just died may refuse rmdir (EBUSY) for a moment
 
 
@@ -47,7 +48,8 @@ class MemoryCgroup:
         if parent is None:
             return None
         directory, version = parent
-        path = os.path.join(directory, f"relayrl-sandbox-{os.getpid()}-{next(_counter)}")
+        _remove_stale(directory)
+        path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{next(_counter)}")
         try:
             os.mkdir(path)
         except OSError:
@@ -103,10 +105,27 @@ class MemoryCgroup:
                 time.sleep(0.01)
 
 
+def _remove_stale(directory: str) -> None:
+    """Remove the cgroups of runs whose host process is gone (killed before it could remove them)."""
+    with suppress(OSError):
+        for name in os.listdir(directory):
+            pid = name[len(_PREFIX):].partition("-")[0] if name.startswith(_PREFIX) else ""
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                with suppress(OSError):
+                    os.rmdir(os.path.join(directory, name))  # fails, harmlessly, while processes remain
+
+
 def writable_parent() -> tuple[str, int] | None:
     """(directory, version) of this process's own memory cgroup if a child can be made in it, else None."""
-    own = _own_cgroups()
-    mounts = _cgroup_mounts()
+    try:
+        return _writable_parent()
+    except OSError:
+        return None
+
+
+def _writable_parent() -> tuple[str, int] | None:
+    own = _own_cgroups(_read("/proc/self", "cgroup"))
+    mounts = _cgroup_mounts(_read("/proc/self", "mountinfo"))
     if "memory" in own and "memory" in mounts:  # v1: a memory hierarchy of its own
         directory = _join(*mounts["memory"], own["memory"])
         if directory and os.access(directory, os.W_OK):
@@ -120,37 +139,34 @@ def writable_parent() -> tuple[str, int] | None:
     return None
 
 
-def _own_cgroups() -> dict[str, str]:
-    """This process's cgroup path per v1 controller ("memory"), and "" for the v2 unified hierarchy."""
+def _own_cgroups(text: str) -> dict[str, str]:
+    """From /proc/self/cgroup: the cgroup path per v1 controller ("memory"), and "" for the v2 hierarchy."""
     found: dict[str, str] = {}
-    with suppress(OSError):
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                parts = line.rstrip("\n").split(":", 2)
-                if len(parts) != 3:
-                    continue
-                _, controllers, path = parts
-                for controller in controllers.split(",") if controllers else [""]:
-                    found[controller] = path
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        for controller in controllers.split(",") if controllers else [""]:
+            found[controller] = path
     return found
 
 
-def _cgroup_mounts() -> dict[str, tuple[str, str]]:
-    """(mount point, root inside the hierarchy) per v1 controller, and "" for the cgroup2 mount."""
+def _cgroup_mounts(text: str) -> dict[str, tuple[str, str]]:
+    """From /proc/self/mountinfo: (mount point, root inside the hierarchy) of the v1 memory hierarchy
+    ("memory") and of the cgroup2 one ("")."""
     found: dict[str, tuple[str, str]] = {}
-    with suppress(OSError):
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if "-" not in fields:
-                    continue
-                sep = fields.index("-")
-                root, mount_point = fields[3], fields[4].replace("\\040", " ")
-                fstype, options = fields[sep + 1], fields[sep + 3] if len(fields) > sep + 3 else ""
-                if fstype == "cgroup2":
-                    found.setdefault("", (mount_point, root))
-                elif fstype == "cgroup" and "memory" in options.split(","):
-                    found.setdefault("memory", (mount_point, root))
+    for line in text.splitlines():
+        fields = line.split()
+        if "-" not in fields or len(fields) < fields.index("-") + 4:
+            continue
+        sep = fields.index("-")
+        root, mount_point = fields[3], fields[4].replace("\\040", " ")
+        fstype, options = fields[sep + 1], fields[sep + 3]
+        if fstype == "cgroup2":
+            found.setdefault("", (mount_point, root))
+        elif fstype == "cgroup" and "memory" in options.split(","):
+            found.setdefault("memory", (mount_point, root))
     return found
 
 

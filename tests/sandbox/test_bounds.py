@@ -7,6 +7,7 @@ issue, run in the real sandbox, with what it reached measured on the host.
 from __future__ import annotations
 
 import errno
+import os
 import re
 import struct
 from pathlib import Path
@@ -224,3 +225,39 @@ def test_files_that_need_more_inodes_than_the_limit_are_refused_before_the_run()
     files = {"a/b/c.py": "", "a/d.py": "", "e.py": ""}  # root + a/ + a/b/ + 3 files = 6 inodes
     with pytest.raises(ValueError, match="need 6 inodes, more than its limit of 5 files"):
         run("print(1)", files=files, limits=Limits(files=5))
+
+
+# --- finding the memory cgroup --------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_own_memory_cgroup_is_found_from_proc_self_for_v1_and_v2():
+    from relayrl.sandbox.cgroup import _cgroup_mounts, _join, _own_cgroups
+
+    cgroups = _own_cgroups("9:name=systemd:/\n4:memory:/process_api/507b\n2:cpu,cpuacct:/x\n0::/user.slice/a\n")
+    assert cgroups == {"name=systemd": "/", "memory": "/process_api/507b", "cpu": "/x", "cpuacct": "/x",
+                       "": "/user.slice/a"}
+    mounts = _cgroup_mounts(
+        "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+        "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+        "36 31 0:33 /docker/c1 /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+        "41 31 0:38 /user.slice /sys/fs/cgroup/unified rw,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate\n")
+    assert mounts == {"memory": ("/sys/fs/cgroup/memory", "/"), "": ("/sys/fs/cgroup/unified", "/user.slice")}
+    assert _join(*mounts["memory"], cgroups["memory"]) == "/sys/fs/cgroup/memory/process_api/507b"
+    assert _join(*mounts[""], cgroups[""]) == "/sys/fs/cgroup/unified/a"  # the mount's root is /user.slice
+    assert _join("/sys/fs/cgroup", "/", "/") == "/sys/fs/cgroup"
+    assert _join("/sys/fs/cgroup", "/other.slice", "/user.slice/a") is None  # not under what is mounted
+
+
+@needs_sandbox
+@needs_cgroup
+@pytest.mark.faults
+def test_each_run_gets_its_own_cgroup_removed_after_it_and_stale_ones_are_cleared():
+    directory, _ = writable_parent()
+    stale = Path(directory) / "relayrl-sandbox-999999999-0"  # pid_max is at most 4194304: no such process
+    stale.mkdir()
+    r = run("print(1)", limits=Limits(wall_s=5))
+    assert r.stdout == "1\n" and r.exit_code == 0, r.stderr
+    assert 0 < r.memory_peak_bytes < 64 * MB and not r.memory_exceeded  # an interpreter's few MB
+    assert not stale.exists()
+    ours = f"relayrl-sandbox-{os.getpid()}-"  # other test processes may share the parent cgroup
+    assert [p.name for p in Path(directory).iterdir() if p.name.startswith(ours)] == []
