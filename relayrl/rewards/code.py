@@ -36,8 +36,8 @@ from relayrl.sandbox import Limits, RunResult, run
 
 RESULT_MARK = "@@relayrl-result@@ "
 SOLUTION_MODULE = "solution"
-# A test calls one function: 8 processes/threads is plenty, and bounds a run's memory to 8 x 512 MB (the
-# rlimits are per process; Limits() would allow 64 x 512 MB).
+# A test calls one function: 8 processes/threads is plenty. memory_mb bounds a run's memory in total where the
+# sandbox has a memory cgroup; elsewhere the rlimits are per process, so 8 x 512 MB (Limits() would allow 64 x).
 DEFAULT_TEST_LIMITS = Limits(wall_s=5.0, cpu_s=5, memory_mb=512, processes=8, output_bytes=65536)
 _FLOAT_TOLERANCE = 1e-9
 

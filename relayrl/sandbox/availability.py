@@ -16,11 +16,12 @@ import os
 import subprocess
 
 from relayrl.errors import UserError
-from relayrl.sandbox import bwrap
+from relayrl.sandbox import bwrap, seccomp
 
 INSTALL_HINT = "apt-get install bubblewrap"
 # --size bounds the tmpfs mounts (bubblewrap 0.7), --disable-userns stops nested user namespaces (0.8)
-_REQUIRED_OPTIONS = ("--size", "--disable-userns", "--as-pid-1", "--ro-bind-data", "--info-fd", "--block-fd")
+_REQUIRED_OPTIONS = ("--add-seccomp-fd", "--size", "--disable-userns", "--as-pid-1", "--ro-bind-data", "--info-fd",
+                     "--block-fd")
 
 
 class SandboxUnavailable(UserError):
@@ -47,6 +48,10 @@ def sandbox_available() -> str | None:
     if missing:
         return (f"{path} is too old for the code sandbox (it lacks {', '.join(missing)}): "
                 f"install bubblewrap 0.8 or newer ({INSTALL_HINT} on Debian 12 / Ubuntu 24.04)")
+    try:
+        seccomp.denied_numbers(seccomp.machine(), deny_unbounded_memory=True)
+    except seccomp.UnsupportedArch as e:
+        return f"{e}: the code sandbox cannot run on this machine"
     interpreter = bwrap.find_interpreter()
     if interpreter is None:
         return (f"no Python interpreter the sandbox user (uid {bwrap.SANDBOX_UID}) may run: this one lives under "
@@ -59,21 +64,25 @@ def _probe(path: str, interpreter: bwrap.Interpreter) -> str | None:
     from relayrl.sandbox.limits import Limits
 
     code_r = os.memfd_create("relayrl-sandbox-probe", os.MFD_CLOEXEC)
+    filter_r = os.memfd_create("relayrl-sandbox-seccomp", os.MFD_CLOEXEC)
     info_r, info_w = os.pipe()
     block_r, block_w = os.pipe()
     try:
         os.write(code_r, b"print('sandbox ok')\n")
         os.lseek(code_r, 0, os.SEEK_SET)
+        os.write(filter_r, seccomp.program(deny_unbounded_memory=True))  # the strictest filter a run gets
+        os.lseek(filter_r, 0, os.SEEK_SET)
         os.write(block_w, b"1")  # the probe need not wait for a handle on its pid-1
-        argv = bwrap.command(path, interpreter, Limits(), files={}, code_fd=code_r, info_fd=info_w, block_fd=block_r)
+        argv = bwrap.command(path, interpreter, Limits(), files={}, code_fd=code_r, info_fd=info_w, block_fd=block_r,
+                              seccomp_fd=filter_r)
         drop = {"user": bwrap.SANDBOX_UID, "group": bwrap.SANDBOX_UID, "extra_groups": []} \
             if bwrap.drops_privileges() else {}
         out = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={}, cwd="/",
-                             pass_fds=(code_r, info_w, block_r), stdin=subprocess.DEVNULL, **drop)
+                             pass_fds=(code_r, filter_r, info_w, block_r), stdin=subprocess.DEVNULL, **drop)
     except (OSError, subprocess.SubprocessError) as e:
         return f"bubblewrap cannot start here ({type(e).__name__}: {e})"
     finally:
-        for fd in (code_r, info_r, info_w, block_r, block_w):
+        for fd in (code_r, filter_r, info_r, info_w, block_r, block_w):
             os.close(fd)
     if out.returncode == 0 and out.stdout == "sandbox ok\n":
         return None

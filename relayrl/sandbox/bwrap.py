@@ -12,9 +12,14 @@ absent):
     /code/main.py          the program, read-only
     /sandbox               the working directory: a tmpfs of Limits.disk_mb holding the run's files
     /tmp, /dev/shm         tmpfs of Limits.disk_mb each
+                           (each holds at most Limits.files files and directories where the host is root:
+                           relayrl.sandbox.stage mounts them with nr_inodes=, which bwrap's --tmpfs cannot;
+                           an unprivileged host gets bwrap's --tmpfs, whose inodes only the run's memory
+                           cgroup bounds, where it has one)
     /                      bwrap's own tmpfs root, remounted read-only once the rest is in place
 
-and every namespace is new (user, pid, network, ipc, uts, cgroup): the only network is a loopback of
+A seccomp filter (relayrl.sandbox.seccomp) holds every process: denied calls fail with EPERM.
+Every namespace is new (user, pid, network, ipc, uts, cgroup): the only network is a loopback of
 its own, and it cannot create further user namespaces. Its pid 1 is relayrl's launcher
 (`relayrl.sandbox.launcher`), limited like the program and closed to it. The program runs in a new session
 (--new-session: it cannot push keystrokes into a terminal), bwrap dies with its parent
@@ -46,6 +51,9 @@ SANDBOX_UID = 65534  # "nobody": owns nothing on the host
 WORK_DIR = "/sandbox"
 CODE_PATH = "/code/main.py"
 LAUNCHER_SOURCE = (Path(__file__).parent / "launcher.py").read_text()
+STAGE_SOURCE = (Path(__file__).parent / "stage.py").read_text()
+# Host directories the stage may hide (in its own mount namespace) under the run's tmpfs mounts
+_STAGING_CANDIDATES = ("/srv", "/media", "/mnt", "/var/tmp", "/opt")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "TMPDIR": "/tmp"}
 _TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # symlinks into /usr on merged-/usr systems
 
@@ -88,11 +96,47 @@ def find_interpreter() -> Interpreter | None:
     return None
 
 
+@functools.cache
+def staging_dir(interpreter: Interpreter) -> str | None:
+    """The host directory relayrl.sandbox.stage mounts the run's bounded tmpfs under, where the host is
+    root and a probe of the stage succeeds; None where runs get bwrap's --tmpfs instead."""
+    if not drops_privileges():
+        return None
+    bwrap = find_bwrap() or ""
+    for candidate in _STAGING_CANDIDATES:
+        if not os.path.isdir(candidate) or os.path.islink(candidate) or any(
+                _is_under(os.path.realpath(p), candidate) for p in (interpreter.prefix, interpreter.executable, bwrap)):
+            continue
+        probe = [stage_interpreter(), "-I", "-S", "-c", STAGE_SOURCE, str(SANDBOX_UID), str(1 << 20), "16",
+                 candidate, "--"]
+        try:
+            ok = subprocess.run(probe, capture_output=True, timeout=10, env={}, cwd="/").returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        return candidate if ok else None
+    return None
+
+
+def stage_interpreter() -> str:
+    """The host's interpreter, which runs the stage as root before bubblewrap."""
+    return os.path.realpath(sys.executable)
+
+
+def staged(argv: list[str], limits: Limits, staging: str) -> list[str]:
+    """`argv` (a bwrap command built with staging=) run through relayrl.sandbox.stage, which mounts the
+    bounded tmpfs, drops to SANDBOX_UID itself and executes bwrap."""
+    return [stage_interpreter(), "-I", "-S", "-c", STAGE_SOURCE, str(SANDBOX_UID),
+            str(int(limits.disk_mb) * 1024 * 1024), str(int(limits.files)), staging, "--", *argv]
+
+
 def command(bwrap: str, interpreter: Interpreter, limits: Limits, *, files: dict[str, int], code_fd: int,
-            info_fd: int, block_fd: int) -> list[str]:
+            info_fd: int, block_fd: int, seccomp_fd: int, staging: str | None = None) -> list[str]:
     """The argv that runs the program in `code_fd` under `limits`, with each `files[name]` descriptor's
-    content copied to /sandbox/name. bwrap writes the child's host pid to `info_fd` and waits for one
-    byte on `block_fd` before the program starts, so the host holds a handle on the sandbox first."""
+    content copied to /sandbox/name and the seccomp filter in `seccomp_fd` (relayrl.sandbox.seccomp)
+    installed on pid 1. bwrap writes the child's host pid to `info_fd` and waits for one byte on
+    `block_fd` before the program starts, so the host holds a handle on the sandbox first (and puts it
+    in its memory cgroup). With `staging`, /sandbox, /tmp and /dev/shm are the tmpfs relayrl.sandbox.stage
+    mounted there (run the argv through `staged`)."""
     tmpfs_bytes = str(int(limits.disk_mb) * 1024 * 1024)
     # --as-pid-1: the launcher, held to the limits, is the namespace's pid 1 (not bwrap's reaper, which is not)
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -110,13 +154,19 @@ def command(bwrap: str, interpreter: Interpreter, limits: Limits, *, files: dict
     hidden = _package_dirs(interpreter.prefix)
     for path in hidden:
         argv += ["--tmpfs", path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", tmpfs_bytes, "--tmpfs", "/dev/shm",
-             "--size", tmpfs_bytes, "--tmpfs", "/tmp", "--size", tmpfs_bytes, "--tmpfs", WORK_DIR]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    if staging is not None:
+        argv += ["--bind", f"{staging}/shm", "/dev/shm", "--bind", f"{staging}/tmp", "/tmp",
+                 "--bind", f"{staging}/sandbox", WORK_DIR]
+    else:
+        argv += ["--size", tmpfs_bytes, "--tmpfs", "/dev/shm", "--size", tmpfs_bytes, "--tmpfs", "/tmp",
+                 "--size", tmpfs_bytes, "--tmpfs", WORK_DIR]
     for name, fd in files.items():
         argv += ["--perms", "0644", "--file", str(fd), f"{WORK_DIR}/{name}"]
     argv += ["--ro-bind-data", str(code_fd), CODE_PATH]
     for path in ("/", "/dev", *hidden):  # non-recursive: the tmpfs mounted below these stay writable
         argv += ["--remount-ro", path]
+    argv += ["--add-seccomp-fd", str(seccomp_fd)]
     argv += ["--chdir", WORK_DIR, "--info-fd", str(info_fd), "--block-fd", str(block_fd), "--"]
     # -E -s -S: no PYTHON* variables, no user site, no site module (so no .pth files, no site-packages);
     # -u: unbuffered, so output written before a kill is not lost in a buffer; -B: no __pycache__ in /sandbox.

@@ -5,7 +5,10 @@ config value. Each limit says where it is enforced:
 
     wall_s        the host: the whole sandbox (every process in its pid namespace) is killed past it
     cpu_s         RLIMIT_CPU of every process: SIGXCPU at cpu_s seconds, SIGKILL one second later
-    memory_mb     RLIMIT_AS of every process (address space; Python raises MemoryError)
+    memory_mb     the whole run's memory, where a memory cgroup can be made (relayrl.sandbox.cgroup):
+                  every process's pages, memfd, shared memory and tmpfs files, and the kernel memory
+                  they cost; past it the kernel kills a process of the run (RunResult.memory_exceeded).
+                  And RLIMIT_AS of every process (address space; Python raises MemoryError)
     processes     RLIMIT_NPROC (threads count too), counted inside the run's own user namespace, so
                   concurrent runs never share (or exhaust) one budget
     file_size_mb  RLIMIT_FSIZE: no file written grows past it
@@ -14,10 +17,15 @@ config value. Each limit says where it is enforced:
                   is killed and marked output_truncated
     disk_mb       the size of each writable tmpfs (/sandbox, /tmp, /dev/shm); everything else is
                   read-only
+    files         the most files and directories (inodes, its root included) on each writable tmpfs,
+                  where the host is root (relayrl.sandbox.stage); past it creating one fails with
+                  ENOSPC. Elsewhere only the run's memory cgroup bounds what its inodes cost
 
-The rlimits bind each process: what a whole run may hold in memory is processes x memory_mb (32 GB
-with the defaults), so a caller that expects no forking should lower `processes` (the code reward
-uses 8). There is no cgroup here to cap the total.
+The rlimits bind each process. Where no memory cgroup can be made (no writable cgroup v1 memory
+hierarchy, no cgroup v2 with the memory controller delegated), the seccomp filter denies memfd_create
+and SysV shared memory, whose pages are no address space, and what a whole run may hold is bounded by
+processes x memory_mb (32 GB with the defaults) plus its tmpfs, so a caller that expects no forking
+should lower `processes` (the code reward uses 8).
 
 It imports the standard library and relayrl.errors only, and must never import another relayrl layer.
 """
@@ -42,6 +50,7 @@ class Limits:
     open_files: int = 64
     output_bytes: int = 65536
     disk_mb: int = 64
+    files: int = 4096
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -53,6 +62,10 @@ class Limits:
                 raise ConfigError(f"sandbox limit {f.name} must be a positive finite number (got {value!r})")
             if f.name != "wall_s" and not float(value).is_integer():
                 raise ConfigError(f"sandbox limit {f.name} must be a whole number (got {value!r})")
+
+    def memory_bytes(self) -> int:
+        """memory_mb in bytes: the cap of the run's memory cgroup."""
+        return int(self.memory_mb) * 1024 * 1024
 
     def rlimits(self) -> dict[str, int]:
         """The resource limits the launcher sets inside the sandbox, by RLIMIT_* name, in bytes where

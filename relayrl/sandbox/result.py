@@ -23,6 +23,8 @@ class RunResult:
     timed_out: bool
     output_truncated: bool
     wall_s: float
+    memory_peak_bytes: int | None = None  # the most the run held at once, by its memory cgroup (None: no cgroup)
+    memory_exceeded: bool = False  # the kernel killed a process of the run at Limits.memory_mb
 
     @property
     def ok(self) -> bool:
@@ -37,6 +39,8 @@ class RunResult:
             return "output limit exceeded"
         if self.exit_code is None:
             return "killed"
+        if self.memory_exceeded and self.exit_code != 0:
+            return "memory limit exceeded"
         if self.exit_code > 128:
             try:
                 return f"killed by {signal.Signals(self.exit_code - 128).name}"

@@ -2,14 +2,21 @@
 
 The life of one run, on the host:
 
-    memfds (code, files, stdin) ──> Popen(bwrap ...) as SANDBOX_UID, in a new session
+    a memory cgroup capped at Limits.memory_mb, where one can be made (relayrl.sandbox.cgroup)
+    memfds (code, files, stdin, seccomp filter) ──> Popen(bwrap ...) as SANDBOX_UID, in a new session
+       (as root: Popen(stage ... bwrap ...), which mounts tmpfs bounded in files, then drops and runs bwrap)
     read --info-fd: the host pid of the sandbox's pid-1 ──> pidfd_open (a handle no pid reuse can fool)
+       ──> pid-1 into the memory cgroup (every process of the run starts from it)
     write --block-fd: the program starts
     poll stdout / stderr / bwrap's exit, keeping at most Limits.output_bytes of each stream
        past the wall clock or the output cap ──> SIGKILL pid-1
     SIGKILL pid-1 in every case, and wait on its pidfd: the kernel kills every process of a pid
     namespace when its pid-1 dies and reports pid-1's exit only once they are all gone, so when `run`
     returns nothing the program started (background, double-forked, setsid) is left running.
+    read the cgroup's peak and OOM kills, remove it
+
+Without a memory cgroup, the seccomp filter denies memfd_create and SysV shared memory (the memory
+RLIMIT_AS does not see); /dev/shm and /tmp are size-bounded tmpfs either way.
 
 It imports the standard library and relayrl.errors only, and must never import another relayrl layer.
 """
@@ -25,8 +32,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
-from relayrl.sandbox import bwrap
+from relayrl.sandbox import bwrap, seccomp
 from relayrl.sandbox.availability import SandboxUnavailable, sandbox_available
+from relayrl.sandbox.cgroup import MemoryCgroup
 from relayrl.sandbox.limits import Limits
 from relayrl.sandbox.result import RunResult
 
@@ -48,26 +56,36 @@ def run(code: str, *, files: dict[str, str | bytes] | None = None, limits: Limit
     encoded = {bwrap.check_file_name(name): _file_bytes(name, data) for name, data in (files or {}).items()}
     if sum(map(len, encoded.values())) > limits.disk_mb * 1024 * 1024:
         raise ValueError(f"the sandbox files hold more than its {limits.disk_mb} MB working directory")
+    inodes = 1 + len(encoded) + len({"/".join(name.split("/")[:i]) for name in encoded
+                                     for i in range(1, name.count("/") + 1)})  # its root, files, directories
+    if inodes > limits.files:
+        raise ValueError(f"the sandbox files need {inodes} inodes, more than its limit of {limits.files} files")
     interpreter = bwrap.find_interpreter()
     bwrap_path = bwrap.find_bwrap()
     assert interpreter is not None and bwrap_path is not None  # sandbox_available checked both
 
-    with _descriptors() as fds:
+    cgroup = MemoryCgroup.create(limits.memory_bytes())
+    with _descriptors() as fds, _removed(cgroup):
+        seccomp_fd = fds.memfd("seccomp", seccomp.program(deny_unbounded_memory=cgroup is None))
         code_fd = fds.memfd("code", code.encode())
         file_fds = {name: fds.memfd("file", data) for name, data in encoded.items()}
         stdin_fd = fds.memfd("stdin", stdin.encode())
         info_r, info_w = fds.pipe()
         block_r, block_w = fds.pipe()
+        staging = bwrap.staging_dir(interpreter)
         argv = bwrap.command(bwrap_path, interpreter, limits, files=file_fds, code_fd=code_fd,
-                             info_fd=info_w, block_fd=block_r)
-        drop = {"user": bwrap.SANDBOX_UID, "group": bwrap.SANDBOX_UID, "extra_groups": []} \
-            if bwrap.drops_privileges() else {}
+                             info_fd=info_w, block_fd=block_r, seccomp_fd=seccomp_fd, staging=staging)
+        if staging is not None:  # the stage mounts the bounded tmpfs as root, then drops to SANDBOX_UID
+            argv, drop = bwrap.staged(argv, limits, staging), {}
+        else:
+            drop = {"user": bwrap.SANDBOX_UID, "group": bwrap.SANDBOX_UID, "extra_groups": []} \
+                if bwrap.drops_privileges() else {}
         start = time.monotonic()
         proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=(code_fd, *file_fds.values(), info_w, block_r), env={}, cwd="/",
+                                pass_fds=(code_fd, *file_fds.values(), info_w, block_r, seccomp_fd), env={}, cwd="/",
                                 start_new_session=True, **drop)
-        fds.close(info_w, block_r, code_fd, stdin_fd, *file_fds.values())  # the child holds its copies
-        return _supervise(proc, info_r, block_w, limits, start, fds)
+        fds.close(info_w, block_r, code_fd, stdin_fd, seccomp_fd, *file_fds.values())  # the child holds its copies
+        return _supervise(proc, info_r, block_w, limits, start, fds, cgroup)
 
 
 def _file_bytes(name: str, data: str | bytes) -> bytes:
@@ -79,10 +97,12 @@ def _file_bytes(name: str, data: str | bytes) -> bytes:
 
 
 def _supervise(proc: subprocess.Popen, info_r: int, block_w: int, limits: Limits, start: float,
-               fds: _Descriptors) -> RunResult:
+               fds: _Descriptors, cgroup: MemoryCgroup | None) -> RunResult:
     pid1 = None
     try:
-        pid1 = _open_pid1(info_r, proc)
+        pid, pid1 = _open_pid1(info_r, proc)
+        if cgroup is not None:
+            cgroup.add(pid)  # before the program starts: it and all it starts are counted
         os.write(block_w, b"1")  # the program starts now: the wall clock starts with it
         fds.close(block_w)
         deadline = time.monotonic() + limits.wall_s
@@ -95,19 +115,22 @@ def _supervise(proc: subprocess.Popen, info_r: int, block_w: int, limits: Limits
     exit_code = None if (timed_out or truncated) else (returncode if returncode >= 0 else 128 - returncode)
     return RunResult(stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
                      exit_code=exit_code, timed_out=timed_out, output_truncated=truncated,
-                     wall_s=time.monotonic() - start)
+                     wall_s=time.monotonic() - start,
+                     memory_peak_bytes=cgroup.peak_bytes() if cgroup is not None else None,
+                     memory_exceeded=cgroup is not None and cgroup.oom_kills() > 0)
 
 
-def _open_pid1(info_r: int, proc: subprocess.Popen) -> int:
-    """A pidfd of the sandbox's pid-1, from the JSON bwrap writes to --info-fd once it has cloned it."""
+def _open_pid1(info_r: int, proc: subprocess.Popen) -> tuple[int, int]:
+    """The host pid and a pidfd of the sandbox's pid-1, from the JSON bwrap writes to --info-fd once it
+    has cloned it."""
     text, deadline = b"", time.monotonic() + _SETUP_TIMEOUT_S
     while time.monotonic() < deadline:
         ready, _, _ = select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))
         chunk = os.read(info_r, 4096) if ready else b""
         text += chunk
         with suppress(ValueError, ProcessLookupError):  # not all of it yet; or its setup failed and it is gone
-            info = json.loads(text)
-            return os.pidfd_open(int(info["child-pid"]))
+            pid = int(json.loads(text)["child-pid"])
+            return pid, os.pidfd_open(pid)
         if ready and not chunk:
             break
     proc.kill()
@@ -203,6 +226,15 @@ class _Descriptors:
 
     def close_all(self) -> None:
         self.close(*list(self._open))
+
+
+@contextmanager
+def _removed(cgroup: MemoryCgroup | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
 
 
 @contextmanager
