@@ -151,15 +151,16 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, show_progress: bool, loc
         out = _run(driver, roles, cfg, run_dir, src, eval_set, ckpt, show_progress, tracer)
         failed = False
         return out
-    finally:
-        try:
-            roles.close()
-        except Exception:
-            if not failed:
-                raise
-        finally:
-            if tracer is not None:
-                tracer.close()
+    finally:  # each closed on its own; on a failure, what closing raises (a full disk again) must not hide it
+        first = None
+        for close in (roles.close, tracer.close if tracer is not None else None):
+            try:
+                if close is not None:
+                    close()
+            except Exception as e:
+                first = first or e
+        if first is not None and not failed:
+            raise first
 
 
 def resume_point(run_dir: Path) -> Path:
