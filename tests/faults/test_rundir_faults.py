@@ -234,3 +234,17 @@ def test_the_lock_is_the_drivers_alone(tmp_path):
     with RunDirLock(tmp_path, "train"):
         assert f"pid={os.getpid()} " in (tmp_path / LOCK_FILE).read_text()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_sft_into_a_held_directory_is_refused_and_touches_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "sft"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine\n")
+    with RunDirLock(run_dir, "train"):  # this process holds it, as a live run would
+        before = tree(run_dir)
+        assert main(["sft", "data.task=arith", "data.n_train=8", "data.n_eval=2", "sft.steps=1",
+                     f"sft.out_dir={run_dir}"]) == 2
+        line = error_line(capsys)
+        assert f"{run_dir} is in use by relayrl train (pid {os.getpid()} on " in line, line
+        assert line.endswith("or set sft.out_dir to another directory"), line
+        assert tree(run_dir) == before
