@@ -58,3 +58,8 @@ class RunFault(Exception):
 
 class EnvError(UserError):
     """An environment cannot be built (unknown name, bad params), or failed on every episode of a step."""
+
+
+class RunDirError(UserError):
+    """A run directory cannot be used: it is a file, read-only or full, another live run holds it, or a
+    `--resume` would change what its checkpoints hold (the model)."""

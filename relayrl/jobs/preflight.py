@@ -1,9 +1,10 @@
 """The checks `relayrl train` makes before it starts: a run's config against itself, this machine and the model,
 each refusal one line that names the key to change, so that no bad layout is found inside the workers.
 
-    check_start(cfg, run_dir, resume)  before anything is written: a new run does not overwrite one, the
-                                       metrics loggers' packages are installed, the sync transport fits the
-                                       device and backend (sync_transport, which also resolves `auto`)
+    check_start(cfg, run_dir, resume)  before anything is written: a new run does not overwrite one, a resume
+                                       does not change the model (model.*: relayrl.jobs.run_dir), the metrics
+                                       loggers' packages are installed, the sync transport fits the device
+                                       and backend (sync_transport, which also resolves `auto`)
     check_fits_model(cfg, model)       once the model's config is read, before any process starts: the
                                        trainer's and the engine's tensor-parallel degrees (and Ulysses' cp)
                                        against the heads, the MoE settings (check_fits_experts), the pipeline
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relayrl.controller.config import RunConfig
+from relayrl.controller.config import RunConfig, load_run_config
 from relayrl.engine.moe import check_expert_placement, dense_intermediate
 from relayrl.engine.parallel_state import check_tp
 from relayrl.envs.base import make_env
 from relayrl.errors import ConfigError, UserError
+from relayrl.jobs.run_dir import check_resume_model
 from relayrl.models.config import ModelConfig, MoEShape
 from relayrl.observe.loggers import require_loggers
 from relayrl.parallel.context_parallel import check_ulysses_heads
@@ -39,6 +41,8 @@ def check_start(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise UserError(f"{run_dir} already holds a run; resume it with --resume {run_dir} or set run.out_dir to a "
                         "new directory")
+    if resume and (run_dir / "config.yaml").is_file():  # the checkpoints hold the saved model's weights
+        check_resume_model(load_run_config(run_dir / "config.yaml").model.to_dict(), cfg.model.to_dict())
     require_loggers(cfg.run.sinks)  # a missing wandb / mlflow package
     sync_transport(cfg)  # parallel.device=cuda without a GPU, ipc off CUDA
 

@@ -2,6 +2,7 @@
 only). It writes this run directory:
 
     run_dir/  config.yaml  metrics.jsonl  eval.jsonl  model/ (Hugging Face directory)
+              run.lock       while the job runs: its lock (relayrl.jobs.run_dir), naming its pid, host and start
               samples.jsonl  every evaluation's completions, scored (relayrl.observe.samples)
 
 Like the rest of relayrl.jobs, it may import every layer below the CLI; it must never import relayrl.cli.
@@ -22,6 +23,7 @@ from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import ChatFormat, Trajectory, encode_conversation
 from relayrl.errors import DataError, UserError
 from relayrl.jobs.base_model import base_model_dir, check_datasets
+from relayrl.jobs.run_dir import RunDirLock, disk_error
 from relayrl.jobs.sft_config import SFTJobConfig
 from relayrl.jobs.train import write_atomic
 from relayrl.models import load_pretrained, save_pretrained
@@ -56,12 +58,25 @@ def demonstrations(env_cfg: EnvConfig, tok):
 
 
 def run_sft(cfg: SFTJobConfig, show_progress: bool = True) -> dict:
+    """One run per directory, as `relayrl train`'s (relayrl.jobs.run_dir): sft.out_dir's lock from before the first
+    check to the end, and a write its disk refuses (full, read-only) in one line."""
     run_dir = Path(cfg.sft.out_dir)
+    with RunDirLock(run_dir, "sft", key="sft.out_dir") as lock:  # a live run in it: one line, before anything
+        try:
+            return _run_sft(cfg, run_dir, show_progress, lock)
+        except OSError as e:
+            err = disk_error(e, run_dir, f"start again in a new sft.out_dir ({run_dir} holds a partial run)")
+            if err is None:
+                raise
+            raise err from e
+
+
+def _run_sft(cfg: SFTJobConfig, run_dir: Path, show_progress: bool, lock: RunDirLock) -> dict:
     if (run_dir / "metrics.jsonl").exists():
         raise UserError(f"{run_dir} already holds a run; set sft.out_dir to a new directory")
     device = resolve_device(cfg.sft.device, "sft.device")  # cuda without a GPU: one line, before anything is written
     configure_process()  # the models' CPU kernels, decided once in this process (relayrl.parallel.cpu_kernels)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    lock.create()
     write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     src = base_model_dir(cfg.model.path, cfg.model.tiny, cfg.data, run_dir)
     torch.manual_seed(cfg.sft.seed)

@@ -4,7 +4,9 @@ starts anything is relayrl.jobs.preflight's. It may import every layer below the
 never import relayrl.cli.
 
     run_dir/
-      config.yaml          the resolved config (resume reads it back)
+      run.lock             while a run (or resume) writes the directory: its lock, naming its pid, host and start
+                           (relayrl.jobs.run_dir); a second run into the directory is refused in one line
+      config.yaml          the resolved config (resume reads it back), written once the run is built and restored
       base_model/          the tiny model, when model.path is unset
       metrics.jsonl, tb/   one line / TensorBoard scalars per step (eval lines share the step)
       wandb/, mlruns/      with run.loggers [wandb, mlflow]: W&B offline run, MLflow file store (observe.loggers)
@@ -41,6 +43,7 @@ from relayrl.controller.driver import Driver
 from relayrl.errors import UserError
 from relayrl.jobs.build import Roles, build_driver, run_trace_dir
 from relayrl.jobs.preflight import check_start
+from relayrl.jobs.run_dir import RunDirLock, disk_error
 from relayrl.models import load_pretrained, save_pretrained
 from relayrl.models.lora import merge_lora_state_dict
 from relayrl.observe import MetricsLogger, Progress
@@ -56,8 +59,12 @@ from relayrl.single_controller.process_setup import configure_process
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no temporary file left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _save(driver: Driver, run_dir: Path, cfg: RunConfig, src: Path) -> None:
@@ -113,31 +120,47 @@ def held_out(cfg: RunConfig) -> str:
 
 
 def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict:
-    """Run (or resume) the job of `cfg`; returns {"eval_first", "eval_last", "run_dir", ...}."""
+    """Run (or resume) the job of `cfg`; returns {"eval_first", "eval_last", "run_dir", ...}. One run per directory:
+    the run holds run.out_dir's lock (relayrl.jobs.run_dir) from before its first check to its end, and a write
+    the directory's disk refuses (full, read-only) ends it in one line."""
     run_dir = Path(cfg.run.out_dir)
+    with RunDirLock(run_dir, "train") as lock:  # a live run in the directory: one line, before anything is read
+        try:
+            return _train(cfg, run_dir, resume, show_progress, lock)
+        except OSError as e:
+            err = disk_error(e, run_dir, f"resume with relayrl train --resume {run_dir}")
+            if err is None:
+                raise
+            raise err from e
+
+
+def _train(cfg: RunConfig, run_dir: Path, resume: bool, show_progress: bool, lock: RunDirLock) -> dict:
     check_start(cfg, run_dir, resume)  # one line, before anything is written
     configure_process()  # heap policy and the models' CPU kernels, once in this process (a bad variable: here)
     ckpt = resume_point(run_dir) if resume else None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    traces = run_trace_dir(cfg, run_dir)  # the worker groups get it in their options (build_driver)
-    tracer = open_tracer(traces, "driver")
+    lock.create()
+    # a start refused by build_driver's checks (the layout against the model, the data, the roles) writes nothing a
+    # run had: config.yaml is written once the run is built and restored (_run), the driver's trace then too
+    driver, roles, eval_set, src = build_driver(cfg, run_dir)
+    tracer = None
+    failed = True
     try:
-        driver, roles, eval_set, src = build_driver(cfg, run_dir)
+        traces = run_trace_dir(cfg, run_dir)  # the worker groups got it in their options (build_driver)
+        tracer = open_tracer(traces, "driver")
         driver.timer.tracer = tracer if traces is not None else None
-        failed = True
-        try:
-            out = _run(driver, roles, cfg, run_dir, src, eval_set, ckpt, show_progress, tracer)
-            failed = False
-            return out
-        finally:
+        out = _run(driver, roles, cfg, run_dir, src, eval_set, ckpt, show_progress, tracer)
+        failed = False
+        return out
+    finally:  # each closed on its own; on a failure, what closing raises (a full disk again) must not hide it
+        first = None
+        for close in (roles.close, tracer.close if tracer is not None else None):
             try:
-                roles.close()
-            except Exception:
-                if not failed:
-                    raise
-    finally:
-        tracer.close()
+                if close is not None:
+                    close()
+            except Exception as e:
+                first = first or e
+        if first is not None and not failed:
+            raise first
 
 
 def resume_point(run_dir: Path) -> Path:
@@ -155,6 +178,8 @@ def resume_point(run_dir: Path) -> Path:
 def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path, eval_set, ckpt,
          show_progress: bool, tracer) -> dict:
     start = _restore(driver, ckpt) if ckpt is not None else 0
+    # the run's settings, once it is built and restored: a refused start or --resume leaves the file as it was
+    write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     r = cfg.run
     logger = MetricsLogger(run_dir, resume_step=start if ckpt else None, loggers=r.sinks, config=cfg.to_dict(),
                            options=LoggerOptions(wandb_project=r.wandb_project, wandb_name=r.wandb_name,

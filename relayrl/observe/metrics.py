@@ -2,8 +2,10 @@
 relayrl.observe.loggers (TensorBoard scalars; W&B offline and MLflow when listed).
 
 metrics.jsonl is the record the report, the CLI summary and the golden-curve tests read; TensorBoard
-is for watching a run live. Each line is written and flushed on its own, so a run killed at any
-moment loses at most the line being written — `read_metrics` skips such a truncated last line.
+is for watching a run live. Each line goes to the file in one write of its own (append_line), so a run killed at
+any moment loses at most the line being written — `read_metrics` skips such a truncated last line; a write that
+fails (a full disk, a read-only remount) takes back what it wrote of its line before the error goes up, so the
+file holds whole lines only and a `--resume` continues it.
 
 Resuming from a checkpoint at step S replays steps S+1.. that the killed run may already have
 logged; `truncate_metrics(run_dir, S)` drops those lines first (and the logger tells TensorBoard to
@@ -82,12 +84,12 @@ class MetricsLogger:
             truncate_metrics(self.run_dir, resume_step)
         names = list(loggers) if loggers is not None else (["tensorboard"] if use_tensorboard else [])
         self._sinks = build_sinks(names, self.run_dir, options or LoggerOptions(), config or {}, resume_step)
-        # Line buffering is not enough for a guarantee (the line may exceed the buffer), so `log`
-        # flushes explicitly; append mode keeps what a previous (resumed) run wrote.
-        self._file = open(metrics_path(self.run_dir), "a", encoding="utf-8")
+        # unbuffered, each line one append_line; append mode keeps what a previous (resumed) run wrote
+        self._path = metrics_path(self.run_dir)
+        self._fd: int | None = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        if self._file.closed:
+        if self._fd is None:
             raise RuntimeError("MetricsLogger.log called after close()")
         values = {key: _to_float(key, value) for key, value in metrics.items()}
         if "step" in values:
@@ -95,8 +97,7 @@ class MetricsLogger:
         record = {"step": int(step), **values}
         # NaN/inf are written as JSON's common extension (NaN, Infinity) rather than dropped: a NaN
         # loss is exactly what someone reading the file needs to see. Python's json reads it back.
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        append_line(self._fd, json.dumps(record) + "\n", self._path)
         replayed = self._replayed.get(int(step), ())
         fresh = {k: v for k, v in values.items() if k not in replayed}
         for sink in self._sinks:
@@ -113,8 +114,9 @@ class MetricsLogger:
                 sink.log_table(int(step), name, columns, data)
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
         sinks, self._sinks = self._sinks, []
         first = None
         for sink in sinks:  # each on its own: one failing must not leave the others open
@@ -130,6 +132,23 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def append_line(fd: int, line: str, path: Path) -> None:
+    """Append `line` to the file open at `fd` (O_APPEND, one writer: the run directory's lock) whole or not at all:
+    a write that fails midway (ENOSPC, EFBIG, EIO) is cut back to the file's length before it, then raised as an
+    OSError naming `path`."""
+    data = memoryview(line.encode("utf-8"))
+    start = os.fstat(fd).st_size
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError as e:
+        try:
+            os.ftruncate(fd, start)
+        except OSError:
+            pass  # left for the next reader: a half line last is skipped, and a resume rewrites the file
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def _parse_lines(path: Path) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from relayrl.observe.metrics import MetricsLogger, _parse_lines, rewrite_jsonl
+from relayrl.observe.metrics import MetricsLogger, _parse_lines, append_line, rewrite_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -101,16 +101,15 @@ class SampleLog:
                  resume_step: int | None = None) -> None:
         self.path, self.logger = Path(path), logger
         self._replayed = truncate_samples(self.path, resume_step) if resume_step is not None else set()
-        self._file = None  # opened at the first rows: a run that records none writes no file
+        self._fd: int | None = None  # opened at the first rows: a run that records none writes no file
 
     def write(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
         if not rows:
             return
-        if self._file is None:
+        if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
-        self._file.write(sample_lines(step, rows))
-        self._file.flush()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        append_line(self._fd, sample_lines(step, rows), self.path)  # whole rows, or none on a full disk
         if self.logger is None:
             return
         for split in dict.fromkeys(str(r.get("split")) for r in rows):
@@ -118,8 +117,9 @@ class SampleLog:
             self.logger.log_table(step, f"samples/{split}", columns, data, replayed=(step, split) in self._replayed)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> SampleLog:
         return self

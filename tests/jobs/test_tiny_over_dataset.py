@@ -109,7 +109,7 @@ def test_train_sft_and_eval_refuse_the_issues_dataset_in_one_line(tmp_path, caps
     code, err = _run(capsys, "train", str(cfg), f"model.path={model}", *data, f"run.out_dir={run}", "run.steps=1",
                      *TINY)
     assert (code, err) == (2, line)
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]  # no checkpoint, no metrics, no model
+    assert sorted(p.name for p in run.iterdir()) == []  # no config.yaml (written once built), metrics, model, lock
 
     sft = tmp_path / "sft"
     code, err = _run(capsys, "sft", f"model.path={model}", *data, f"sft.out_dir={sft}", "sft.steps=1")
