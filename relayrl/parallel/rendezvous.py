@@ -33,8 +33,9 @@ No port serves the store without the gate (Linux):
   /proc/self/fd the process's sockets): another local process reaches nothing through it
   (`Tunnel.refused` counts them).
 A process that can read the run's memory (ptrace: the same user where the kernel's Yama scope
-allows it, or root) can read the token too: that is the boundary. Elsewhere than Linux (no
-/proc/net, no socket filters) the store port and tunnels are open to local processes, as before.
+allows it, or root) can read the token too: that is the boundary. Elsewhere than Linux, or where
+/proc/net/tcp cannot be read or socket filters are refused, the store port and tunnels are open to
+local processes, as before (the gate still guards the network).
 Gloo's own data connections are set up through the store (peers learn each other's addresses from
 it) and bind the address the host name resolves to; they carry tensors, never the store's keys.
 
@@ -64,6 +65,11 @@ _LINUX = sys.platform.startswith("linux")
 _MAX_UPSTREAM = 1000  # connections the gate holds to the store at once (the filter lists their ports)
 _STORE_TRIES = 3
 _CLOSED_STATES = {0x06, 0x07}  # TIME_WAIT, CLOSE in /proc/net/tcp
+
+
+def _sees_sockets() -> bool:
+    """Whether this process can tell who owns a loopback connection (Linux, /proc/net/tcp readable)."""
+    return _LINUX and os.access("/proc/net/tcp", os.R_OK) and os.access("/proc/self/fd", os.R_OK)
 
 
 def _tcp_rows() -> list[tuple[tuple[str, int], tuple[str, int], int, int]]:
@@ -322,7 +328,7 @@ class Tunnel(_Listener):
         super().__init__(LOCALHOST, self._forward)
 
     def _forward(self, conn: socket.socket) -> None:
-        if _LINUX and not _peer_is_own(conn):
+        if _sees_sockets() and not _peer_is_own(conn):
             self.refused += 1
             conn.close()
             return
@@ -344,7 +350,7 @@ class HostedStore:
             sock.bind((LOCALHOST, 0))  # the store itself: loopback only, never the network
             sock.listen(128)
             port = sock.getsockname()[1]
-            mine = sock.dup() if _LINUX else None  # for the filter: the same listening socket
+            mine = sock.dup() if _sees_sockets() else None  # for the filter: the same listening socket
             # the store takes the socket over and closes it when it goes: Python must forget it (closing
             # it here too would close whatever file later reuses the descriptor number)
             store = dist.TCPStore(LOCALHOST, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
@@ -352,7 +358,12 @@ class HostedStore:
             if mine is None:
                 self.store, self._filter = store, None
                 break
-            self._filter = _StoreFilter(mine)  # from here on only the gate's sockets get through
+            try:
+                self._filter = _StoreFilter(mine)  # from here on only the gate's sockets get through
+            except OSError:  # a kernel (or a sandbox) without socket filters: open to local processes, as before
+                mine.close()
+                self.store, self._filter = store, None
+                break
             if _foreign_peers(port) == 0:  # and before it, only the store's own client came
                 self.store = store
                 break

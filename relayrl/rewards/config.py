@@ -90,7 +90,7 @@ class RewardConfig(Config):
     workers: int = Field(2, ge=0)
     memory_mb: int | None = Field(4096, ge=64)
     cpu_s: int | None = Field(None, ge=1)
-    max_reply_mb: int = Field(64, ge=1, le=4096)  # the longest answer of one call; longer fails it, the worker is replaced
+    max_reply_mb: int = Field(64, ge=1, le=4096)  # the longest answer of one call: longer fails it, replaces the worker
     on_failure: float = 0.0
 
     @field_validator("timeout_s", "on_failure")
