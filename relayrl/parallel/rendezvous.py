@@ -157,7 +157,7 @@ class _StoreFilter:
     def _apply(self) -> None:
         n = len(self._ports)
         ins = [(0x20, 0, 0, self.SKF_NET_OFF + 12),  # ld  [ip source address]
-               (0x15, 0, n + 2, 0x7F000001),          # jeq 127.0.0.1, else drop
+               (0x15, 0, n + 1, 0x7F000001),          # jeq 127.0.0.1, else drop (jumps count from the next)
                (0x28, 0, 0, 0)]                       # ldh [tcp source port]
         ins += [(0x15, n - k, 0, port) for k, port in enumerate(self._ports)]  # jeq port -> accept
         ins += [(0x06, 0, 0, 0), (0x06, 0, 0, 0xFFFFFFFF)]  # drop, accept

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -151,6 +152,15 @@ def test_a_hosted_store_is_closed_to_local_strangers_and_open_to_its_joiners():
         ports = listening_ports([os.getpid()])
         assert ("127.0.0.1", hosted.store.port) in ports and ("127.0.0.1", hosted.port) in ports
         assert _attack(ports) == []  # no port of this process serves a stranger
+        # the store's own port answers no connection the gate did not make, from any loopback address
+        # (a socket filter: it does not ask which process, so this process's own raw sockets show it)
+        for src in ("127.0.0.1", "127.0.0.2"):
+            with socket.socket() as raw:
+                raw.bind((src, 0))
+                raw.settimeout(2.0)
+                with pytest.raises(OSError):  # the handshake's packets are dropped: a timeout
+                    raw.connect(("127.0.0.1", hosted.store.port))
+        assert client.get("k") == b"v"
         assert client.get("owner") == b"host" and hosted.store.get("k") == b"v"
         assert hosted.gate.refused >= 1  # the stranger reached the gate and was refused there
         assert hosted.store.num_keys() >= 2
