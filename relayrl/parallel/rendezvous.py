@@ -3,13 +3,14 @@
 Every process group relayrl makes (a worker group's, the weight sync's, the test harness's) meets
 at a torch TCPStore hosted by the process that starts the others. A plain TCPStore listens on every
 interface and lets anyone who connects read and write its keys (`list_keys` included), so a stray
-or hostile peer on the network could join or disturb a run. Here the store is reached only through
-a token gate:
+or hostile peer — on the network or on this machine — could join or disturb a run. Here every
+connection to the store passes a check, local ones included:
 
-    host process                                      joining process
+    host process                                              joining process
     TCPStore on 127.0.0.1:<private>  <── gate on  <── tunnel on 127.0.0.1:<ephemeral>  <── TCPStore client
-    (our own socket, never 0.0.0.0)      <addr>:<port>   sends the run's token first
-                                         checks it, then pipes bytes both ways
+    admits only sockets the gate        <addr>:<port>   admits only this process's own     (same process)
+    opened (a socket filter)            checks the      sockets, sends the run's token
+                                        token first     first
 
 `serve_store(host)` binds the gate to `host` alone: 127.0.0.1 for processes on this machine (the
 local backend, tests), the node's own address for multi-node runs (Ray), never all interfaces.
@@ -19,10 +20,24 @@ present it within `HANDSHAKE_S` seconds is closed: it never reaches the store (`
 such peers). `join_store(address)` returns an ordinary TCPStore client, so torch code above it
 (init_process_group, ProcessGroupGloo) is unchanged.
 
-Limits: processes of the same machine can still connect to the loopback store port directly, as
-with any loopback service; the gate protects the run from the network. Gloo's own data connections
-are set up through the store (peers learn each other's addresses from it) and bind the address the
-host name resolves to.
+No port serves the store without the gate (Linux):
+- the store's own loopback port carries a classic BPF socket filter that drops every packet except
+  those from 127.0.0.1 and a source port the gate holds right now (`_StoreFilter`): the gate binds
+  its upstream socket first, adds the port, connects, and removes the port before it closes the
+  socket — while it is bound no other socket can take that port, so no other process gets through.
+  The host's own client (the store object itself) connects while the store is made, before the
+  filter; then the store checks that every connection it has came from this process, and a store
+  that a stranger reached in that instant is thrown away and made again (`_foreign_peers`).
+- a joiner's tunnel listens on loopback, and a connection is forwarded (with the token) only when the
+  socket at its other end is one of this process's own (/proc/net/tcp gives the peer socket's inode,
+  /proc/self/fd the process's sockets): another local process reaches nothing through it
+  (`Tunnel.refused` counts them).
+A process that can read the run's memory (ptrace: the same user where the kernel's Yama scope
+allows it, or root) can read the token too: that is the boundary. Elsewhere than Linux, or where
+/proc/net/tcp cannot be read or socket filters are refused, the store port and tunnels are open to
+local processes, as before (the gate still guards the network).
+Gloo's own data connections are set up through the store (peers learn each other's addresses from
+it) and bind the address the host name resolves to; they carry tensors, never the store's keys.
 
 It imports torch and the standard library only; it must never import another relayrl layer (models,
 single_controller, the trainer, the engine, ...): they import it.
@@ -30,9 +45,13 @@ single_controller, the trainer, the engine, ...): they import it.
 
 from __future__ import annotations
 
+import ctypes
 import hmac
+import os
 import secrets
 import socket
+import struct
+import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +61,145 @@ import torch.distributed as dist
 LOCALHOST = "127.0.0.1"
 HANDSHAKE_S = 5.0  # how long a new connection has to present the token
 _CHUNK = 1 << 16
+_LINUX = sys.platform.startswith("linux")
+_MAX_UPSTREAM = 1000  # connections the gate holds to the store at once (the filter lists their ports)
+_STORE_TRIES = 3
+_CLOSED_STATES = {0x06, 0x07}  # TIME_WAIT, CLOSE in /proc/net/tcp
+
+
+def _sees_sockets() -> bool:
+    """Whether this process can tell who owns a loopback connection (Linux, /proc/net/tcp readable)."""
+    return _LINUX and os.access("/proc/net/tcp", os.R_OK) and os.access("/proc/self/fd", os.R_OK)
+
+
+def _tcp_rows() -> list[tuple[tuple[str, int], tuple[str, int], int, int]]:
+    """(local (ip, port), remote (ip, port), state, inode) of every TCP socket of this network namespace, IPv4
+    and IPv6 (an IPv4-mapped IPv6 address reads as its IPv4 form: torch's clients use such sockets)."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) < 10:
+                continue
+            rows.append((_endpoint(cols[1]), _endpoint(cols[2]), int(cols[3], 16), int(cols[9])))
+    return rows
+
+
+def _endpoint(hexed: str) -> tuple[str, int]:
+    addr, port = hexed.rsplit(":", 1)
+    raw = bytes.fromhex(addr)
+    if len(raw) == 4:
+        ip = socket.inet_ntop(socket.AF_INET, raw[::-1])  # the kernel writes one little-endian word
+    else:  # four little-endian words
+        raw = b"".join(raw[k:k + 4][::-1] for k in range(0, 16, 4))
+        ip = socket.inet_ntop(socket.AF_INET6, raw)
+        if ip.startswith("::ffff:") and "." in ip:
+            ip = ip[len("::ffff:"):]
+    return ip, int(port, 16)
+
+
+def _own_socket_inodes() -> set[int]:
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def _peer_is_own(conn: socket.socket) -> bool:
+    """Whether the socket at the other end of the loopback connection `conn` belongs to this process."""
+    try:
+        peer, local = conn.getpeername()[:2], conn.getsockname()[:2]
+    except OSError:
+        return False
+    inodes = {inode for lo, re, _, inode in _tcp_rows() if lo == peer and re == local and inode}
+    return bool(inodes) and bool(inodes & _own_socket_inodes())
+
+
+def _foreign_peers(port: int) -> int:
+    """How many connections to this process's listener on 127.0.0.1:`port` come from sockets of other
+    processes (or are still half open, so that their owner cannot be known). Closed ones (TIME_WAIT and
+    after) read nothing more and do not count."""
+    rows = _tcp_rows()
+    own = _own_socket_inodes()
+    foreign = 0
+    for lo, re, state, _ in rows:
+        if lo == (LOCALHOST, port) and re[1] != 0 and state not in _CLOSED_STATES:
+            clients = [inode for lo2, re2, _, inode in rows if lo2 == re and re2 == lo]
+            if not any(inode in own for inode in clients):
+                foreign += 1
+    return foreign
+
+
+class _StoreFilter:
+    """A classic BPF socket filter on the store's listening socket: a packet passes only when it comes
+    from 127.0.0.1 and from a source port in `ports` (the gate's upstream sockets, bound before they
+    connect). Children of the listener keep the filter they were accepted under."""
+
+    SO_ATTACH_FILTER = 26
+    SKF_NET_OFF = -0x100000
+
+    def __init__(self, listener: socket.socket):
+        self._sock = listener  # a duplicate of the store's listening socket: setsockopt reaches the same socket
+        self._ports: list[int] = []
+        self._lock = threading.Lock()
+        self._apply()
+
+    def _apply(self) -> None:
+        n = len(self._ports)
+        ins = [(0x20, 0, 0, self.SKF_NET_OFF + 12),  # ld  [ip source address]
+               (0x15, 0, n + 1, 0x7F000001),          # jeq 127.0.0.1, else drop (jumps count from the next)
+               (0x28, 0, 0, 0)]                       # ldh [tcp source port]
+        ins += [(0x15, n - k, 0, port) for k, port in enumerate(self._ports)]  # jeq port -> accept
+        ins += [(0x06, 0, 0, 0), (0x06, 0, 0, 0xFFFFFFFF)]  # drop, accept
+        code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", c, jt, jf, k & 0xFFFFFFFF)
+                                                    for c, jt, jf, k in ins))
+        prog = struct.pack("HL", len(ins), ctypes.addressof(code))
+        self._sock.setsockopt(socket.SOL_SOCKET, self.SO_ATTACH_FILTER, prog)  # the kernel copies the program
+
+    def connect(self, port: int) -> socket.socket:
+        """A connection to the store at 127.0.0.1:`port` from a source port the filter admits."""
+        up = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            up.bind((LOCALHOST, 0))  # no SO_REUSEADDR: no other socket may take this port while we hold it
+            src = up.getsockname()[1]
+            with self._lock:
+                if len(self._ports) >= _MAX_UPSTREAM:
+                    raise OSError(f"more than {_MAX_UPSTREAM} connections to one rendezvous store")
+                self._ports.append(src)
+                self._apply()
+        except BaseException:
+            up.close()
+            raise
+        try:
+            up.connect((LOCALHOST, port))
+        except BaseException:
+            self.release(up, src)
+            raise
+        return up
+
+    def release(self, up: socket.socket, src: int) -> None:
+        """Take `src` off the list, then close the socket that held it."""
+        with self._lock:
+            if src in self._ports:
+                self._ports.remove(src)
+                try:
+                    self._apply()
+                except OSError:
+                    pass
+        up.close()
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 @dataclass(frozen=True)
@@ -74,10 +232,22 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
                 pass
 
 
-def _splice(a: socket.socket, b: socket.socket) -> None:
-    """Pipe a <-> b in two daemon threads; each closes its sockets when the other side ends."""
+def _splice(a: socket.socket, b: socket.socket, done=None) -> None:
+    """Pipe a <-> b in two daemon threads; each closes its sockets when the other side ends. `done()`
+    runs once both directions have ended."""
+    left = [2]
+    lock = threading.Lock()
+
+    def run(src: socket.socket, dst: socket.socket) -> None:
+        _pipe(src, dst)
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last and done is not None:
+            done()
+
     for src, dst in ((a, b), (b, a)):
-        threading.Thread(target=_pipe, args=(src, dst), daemon=True).start()
+        threading.Thread(target=run, args=(src, dst), daemon=True).start()
 
 
 class _Listener:
@@ -110,12 +280,14 @@ class _Listener:
 
 
 class Gate(_Listener):
-    """Accepts a connection, reads the token, and pipes it to the store only when it matches."""
+    """Accepts a connection, reads the token, and pipes it to the store only when it matches (through
+    `upstream()`: a connection the store's filter admits)."""
 
-    def __init__(self, host: str, store_port: int, token: str):
+    def __init__(self, host: str, store_port: int, token: str, upstream=None):
         self.token, self.store_port = token.encode(), store_port
         self.refused = 0
         self._lock = threading.Lock()
+        self._upstream = upstream
         super().__init__(host, self._admit)
 
     def _admit(self, conn: socket.socket) -> None:
@@ -136,21 +308,30 @@ class Gate(_Listener):
             return
         conn.settimeout(None)
         try:
-            upstream = socket.create_connection((LOCALHOST, self.store_port))
+            if self._upstream is None:
+                upstream, done = socket.create_connection((LOCALHOST, self.store_port)), None
+            else:
+                upstream, done = self._upstream()
         except OSError:
             conn.close()
             return
-        _splice(conn, upstream)
+        _splice(conn, upstream, done)
 
 
 class Tunnel(_Listener):
-    """The joiner's side: a loopback listener whose connections go to the gate, token first."""
+    """The joiner's side: a loopback listener whose connections go to the gate, token first — only those
+    that come from this process's own sockets (on Linux); any other is closed unanswered."""
 
     def __init__(self, address: StoreAddress):
         self.address = address
+        self.refused = 0
         super().__init__(LOCALHOST, self._forward)
 
     def _forward(self, conn: socket.socket) -> None:
+        if _sees_sockets() and not _peer_is_own(conn):
+            self.refused += 1
+            conn.close()
+            return
         try:
             upstream = socket.create_connection((self.address.host, self.address.port))
             upstream.sendall(self.address.token.encode())
@@ -164,16 +345,42 @@ class HostedStore:
     """The store a starting process hosts, behind its gate. Keep it alive while peers use it."""
 
     def __init__(self, host: str = LOCALHOST, world_size: int | None = None, timeout_s: float = 300.0):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind((LOCALHOST, 0))  # the store itself: loopback only, never the network
-        sock.listen(128)
-        port = sock.getsockname()[1]
-        # the store takes the socket over and closes it when it goes: Python must forget it (closing
-        # it here too would close whatever file later reuses the descriptor number)
-        self.store = dist.TCPStore(LOCALHOST, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                                   wait_for_workers=False, master_listen_fd=sock.detach())
-        self.gate = Gate(host, self.store.port, secrets.token_hex(16))
+        for _ in range(_STORE_TRIES):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((LOCALHOST, 0))  # the store itself: loopback only, never the network
+            sock.listen(128)
+            port = sock.getsockname()[1]
+            mine = sock.dup() if _sees_sockets() else None  # for the filter: the same listening socket
+            # the store takes the socket over and closes it when it goes: Python must forget it (closing
+            # it here too would close whatever file later reuses the descriptor number)
+            store = dist.TCPStore(LOCALHOST, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                                  wait_for_workers=False, master_listen_fd=sock.detach())
+            if mine is None:
+                self.store, self._filter = store, None
+                break
+            try:
+                self._filter = _StoreFilter(mine)  # from here on only the gate's sockets get through
+            except OSError:  # a kernel (or a sandbox) without socket filters: open to local processes, as before
+                mine.close()
+                self.store, self._filter = store, None
+                break
+            if _foreign_peers(port) == 0:  # and before it, only the store's own client came
+                self.store = store
+                break
+            self._filter.close()
+            del store  # a stranger connected in the instant before the filter: never use this store
+        else:
+            raise RuntimeError(f"could not make a rendezvous store that only this run reaches in {_STORE_TRIES} "
+                               "tries: another local process keeps connecting to new loopback ports")
+        self.gate = Gate(host, self.store.port, secrets.token_hex(16), upstream=self._upstream)
         self.address = StoreAddress(host, self.gate.port, self.gate.token.decode())
+
+    def _upstream(self):
+        if self._filter is None:
+            return socket.create_connection((LOCALHOST, self.store.port)), None
+        up = self._filter.connect(self.store.port)
+        src = up.getsockname()[1]
+        return up, lambda: self._filter.release(up, src)
 
     @property
     def port(self) -> int:
@@ -182,6 +389,8 @@ class HostedStore:
 
     def close(self) -> None:
         self.gate.close()
+        if self._filter is not None:
+            self._filter.close()
         self.store = None  # the store closes its socket
 
 

@@ -16,6 +16,8 @@ worker processes that run them.
       workers: 2            reward worker processes; 0 runs the functions in the driver (no isolation, no timeout)
       memory_mb: 4096       address space of each worker (RLIMIT_AS); null for no limit
       cpu_s: null           CPU seconds one call may use (RLIMIT_CPU); null means ceil(timeout_s)
+      max_reply_mb: 64      the longest answer a worker may send for one call; a longer one fails that call
+                            and the worker is replaced (timeout_s bounds the answer's transfer too)
       on_failure: 0.0       the value of a call that fails (raises, times out, crashes, returns a non-real)
 
 This module imports only pydantic and relayrl's config and errors, so a run config can be loaded
@@ -88,6 +90,7 @@ class RewardConfig(Config):
     workers: int = Field(2, ge=0)
     memory_mb: int | None = Field(4096, ge=64)
     cpu_s: int | None = Field(None, ge=1)
+    max_reply_mb: int = Field(64, ge=1, le=4096)  # the longest answer of one call: longer fails it, replaces the worker
     on_failure: float = 0.0
 
     @field_validator("timeout_s", "on_failure")

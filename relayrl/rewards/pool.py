@@ -9,6 +9,12 @@
                                                   chunk goes back to the front of the queue
       a worker that dies (os._exit, a crash, SIGXCPU, the OOM killer): the call it was on is a failure
                                                   with the reason, the rest is requeued, a new worker starts
+      a worker that breaks the protocol (a record for another call than the one it is on, of an unknown
+      kind, malformed, or announcing more than reward.max_reply_mb), or whose reward forked: the same —
+                                                  its call fails with the reason, it is killed and replaced
+
+timeout_s is a total deadline for each call, its answer's transfer included: bytes that trickle in do not
+renew it (only a whole record does, for the next call of the chunk).
 
 A call is one sample, or for a batch function (TRL's form, relayrl.rewards.calls) one prompt's group of
 samples, whose values come back in one record: the bound (timeout_s, cpu_s) is then on the whole group.
@@ -17,6 +23,10 @@ Chunks amortise the cost of a message over k calls (k shrinks as the queue drain
 chunks balance the workers), while the per-call record keeps the bound per call: the driver always
 knows which call a silent worker is on. Only idle workers are sent work, so a send never waits
 on a busy worker.
+
+Killing a worker means SIGTERM to its keeper (relayrl.rewards.worker): it SIGKILLs the worker and every
+process the worker's subtree started, even one in a session of its own, then exits with the worker's status;
+a keeper that has not exited within a few seconds gets its process group SIGKILLed.
 
 Workers are fresh interpreters (`python -c "...worker.main()"`, the 'spawn' start method's
 effect without multiprocessing re-importing the driver's __main__, which may import torch). They
@@ -58,6 +68,7 @@ _BOOT = ("import sys; root = sys.argv[3]\n"
          "if root not in sys.path: sys.path.insert(1, root)\n"
          "from relayrl.rewards.worker import main; main(sys.argv)")
 MAX_CHUNK = 64
+KEEPER_GRACE_S = 10.0  # how long a keeper has to clean up after SIGTERM before its group is SIGKILLed
 START_TIMEOUT_S = 120.0  # importing sympy for math-verify on a loaded 2-core machine can take seconds
 MAX_START_FAILURES = 3
 
@@ -94,10 +105,11 @@ class RewardPool:
     thread at a time may call run (the scorer is called by the driver's loop, one step at a time)."""
 
     def __init__(self, specs: list[tuple[str, dict[str, Any]]], *, workers: int, timeout_s: float,
-                 memory_mb: int | None, cpu_s: int | None):
+                 memory_mb: int | None, cpu_s: int | None, max_reply_mb: int = 64):
         if workers < 1:
             raise ValueError(f"a reward pool needs at least one worker, got {workers}")
         self.timeout_s = timeout_s
+        self.max_reply_mb = max_reply_mb
         self.restarts = 0
         self._init = {"functions": [(s[0], dict(s[1]), *s[2:]) for s in specs], "memory_mb": memory_mb,
                       "cpu_s": cpu_s}
@@ -242,22 +254,30 @@ class RewardPool:
     def _on_data(self, w: _Worker, data: bytes) -> None:
         w.buf += data
         buf, pos, H = w.buf, 0, proto.HEADER
+        answered = False
         while len(buf) - pos >= H.size:
             tid, kind, n = H.unpack_from(buf, pos)
+            if kind not in _KINDS:
+                return self._on_misbehaviour(w, f"sent a record of unknown kind {kind}")
+            if n > self.max_reply_mb * 2**20:
+                return self._on_misbehaviour(w, f"announced an answer of {n / 2**20:.0f} MB, more than "
+                                                f"reward.max_reply_mb = {self.max_reply_mb}")
             if len(buf) - pos - H.size < n:
                 break
             payload = bytes(buf[pos + H.size:pos + H.size + n])
             pos += H.size + n
-            if kind in (proto.OK, proto.FAIL, proto.BATCH):
-                expected = w.outstanding.popleft()
-                assert tid == expected, f"reward worker answered call {tid}, expected {expected}"
-                if kind == proto.OK:
-                    self._outcomes[tid] = Outcome(proto.VALUE.unpack(payload)[0])
-                elif kind == proto.FAIL:
-                    self._outcomes[tid] = Outcome(None, payload.decode("utf-8", "replace"))
-                else:  # json numbers and strings: data, never code
-                    self._outcomes[tid] = Outcome(None, items=[Outcome(None if v is None else float(v), e)
-                                                               for v, e in json.loads(payload)])
+            if kind in (proto.OK, proto.FAIL, proto.BATCH, proto.RETIRE):
+                if not w.outstanding or tid != w.outstanding[0]:
+                    expected = f"call {w.outstanding[0]}" if w.outstanding else "no call"
+                    return self._on_misbehaviour(w, f"answered call {tid} while it was on {expected}")
+                try:
+                    outcome = _outcome(kind, payload)
+                except ValueError as e:
+                    return self._on_misbehaviour(w, f"sent a malformed answer ({e})")
+                if kind == proto.RETIRE:
+                    return self._on_misbehaviour(w, outcome.error, said=True)
+                self._outcomes[w.outstanding.popleft()] = outcome
+                answered = True
             elif kind == proto.READY:
                 w.ready, self._start_failures = True, 0
                 self.forms = json.loads(payload).get("forms", [])
@@ -265,7 +285,17 @@ class RewardPool:
                 info = json.loads(payload)
                 raise (ConfigError if info["kind"] == "config" else RewardError)(info["message"])
         del buf[:pos]
-        w.deadline = time.monotonic() + (self.timeout_s if w.outstanding else math.inf)
+        # the deadline is the call's, from when it started: only a whole answer (the next call starts) moves it
+        if answered or not w.outstanding:
+            w.deadline = time.monotonic() + self.timeout_s if w.outstanding else math.inf
+
+    def _on_misbehaviour(self, w: _Worker, what: str, said: bool = False) -> None:
+        """The worker broke the protocol (or said it must go): its call fails, it is killed and replaced."""
+        self._kill(w)
+        if not w.ready:
+            raise RewardError(f"a reward worker {what} while it started")
+        self._charge(w, Outcome(None, what if said else f"the reward worker {what}; it was replaced"))
+        self._replace(w)
 
     def _on_death(self, w: _Worker) -> None:
         # EOF on its socket: it has exited (or closed the socket, and is of no further use). Killing its
@@ -294,12 +324,8 @@ class RewardPool:
             w.outstanding.clear()
 
     def _kill(self, w: _Worker) -> int | None:
-        """SIGKILL the worker's process group, reap the worker, return its exit status."""
-        _kill_group(w.proc)
-        try:
-            return w.proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:  # stuck in the kernel (uninterruptible I/O): the finalizer retries
-            return None
+        """Stop the worker and all it started (_stop), return its exit status."""
+        return _stop(w.proc)
 
     def _death_reason(self, rc: int) -> str:
         if rc is None or rc >= 0:
@@ -320,6 +346,46 @@ def _close_sock(sock: socket.socket) -> None:
     sock.close()
 
 
+_KINDS = {proto.OK, proto.FAIL, proto.READY, proto.INIT_ERROR, proto.BATCH, proto.RETIRE}
+
+
+def _outcome(kind: int, payload: bytes) -> Outcome:
+    """A call's outcome from its record; ValueError when the payload is not what its kind says."""
+    if kind == proto.OK:
+        if len(payload) != proto.VALUE.size:
+            raise ValueError(f"a value of {len(payload)} bytes")
+        return Outcome(proto.VALUE.unpack(payload)[0])
+    if kind in (proto.FAIL, proto.RETIRE):
+        return Outcome(None, payload.decode("utf-8", "replace")[:proto.MAX_MESSAGE])
+    try:  # BATCH: json numbers and strings: data, never code
+        items = [Outcome(None if v is None else float(v), None if e is None else str(e)[:proto.MAX_MESSAGE])
+                 for v, e in json.loads(payload)]
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"a batch answer that is not a list of [value, message] pairs: {type(e).__name__}") from None
+    return Outcome(None, items=items)
+
+
+def _stop(proc: subprocess.Popen) -> int | None:
+    """SIGTERM the worker's keeper (it kills the worker and everything below it, then exits with the worker's
+    status), wait for it; a keeper that does not exit in time has its process group SIGKILLed. Returns the
+    exit status, None if even that did not end it (stuck in the kernel: the finalizer retries)."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        proc.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        return proc.wait(timeout=KEEPER_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_group(proc)
+    try:
+        return proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     if proc.returncode is not None:  # reaped: its pid may belong to another process by now
         return
@@ -333,13 +399,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _kill_all(procs: dict[int, subprocess.Popen], spawner: ThreadPoolExecutor) -> None:
-    """Finalizer (close, garbage collection, interpreter exit): no worker outlives its pool."""
+    """Finalizer (close, garbage collection, interpreter exit): no worker outlives its pool, nor anything
+    it started (each keeper is asked first, all at once, then each is waited for)."""
     for proc in procs.values():
-        _kill_group(proc)
+        if proc.returncode is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
     for proc in procs.values():
-        try:
-            proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            pass
+        _stop(proc)
     procs.clear()
     spawner.shutdown(wait=False)

@@ -201,5 +201,5 @@ def build_scorer(cfg: RewardConfig) -> RewardScorer:
         runner: Runner = InProcessRunner(load_functions(specs))
     else:
         runner = RewardPool(specs, workers=cfg.workers, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
-                            cpu_s=cfg.cpu_limit_s())
+                            cpu_s=cfg.cpu_limit_s(), max_reply_mb=cfg.max_reply_mb)
     return RewardScorer(bound, runner, correct_index, cfg.on_failure, user_reward=cfg.user_scored())

@@ -16,10 +16,27 @@ Protocol on the socket FD (a socketpair with the driver):
                          READY       json {"vm_mb": ..., "forms": ["sample" | "batch" | "verl" | "keyword", ...]}
                                      once the functions are loaded
                          INIT_ERROR  json {"kind": "config" | "reward", "message": ...}
+                         RETIRE      utf-8 message: the call failed and this worker must be replaced (the
+                                     reward forked: a copy of the worker may be running beside it)
 
 The driver never unpickles what a worker sends: the worker runs user code, the driver only reads
-numbers and strings. The worker dies with the driver (PR_SET_PDEATHSIG=SIGKILL, and EOF on its
-socket), ignores SIGINT (Ctrl-C is the driver's to handle), writes no core files, and runs under
+numbers and strings, and treats a record out of turn, of an unknown kind or over reward.max_reply_mb
+as the worker's failure (relayrl.rewards.pool).
+
+Two processes make a worker: the keeper (the process the pool started: trusted code only) and the
+worker proper, its child, which loads and runs the reward functions:
+
+    keeper (PR_SET_CHILD_SUBREAPER) ── worker ── whatever a reward starts (setsid, double forks, ...)
+
+The keeper is a subreaper, so every process the worker's subtree starts stays its descendant, even one
+that leaves its process group and session (start_new_session=True) and whose parent exits. When the
+worker ends (it exits, dies, or the pool asks with SIGTERM, which the keeper turns into SIGKILL of the
+worker) the keeper SIGKILLs every descendant left, reaps them, and exits with the worker's own exit
+status (its code, or the same signal), which is what the pool reports. The keeper dies with the driver
+(PR_SET_PDEATHSIG=SIGTERM: the same clean-up), the worker with the keeper (PR_SET_PDEATHSIG=SIGKILL)
+and on EOF on its socket. A reward that forks (os.fork, multiprocessing's fork) fails its call and its
+worker is replaced: a copy of the worker that returned from the fork never answers. The worker ignores
+SIGINT (Ctrl-C is the driver's to handle), writes no core files, and runs under
 RLIMIT_AS = reward.memory_mb and, for each call, RLIMIT_CPU = the CPU it has used so far + cpu_s.
 A worker that goes past its CPU limit dies of SIGXCPU; the pool charges that sample and replaces it.
 Before the functions themselves it imports only the standard library, relayrl.errors, the reward
@@ -41,7 +58,8 @@ import time
 
 HEADER = struct.Struct("<IBI")
 VALUE = struct.Struct("<d")
-OK, FAIL, READY, INIT_ERROR, BATCH = 0, 1, 2, 3, 4
+OK, FAIL, READY, INIT_ERROR, BATCH, RETIRE = 0, 1, 2, 3, 4, 5
+MAX_MESSAGE = 4000  # characters of a failure message sent (a message is one line for the user)
 LENGTH = struct.Struct("<Q")
 # What a worker needs beyond its own functions: the loaded modules and interpreter, with some room.
 HEADROOM_MB = 64
@@ -75,17 +93,112 @@ def _record(tid: int, kind: int, payload: bytes) -> bytes:
     return HEADER.pack(tid, kind, len(payload)) + payload
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _prctl(option: int, arg: int | bytes) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
 
-        PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(PR_SET_NAME, b"rl-reward-pool", 0, 0, 0)  # what ps / top show for this process
-    # The driver may have died between starting us and the prctl: then we have a new parent already.
+    return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+
+
+PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
+
+
+def _die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    _prctl(PR_SET_PDEATHSIG, sig)
+    _prctl(PR_SET_NAME, b"rl-reward-pool")  # what ps / top show for this process
+    # The parent may have died between starting us and the prctl: then we have a new parent already.
     if os.getppid() != parent_pid:
         os._exit(0)
+
+
+def _children_map() -> dict[int, list[int]]:
+    """ppid -> pids of every process visible in /proc."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(b")", 1)[1].split()[1])  # the name, in parentheses, may hold anything
+        out.setdefault(ppid, []).append(int(name))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    children, out, todo = _children_map(), [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _reap_now() -> bool:
+    """Reap every child that has exited; False once this process has no child left at all."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+
+
+def _kill_descendants(deadline_s: float = 10.0) -> None:
+    """SIGKILL every process below this one (a subreaper: orphans of the subtree come back to it), round
+    after round, until none is left or the deadline passes (a process stuck in the kernel)."""
+    end = time.monotonic() + deadline_s
+    while _reap_now() and time.monotonic() < end:
+        for pid in _descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
+
+
+def _keep(parent_pid: int, fd: int) -> None:
+    """Fork the worker proper and return in it; in this process (the keeper) wait for it, kill what it
+    left behind, and exit with its status. See the module doc."""
+    subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    keeper = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _die_with_parent(keeper)
+        return
+    os.close(fd)  # only the worker holds the socket: its death is EOF for the pool
+    status = None
+
+    def on_term(*_) -> None:
+        if status is None:  # not reaped yet: the pid is still the worker's
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    signal.signal(signal.SIGTERM, on_term)
+    while status is None:
+        try:
+            got, st = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if got == pid:
+            status = st
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if subreaper:  # elsewhere than Linux the pool kills the worker's process group, as far as that reaches
+        _kill_descendants()
+    if status is not None and os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(keeper, sig)
+        time.sleep(1.0)  # a signal whose default is to stop or be ignored: fall through
+        os._exit(128 + sig)
+    os._exit(os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else 1)
 
 
 def _vm_mb() -> float:
@@ -155,6 +268,8 @@ def serve(sock: socket.socket) -> None:
     vm = _vm_mb() if os.path.exists("/proc/self/statm") else 0.0
     sock.sendall(_record(0, READY, json.dumps({"vm_mb": vm, "forms": [f.form for f in fns]}).encode()))
     cpu = _CpuLimit(init["cpu_s"]) if init["cpu_s"] is not None else None
+    me, forked = os.getpid(), []
+    os.register_at_fork(after_in_parent=lambda: forked.append(1))
     while True:
         msg = _recv_frame(sock)
         if msg is None:  # the driver closed the pool (or died)
@@ -169,14 +284,22 @@ def serve(sock: socket.socket) -> None:
             else:
                 value, error = call_one(f, completion, example)
                 record = None if error is not None else _record(tid, OK, VALUE.pack(value))
-            sock.sendall(record or _record(tid, FAIL, error.encode("utf-8", "replace")))
+            if os.getpid() != me:  # a copy made by os.fork() in the reward, returning here: never answer
+                os._exit(0)
+            if forked:
+                msg = ("the reward function forked (os.fork or multiprocessing's fork) during the call; its worker "
+                       "was replaced: start helper processes with subprocess instead")
+                sock.sendall(_record(tid, RETIRE, msg.encode()))
+                return
+            sock.sendall(record or _record(tid, FAIL, error[:MAX_MESSAGE].encode("utf-8", "replace")))
 
 
 def main(argv: list[str]) -> None:
     fd, parent_pid = int(argv[1]), int(argv[2])
-    _die_with_parent(parent_pid)
+    _die_with_parent(parent_pid, signal.SIGTERM)  # the keeper: SIGTERM, so that it cleans up first
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _keep(parent_pid, fd)  # returns in the worker proper only
     sock = socket.socket(fileno=fd)
     try:
         serve(sock)
