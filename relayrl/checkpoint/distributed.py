@@ -23,6 +23,8 @@ CheckpointError line naming it, before any shard is read.
 
 The write, and who does what (ranks of the default process group):
 
+    all:    any NaN or inf in any rank's state? then a CheckpointError on every rank, nothing written
+            (relayrl.checkpoint.finite; a load refuses such a checkpoint the same way)
     all:    sum the state's tensor bytes over ranks (the checkpoint's expected size)
     rank 0: encode extra, clean crash leftovers, check free space, mkdir .tmp_step_X ── tell every rank ──┐
     all:    dcp.save into .tmp_step_X (each rank its shard; rank 0 .metadata)  <───────────────────────┘
@@ -75,6 +77,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from relayrl.checkpoint.errors import CheckpointError, CheckpointSpaceError
+from relayrl.checkpoint.finite import first_nonfinite
 from relayrl.checkpoint.layout import (
     CHECKPOINTS_DIR,
     FORMAT_VERSION,
@@ -154,6 +157,17 @@ def _space_guarded(fn: Callable[[], Any], root: Path, needed: int) -> Callable[[
 # ---------------------------------------------------------------- save
 
 
+def _refuse_nonfinite(state: dict[str, Any], what: str, instead: str) -> None:
+    """Collective: a CheckpointError on every rank when any rank's model or optimizer state holds a NaN or inf."""
+    found = _all_gather(first_nonfinite(state))
+    bad = next(((r, name) for r, name in enumerate(found) if name is not None), None)
+    if bad is not None:
+        rank, name = bad
+        kind = "weights are" if name.startswith(f"{MODEL_KEY}.") else "optimizer state is"
+        raise CheckpointError(f"{what}: its {kind} not finite (NaN or inf in {name.split('.', 1)[1]}"
+                              f"{f' on rank {rank}' if len(found) > 1 else ''}); {instead}")
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     if optimizer is None:
         return {MODEL_KEY: get_model_state_dict(model)}
@@ -200,6 +214,9 @@ def save_distributed(
     final = root / step_dir_name(step)
     tmp = root / f"{TMP_PREFIX}{final.name}"  # no pid suffix: every rank must agree on the name
     state = _state(model, optimizer)
+    # NaN or inf weights would make a COMPLETE checkpoint that every resume picks: refused before anything is written
+    _refuse_nonfinite(state, f"refusing to save checkpoint {final.name}",
+                      f"the last complete checkpoint in {root} stays the resume point")
     sizes = _all_gather(state_bytes(state))
     needed = expected_bytes(sum(b for b, _ in sizes), sum(n for _, n in sizes), len(meta_bytes) + (64 << 10))
     extra_files: dict[str, bytes] = {}
@@ -344,6 +361,9 @@ def load_distributed(
     # DCP reads, for each tensor, the saved chunks that overlap this rank's shard, into it in place.
     dcp_load(request, path, index, no_dist=not _distributed())
     after_load()
+    # a checkpoint written before saves were checked may hold NaN weights: they would train NaN from here on
+    _refuse_nonfinite(state, f"checkpoint {path} cannot be resumed",
+                      "move it out of checkpoints/ to resume from the one before it")
     if optimizer is None:
         set_model_state_dict(model, state[MODEL_KEY])
     else:
