@@ -205,8 +205,9 @@ def save_distributed(
     if meta.get("model_dir") is not None:
         meta["model_dir"] = str(Path(meta["model_dir"]).resolve())
     world = dist.get_world_size() if _distributed() else 1
+    # "finite": the state was checked for NaN and inf below (a save fails otherwise), so a resume need not read it
     full_meta = {**meta, "step": step, "format_version": FORMAT_VERSION, "format": DCP_FORMAT,
-                 "world_size": world, "has_optimizer": optimizer is not None, "entries": [EXTRA_ENTRY]}
+                 "world_size": world, "has_optimizer": optimizer is not None, "entries": [EXTRA_ENTRY], "finite": True}
     # Serialized before any shard is written: a non-JSON meta fails on every rank right here.
     meta_bytes = (json.dumps(full_meta, indent=2, sort_keys=True) + "\n").encode()
 
@@ -295,6 +296,26 @@ def open_checkpoint(path: str | os.PathLike[str], *, checksums: bool = False) ->
     if type(extra) is not dict:
         raise CheckpointError(f"checkpoint file {path / state_file_names(EXTRA_ENTRY)[0]} does not hold a dict")
     return CheckpointContents(meta, index, extra)
+
+
+def saved_nonfinite(path: str | os.PathLike[str]) -> str | None:
+    """The first weight of sharded checkpoint `path` holding a NaN or inf, or None. A checkpoint saved since saves
+    are checked says so in meta.json ("finite") and is not read; an older one is read as data, one tensor at a
+    time, so that a resume passes over NaN weights an older relayrl saved as complete."""
+    path = Path(path)
+    meta, index, _ = open_checkpoint(path)
+    if meta.get("finite") is True:
+        return None
+    for key, entry in index.state_dict_metadata.items():
+        if not (key.startswith(f"{MODEL_KEY}.") and isinstance(entry, TensorStorageMetadata)
+                and entry.properties.dtype.is_floating_point):
+            continue
+        name = key[len(MODEL_KEY) + 1:]
+        t = torch.empty(entry.size, dtype=entry.properties.dtype)
+        dcp_load({MODEL_KEY: {name: t}}, path, index, no_dist=True)
+        if not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def read_meta(path: str | os.PathLike[str], *, checksums: bool = False) -> dict[str, Any]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -14,6 +15,8 @@ from relayrl.checkpoint import distributed as ckpt_dist
 from relayrl.checkpoint import latest_valid_checkpoint, load_distributed, save_distributed
 from relayrl.checkpoint.errors import CheckpointError
 from relayrl.checkpoint.finite import first_nonfinite
+from relayrl.checkpoint.layout import COMPLETE_MARKER, META_FILE, SkippedCheckpoint
+from relayrl.checkpoint.manifest import manifest_bytes
 from relayrl.trainer.actor import Actor
 from relayrl.trainer.checkpointing import load_actor, save_actor
 from relayrl.trainer.config import TrainerConfig
@@ -93,3 +96,30 @@ def test_plain_module_save_and_load_refuse_the_same_way(tmp_path):
         save_distributed(tmp_path, 2, m, None, {})
     load_distributed(tmp_path / "checkpoints" / "step_00000001", m)
     assert torch.isfinite(m.bias).all()
+
+
+def as_older_relayrl_saved_it(path):
+    """meta.json without "finite" (saves were not checked), and the COMPLETE manifest over it, as an older relayrl
+    wrote both."""
+    meta = json.loads((path / META_FILE).read_text())
+    del meta["finite"]
+    (path / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    (path / COMPLETE_MARKER).write_bytes(manifest_bytes(path))
+
+
+def test_resume_passes_over_nan_weights_an_older_relayrl_saved(tiny_model, tmp_path, monkeypatch):
+    actor = _actor(tiny_model)
+    good = save_actor(actor, tmp_path, 1, extra={}, meta={}, keep_last=None)
+    assert json.loads((good / META_FILE).read_text())["finite"] is True
+    older_good = save_actor(actor, tmp_path, 2, extra={}, meta={}, keep_last=None)
+    as_older_relayrl_saved_it(older_good)
+    assert latest_valid_checkpoint(tmp_path) == (older_good, [])  # read, and finite: taken
+    with torch.no_grad():
+        actor.model.model.layers[0].self_attn.q_proj.weight[1, 1] = math.inf
+    with monkeypatch.context() as m:
+        m.setattr(ckpt_dist, "first_nonfinite", lambda state: None)
+        bad = save_actor(actor, tmp_path, 3, extra={}, meta={}, keep_last=None)
+    as_older_relayrl_saved_it(bad)
+    assert latest_valid_checkpoint(tmp_path) == (older_good, [SkippedCheckpoint(
+        bad, "its weights are not finite (NaN or inf in model.layers.0.self_attn.q_proj.weight): an older relayrl "
+             "saved them as complete")])

@@ -135,6 +135,44 @@ def test_nan_losses_are_skipped_then_stop_in_one_line_and_the_last_checkpoint_is
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_resume_passes_over_nan_weights_an_older_relayrl_saved_as_complete(tmp_path, monkeypatch):
+    """The issue's case: NaN weights saved as COMPLETE, and --resume picked them every time."""
+    from relayrl.checkpoint import distributed as ckpt_dist
+    from relayrl.checkpoint import read_meta, save_distributed
+    from relayrl.checkpoint.layout import COMPLETE_MARKER, META_FILE
+    from relayrl.checkpoint.manifest import manifest_bytes
+
+    config = merged(TINY, {"run": {"steps": 2, "save_every": 1}})
+    run = TrainRun(tmp_path / "first", config)
+    assert _finished(run, 0) == []
+    ckpts = run.run_dir / "checkpoints"
+    two = ckpts / "step_00000002"
+    model = load_pretrained(run.run_dir / "base_model")
+    optimizer = torch.optim.AdamW(model.parameters())
+    extra = load_distributed(two, model, optimizer)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5, 3] = math.nan
+    meta = {k: v for k, v in read_meta(two).items() if k == "model_dir"}
+    with monkeypatch.context() as m:  # saved as an older relayrl did: unchecked, its meta.json without "finite"
+        m.setattr(ckpt_dist, "first_nonfinite", lambda state: None)
+        three = save_distributed(run.run_dir, 3, model, optimizer, extra, meta=meta)
+    older = json.loads((three / META_FILE).read_text())
+    del older["finite"]
+    (three / META_FILE).write_text(json.dumps(older))
+    (three / COMPLETE_MARKER).write_bytes(manifest_bytes(three))
+
+    run = TrainRun(tmp_path / "resumed", None, ["run.steps=4"], args=["--resume", str(run.run_dir)])
+    run.run_dir = ckpts.parent
+    assert _finished(run, 0) == []
+    assert [line for line in run.stderr().splitlines() if line.startswith("relayrl: skipping")] == [
+        "relayrl: skipping checkpoint step_00000003: its weights are not finite (NaN or inf in "
+        "model.embed_tokens.weight): an older relayrl saved them as complete"]
+    assert [m["step"] for m in _metrics(run)][-2:] == [3, 4]  # resumed from step 2
+    model = load_pretrained(run.run_dir / "base_model")
+    load_distributed(ckpts / "step_00000004", model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def _colocated():
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(**SYNC_CONFIGS["gqa8x2"]))
