@@ -52,6 +52,7 @@ def huge(completion, example):
 '''
 
 REWARDS = '''
+import numpy as np
 
 def odd(completion, example):
     return {"nan": float("nan"), "high": "high", "none": None, "npbool": np.bool_(True),
