@@ -5,6 +5,7 @@ Each layer defines the config of the code it configures (`DataConfig` in `relayr
 subclassing `Config`; the run config composes them. Every error names the dotted key:
 
     config error: trainer.lr: Input should be greater than 0 (got -1)
+    config error: trainer.lr: Input should be a finite number (got inf)    (every float; see Config)
 
 It is part of relayrl's ground floor: it imports pydantic, PyYAML and relayrl.errors only, and it must
 never import any other relayrl module, since every layer imports it.
@@ -64,7 +65,10 @@ def parse_yaml(text: str) -> Any:
 class Config(BaseModel):
     """Base for every config section: unknown keys and wrong types are errors."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False)
+    # allow_inf_nan=False: every float setting is finite (`trainer.lr: .inf` passes gt=0 and would train NaN); a
+    # field where infinity means something opts out with Field(..., allow_inf_nan=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False,
+                              allow_inf_nan=False)
     # settings renamed or replaced: the old key -> what to write instead. Refused in one line for a release, so a
     # config written for the old name fails naming the new one instead of as an unknown key
     RENAMED: ClassVar[dict[str, str]] = {}

@@ -23,6 +23,8 @@ CheckpointError line naming it, before any shard is read.
 
 The write, and who does what (ranks of the default process group):
 
+    all:    any NaN or inf in any rank's state? then a CheckpointError on every rank, nothing written
+            (relayrl.checkpoint.finite; a load refuses such a checkpoint the same way)
     all:    sum the state's tensor bytes over ranks (the checkpoint's expected size)
     rank 0: encode extra, clean crash leftovers, check free space, mkdir .tmp_step_X ── tell every rank ──┐
     all:    dcp.save into .tmp_step_X (each rank its shard; rank 0 .metadata)  <───────────────────────┘
@@ -75,6 +77,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from relayrl.checkpoint.errors import CheckpointError, CheckpointSpaceError
+from relayrl.checkpoint.finite import first_nonfinite
 from relayrl.checkpoint.layout import (
     CHECKPOINTS_DIR,
     FORMAT_VERSION,
@@ -154,6 +157,17 @@ def _space_guarded(fn: Callable[[], Any], root: Path, needed: int) -> Callable[[
 # ---------------------------------------------------------------- save
 
 
+def _refuse_nonfinite(state: dict[str, Any], what: str, instead: str) -> None:
+    """Collective: a CheckpointError on every rank when any rank's model or optimizer state holds a NaN or inf."""
+    found = _all_gather(first_nonfinite(state))
+    bad = next(((r, name) for r, name in enumerate(found) if name is not None), None)
+    if bad is not None:
+        rank, name = bad
+        kind = "weights are" if name.startswith(f"{MODEL_KEY}.") else "optimizer state is"
+        raise CheckpointError(f"{what}: its {kind} not finite (NaN or inf in {name.split('.', 1)[1]}"
+                              f"{f' on rank {rank}' if len(found) > 1 else ''}); {instead}")
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     if optimizer is None:
         return {MODEL_KEY: get_model_state_dict(model)}
@@ -191,8 +205,9 @@ def save_distributed(
     if meta.get("model_dir") is not None:
         meta["model_dir"] = str(Path(meta["model_dir"]).resolve())
     world = dist.get_world_size() if _distributed() else 1
+    # "finite": the state was checked for NaN and inf below (a save fails otherwise), so a resume need not read it
     full_meta = {**meta, "step": step, "format_version": FORMAT_VERSION, "format": DCP_FORMAT,
-                 "world_size": world, "has_optimizer": optimizer is not None, "entries": [EXTRA_ENTRY]}
+                 "world_size": world, "has_optimizer": optimizer is not None, "entries": [EXTRA_ENTRY], "finite": True}
     # Serialized before any shard is written: a non-JSON meta fails on every rank right here.
     meta_bytes = (json.dumps(full_meta, indent=2, sort_keys=True) + "\n").encode()
 
@@ -200,6 +215,9 @@ def save_distributed(
     final = root / step_dir_name(step)
     tmp = root / f"{TMP_PREFIX}{final.name}"  # no pid suffix: every rank must agree on the name
     state = _state(model, optimizer)
+    # NaN or inf weights would make a COMPLETE checkpoint that every resume picks: refused before anything is written
+    _refuse_nonfinite(state, f"refusing to save checkpoint {final.name}",
+                      f"the last complete checkpoint in {root} stays the resume point")
     sizes = _all_gather(state_bytes(state))
     needed = expected_bytes(sum(b for b, _ in sizes), sum(n for _, n in sizes), len(meta_bytes) + (64 << 10))
     extra_files: dict[str, bytes] = {}
@@ -280,6 +298,26 @@ def open_checkpoint(path: str | os.PathLike[str], *, checksums: bool = False) ->
     return CheckpointContents(meta, index, extra)
 
 
+def saved_nonfinite(path: str | os.PathLike[str]) -> str | None:
+    """The first weight of sharded checkpoint `path` holding a NaN or inf, or None. A checkpoint saved since saves
+    are checked says so in meta.json ("finite") and is not read; an older one is read as data, one tensor at a
+    time, so that a resume passes over NaN weights an older relayrl saved as complete."""
+    path = Path(path)
+    meta, index, _ = open_checkpoint(path)
+    if meta.get("finite") is True:
+        return None
+    for key, entry in index.state_dict_metadata.items():
+        if not (key.startswith(f"{MODEL_KEY}.") and isinstance(entry, TensorStorageMetadata)
+                and entry.properties.dtype.is_floating_point):
+            continue
+        name = key[len(MODEL_KEY) + 1:]
+        t = torch.empty(entry.size, dtype=entry.properties.dtype)
+        dcp_load({MODEL_KEY: {name: t}}, path, index, no_dist=True)
+        if not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
 def read_meta(path: str | os.PathLike[str], *, checksums: bool = False) -> dict[str, Any]:
     """meta.json of a complete, sound distributed checkpoint; a one-line CheckpointError for anything else."""
     return open_checkpoint(path, checksums=checksums).meta
@@ -344,6 +382,9 @@ def load_distributed(
     # DCP reads, for each tensor, the saved chunks that overlap this rank's shard, into it in place.
     dcp_load(request, path, index, no_dist=not _distributed())
     after_load()
+    # a checkpoint written before saves were checked may hold NaN weights: they would train NaN from here on
+    _refuse_nonfinite(state, f"checkpoint {path} cannot be resumed",
+                      "move it out of checkpoints/ to resume from the one before it")
     if optimizer is None:
         set_model_state_dict(model, state[MODEL_KEY])
     else:

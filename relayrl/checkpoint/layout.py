@@ -134,15 +134,24 @@ class SkippedCheckpoint(NamedTuple):
 
 
 def latest_valid_checkpoint(run_dir: str | os.PathLike[str]) -> tuple[Path | None, list[SkippedCheckpoint]]:
-    """The newest checkpoint whose files match its COMPLETE manifest (sizes and CRC-32) and whose meta.json
-    reads, and the newer ones skipped on the way, newest first, each with a one-line reason (incomplete,
-    truncated, checksum mismatch, bad JSON). (None, skipped) when no checkpoint passes."""
+    """The newest checkpoint whose files match its COMPLETE manifest (sizes and CRC-32), whose meta.json
+    reads and whose weights are finite (read only for a checkpoint saved before saves were checked), and the newer
+    ones skipped on the way, newest first, each with a one-line reason (incomplete, truncated, checksum mismatch,
+    bad JSON, NaN weights). (None, skipped) when no checkpoint passes."""
     skipped = []
     for step, path in reversed(_step_dirs(run_dir)):
         try:
             verify_checkpoint(path, checksums=True)
-            if read_meta_file(path)["step"] != step:
+            meta = read_meta_file(path)
+            if meta["step"] != step:
                 raise CheckpointError(f"checkpoint file {path / META_FILE} is for another step than {path.name}")
+            if meta.get("format") == "dcp" and meta.get("finite") is not True:
+                from relayrl.checkpoint.distributed import saved_nonfinite  # it imports this module
+
+                bad = saved_nonfinite(path)
+                if bad is not None:
+                    raise CheckpointError(f"its weights are not finite (NaN or inf in {bad}): an older relayrl saved "
+                                          "them as complete")
         except CheckpointError as e:
             skipped.append(SkippedCheckpoint(path, str(e)))
             continue

@@ -6,15 +6,18 @@
              obs, reward, done, info = env.step(message)
              obs: the messages that answer it (a tool's result, the game's reply), or None
 
-An episode's reward is the sum of its step rewards; it succeeded when the last step's info says
-`success` (else when that reward is at least 1). `env.tools` lists the tools the model may call (their
-schemas go through the chat template's `tools=`); a tool-free environment has none.
+An episode's reward is the sum of its step rewards, each a finite real number: a step whose reward is NaN,
+inf, None, a string or any other non-number ends its episode as an environment error (finish `env_error`,
+counted in env/errors; the episode keeps the reward of its earlier steps), as a step that raises does. It
+succeeded when the last step's info says `success` (else when that reward is at least 1). `env.tools` lists
+the tools the model may call (their schemas go through the chat template's `tools=`); a tool-free environment
+has none.
 
 Built-in environments register by name (`@register_env("calculator")`); your own is given as
 'module:Class' or 'path/file.py:Class', built with `env.params` as keyword arguments.
 
-It imports the standard library, relayrl's ground floor, relayrl.data and relayrl.rewards' loader only;
-like all of envs, it must never import the engine, the trainer, sync or the controller.
+It imports the standard library, relayrl's ground floor, relayrl.data and relayrl.rewards' loader and value
+check only; like all of envs, it must never import the engine, the trainer, sync or the controller.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from relayrl.data.tasks import Example
 from relayrl.envs.config import EnvConfig
 from relayrl.errors import EnvError
+from relayrl.rewards.calls import to_reward
 
 
 class StepResult(NamedTuple):
@@ -112,7 +116,12 @@ def as_step_result(out: Any, name: str) -> StepResult:
                        f"got {type(out).__name__}") from None
     if obs is not None and (not isinstance(obs, list) or not all(isinstance(m, dict) for m in obs)):
         raise EnvError(f"environment '{name}': the observation must be a list of messages or None")
-    return StepResult(obs or None, float(reward), bool(done), dict(info or {}))
+    # the reward functions' rule (relayrl.rewards.calls): a finite real number (numpy's and torch's scalars too);
+    # NaN, inf, None or a string would reach the loss, so the step is a failure of its episode instead
+    value, error = to_reward(reward)
+    if error is not None:
+        raise EnvError(f"environment '{name}': the reward step() {error}")
+    return StepResult(obs or None, value, bool(done), dict(info or {}))
 
 
 def demonstration(env: Env, example: Example, name: str) -> list[dict[str, Any]]:

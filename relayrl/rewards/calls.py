@@ -35,7 +35,9 @@ refuses a function that fits none or several; `batch: true | false` in the confi
 
 What counts as a value:
     int, float, fractions.Fraction, numpy's real scalars   float(v), if finite
-    bool                                                    1.0 / 0.0 (`return pred == gold` is common)
+    bool, numpy.bool_                                       1.0 / 0.0 (`return pred == gold` is common, and
+                                                            numpy's comparisons give numpy.bool_)
+    a 0-d numpy array or torch tensor (`x.mean()`)          its .item(), by the rules above
     NaN, +-inf, an int too large for a float (10**400)      a failure
     complex, str (even "1.0"), None, anything else          a failure
 A batch function returns a list (or tuple, or array) with one value per completion: a wrong length or
@@ -230,6 +232,10 @@ def call_reward(fn: RewardFn, completion: str, example: Any) -> tuple[float | No
 
 
 def to_reward(v: Any) -> tuple[float | None, str | None]:
+    """(float(v), None) for a finite real number (numpy's and torch's scalars included), else (None, why)."""
+    v, error = _plain_scalar(v)
+    if error is not None:
+        return None, error
     if not isinstance(v, numbers.Real):
         return None, f"returned {_safe_repr(v)} ({type(v).__name__}), expected a finite real number"
     try:
@@ -241,6 +247,23 @@ def to_reward(v: Any) -> tuple[float | None, str | None]:
     if not math.isfinite(f):
         return None, f"returned {f!r}, expected a finite real number"
     return f, None
+
+
+def _plain_scalar(v: Any) -> tuple[Any, str | None]:
+    """numpy.bool_ (not a numbers.Real), and a 0-d numpy array or torch tensor, as the Python number .item()
+    gives; anything else unchanged. A value whose .item() raises is a failure of its sample."""
+    if isinstance(v, (numbers.Real, str, bytes)) or v is None:
+        return v, None
+    try:
+        zero_d = getattr(v, "ndim", None) == 0 and callable(getattr(v, "item", None))
+    except BaseException:  # a user object's attribute may raise anything
+        zero_d = False
+    if not zero_d:
+        return v, None
+    try:
+        return v.item(), None
+    except BaseException as e:
+        return None, f"returned {type(v).__name__} whose .item() raised {type(e).__name__}: {_first_line(e)}"
 
 
 def _first_line(e: BaseException) -> str:

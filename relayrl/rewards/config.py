@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from relayrl.config import Config
 
@@ -47,13 +47,6 @@ class RewardFunctionConfig(Config):
     batch: bool | None = None
     args: dict[str, Any] | None = None  # name is a factory: factory(**args) once at load is the function
     path: str | None = None  # name: model only: the reward model's directory
-
-    @field_validator("weight")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("weight must be a finite number")
-        return v
 
     @model_validator(mode="after")
     def _model_entry(self) -> RewardFunctionConfig:
@@ -92,13 +85,6 @@ class RewardConfig(Config):
     cpu_s: int | None = Field(None, ge=1)
     max_reply_mb: int = Field(64, ge=1, le=4096)  # the longest answer of one call: longer fails it, replaces the worker
     on_failure: float = 0.0
-
-    @field_validator("timeout_s", "on_failure")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
 
     def rule_config(self) -> RewardConfig:
         """This section without its reward-model entries: what the reward pool runs. It may hold no function

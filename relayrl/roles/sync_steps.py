@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import time
 
+import torch
+from torch.distributed.tensor import DTensor
+
 from relayrl.parallel.rendezvous import StoreAddress
 from relayrl.sync.checksums import dest_checksums, source_checksums
 from relayrl.sync.transfer import (
@@ -81,6 +84,21 @@ def trainer_finish_send(rank: TrainerRank) -> SyncStats:
 
 def trainer_checksums(rank: TrainerRank, spec: SyncSpec) -> dict[int, float]:
     return source_checksums(spec.plan, rank.rank, trainer_locals(rank.model), spec.dtype, spec.fp8)
+
+
+def trainer_weights_finite(rank: TrainerRank) -> tuple[str | None, float]:
+    """(the first parameter holding a NaN or inf on this rank, or None; the largest finite |weight| here): why a
+    failed canary may be the trainer's own weights and not the transfer."""
+    bad, peak = None, 0.0
+    with torch.no_grad():
+        for name, p in rank.model.named_parameters():
+            t = p.detach().to_local() if isinstance(p, DTensor) else p.detach()
+            finite = torch.isfinite(t)
+            if bad is None and not bool(finite.all()):
+                bad = name
+            if bool(finite.any()):
+                peak = max(peak, float(t[finite].abs().max()))
+    return bad, peak
 
 
 # ---------------------------------------------------------------------------- engine ranks

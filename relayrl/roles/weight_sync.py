@@ -16,9 +16,11 @@ verifies it every time.
              engine.end_weight_update()
              verify()       canary rows scored by the trainer and by the engine; a mean |logprob gap|
                             over the bound of the engine's dtype (or NaN) stops the run, naming the
-                            first parameter whose checksum differs. Every piece's checksum is also
-                            compared after the first sync (the plan never changes, so a layout bug
-                            shows there) and, with sync.debug_checksums, after every sync.
+                            first parameter whose checksum differs, or, where the trainer's own canary
+                            logprobs are NaN or inf, its non-finite (or overflowing) weights instead.
+                            Every piece's checksum is also compared after the first sync (the plan
+                            never changes, so a layout bug shows there) and, with sync.debug_checksums,
+                            after every sync.
 
 LoRA (`lora`, the trainer's adapters' AdapterShape): the engine gets adapter slots on its targeted
 modules (relayrl.engine.lora, kept apart or merged as sync.lora says); the first sync, and any after
@@ -209,6 +211,8 @@ class PlannedWeightSync:
                 # model; training sharpens the logits and that rounding grows: leave it room (3x), never
                 # less than the dtype's bound, never more than 3x of it
                 self.bound = max(self.bound, GAP_MARGIN * gap)
+            if over and not bool(torch.isfinite(trainer[mask.bool()]).all()):
+                raise SyncVerificationError(f"weight sync verification failed after {after}: {self._nonfinite()}")
             if bad is not None or over:
                 where = (f"first parameter whose checksum differs: {describe_piece(bad)}" if bad is not None
                          else "every piece's checksum matches: the engine computes these weights differently "
@@ -219,6 +223,19 @@ class PlannedWeightSync:
                     f"(bound {self.bound:g} for the {str(self.spec.dtype).removeprefix('torch.')} engine"
                     f"{', float8 wire' if self.spec.fp8 else ''}); {where}")
         return gap
+
+    def _nonfinite(self) -> str:
+        """The trainer's own canary logprobs are NaN or inf: its weights are (or overflow its forward), whatever the
+        engine got; the transfer is not to blame."""
+        found = self.policy.run_on_ranks(steps.trainer_weights_finite)
+        bad = next(((r, name) for r, (name, _) in enumerate(found) if name is not None), None)
+        fix = "the update diverged, not the transfer: lower trainer.lr"
+        if bad is not None:
+            return (f"the trainer's own weights are not finite (NaN or inf in {bad[1]} on trainer rank {bad[0]}); "
+                    f"{fix}")
+        peak = max(p for _, p in found)
+        return (f"the trainer's own canary logprobs are not finite: its weights are finite but overflow its forward "
+                f"(the largest |weight| is {peak:.3g}); {fix}")
 
     def checksums(self) -> tuple[dict[int, float], dict[int, float]]:
         """(trainer side, engine side): plan piece index -> checksum (the debug view)."""

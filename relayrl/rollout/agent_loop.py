@@ -312,7 +312,11 @@ class AgentLoop:
         if not ep.messages:  # the reset's messages
             ep.start(out)
             return True
-        obs, reward, done, info = as_step_result(out, self.cfg.name)
+        try:
+            obs, reward, done, info = as_step_result(out, self.cfg.name)
+        except EnvError as e:  # a step that returned no usable result (a NaN reward, say) fails as one that raised
+            ep.end("env_error", str(e))
+            return False
         ep.reward += reward
         ep.count(info)
         if "success" in info:

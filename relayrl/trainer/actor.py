@@ -49,6 +49,7 @@ from relayrl.trainer.logprobs import (
     split_rows,
     token_logprobs,
 )
+from relayrl.trainer.nonfinite import NonFiniteGuard, step_schedule
 from relayrl.trainer.optim import build_optimizer
 from relayrl.trainer.pipelined import micro_batches, pad_rows
 from relayrl.trainer.routing import (
@@ -90,6 +91,8 @@ class Actor:
                                       routing_replay=algo.routing_replay, bf16=cfg.bf16, even=True,
                                       tp_group=self.tp_group, dp_group=self.dp_group, cp=cp, pipe=pipe)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
+        # a step with a non-finite loss or gradient norm is skipped on every rank; max_nonfinite_steps in a row stop
+        self.guard = NonFiniteGuard(cfg.max_nonfinite_steps, dims=dims, device=self.device, who="actor")
 
     def _autocast(self):
         return autocast(self.device, self.cfg.bf16)
@@ -147,10 +150,11 @@ class Actor:
                 if self.cfg.shares_prefix:  # a prompt's samples in the same micro-batches (a mini-batch is a set)
                     mine = mine[prompt_order(batch.select(mine))]
                 self.step_on(batch.select(mine), tally, batch)
-        self.scheduler.step()
+        step_schedule(self.scheduler)
         if self.dp_group is not None:
             tally.all_reduce(self.dp_group)
-        result = {**tally.result(), "lr": self.scheduler.get_last_lr()[0]}
+        result = {**tally.result(), "lr": self.scheduler.get_last_lr()[0],
+                  "skipped_nonfinite": float(self.guard.take_skipped())}  # the same on every rank (agreed)
         if self.pipe is not None:  # the last stage computed the losses: its stats are the pipeline's
             out = [result]
             dist.broadcast_object_list(out, group=self.pipe.pp_group, group_src=self.pipe.last_rank)
@@ -158,18 +162,26 @@ class Actor:
         return result
 
     def step_on(self, mini: TrainBatch, tally: _Tally, template: TrainBatch | None = None) -> None:
-        """One optimiser step on a mini-batch (accumulated over micro-batches)."""
+        """One optimiser step on a mini-batch (accumulated over micro-batches); skipped, its gradients dropped,
+        when the loss or the gradient norm is not finite (relayrl.trainer.nonfinite)."""
         self.optimizer.zero_grad(set_to_none=True)
+        tally.step_loss = 0.0
         self._accumulate(mini, tally, template if template is not None else mini)
         clip = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
         if self.pipe is not None:  # every stage's gradients in one norm (a tied weight once)
-            tally.grad_norms.append(self.pipe.clip_grad_norm(clip))
+            total = self.pipe.clip_grad_norm(clip)
         elif self.ep_mesh is not None:  # each ep rank holds other experts: their squares summed over the ep group
             total = grad_norm_ep(self.model, self.ep_mesh)
             scale_grads(self.model.parameters(), clip, total)
-            tally.grad_norms.append(total)
         else:
-            tally.grad_norms.append(clip_grad_norm(self.model.parameters(), clip))
+            total = clip_grad_norm(self.model.parameters(), clip)
+        tally.grad_norms.append(total)
+        cause = self.guard.check(tally.step_loss, total)
+        if cause is not None:
+            self.optimizer.zero_grad(set_to_none=True)  # dropped: neither applied nor left for the next step
+            value = tally.step_loss if cause == "loss" else total
+            self.guard.stop_if_exhausted(cause, value, step=self.scheduler.last_epoch + 1)
+            return
         self.optimizer.step()
 
     def accumulate_grads(self, mini: TrainBatch) -> dict[str, float]:
@@ -294,6 +306,7 @@ class _Tally:
         self.weighted: dict[str, float] = defaultdict(float)
         self.maxima: dict[str, float] = {"ratio_max": 0.0}  # every stat named *_max is a max, not a mean
         self.tokens = self.loss = 0.0
+        self.step_loss = 0.0  # this rank's loss of the optimiser step in progress (Actor.step_on resets it)
         self.loss_steps = 0
         self.grad_norms: list[float] = []
         # MoE (an MoEShape): routed slots per (MoE layer, expert), summed; zeros on a rank with no real rows, so
@@ -306,6 +319,7 @@ class _Tally:
 
     def add(self, loss: float, stats: dict, tokens: float) -> None:
         self.loss += loss
+        self.step_loss += loss
         self.tokens += tokens
         for k, v in stats.items():
             if k.endswith("_max"):

@@ -22,6 +22,9 @@ class TrainerConfig(Config):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     grad_clip: float | None = Field(1.0, gt=0)  # None: no clipping (the norm is still reported)
+    # an optimiser step whose loss or gradient norm is NaN or inf is skipped (counted in skipped_nonfinite); this
+    # many in a row stop the run in one line (relayrl.trainer.nonfinite)
+    max_nonfinite_steps: int = Field(3, ge=1)
     # the schedule steps once per RL step: linear warm-up, then constant or cosine to min_lr_ratio
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)

@@ -41,6 +41,7 @@ class Critic(Actor):
         # the value model neither replays routing nor adds the routers' losses (the actor's settings)
         algo = algo.model_copy(update=dict(routing_replay=False, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0))
         super().__init__(model, cfg, algo, total_steps=total_steps, temperature=1.0, seed=seed, dims=dims)
+        self.guard.who = "critic"
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         return self.per_token(batch, lambda mb: token_values(self.model, mb.input_ids, mb.attention_mask))

@@ -19,6 +19,7 @@ from relayrl.parallel.grad_norm import clip_grad_norm
 from relayrl.trainer.batch import TrainBatch
 from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.nonfinite import NonFiniteGuard, step_schedule
 from relayrl.trainer.optim import build_optimizer
 
 
@@ -27,6 +28,7 @@ class SFTTrainer:
         self.model, self.cfg = model, cfg
         self.device = module_device(model)  # micro-batches go here; autocast takes its type
         self.optimizer, self.scheduler = build_optimizer(model, cfg, total_steps)
+        self.guard = NonFiniteGuard(cfg.max_nonfinite_steps, device=self.device, who="model")
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         self.model.train()
@@ -43,6 +45,13 @@ class SFTTrainer:
             total += float(loss.detach())
         clip = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
         grad_norm = clip_grad_norm(self.model.parameters(), clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        return {"sft/loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+        cause = self.guard.check(total, grad_norm)  # a non-finite step is skipped (relayrl.trainer.nonfinite)
+        if cause is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.guard.stop_if_exhausted(cause, total if cause == "loss" else grad_norm,
+                                         step=self.scheduler.last_epoch + 1)
+        step_schedule(self.scheduler)
+        return {"sft/loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+                "skipped_nonfinite": float(self.guard.take_skipped())}
