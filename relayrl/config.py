@@ -45,7 +45,7 @@ class _Loader(yaml.SafeLoader):
 
     _depth = 0
 
-    def compose_node(self, parent, index):  # noqa: ANN001 (PyYAML's signature)
+    def compose_node(self, parent, index):
         if self._depth >= MAX_YAML_DEPTH:
             raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
                                               self.peek_event().start_mark)
@@ -55,13 +55,13 @@ class _Loader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def get_single_node(self):  # noqa: ANN201
+    def get_single_node(self):
         node = super().get_single_node()
         if node is not None:
             _check_expanded_size(node)
         return node
 
-    def construct_mapping(self, node, deep=False):  # noqa: ANN001, ANN201
+    def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
             first: dict[Any, yaml.Node] = {}
             for key_node, _ in node.value:
