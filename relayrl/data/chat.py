@@ -36,6 +36,15 @@ CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 CONVERSATIONS_ONLY = "{# relayrl: conversations only #}"
 
 
+def max_token_chars(tokenizer: Any) -> int:
+    """K, the most characters one token of `tokenizer` stands for: its longest vocabulary entry (a byte-level
+    entry is one character per byte, so never fewer than the text it decodes to). A text of more than n x K
+    characters is more than n tokens, known without tokenizing it: how prompts and observations are bounded before
+    they are sized (a tokenizer given megabytes in one piece takes minutes, or aborts the process)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max(max((len(t) for t in vocab), default=1), 1)
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
