@@ -87,8 +87,9 @@ MEANINGS = {
     "data.answer_field": "The column holding the reference answer (null: none).",
     "data.format": "The file's layout: `plain`, `trl` (prompt plus any columns), `verl` (`reward_model.ground_truth`"
                    " is the answer), or `auto` (verl when rows have `reward_model` and message prompts, else plain).",
-    "data.n_train": "Training examples generated for a task (a file trains on all its remaining rows).",
-    "data.n_eval": "Held-out examples.",
+    "data.n_train": "Training examples generated for a task (a file trains on all its remaining rows); at most "
+                    "1,000,000, since they are held in memory.",
+    "data.n_eval": "Held-out examples (at most 1,000,000).",
     "data.seed": "Seed of the task's generator and of the file's train/eval split.",
     "data.chat_template": "String prompts through the tokenizer's chat template: `always`, `never` (raw text), or "
                           "`auto`: where the tokenizer has a template meant for them (not relayrl's tiny tokenizers, "

@@ -180,11 +180,12 @@ def _cmd_sync_plan(a) -> int:
 def _plan_model_shape(model_dir: str):
     """The shape `relayrl plan --model DIR` plans: an MoE config (num_experts / num_local_experts) as
     relayrl.planner.moe reads it, any other as relayrl loads it. Only config.json is read."""
+    from relayrl.config import parse_json
     from relayrl.models import load_config
     from relayrl.models.config import ModelShape
 
     try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        raw = parse_json((Path(model_dir) / "config.json").read_text())  # bounded: a 100k-deep file is malformed
     except (OSError, ValueError):
         raw = None  # load_config says what is wrong with the directory, in one line
     if isinstance(raw, dict) and ("num_experts" in raw or "num_local_experts" in raw):

@@ -36,6 +36,15 @@ CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 CONVERSATIONS_ONLY = "{# relayrl: conversations only #}"
 
 
+def max_token_chars(tokenizer: Any) -> int:
+    """K, the most characters one token of `tokenizer` stands for: its longest vocabulary entry (a byte-level
+    entry is one character per byte, so never fewer than the text it decodes to). A text of more than n x K
+    characters is more than n tokens, known without tokenizing it: how prompts and observations are bounded before
+    they are sized (a tokenizer given megabytes in one piece takes minutes, or aborts the process)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max(max((len(t) for t in vocab), default=1), 1)
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
@@ -82,7 +91,15 @@ def format_prompt(tokenizer: Any, prompt: Prompt, mode: ChatTemplateMode, system
             "the dataset's prompts are chat messages, which only a chat template can turn into text, but the "
             "tokenizer has no chat template; add a chat_template to the tokenizer or use string prompts"
         )
-    return tokenizer.apply_chat_template(prompt_messages(prompt, system), add_generation_prompt=True, tokenize=False)
+    messages = prompt_messages(prompt, system)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2's TemplateError (a template's raise_exception), a TypeError in the template, ...
+        said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        roles = ", ".join(str(m.get("role")) for m in messages[:8])
+        raise DataError(f"the tokenizer's chat template raised {type(e).__name__}{': ' + said if said else ''} on a "
+                        f"prompt of {len(messages)} message(s) (roles: {roles}); fix the template or the prompt "
+                        "(data.system_prompt, the dataset's messages)") from None
 
 
 def prompt_messages(prompt: Prompt, system: str | None = None) -> list[dict[str, Any]]:

@@ -36,6 +36,9 @@ from relayrl.data.tasks import Example, check_task, get_task, task_names
 from relayrl.errors import ConfigError, DataError
 
 FILE_TASK = "file"
+# generated examples are held in memory (a few hundred bytes each, more for long prompts): a bound with a clear line
+# instead of 6 GB and no word for n_train=1e10; a run samples rollout.prompts_per_step x run.steps prompts, cycling
+MAX_GENERATED = 1_000_000
 
 
 class DataConfig(Config):
@@ -55,6 +58,15 @@ class DataConfig(Config):
     seed: int = 0
     chat_template: ChatTemplateMode = "auto"
     system_prompt: str | None = None
+
+    @field_validator("n_train", "n_eval")
+    @classmethod
+    def _bounded(cls, v: int) -> int:
+        if v > MAX_GENERATED:
+            raise ValueError(f"at most {MAX_GENERATED:,} generated examples are held in memory, got {v:,}; a run "
+                             "samples rollout.prompts_per_step x run.steps prompts and cycles through the set, so "
+                             "a smaller set loses nothing but variety")
+        return v
 
     @field_validator("task")
     @classmethod

@@ -5,10 +5,13 @@ system/user/assistant/tool and a string `content`; TRL's conversational format).
 (`data.format`):
 
     plain   the prompt field and the answer field (required unless `answer_field` is None, then the
-            answer is ""); a non-string answer (a number) is converted with str()
+            answer is ""); a number or boolean answer is converted with str(), a list or object is written as
+            JSON, and a null answer is refused (it would become the text "None", which a completion "None"
+            matches): give the row its answer, or set `answer_field: null` for a dataset without answers
     trl     TRL's prompt-only datasets: the prompt field, any other columns (`solution`,
             `ground_truth`, ...) for the reward functions; the answer field is used when a row has it,
-            else the answer is ""
+            else the answer is "" (a null answer is no answer too: TRL rows may lack one); the answer's
+            other types as for plain
     verl    verl's RL parquet: `data_source`, `prompt` (chat messages), `ability`, `reward_model`
             ({style, ground_truth}) and `extra_info`; the answer is `reward_model.ground_truth`
             (a string as is, a number by str(), a list or object as JSON; null is "")
@@ -19,7 +22,11 @@ batch functions get each as a keyword list, verl-style ones `data_source`, `grou
 `extra_info`), and `meta["row"]` is the 0-based row index. File examples have no `meta["task"]`,
 which is how the `task` reward knows to fall back to exact match.
 
-Every problem is a DataError on one line that says where (file, line or row) and what to do.
+Every problem is a DataError on one line that says where (file, line or row) and what to do. Input is bounded
+before it is sized: a .jsonl line past MAX_LINE_BYTES is refused without being read whole, a prompt past
+MAX_PROMPT_CHARS (string, or the messages' contents together) is refused before any tokenizer sees it (a 100 MB
+line would abort the process inside the Rust tokenizer), and a row nested past relayrl.config.MAX_JSON_DEPTH or
+holding a number of thousands of digits is malformed JSON (relayrl.config.parse_json).
 
 It imports the standard library, pyarrow (on first use) and relayrl.errors only; it must never import another relayrl
 layer: data is a leaf, which rewards and the controller import.
@@ -31,12 +38,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from relayrl.config import parse_json
 from relayrl.data.tasks import Example
 from relayrl.errors import DataError
 
 SUFFIXES = (".jsonl", ".parquet")
 FORMATS = ("auto", "plain", "trl", "verl")
 ROLES = ("system", "user", "assistant", "tool")
+MAX_LINE_BYTES = 16 * 2**20  # one .jsonl row: a long-context prompt of a million tokens is about 4 MB
+MAX_PROMPT_CHARS = 8 * 2**20  # what any tokenizer is given in one piece (relayrl.rollout.prompts checks it too)
 
 
 def load_dataset_file(
@@ -71,7 +81,11 @@ def _read_jsonl(p: Path) -> list[tuple[int, dict[str, Any]]]:
     rows = []
     offset = 0  # of the line's first byte, for an encoding error's position
     with p.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        # a bounded read: a line past the bound (a 10 GB file without a newline) is refused, never held whole
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 2), b""), start=1):
+            if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
+                raise DataError(f"{p} line {lineno} is longer than {MAX_LINE_BYTES // 2**20} MiB, past what one "
+                                "row may hold; shorten the row (or split the text over several rows)")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -81,7 +95,7 @@ def _read_jsonl(p: Path) -> list[tuple[int, dict[str, Any]]]:
             if not line.strip():
                 continue  # blank lines (often a trailing one) are not rows
             try:
-                row = json.loads(line)
+                row = parse_json(line)  # bounded: nesting and digits
             except json.JSONDecodeError as e:
                 raise DataError(f"malformed JSON in {p} at line {lineno}: {e.msg} (column {e.colno})") from None
             if not isinstance(row, dict):
@@ -124,16 +138,30 @@ def _to_example(
             f"one, or to null if there is no answer (data.format=trl: the reward functions read their own columns)"
         )
     else:
-        answer = row[answer_field]
-        answer = answer if isinstance(answer, str) else str(answer)
+        answer = _answer_text(at, answer_field, row[answer_field], format)
     rest = {k: v for k, v in row.items() if k != prompt_field}
     return Example(prompt=prompt, answer=answer, meta={"row": index, "fields": rest})
 
 
+def _answer_text(at: str, answer_field: str, answer: Any, format: str) -> str:
+    """A plain or TRL row's answer as the text the rewards compare against (module docstring)."""
+    if answer is None:
+        if format == "trl":
+            return ""
+        raise DataError(f"{at}: answer field '{answer_field}' is null; give the row its answer, or set "
+                        "data.answer_field: null if the dataset has no answers (a null would become the text 'None')")
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, (list, dict)):
+        return json.dumps(answer, ensure_ascii=False, default=str)  # JSON, never a Python repr
+    return str(answer)
+
+
 def _check_prompt(at: str, prompt_field: str, prompt: Any) -> str | list[dict[str, Any]]:
     """The prompt as given: a string, or a non-empty list of {role, content} messages (the keys a
-    parquet struct column gives every message but holds null for are dropped)."""
+    parquet struct column gives every message but holds null for are dropped), at most MAX_PROMPT_CHARS long."""
     if isinstance(prompt, str):
+        _check_length(at, prompt_field, len(prompt))
         return prompt
     what = f"{at}: prompt field '{prompt_field}'"
     if not isinstance(prompt, list):
@@ -150,7 +178,14 @@ def _check_prompt(at: str, prompt_field: str, prompt: Any) -> str | list[dict[st
         if not isinstance(content, str):
             raise DataError(f"{what}: message {j} ({role}) needs a string 'content', got {type(content).__name__}")
         messages.append({k: v for k, v in m.items() if v is not None})
+    _check_length(at, prompt_field, sum(len(m["content"]) for m in messages))
     return messages
+
+
+def _check_length(at: str, prompt_field: str, chars: int) -> None:
+    if chars > MAX_PROMPT_CHARS:
+        raise DataError(f"{at}: prompt field '{prompt_field}' holds {chars:,} characters, more than "
+                        f"{MAX_PROMPT_CHARS:,} (no model's context holds it); shorten the prompt or drop the row")
 
 
 def _verl_answer(at: str, row: dict[str, Any]) -> str:

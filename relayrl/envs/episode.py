@@ -20,7 +20,16 @@ A turn that ended with the end-of-turn token already holds the start of `close` 
 ("\n") is observed. A turn that ended otherwise (at a closed tool call, or out of tokens) observes all
 of it, so the sequence reads as the template would render it.
 
-It imports the standard library and relayrl.errors only (the tokenizer is duck-typed); like all of envs, it
+Bounded before it is sized: messages (a reset's, an observation) are measured in characters before any
+tokenizer sees them. No token stands for more characters than the longest entry of the vocabulary (K), so
+messages of more than room x K x 2 characters (2: slack for a normaliser that composes characters) cannot fit
+the tokens left within env.max_total_tokens: the episode ends there (max_total_tokens), as it would have after
+tokenizing them (a 10 MB observation took minutes to tokenize, outside env.step_timeout_s). A reset that does not
+return a non-empty list of {role, content} messages, and a chat template that raises on the messages, are
+EnvErrors: that episode fails (env_error), counted, and the run goes on.
+
+It imports the standard library, relayrl.data.chat and relayrl.errors only (the tokenizer is duck-typed); like all
+of envs, it
 must never import the engine, the trainer, sync or the controller.
 """
 
@@ -29,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from relayrl.data.chat import max_token_chars
 from relayrl.errors import EnvError
 
 TOOL_CLOSE = "</tool_call>"
@@ -49,10 +59,21 @@ class ChatFormat:
         self.close_text = base_text[base_text.index(PROBE) + len(PROBE):]
         self.eos_id = tokenizer.eos_token_id
         self.turn_end_ids = self._turn_end_ids()
+        self.token_chars = max_token_chars(tokenizer)  # K: the most characters one token stands for
+
+    def max_chars(self, tokens: int) -> int:
+        """More characters of messages than this cannot fit in `tokens` tokens (module docstring)."""
+        return max(tokens, 0) * self.token_chars * 2
 
     def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as e:  # jinja2's TemplateError (raise_exception in the template), a TypeError, ...
+            said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise EnvError(f"the chat template raised {type(e).__name__}{': ' + said if said else ''} while "
+                           f"rendering {len(messages)} message(s) (roles: "
+                           f"{', '.join(str(m.get('role')) for m in messages[:8])})") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -142,6 +163,7 @@ class Episode:
     last_text: str = ""
     counters: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    max_total_tokens: int | None = None  # env.max_total_tokens: a reset's messages past it end the episode
 
     @property
     def ids(self) -> list[int]:
@@ -152,7 +174,18 @@ class Episode:
         return self.finish is not None
 
     def start(self, messages: list[dict]) -> None:
+        """Begin with a reset's messages; EnvError when they are not a non-empty list of {role, content} strings.
+        Messages too long for max_total_tokens (in characters, before tokenizing) end the episode."""
+        if not isinstance(messages, list) or not messages:
+            raise EnvError(f"reset() must return a non-empty list of messages, got {_kind(messages)}")
+        for j, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise EnvError(f"reset() message {j} must be an object with a string 'role' and 'content', got "
+                               f"{_kind(m)}")
         self.messages = list(messages)
+        if self.max_total_tokens is not None and _chars(messages) > self.fmt.max_chars(self.max_total_tokens):
+            self.end("max_total_tokens")
+            return
         self.prompt_ids = self.fmt.prompt_ids(self.messages)
 
     def add_generated(self, ids: list[int], logprobs: list[float], text: str,
@@ -173,7 +206,10 @@ class Episode:
 
     def observe(self, messages: list[dict], max_total_tokens: int) -> bool:
         """Append the observation's ids, unless the episode would then have no room for a generated
-        token within `max_total_tokens` (then nothing is appended and it returns False)."""
+        token within `max_total_tokens` (then nothing is appended and it returns False). Messages that
+        cannot fit by their length in characters are refused before they are tokenized."""
+        if _chars(messages) > self.fmt.max_chars(max_total_tokens - len(self.prompt_ids) - len(self.response_ids)):
+            return False
         ids = self.fmt.observation_ids(messages, self.response_ids[-1] if self.response_ids else None)
         if len(self.prompt_ids) + len(self.response_ids) + len(ids) >= max_total_tokens:
             return False
@@ -198,6 +234,16 @@ class Episode:
                           logprobs=self.logprobs, reward=self.reward, success=bool(success), turns=self.turns,
                           finish=self.finish or "done", last_text=self.last_text, counters=dict(self.counters),
                           error=self.error, versions=self.versions)
+
+
+def _chars(messages: list[dict]) -> int:
+    """The characters of the messages' contents (what their rendering holds besides the template's own text)."""
+    return sum(len(m["content"]) if isinstance(m.get("content"), str) else len(str(m.get("content") or ""))
+               for m in messages)
+
+
+def _kind(value: Any) -> str:
+    return "an empty list" if value == [] else f"a {type(value).__name__}"
 
 
 def encode_conversation(fmt: ChatFormat, messages: list[dict], stop_ids: list[int] = ()) -> Trajectory:

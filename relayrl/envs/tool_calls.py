@@ -11,15 +11,19 @@ guess would run the wrong thing:
     "arguments" means no arguments, and "parameters" (Llama's spelling) is read when "arguments" is absent;
   - a final block without its closing tag counts when its JSON parses (generation stopped at the tag);
   - malformed JSON, a missing or non-string name, or arguments that are not an object give one short error
-    per block, never an exception: the runner shows them to the model so it can correct itself.
+    per block, never an exception: the runner shows them to the model so it can correct itself. JSON nested
+    past relayrl.config.MAX_JSON_DEPTH or a number of thousands of digits is malformed JSON too (a model can
+    write either; they raised RecursionError and ValueError out of the environment step).
 
-It imports the standard library only.
+It imports the standard library and relayrl.config's bounded JSON parser only.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+
+from relayrl.config import parse_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -79,7 +83,7 @@ def _read_block(body: str, block: str) -> ToolCall | str:
     if not body:
         return f'{block}: empty (expected {{"name": ..., "arguments": {{...}}}})'
     try:
-        obj = json.loads(body)
+        obj = parse_json(body)
     except json.JSONDecodeError as e:
         return f"{block}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})"
     if not isinstance(obj, dict):
@@ -93,7 +97,7 @@ def _read_block(body: str, block: str) -> ToolCall | str:
     args = obj.get(key, {}) if key else {}
     if isinstance(args, str):  # a JSON object serialized into a string
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = parse_json(args) if args.strip() else {}
         except json.JSONDecodeError as e:
             return f'{block}: "{key}" is a string that is not valid JSON ({e.msg})'
     if args is None:

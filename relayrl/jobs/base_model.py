@@ -19,7 +19,7 @@ from pathlib import Path
 from relayrl.data import DataConfig, build_datasets, build_task, tiny_alphabet
 from relayrl.data.alphabet import alphabet_of
 from relayrl.models.config import TinyModelConfig
-from relayrl.models.hf_io import resolve_model_path
+from relayrl.models.hf_io import load_config, resolve_model_path
 from relayrl.models.tiny import build_tiny_model
 from relayrl.models.tokenizer import char_tokenizer, load_tokenizer
 from relayrl.rollout.charset import ADVICE, check_representable
@@ -70,4 +70,5 @@ def check_datasets(data: DataConfig, model_path: str | None, src: Path, splits: 
     A tiny model the run built itself covers its data: one that does not was built in this run directory for other
     data (a start that failed after building it, then the dataset changed)."""
     advice = ADVICE if model_path is not None else f"{src} was built for other data: start the run in a new run.out_dir"
-    check_representable(load_tokenizer(src), splits, data, str(src), advice)
+    check_representable(load_tokenizer(src), splits, data, str(src), advice,
+                        max_tokens=load_config(src).max_position_embeddings)  # too long: refused before tokenizing

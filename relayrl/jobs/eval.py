@@ -21,6 +21,7 @@ from relayrl.envs.base import make_env
 from relayrl.jobs.base_model import resolve_model
 from relayrl.jobs.build import reward_scorer
 from relayrl.jobs.eval_config import EvalJob
+from relayrl.models.hf_io import load_config
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe.samples import SampleLog
 from relayrl.parallel.device import resolve_device
@@ -47,7 +48,8 @@ def run_eval(job: EvalJob, samples: str | Path | None = None) -> dict[str, float
         make_env(job.env)
     model_dir = resolve_model(job.model_dir)  # no tokenizer: one line; a GGUF file: converted once, here
     check_representable(load_tokenizer(model_dir), {"eval": eval_set}, job.data, str(job.model_dir),
-                        advice="remove them from the data, or evaluate a model whose tokenizer has them")
+                        advice="remove them from the data, or evaluate a model whose tokenizer has them",
+                        max_tokens=load_config(model_dir).max_position_embeddings)
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     with ExitStack() as stack:
         # an environment rewards its own episodes; otherwise the run's reward (its rule functions in the reward

@@ -20,7 +20,7 @@ from relayrl.data.chat import has_chat_template, string_template
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.errors import PromptError, UserError
 from relayrl.jobs.base_model import resolve_model
-from relayrl.models.hf_io import generation_eos_ids
+from relayrl.models.hf_io import generation_eos_ids, load_config
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.rollout.charset import check_representable
 from relayrl.rollout.prompts import encode_text
@@ -48,7 +48,8 @@ def generate(model: str, prompts: Sequence[str], params: SamplingParams, chat: b
     # text the tokenizer would drop is refused, as in train and eval: the model would answer another prompt
     check_representable(tok, {"command-line": [Example(p, "") for p in prompts]},
                         DataConfig(chat_template=mode, system_prompt=system), str(model),
-                        "rephrase the prompt, or use a model whose tokenizer has them")
+                        "rephrase the prompt, or use a model whose tokenizer has them",
+                        max_tokens=load_config(model_dir).max_position_embeddings)
     ids = [encode_text(tok, p, mode, system) for p in prompts]
     configure_process()  # this process runs the model: its CPU kernels, decided once (relayrl.parallel.cpu_kernels)
     engine = LLMEngine.from_pretrained(model_dir)

@@ -33,6 +33,32 @@ MOE_ARCHITECTURES = {
 }
 ARCHITECTURES = DENSE_ARCHITECTURES | MOE_ARCHITECTURES
 QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
+# config.json's sizes, each a JSON integer of at least 1 where given (0 heads divided by zero, "32" failed deep in
+# torch, 1e9 is a float): the minimum per key; shared_expert_intermediate_size 0 means no shared expert, and
+# transformers writes sliding_window 0 into configs that use none
+SIZE_FIELDS = {
+    "vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1,
+    "num_key_value_heads": 1, "head_dim": 1, "max_position_embeddings": 1, "sliding_window": 0,
+    "num_experts": 1, "num_local_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": 1,
+    "shared_expert_intermediate_size": 0, "decoder_sparse_step": 1,
+}
+
+
+def check_hf_sizes(d: dict[str, Any]) -> None:
+    """ValueError naming the first size of a config.json that is not an integer of at least its minimum (a null is
+    left to the field's default)."""
+    for key, least in SIZE_FIELDS.items():
+        v = d.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{key} must be an integer, got {v!r} ({type(v).__name__})")
+        if v < least:
+            raise ValueError(f"{key} must be at least {least}, got {v}")
+    for key in ("rms_norm_eps", "rope_theta"):
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{key} must be a number, got {v!r} ({type(v).__name__})")
 
 
 @dataclass(kw_only=True, unsafe_hash=True)
@@ -152,6 +178,9 @@ class ModelConfig(ModelShape):
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """The config of a config.json: a MoEConfig for the MoE families, a ModelConfig otherwise."""
+        if not isinstance(d, dict):
+            raise ValueError(f"the top level must be a JSON object, got {type(d).__name__}")
+        check_hf_sizes(d)
         mt = d.get("model_type")
         if mt not in ARCHITECTURES:
             raise ValueError(f"unsupported model_type {mt!r} (supported: {', '.join(ARCHITECTURES)})")

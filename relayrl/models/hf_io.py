@@ -3,7 +3,11 @@ sharded with `model.safetensors.index.json`), so the same code path serves tiny 
 are written one tensor per expert, as the published checkpoints are; transformers 5's stacked layout
 (`save_original_format=False`) is read too (relayrl.models.moe.unstack_experts).
 
-It imports torch, safetensors, the models' own modules and relayrl.errors only; it must never import
+A config.json is checked against its weights' shapes before anything of the config's size is allocated
+(`check_weight_shapes`, safetensors headers only): `hidden_size: 1000000000` with a 32-wide checkpoint is one line,
+not a 116 GB allocation.
+
+It imports torch, safetensors, the models' own modules and relayrl's ground floor only; it must never import
 another relayrl layer: models hold no parallelism, and every layer above imports them.
 """
 
@@ -18,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from relayrl.config import parse_json
 from relayrl.errors import ModelDirError
 from relayrl.models.config import ModelConfig, MoEConfig
 from relayrl.models.moe import unstack_experts
@@ -40,13 +45,13 @@ def load_config(path: str | Path) -> ModelConfig:
     if not cfg_file.is_file():
         raise ModelDirError(f"{p} has no config.json: not a Hugging Face model directory")
     try:
-        d = json.loads(cfg_file.read_text())
+        d = parse_json(cfg_file.read_text())  # bounded: nesting and digits
         return ModelConfig.from_hf_dict(d)
     except json.JSONDecodeError as e:
         raise ModelDirError(f"malformed {cfg_file}: {e}") from None
     except KeyError as e:
         raise ModelDirError(f"malformed {cfg_file}: missing field {e}") from None
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type (a rope_parameters list, ...)
         raise ModelDirError(f"{cfg_file}: {e}") from None
 
 
@@ -57,7 +62,7 @@ def generation_eos_ids(path: str | Path) -> list[int]:
     if not f.is_file():
         return []
     try:
-        eos = json.loads(f.read_text()).get("eos_token_id")
+        eos = parse_json(f.read_text()).get("eos_token_id")
     except (json.JSONDecodeError, AttributeError) as e:
         raise ModelDirError(f"malformed {f}: {e}; fix or remove it") from None
     ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
@@ -79,7 +84,7 @@ def resolve_model_path(path: str | Path, gguf_cache: str | Path, log=None) -> Pa
             return cached_conversion(p, gguf_cache, log=log)
         raise ModelDirError(f"{p} is a file, not a model directory: pass a Hugging Face directory (config.json, "
                             "*.safetensors, tokenizer files) or a .gguf file")
-    load_config(p)  # a missing or malformed directory: one line
+    check_weight_shapes(p, load_config(p))  # a missing or malformed directory, or weights of another shape: one line
     from relayrl.models.tokenizer import require_tokenizer_files
 
     require_tokenizer_files(p)
@@ -90,9 +95,13 @@ def _weight_files(p: Path) -> list[Path]:
     index = p / INDEX
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
+            weight_map = parse_json(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ModelDirError(f"malformed {index}: {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ModelDirError(f"malformed {index}: weight_map must be an object of tensor name -> file name, got "
+                                f"{type(weight_map).__name__}; rewrite the index or remove it")
+        names = sorted(set(weight_map.values()))
         files = [p / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -102,6 +111,35 @@ def _weight_files(p: Path) -> list[Path]:
     if not files:
         raise ModelDirError(f"{p} has no *.safetensors weights")
     return files
+
+
+def _config_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the model `cfg` describes -> its shape, from a model on the meta device (no storage)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _shape_error(path: Path, name: str, got: tuple[int, ...], want: tuple[int, ...]) -> ModelDirError:
+    return ModelDirError(f"{path}: tensor '{name}' has shape {got}, the model config implies {want}; check that the "
+                         "weights belong to this config.json")
+
+
+def check_weight_shapes(path: str | Path, cfg: ModelConfig) -> None:
+    """ModelDirError naming the first tensor of the weight files (their headers only: nothing is loaded) whose shape
+    is not the one `cfg` implies: a config.json that does not describe its weights is refused before a model of its
+    size is allocated. Names the config does not know (an MoE's stacked experts) are left to the load."""
+    p = Path(path)
+    shapes = _config_shapes(cfg)
+    for f in _weight_files(p):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                found = [(k, tuple(fh.get_slice(k).get_shape())) for k in fh.keys() if k in shapes]
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ModelDirError(f"cannot read weights {f}: {e}") from None
+        for k, got in found:
+            if got != shapes[k]:
+                raise _shape_error(p, k, got, shapes[k])
 
 
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -122,24 +160,25 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     cfg = load_config(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to_empty(device=device)
-    # built on the meta device (no wasted random init); the rope buffer is not in the checkpoint
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     sd = load_state_dict(path)
     if isinstance(cfg, MoEConfig):
         sd = unstack_experts(sd, cfg)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-        model.lm_head.weight = model.model.embed_tokens.weight
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    # checked on the meta model, before anything of the config's size is allocated
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = {k for k in own if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     missing = sorted(expected - set(sd))
     if missing:
         raise ModelDirError(f"{path}: weights missing tensor '{missing[0]}' ({len(missing)} missing in all)")
-    own = model.state_dict()
-    for k in expected:
-        if tuple(sd[k].shape) != tuple(own[k].shape):
-            raise ModelDirError(f"{path}: tensor '{k}' has shape {tuple(sd[k].shape)}, "
-                                f"config implies {tuple(own[k].shape)}")
+    for k in sorted(expected):
+        if tuple(sd[k].shape) != own[k]:
+            raise _shape_error(Path(path), k, tuple(sd[k].shape), own[k])
+    model = model.to_empty(device=device)
+    # built on the meta device (no wasted random init); the rope buffer is not in the checkpoint
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.load_state_dict({k: sd[k] for k in expected}, strict=False, assign=False)
     return model.to(dtype)
 

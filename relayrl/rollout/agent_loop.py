@@ -174,7 +174,8 @@ class AgentLoop:
             for j in range(sp.n):
                 env = make_env(self.cfg)
                 fmt = self._format(env)
-                episodes.append(Episode(index=self._next_index + len(episodes), env=env, fmt=fmt))
+                episodes.append(Episode(index=self._next_index + len(episodes), env=env, fmt=fmt,
+                                        max_total_tokens=self.cfg.max_total_tokens))
                 starts.append((ex, (sp, j, *fmt.turn_stops(bool(env.tools)))))
         self._next_index += len(episodes)
         self._subs[tag] = _Submission(episodes, len(episodes))
@@ -301,7 +302,12 @@ class AgentLoop:
                 self._ended(ep)
                 continue
             ep.counters["env_s"] = ep.counters.get("env_s", 0.0) + seconds
-            if self._apply(ep, out):
+            try:
+                goes_on = self._apply(ep, out)
+            except EnvError as e:  # a reset of the wrong type, a template that raises on the messages: one episode
+                ep.end("env_error", str(e))
+                goes_on = False
+            if goes_on and not ep.done:
                 ready.append(ep)
             else:
                 self._ended(ep)

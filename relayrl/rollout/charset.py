@@ -6,7 +6,9 @@ token would otherwise train and evaluate on other text than the dataset's, silen
     check_representable(tokenizer, {"train": [...], "eval": [...]}, data, model)
         every text, batch-encoded and decoded back (no special tokens added, none skipped, no clean-up):
         equal, or different only where the tokenizer's own normalisation is harmless (lost_characters), or a
-        DataError on one line: the split, the example's index (and its file row), the characters, what to do
+        DataError on one line: the split, the example's index (and its file row), the characters, what to do;
+        with max_tokens (the model's maximum length), a prompt too long for it by its characters alone
+        (relayrl.data.chat.max_token_chars) is refused first, before anything is tokenized
 
 Harmless differences (what a Hugging Face tokenizer may do to text it represents): anything the decode adds (a
 prefix space, a space after a special token), spaces it drops, a run of whitespace that comes back as other
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 from difflib import SequenceMatcher
 
 from relayrl.data import DataConfig, Example
+from relayrl.data.chat import max_token_chars
 from relayrl.data.config import FILE_TASK
 from relayrl.errors import DataError
 from relayrl.rollout.prompts import prompt_text
@@ -77,7 +80,7 @@ ADVICE = ("remove them from the data, or use a model whose tokenizer has them (w
 
 
 def check_representable(tokenizer, splits: dict[str, Sequence[Example]], data: DataConfig, model: str,
-                        advice: str = ADVICE) -> None:
+                        advice: str = ADVICE, max_tokens: int | None = None) -> None:
     """Refuse (DataError, one line ending in `advice`) the first example of `splits` (in order; its prompt before its
     answer) whose text the tokenizer of `model` (a name for the message) cannot represent; see the module
     docstring."""
@@ -87,6 +90,8 @@ def check_representable(tokenizer, splits: dict[str, Sequence[Example]], data: D
             continue
         n = len(examples)
         texts = [prompt_text(tokenizer, ex, data) for ex in examples] + [ex.answer or "" for ex in examples]
+        if max_tokens is not None:
+            _check_lengths(tokenizer, texts[:n], split, examples, data, model, max_tokens)
         lost = _round_trip(tokenizer, texts, unk)
         prompt_lost, answer_lost = lost[:n], lost[n:]
         bad = [i for i in range(n) if prompt_lost[i] or answer_lost[i]]
@@ -101,6 +106,18 @@ def check_representable(tokenizer, splits: dict[str, Sequence[Example]], data: D
         raise DataError(
             f"{split} example {i}{where}: the {what} has characters the tokenizer of {model} cannot represent "
             f"({named}), which the model would never see{others}; {advice}")
+
+
+def _check_lengths(tokenizer, prompts: list[str], split: str, examples: Sequence[Example], data: DataConfig,
+                   model: str, max_tokens: int) -> None:
+    """DataError for the first prompt whose characters alone are more tokens than the model holds (no tokenizer sees
+    it: megabytes given to one took minutes, or aborted the process)."""
+    k = max_token_chars(tokenizer)
+    for i, text in enumerate(prompts):
+        if len(text) > 2 * max_tokens * k:  # 2: slack for a normaliser that composes characters
+            raise DataError(f"{split} example {i}{_row(examples[i], split, data)}: the prompt has {len(text):,} "
+                            f"characters, far more than the {max_tokens} tokens {model} holds can take (its tokens "
+                            f"are at most {k} characters each); shorten the prompt or drop it")
 
 
 def _round_trip(tokenizer, texts: list[str], unk: str | None) -> list[list[str]]:
