@@ -19,15 +19,13 @@ import sys
 import time
 
 import pytest
-import torch.distributed as dist
+from test_network_faults import Adder  # a two-rank group whose all-reduce shows it still works
 
 from relayrl.data import Example
 from relayrl.errors import ConfigError
 from relayrl.parallel.rendezvous import join_store, serve_store
 from relayrl.rewards import RewardConfig
-from relayrl.single_controller.dispatch import Dispatch, dispatch
 from relayrl.single_controller.resource_pool import ResourcePool
-from relayrl.single_controller.worker import Worker
 from relayrl.single_controller.worker_group import WorkerGroup
 
 from helpers import importable, scorer
@@ -35,19 +33,6 @@ from helpers import importable, scorer
 pytestmark = pytest.mark.faults
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/net and socket filters: Linux")
-
-
-class Adder(Worker):
-    def __init__(self):
-        self.init_distributed()
-
-    @dispatch(Dispatch.RANK_ZERO)
-    def world_sum(self) -> int:
-        import torch
-
-        t = torch.tensor([self.rank + 1])
-        dist.all_reduce(t)
-        return int(t)
 
 
 def _hex_ip(hexed: str) -> str:
