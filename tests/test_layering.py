@@ -38,6 +38,8 @@ ALLOWED: dict[str, set[str]] = {
 }
 # the RL application, by concern: producing samples, where roles run, the loop, the jobs that build and run it
 ALLOWED["rollout"] = GROUND | {"engine", "envs", "rewards", "data", "models", "observe", "algorithms"}
+# the OpenAI-compatible endpoint: a front of the rollout side (the engine, the chat format and tool-call parser)
+ALLOWED["serve"] = GROUND | {"engine", "envs", "data", "models"}
 ALLOWED["roles"] = set(ALLOWED) - {"planner"}  # roles run the rollout side too (a rollout worker's agent loop)
 # the loop is typed against the protocols below it and takes its batches from a rollout source; it never builds
 # or places a role (that is the jobs')
