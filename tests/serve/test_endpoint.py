@@ -398,3 +398,23 @@ def test_n_choices_fork_the_episode_and_the_one_continued_keeps_its_ids(server, 
     assert [(ln["prompt_ids"], ln["response_ids"]) for ln in lines] == [(p1, s0), (p1, s1 + obs + s2)]
     assert lines[1]["mask"] == [1] * len(s1) + [0] * len(obs) + [1] * len(s2)
     assert lines[0]["logprobs"] == [t.logprob for t in r1.choices[0].logprobs.content]
+
+
+@pytest.mark.e2e
+def test_a_model_directory_served_as_relayrl_serve_serves_it(model, tok, tmp_path):
+    from relayrl.jobs.serve import build_endpoint
+    from relayrl.models import save_pretrained
+
+    tok.save_pretrained(str(tmp_path / "tok"))
+    d = save_pretrained(model, tmp_path / "m", tokenizer_dir=tmp_path / "tok")
+    with ServerThread(build_endpoint(str(d), max_n=2)) as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["m"]
+        r = c.completions.create(model="m", prompt="ab", seed=2, max_tokens=6, extra_body={"return_token_ids": True})
+        ids = [tok.bos_token_id] + tok("ab", add_special_tokens=False)["input_ids"]
+        e = LLMEngine.from_pretrained(d)
+        (want,) = e.generate([ids], SamplingParams(seed=2, max_tokens=6))
+        e.close()
+        assert r.choices[0].model_extra["token_ids"] == want.samples[0].token_ids
+        with pytest.raises(openai.BadRequestError, match="limit of 2"):
+            c.completions.create(model="m", prompt="ab", n=3)
