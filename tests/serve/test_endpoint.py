@@ -418,3 +418,18 @@ def test_a_model_directory_served_as_relayrl_serve_serves_it(model, tok, tmp_pat
         assert r.choices[0].model_extra["token_ids"] == want.samples[0].token_ids
         with pytest.raises(openai.BadRequestError, match="limit of 2"):
             c.completions.create(model="m", prompt="ab", n=3)
+
+
+@pytest.mark.equivalence
+def test_weights_loaded_between_steps_are_the_version_responses_and_capture_carry(model, tok):
+    with ServerThread(Endpoint(engine_of(model, tok), "tiny")) as s:
+        c = openai.OpenAI(base_url=s.episode_url("ep-v"), api_key="x", max_retries=0)
+        r1 = c.chat.completions.create(model="tiny", messages=USER, seed=1, max_tokens=4)
+        v = s.endpoint.loop.call(lambda e: e.load_weights(model.state_dict().items())).result(timeout=30)
+        msgs = USER + [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "k"}]
+        r2 = c.chat.completions.create(model="tiny", messages=msgs, seed=1, max_tokens=4)
+        assert (v, r1.system_fingerprint, r2.system_fingerprint) == (1, "relayrl-v0", "relayrl-v1")
+        (line,) = s.endpoint.trajectory("ep-v")
+        n1, n2 = r1.usage.completion_tokens, r2.usage.completion_tokens
+        assert [x for x in line["versions"] if x != -1] == [0] * n1 + [1] * n2
+        assert [cl.weights_version for cl in s.endpoint.recorder.calls("ep-v")] == [0, 1]
