@@ -330,9 +330,7 @@ class Endpoint:
 
     # ---- responses ----
     def _envelope(self, obj: str, prefix: str, outs: list, choices: list[dict], req) -> dict:
-        n_prompt = sum(len(o.prompt_token_ids) * 1 for o in outs)
-        n_completion = sum(len(s.token_ids) for o in outs for s in o.samples)
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+        usage = _usage(outs)
         out: dict[str, Any] = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
                                "model": self.model_name, "system_fingerprint": f"relayrl-v{outs[0].weights_version}",
                                "choices": choices, "usage": usage}
@@ -429,6 +427,8 @@ class Endpoint:
                     yield {**base, "system_fingerprint": f"relayrl-v{out.weights_version}", "choices": [choice]}
                 if episode:
                     self.recorder.record(episode, "chat", plan, out, replies)
+                if (req.stream_options or {}).get("include_usage"):
+                    yield {**base, "choices": [], "usage": _usage([out])}
                 return
 
     async def _completion_chunks(self, req, h: Handle, plan, episode):
@@ -467,7 +467,15 @@ class Endpoint:
                     yield {**base, "system_fingerprint": f"relayrl-v{out.weights_version}", "choices": [choice]}
                 if episode:
                     self.recorder.record(episode, "completions", plan, out)
+                if (req.stream_options or {}).get("include_usage"):
+                    yield {**base, "choices": [], "usage": _usage([out])}
                 return
+
+
+def _usage(outs: list) -> dict:
+    n_prompt = sum(len(o.prompt_token_ids) for o in outs)
+    n_completion = sum(len(s.token_ids) for o in outs for s in o.samples)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
 
 def reply_message(text: str, with_tools: bool, finish: str | None) -> tuple[dict, str | None]:

@@ -142,6 +142,8 @@ def test_streaming_equals_non_streaming(server):
     ch = r.choices[0]
     assert (text, ids, finish) == (ch.message.content, ch.model_extra["token_ids"], ch.finish_reason)
     assert lps == [t.logprob for t in ch.logprobs.content]
+    *_, last = c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    assert last.choices == [] and last.usage == r.usage
     # completions, with a stop string: nothing past the cut is ever streamed
     kw = dict(model="tiny", prompt="ab", seed=4, max_tokens=30, stop=[" "], extra_body={"return_token_ids": True})
     r = c.completions.create(**kw)
