@@ -38,6 +38,8 @@ ALLOWED: dict[str, set[str]] = {
 }
 # the RL application, by concern: producing samples, where roles run, the loop, the jobs that build and run it
 ALLOWED["rollout"] = GROUND | {"engine", "envs", "rewards", "data", "models", "observe", "algorithms"}
+# the OpenAI-compatible endpoint: a front of the rollout side (the engine, the chat format and tool-call parser)
+ALLOWED["serve"] = GROUND | {"engine", "envs", "data", "models"}
 ALLOWED["roles"] = set(ALLOWED) - {"planner"}  # roles run the rollout side too (a rollout worker's agent loop)
 # the loop is typed against the protocols below it and takes its batches from a rollout source; it never builds
 # or places a role (that is the jobs')
@@ -154,3 +156,14 @@ def test_a_broken_config_is_refused_before_torch_is_imported(tmp_path):
     loaded, printed = _loaded_after(f"from relayrl.cli.main import main; print(main(['train', {str(bad)!r}]))")
     assert printed == "2"
     assert "torch" not in loaded and "relayrl.jobs.train" not in loaded
+
+
+@pytest.mark.unit  # a fresh interpreter imports the training job: torch and every layer (a few seconds)
+def test_the_trainer_does_not_import_the_endpoint_or_its_web_stack():
+    """relayrl.serve (starlette, uvicorn; the `serve` extra) is imported only by `relayrl serve`: a training run
+    needs none of it installed."""
+    code = ("import relayrl.jobs.train, relayrl.cli.main, sys; "
+            "print(sorted(m for m in ('starlette', 'uvicorn', 'fastapi') if m in sys.modules))")
+    loaded, printed = _loaded_after(code)
+    assert printed == "[]"
+    assert not [m for m in loaded if m.startswith("relayrl.serve")]

@@ -109,6 +109,14 @@ def _cmd_generate(a) -> int:
     return 0
 
 
+def _cmd_serve(a) -> int:
+    """An OpenAI-compatible endpoint on a model until interrupted: relayrl.jobs.serve."""
+    from relayrl.jobs.serve import serve
+
+    serve(a.model, host=a.host, port=a.port, token=a.token, name=a.name, max_n=a.max_n)
+    return 0
+
+
 def _cmd_report(a) -> int:
     if a.trace:  # the timeline only: every process's spans, merged (no run with spans: one line, exit 2)
         from relayrl.observe.trace import merge_traces
@@ -242,6 +250,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(fn=_cmd_generate)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible endpoint on a model: relayrl serve --model DIR",
+                        description="Serves /v1/models, /v1/completions and /v1/chat/completions (and the same under "
+                        "/episodes/ID/v1, which records the episode's tokens) until interrupted. Needs the serve "
+                        "extra (pip install relayrl[serve]).")
+    sv.add_argument("--model", required=True, help="a Hugging Face model directory or a .gguf file")
+    sv.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only; "
+                    "any other needs --token)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--token", help="require 'Authorization: Bearer TOKEN' on every request")
+    sv.add_argument("--name", help="the model name clients give (default: the directory's name)")
+    sv.add_argument("--max-n", type=int, default=16, help="the most samples one request may ask for")
+    sv.set_defaults(fn=_cmd_serve)
 
     c = sub.add_parser("convert", help="a GGUF file as a Hugging Face directory: relayrl convert FILE.gguf --out DIR",
                        description="Dequantizes the GGUF's weights (transformers' GGUF reader) and writes config.json, "
