@@ -226,27 +226,32 @@ def test_agent_references_are_checked_in_one_line():
         RunConfig.from_dict({"env": {"name": "calculator"}, "rollout": {"agent": "env:calculator"}})
 
 
-def agent_run(tmp_path, name, mode="sync", **rollout):
-    return cfg_for(tmp_path, name, model=TINY_ENV_MODEL,
-                   data={"task": "calculator", "task_params": {}, "chat_template": "always", "n_train": 32,
-                         "n_eval": 4},
+CALC = {"task": "calculator", "task_params": {}, "chat_template": "always", "n_train": 32, "n_eval": 4}
+
+
+def agent_run(tmp_path, name, mode="sync", sections=None, **rollout):
+    return cfg_for(tmp_path, name, model=TINY_ENV_MODEL, data=CALC,
                    rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 12, "mode": mode, **rollout},
-                   eval={"max_tokens": 12}, run={"steps": 2, "save_every": 0})
+                   eval={"max_tokens": 12}, run={"steps": 2, "save_every": 0}, **(sections or {}))
+
+
+WORKER = {"parallel": {"backend": "local", "rollout_worker": True, "placement": "disaggregated"}}
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
-def test_an_environment_through_the_endpoint_trains_as_relayrls_agent_loop(tmp_path, mode):
+@pytest.mark.parametrize("mode,sections", [
+    ("sync", {}), ("one_step_off", {}), ("sync", {"trainer": {"lora": {"rank": 4}}}), ("sync", WORKER)],
+    ids=["sync", "one_step_off", "lora", "rollout_worker"])
+def test_an_environment_through_the_endpoint_trains_as_relayrls_agent_loop(tmp_path, mode, sections):
     """rollout.agent: env:calculator (the calculator's episodes through the OpenAI endpoint, tokens captured) and
-    env: calculator (relayrl's agent loop) sample the same tokens, so they train the same."""
+    env: calculator (relayrl's agent loop) sample the same tokens, so they train the same: in lockstep and
+    one-step-off, with LoRA adapters, and with the engine (and the endpoint) in a rollout worker process."""
     env = {"name": "calculator", "max_total_tokens": 160}
-    loop = cfg_for(tmp_path, "loop", model=TINY_ENV_MODEL, env=env,
-                   data={"task": "calculator", "task_params": {}, "chat_template": "always", "n_train": 32,
-                         "n_eval": 4},
+    loop = cfg_for(tmp_path, "loop", model=TINY_ENV_MODEL, env=env, data=CALC,
                    rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 12, "mode": mode},
-                   eval={"max_tokens": 12}, run={"steps": 2, "save_every": 0})
+                   eval={"max_tokens": 12}, run={"steps": 2, "save_every": 0}, **sections)
     a = step_metrics(train(loop, show_progress=False)["run_dir"])
-    b = step_metrics(train(agent_run(tmp_path, "agent", mode, agent="env:calculator",
+    b = step_metrics(train(agent_run(tmp_path, "agent", mode, sections, agent="env:calculator",
                                      agent_params={"max_total_tokens": 160}), show_progress=False)["run_dir"])
     # the prefix cache's hit rate depends on when each episode's next call arrives (HTTP, threads), not on what
     # is sampled: the one figure of the engine's left out
