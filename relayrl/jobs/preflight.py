@@ -66,6 +66,10 @@ def check_roles(cfg: RunConfig) -> None:
     """The roles' own inputs, before any process starts."""
     if cfg.env is not None:
         make_env(cfg.env)  # an unknown environment, bad params or a missing sandbox
+    if cfg.rollout.agent is not None:  # an agent that cannot be loaded, or takes arguments relayrl does not pass
+        from relayrl.serve.agents import resolve_agent  # the serve layer (the web stack) only for agent runs
+
+        resolve_agent(cfg.rollout.agent, cfg.rollout.agent_params)
     model_entries(cfg.reward)  # a missing reward-model directory
 
 

@@ -34,6 +34,10 @@ CASES = {
     "negative lr": ("trainer:\n  lr: -0.001\n", [], "trainer.lr"),
     "missing model dir": ("model:\n  path: /nonexistent/model\n", [], "model directory not found: /nonexistent/model"),
     "reward not importable": ("reward:\n  functions: [{name: 'nosuchmod:fn'}]\n", [], "nosuchmod:fn"),
+    "agent not importable": ("data: {task: calculator, chat_template: always}\n", ["rollout.agent=nosuchmod:run"],
+                             "cannot load agent 'nosuchmod:run'"),
+    "agent and env": ("env: {name: calculator}\n", ["rollout.agent=env:calculator"], "set one of them"),
+    "agent's unknown environment": ("{}", ["rollout.agent=env:nosuchenv"], "nosuchenv"),
 }
 
 
