@@ -274,3 +274,46 @@ def test_an_async_run_keeps_the_staleness_bound_and_scores_answers(tmp_path):
         assert m["agent/dropped"] == 0.0 and m["agent/calls"] == 1.0
         assert not [k for k in m if k.startswith("staleness/tokens_at_") and int(k.rsplit("_", 1)[1]) > 1]
         assert 0.0 <= m["reward/mean"] <= 1.0
+
+
+@pytest.mark.equivalence
+def test_a_weight_update_between_two_pumps_pauses_serving_and_the_next_call_samples_the_new_weights(model, tok):
+    """The driver owns the engine between two advance() calls: an agent's request that arrives meanwhile waits, and
+    is sampled by the weights loaded in between (the version its tokens carry), as a second engine holding those
+    weights samples it."""
+    new = perturbed_model(small_config(vocab_size=len(tok), max_position_embeddings=MAX_LEN,
+                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), seed=4).eval()
+    first_done = threading.Event()
+
+    def agent(example, client, model):
+        msgs = [{"role": "user", "content": example.prompt}]
+        r = client.chat.completions.create(model=model, messages=msgs)
+        first_done.set()
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+        client.chat.completions.create(model=model, messages=msgs)
+        return 1.0
+
+    engine = engine_of(model, tok)
+    runner = AgentRunner(engine, agent)
+    try:
+        runner.submit([EX], [SamplingParams(n=1, max_tokens=6, seed=SEED)], "t")
+        while not first_done.is_set():
+            assert runner.advance(block=True) == []
+        time.sleep(0.2)  # the second call reaches the engine loop's queue; nothing pumps it
+        assert engine.has_unfinished() is False
+        engine.load_weights(new.state_dict().items())
+        done = []
+        while not done:
+            done = runner.advance(block=True)
+    finally:
+        runner.close()
+    ((_, (t,)),) = done
+    sampled = [i for i, m in enumerate(t.mask) if m]
+    n1 = next(k for k in range(len(sampled)) if k + 1 == len(sampled) or sampled[k + 1] != sampled[k] + 1) + 1
+    assert [t.versions[i] for i in sampled] == [0] * n1 + [1] * (len(sampled) - n1)
+    fmt = ChatFormat(tok)
+    stop, stop_ids = fmt.turn_stops(False)
+    start = sampled[n1]  # the second reply, sampled by the new weights from the recorded prefix
+    (want,) = engine_of(new, tok).generate([t.prompt_ids + t.response_ids[:start]], [SamplingParams(
+        max_tokens=6, seed=turn_seed(SEED, 0, 1), stop=stop, stop_token_ids=stop_ids)])
+    assert t.response_ids[start:] == want.samples[0].token_ids
