@@ -1,0 +1,393 @@
+"""Environment libraries plugged into the endpoint (issue 34, deliverable 4): a verifiers v1 environment run by
+verifiers' own harness, interception and scoring (relayrl.serve.adapters.verifiers_env, the `verifiers` data task)
+and a Gymnasium text environment (relayrl.serve.adapters.gym_env), each against a tiny model served in-process.
+
+The environments are small modules written here as a user would write them: the verifiers one is a taskset package
+(a Taskset, its Task with @vf.reward functions, and an in-process Harness: verifiers' built-in harnesses install
+their program with uv at run time, which tests cannot download) loaded by id through verifiers' loader; the
+Gymnasium one a `gymnasium.Env` subclass.
+
+References: the library's own scoring called directly on the completion (verifiers' Task.score on a trace it
+builds; the environment's step rewards), hand-computed rewards from the reply text, and the ids and logprobs the
+endpoint's responses returned (return_token_ids, logprobs) for every token the capture holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+
+from relayrl.data.agent_tasks import PRINTABLE  # noqa: E402
+from relayrl.data.split import split_train_eval  # noqa: E402
+from relayrl.data.tasks import Example, check_task, get_task  # noqa: E402
+from relayrl.engine import LLMEngine  # noqa: E402
+from relayrl.envs.episode import ChatFormat  # noqa: E402
+from relayrl.errors import ConfigError, DataError  # noqa: E402
+from relayrl.models.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
+from relayrl.serve import Endpoint, ServerThread  # noqa: E402
+from tests.helpers import perturbed_model, small_config  # noqa: E402
+
+MAX_LEN = 192
+ENV_ID = "relayrl-vf-sums"  # verifiers imports it as the module relayrl_vf_sums
+
+VF_ENV = textwrap.dedent('''
+    """A verifiers v1 environment: sums to answer in one reply (or two: the harness's `turns`)."""
+    from openai import AsyncOpenAI
+
+    import verifiers.v1 as vf
+
+    RECORD = []  # what each model response returned to the harness, in order
+
+
+    class SumData(vf.TaskData):
+        answer: str = ""
+
+
+    class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
+        @vf.reward
+        async def correct(self, task, trace) -> float:
+            return float(trace.last_reply == task.answer)
+
+        @vf.reward(weight=0.5)
+        async def brief(self, trace) -> float:
+            return float(len(trace.last_reply) <= 2)
+
+
+    class SumTasksetConfig(vf.TasksetConfig):
+        n: int = 12
+
+
+    class SumTaskset(vf.Taskset[SumTask, SumTasksetConfig]):
+        def load(self):
+            for i in range(self.config.n):
+                a, b = i % 4, i // 4
+                yield SumTask(SumData(prompt=f"{a}+{b}=", answer=str(a + b), system_prompt="add"), self.config.task)
+
+
+    class ChatHarnessConfig(vf.HarnessConfig):
+        turns: int = 1
+        stream_last: bool = False
+        fail: bool = False
+
+
+    class ChatHarness(vf.Harness[ChatHarnessConfig]):
+        """A chat loop run in-process; every model call goes through the interception `endpoint` (verifiers'
+        contract for a harness that needs no program)."""
+        APPENDS_SYSTEM_PROMPT = True
+        EXECUTES_CODE = False
+        NEEDS_CONTAINER = False
+
+        async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kw):
+            if self.config.fail:
+                raise RuntimeError("the harness broke")
+            system, prompt = self.resolve_prompt(data)
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+            async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+                for turn in range(self.config.turns):
+                    if turn:
+                        messages.append({"role": "user", "content": "sure?"})
+                    if self.config.stream_last and turn == self.config.turns - 1:
+                        text, ids, lps = "", [], []
+                        stream = await client.chat.completions.create(model=ctx.model, messages=messages,
+                                                                      stream=True)
+                        async for chunk in stream:
+                            for ch in chunk.choices:
+                                text += ch.delta.content or ""
+                                ids += (ch.model_extra or {}).get("token_ids", [])
+                                lps += [t.logprob for t in (ch.logprobs.content if ch.logprobs else None) or []]
+                        message = {"role": "assistant", "content": text}
+                    else:
+                        r = await client.chat.completions.create(model=ctx.model, messages=messages)
+                        ch = r.choices[0]
+                        text, ids = ch.message.content, ch.model_extra["token_ids"]
+                        lps = [t.logprob for t in ch.logprobs.content]
+                        message = ch.message.model_dump(exclude_none=True)
+                    RECORD.append({"content": text, "token_ids": ids, "logprobs": lps})
+                    messages.append(message)
+            return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+    __all__ = ["SumTaskset", "ChatHarness"]
+''')
+
+# the run's sampling as verifiers imposes it on every call: short replies, the ids and logprobs returned
+SAMPLING = {"max_tokens": 3, "logprobs": True, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    build_char_tokenizer(d, PRINTABLE, tool_tokens=True)
+    return load_tokenizer(d)
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    cfg = small_config(vocab_size=len(tok), max_position_embeddings=MAX_LEN, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+    engine = LLMEngine.from_model(perturbed_model(cfg, seed=3).eval(), tok, kv_cache_bytes=4 << 20, block_size=8)
+    with ServerThread(Endpoint(engine, "tiny")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def vf_env(tmp_path_factory):
+    """The environment module, importable by its id the way verifiers loads environments (an installed package)."""
+    pytest.importorskip("verifiers.v1")
+    d = tmp_path_factory.mktemp("vf_envs")
+    (d / "relayrl_vf_sums.py").write_text(VF_ENV)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(d))
+        import relayrl_vf_sums
+
+        yield relayrl_vf_sums
+    sys.modules.pop("relayrl_vf_sums", None)
+
+
+def vf_agent(**params):
+    from relayrl.serve.adapters.verifiers_env import make_agent
+
+    return make_agent(ENV_ID, {"sampling": SAMPLING, **params})
+
+
+def harness(**kw) -> dict:
+    return {"agent": {"harness": {"id": ENV_ID, **kw}}}
+
+
+def brief_sum(text: str, answer: str) -> float:
+    """The environment's reward, by hand: correct (weight 1) + at most 2 characters (weight 0.5)."""
+    reply = text.strip()
+    return 1.0 * (reply == answer) + 0.5 * (len(reply) <= 2)
+
+
+@pytest.mark.unit
+def test_the_verifiers_task_yields_the_tasksets_rows_split_by_prompt(vf_env):
+    task = get_task("verifiers", env=ENV_ID, taskset={"n": 12})
+    rows = list(task.taskset)
+    assert len(rows) == 12
+    train, eval_set = split_train_eval(task, 20, 4, seed=7)
+    held_out = {ex.prompt[1]["content"] for ex in eval_set}
+    assert len(held_out) == 4 and not held_out & {ex.prompt[1]["content"] for ex in train}
+    for ex in train + eval_set:
+        row = rows[ex.meta["vf_task"]["idx"]]
+        assert ex.prompt == [{"role": "system", "content": "add"}, {"role": "user", "content": row.data.prompt}]
+        assert ex.answer == row.data.answer
+        assert ex.meta["params"] == {"env": ENV_ID, "taskset": {"n": 12}, "limit": None}
+    # the row a rollout rebuilds is the taskset's own, field for field
+    from relayrl.data.verifiers_task import rebuild_task
+
+    rebuilt = rebuild_task(task.taskset, eval_set[0])
+    original = rows[eval_set[0].meta["vf_task"]["idx"]]
+    assert type(rebuilt) is type(original) and rebuilt.data == original.data and rebuilt.key == original.key
+    # a limit takes the first tasks of load()
+    limited = get_task("verifiers", env=ENV_ID, taskset={"n": 12}, limit=3)
+    assert sorted(ex.meta["vf_task"]["idx"] for ex in limited.generate(3, seed=1)) == [0, 1, 2]
+
+
+@pytest.mark.faults
+def test_verifiers_task_params_and_unknown_envs_are_one_line_config_errors(vf_env):
+    cases = [({"env": ENV_ID, "n": 3}, "unknown task_params ['n']"), ({}, "task_params.env must name"),
+             ({"env": ENV_ID, "limit": 0}, "limit must be a positive integer"),
+             ({"env": ENV_ID, "taskset": {"id": "x"}}, "remove taskset.id")]
+    for params, said in cases:
+        with pytest.raises(ConfigError, match=said.replace("[", r"\[").replace("]", r"\]")):
+            check_task("verifiers", params)
+    for params, said in [({"env": "relayrl-no-such-env"}, "cannot load environment 'relayrl-no-such-env'"),
+                         ({"env": ENV_ID, "taskset": {"nn": 3}}, "nn")]:
+        with pytest.raises(ConfigError, match=said) as e:
+            get_task("verifiers", **params)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.equivalence
+def test_a_verifiers_episode_is_verifiers_own_rollout_and_reward_and_capture_holds_what_it_sampled(
+        vf_env, server, tok):
+    task = get_task("verifiers", env=ENV_ID, taskset={"n": 12})
+    _, eval_set = split_train_eval(task, 0, 3, seed=0)
+    agent = vf_agent(**harness())
+    for i, ex in enumerate(eval_set):
+        vf_env.RECORD.clear()
+        episode = f"vf-one-{i}"
+        got = asyncio.run(agent(example=ex, base_url=server.episode_url(episode), model="tiny"))
+        (call,) = vf_env.RECORD  # the harness made one call, through verifiers' interception
+        # the reward is verifiers' own: Task.score on a trace built afresh from the reply, and the hand formula
+        assert got == {"reward": task.score(call["content"], ex)}
+        assert got["reward"] == brief_sum(call["content"], ex.answer)
+        # the capture: the messages the harness sent, rendered by the template; the ids and logprobs returned
+        (line,) = server.endpoint.trajectory(episode)
+        assert line["prompt_ids"] == ChatFormat(tok).prompt_ids(ex.prompt)
+        assert line["response_ids"] == call["token_ids"] and len(call["token_ids"]) == 3  # max_tokens imposed
+        assert line["mask"] == [1] * 3 and line["logprobs"] == call["logprobs"]
+    # the rewards differ across examples only through the replies: one example scored correct by hand too
+    ex = eval_set[0]
+    assert task.score(ex.answer, ex) == 1.5 and task.score(" x y ", ex) == 0.0
+
+
+@pytest.mark.equivalence
+def test_a_two_turn_verifiers_harness_streams_and_the_endpoint_reuses_the_sampled_ids(vf_env, server, tok):
+    task = get_task("verifiers", env=ENV_ID, taskset={"n": 12})
+    ex = task.generate(1, seed=3)[0]
+    agent = vf_agent(**harness(turns=2, stream_last=True))
+    vf_env.RECORD.clear()
+    episode = asyncio.run(agent.spec.run(ex, server.episode_url("vf-two"), "tiny"))
+    first, second = vf_env.RECORD
+    (trace,) = episode.traces
+    assert [m.content for m in trace.assistant_messages] == [first["content"], second["content"]]
+    assert trace.reward == brief_sum(second["content"], ex.answer)  # scored on the last reply
+    (line,) = server.endpoint.trajectory("vf-two")
+    fmt = ChatFormat(tok)
+    s1, s2 = first["token_ids"], second["token_ids"]
+    obs = fmt.observation_ids([{"role": "user", "content": "sure?"}], s1[-1])
+    assert line["prompt_ids"] == fmt.prompt_ids(ex.prompt)
+    assert line["response_ids"] == s1 + obs + s2  # token in, token out: the streamed turn continued the line
+    assert line["mask"] == [1] * len(s1) + [0] * len(obs) + [1] * len(s2)
+    assert line["logprobs"] == first["logprobs"] + [0.0] * len(obs) + second["logprobs"]
+    assert server.endpoint.recorder.counters("vf-two") == {"calls": 2, "retokenize_drift": 0}
+
+
+@pytest.mark.faults
+def test_a_failed_verifiers_episode_raises_and_bad_agent_params_are_one_line(vf_env, server):
+    from relayrl.serve.adapters.verifiers_env import VerifiersEpisodeError
+
+    ex = get_task("verifiers", env=ENV_ID).generate(1, seed=0)[0]
+    with pytest.raises(VerifiersEpisodeError, match="the harness broke"):
+        asyncio.run(vf_agent(**harness(fail=True))(example=ex, base_url=server.episode_url("vf-fail"), model="tiny"))
+    for params, said in [({"agent": {"max_turnz": 2}}, "max_turnz"), ({"taskset": {"nn": 1}}, "nn"),
+                         ({"sampling": {"max_tokens": "many"}}, "sampling")]:
+        with pytest.raises(ConfigError, match=said) as e:
+            vf_agent(**params)
+        assert "\n" not in str(e.value)
+    # an example from another task: its prompt and answer become the row
+    agent = vf_agent(**harness())
+    other = Example(prompt="3+4=", answer="7")
+    vf_env.RECORD.clear()
+    reward = asyncio.run(agent(example=other, base_url=server.episode_url("vf-other"), model="tiny"))["reward"]
+    assert reward == brief_sum(vf_env.RECORD[0]["content"], "7")
+
+
+# ---------------------------------------------------------------------------- Gymnasium
+
+
+GYM_ENV = textwrap.dedent('''
+    """A Gymnasium text environment: say the answer; each wrong try scores its length / 100, 3 tries."""
+    import gymnasium
+    from gymnasium import spaces
+
+
+    class Countdown(gymnasium.Env):
+        metadata = {}
+        observation_space = spaces.Text(max_length=200)
+        action_space = spaces.Text(max_length=200)
+        log = []
+
+        def reset(self, seed=None, options=None):
+            super().reset(seed=seed)
+            self.answer, self.tries = options["answer"], 0
+            self.log.append(("reset", seed, options["prompt"]))
+            return f"say {options['answer']}", {}
+
+        def step(self, action):
+            self.tries += 1
+            self.log.append(("step", action))
+            hit = action.strip() == self.answer
+            reward = 1.0 if hit else len(action) / 100
+            return f"no, try {self.tries}", reward, hit, self.tries >= 3, {"success": hit}
+
+        def close(self):
+            self.log.append(("close",))
+
+
+    class Broken(Countdown):
+        def step(self, action):
+            return {"board": [1, 2]}, 0.0, False, False, {}
+
+
+    class NoStep:
+        def reset(self, seed=None, options=None):
+            return "x", {}
+''')
+# every call: short replies, and the ids and logprobs the endpoint returned
+GYM_SAMPLING = {"max_tokens": 4, "logprobs": True, "extra_body": {"return_token_ids": True}}
+
+
+@pytest.fixture(scope="module")
+def gym_file(tmp_path_factory):
+    pytest.importorskip("gymnasium")
+    path = tmp_path_factory.mktemp("gym_envs") / "countdown.py"
+    path.write_text(GYM_ENV)
+    return str(path)
+
+
+class Observed:
+    """The episode's OpenAI client, keeping each response it returned."""
+
+    def __init__(self, client):
+        self.client, self.responses = client, []
+        self.chat = self
+        self.completions = self
+
+    def create(self, **kw):
+        r = self.client.chat.completions.create(**kw)
+        self.responses.append(r)
+        return r
+
+
+@pytest.mark.equivalence
+def test_a_gymnasium_text_env_episode_sums_its_rewards_and_capture_holds_what_was_sampled(server, tok, gym_file):
+    from relayrl.serve.adapters import gym_env
+
+    ref = f"{gym_file}:Countdown"
+    agent = gym_env.make_agent(ref, {"max_turns": 5, "system_prompt": "be brief", "seed": 11,
+                                     "sampling": GYM_SAMPLING})
+    Countdown = gym_env.load_class(ref, "test")  # the class the agent runs (the file is imported once)
+    ex = Example(prompt=[{"role": "user", "content": "count down"}], answer="0")
+    client = Observed(openai.OpenAI(base_url=server.episode_url("gym-1"), api_key="x", max_retries=0))
+    Countdown.log.clear()
+    got = agent(example=ex, client=client, model="tiny")
+    replies = [r.choices[0].message.content for r in client.responses]
+    # the environment's own rewards, recomputed from the replies; 3 tries unless the answer came first
+    want = [1.0 if a.strip() == "0" else len(a) / 100 for a in replies]
+    assert len(replies) == (3 if 1.0 not in want else want.index(1.0) + 1)
+    assert got["reward"] == sum(want) and got["success"] is (want[-1] == 1.0)
+    assert Countdown.log == [("reset", 11, ex.prompt), *[("step", a) for a in replies], ("close",)]
+    # the capture: one line, the sampled ids the responses returned (mask 1), the observations between (mask 0)
+    fmt = ChatFormat(tok)
+    (line,) = server.endpoint.trajectory("gym-1")
+    assert line["prompt_ids"] == fmt.prompt_ids([{"role": "system", "content": "be brief"},
+                                                 {"role": "user", "content": "say 0"}])
+    ids, mask, lps = [], [], []
+    for k, r in enumerate(client.responses):
+        if k:
+            obs = fmt.observation_ids([{"role": "user", "content": f"no, try {k}"}], ids[-1])
+            ids, mask, lps = ids + obs, mask + [0] * len(obs), lps + [0.0] * len(obs)
+        sampled = r.choices[0].model_extra["token_ids"]
+        assert 0 < len(sampled) <= 4
+        ids, mask = ids + sampled, mask + [1] * len(sampled)
+        lps += [t.logprob for t in r.choices[0].logprobs.content]
+    assert (line["response_ids"], line["mask"], line["logprobs"]) == (ids, mask, lps)
+    assert server.endpoint.recorder.counters("gym-1")["retokenize_drift"] == 0
+
+
+@pytest.mark.faults
+def test_a_gym_env_that_misbehaves_fails_its_episode_and_bad_refs_are_one_line(server, gym_file):
+    from relayrl.serve.adapters import gym_env
+
+    agent = gym_env.make_agent(f"{gym_file}:Broken", {"max_turns": 2, "sampling": {"max_tokens": 2}})
+    client = openai.OpenAI(base_url=server.episode_url("gym-bad"), api_key="x", max_retries=0)
+    with pytest.raises(DataError, match="observation of type dict"):
+        agent(example=Example(prompt="p", answer="a"), client=client, model="tiny")
+    assert gym_env.load_class(f"{gym_file}:Broken", "test").log[-1] == ("close",)  # closed all the same
+    for ref, params, said in [(f"{gym_file}:NoStep", {}, "has no step()"),
+                              ("relayrl_no_such_module:Env", {}, "cannot import relayrl_no_such_module"),
+                              ("not a ref", {}, "pkg.module:Class"),
+                              (f"{gym_file}:Nothing", {}, "has no attribute 'Nothing'"),
+                              (f"{gym_file}:Broken", {"max_turn": 2}, "unknown key 'max_turn'")]:
+        with pytest.raises(ConfigError, match=said) as e:
+            gym_env.make_agent(ref, params)
+        assert "\n" not in str(e.value)
