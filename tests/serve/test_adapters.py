@@ -108,7 +108,7 @@ VF_ENV = textwrap.dedent('''
                         text, ids = ch.message.content, ch.model_extra["token_ids"]
                         lps = [t.logprob for t in ch.logprobs.content]
                         message = ch.message.model_dump(exclude_none=True)
-                    RECORD.append({"content": text, "token_ids": ids, "logprobs": lps})
+                    RECORD.append({"content": text, "token_ids": ids, "logprobs": lps, "prompt": prompt})
                     messages.append(message)
             return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
@@ -251,6 +251,30 @@ def test_a_two_turn_verifiers_harness_streams_and_the_endpoint_reuses_the_sample
     assert server.endpoint.recorder.counters("vf-two") == {"calls": 2, "retokenize_drift": 0}
 
 
+@pytest.mark.e2e
+def test_concurrent_verifiers_episodes_on_one_event_loop_keep_apart(vf_env, server, tok):
+    """As the agent runner runs async agents: several episodes at once on one loop, each its own verifiers Env and
+    interception, each capture holding its own episode's tokens."""
+    task = get_task("verifiers", env=ENV_ID)
+    examples = task.generate(6, seed=5)
+    agent = vf_agent(**harness())
+    vf_env.RECORD.clear()
+
+    async def go():
+        return await asyncio.gather(*(agent(example=ex, base_url=server.episode_url(f"vf-many-{i}"), model="tiny")
+                                      for i, ex in enumerate(examples)))
+
+    got = asyncio.run(go())
+    by_prompt = {r["prompt"]: r for r in vf_env.RECORD}
+    assert len(by_prompt) == len(examples) == len(vf_env.RECORD)
+    fmt = ChatFormat(tok)
+    for i, (ex, reward) in enumerate(zip(examples, got, strict=True)):
+        call = by_prompt[ex.prompt[1]["content"]]
+        assert reward == {"reward": brief_sum(call["content"], ex.answer)}
+        (line,) = server.endpoint.trajectory(f"vf-many-{i}")
+        assert line["prompt_ids"] == fmt.prompt_ids(ex.prompt) and line["response_ids"] == call["token_ids"]
+
+
 @pytest.mark.faults
 def test_a_failed_verifiers_episode_raises_and_bad_agent_params_are_one_line(vf_env, server):
     from relayrl.serve.adapters.verifiers_env import VerifiersEpisodeError
@@ -391,3 +415,49 @@ def test_a_gym_env_that_misbehaves_fails_its_episode_and_bad_refs_are_one_line(s
         with pytest.raises(ConfigError, match=said) as e:
             gym_env.make_agent(ref, params)
         assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------- the how-to page's examples
+
+
+def doc_blocks(lang: str) -> list[str]:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs/how-to/environment-libraries.md").read_text()
+    return [b.split("\n", 1)[1] for b in text.split("```")[1::2] if b.startswith(lang + "\n")]
+
+
+@pytest.mark.e2e
+def test_the_how_to_pages_environments_and_configs_run_as_written(server, tmp_path, monkeypatch):
+    pytest.importorskip("verifiers.v1")
+    pytest.importorskip("gymnasium")
+    import yaml
+
+    from relayrl.data.config import DataConfig, build_datasets
+    from relayrl.serve.adapters import gym_env, verifiers_env
+
+    sums, countdown = (b for b in doc_blocks("python") if "class " in b)
+    (tmp_path / "my_sums.py").write_text(sums)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_sums", raising=False)
+    vf_yaml, gym_yaml = (yaml.safe_load(b) for b in doc_blocks("yaml"))
+    train, eval_set = build_datasets(DataConfig.from_dict(vf_yaml["data"]))
+    assert (len(train), len(eval_set)) == (80, 20)
+    for ex in train + eval_set:  # the taskset's sums, scored by its own reward
+        a, b = ex.prompt[-1]["content"].removesuffix("=").split("+")
+        assert ex.answer == str(int(a) + int(b))
+    task = get_task("verifiers", **vf_yaml["data"]["task_params"])
+    assert task.score(eval_set[0].answer, eval_set[0]) == 1.0 and task.score("-1", eval_set[0]) == 0.0
+    agent = verifiers_env.make_agent(vf_yaml["rollout"]["agent"].removeprefix("verifiers:"),
+                                     vf_yaml["rollout"]["agent_params"])
+    assert agent.spec.config({}).agent.max_turns == 4 and agent.spec.sampling.max_tokens == 64
+    # the Gymnasium environment and its config, one episode against the served model
+    (tmp_path / "countdown.py").write_text(countdown)
+    params = gym_yaml["rollout"]["agent_params"]
+    gym = gym_env.make_agent(f"{tmp_path}/countdown.py:Countdown", {**params, "sampling": {"max_tokens": 4}})
+    client = Observed(openai.OpenAI(base_url=server.episode_url("doc-gym"), api_key="x", max_retries=0))
+    got = gym(example=Example(prompt="count", answer="7"), client=client, model="tiny")
+    replies = [r.choices[0].message.content for r in client.responses]
+    hits = [float(r.strip() == "7") for r in replies]
+    assert got == {"reward": sum(hits), "success": hits[-1] == 1.0} and len(replies) == (3 if not any(hits) else
+                                                                                          hits.index(1.0) + 1)
