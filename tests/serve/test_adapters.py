@@ -38,6 +38,8 @@ ENV_ID = "relayrl-vf-sums"  # verifiers imports it as the module relayrl_vf_sums
 
 VF_ENV = textwrap.dedent('''
     """A verifiers v1 environment: sums to answer in one reply (or two: the harness's `turns`)."""
+    import asyncio
+
     from openai import AsyncOpenAI
 
     import verifiers.v1 as vf
@@ -74,6 +76,7 @@ VF_ENV = textwrap.dedent('''
         turns: int = 1
         stream_last: bool = False
         fail: bool = False
+        sleep_s: float = 0.0
 
 
     class ChatHarness(vf.Harness[ChatHarnessConfig]):
@@ -86,6 +89,7 @@ VF_ENV = textwrap.dedent('''
         async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kw):
             if self.config.fail:
                 raise RuntimeError("the harness broke")
+            await asyncio.sleep(self.config.sleep_s)
             system, prompt = self.resolve_prompt(data)
             messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
             async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
@@ -287,6 +291,16 @@ def test_a_failed_verifiers_episode_raises_and_bad_agent_params_are_one_line(vf_
         with pytest.raises(ConfigError, match=said) as e:
             vf_agent(**params)
         assert "\n" not in str(e.value)
+    # past its deadline the runner cancels the episode: verifiers unwinds it (interception down), nothing hangs
+    async def cancelled():
+        agent = vf_agent(**harness(sleep_s=60.0))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(agent(example=ex, base_url=server.episode_url("vf-late"), model="tiny"), 0.5)
+        await asyncio.sleep(0.1)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(cancelled()) == []
+    assert server.endpoint.recorder.counters("vf-late")["calls"] == 0
     # an example from another task: its prompt and answer become the row
     agent = vf_agent(**harness())
     other = Example(prompt="3+4=", answer="7")
