@@ -287,10 +287,16 @@ def test_a_failed_verifiers_episode_raises_and_bad_agent_params_are_one_line(vf_
     with pytest.raises(VerifiersEpisodeError, match="the harness broke"):
         asyncio.run(vf_agent(**harness(fail=True))(example=ex, base_url=server.episode_url("vf-fail"), model="tiny"))
     for params, said in [({"agent": {"max_turnz": 2}}, "max_turnz"), ({"taskset": {"nn": 1}}, "nn"),
-                         ({"sampling": {"max_tokens": "many"}}, "sampling")]:
+                         ({"sampling": {"max_tokens": "many"}}, "sampling"),
+                         ({"agent": {"harness": {"id": "bash"}}}, "harness 'bash', which executes model-written")]:
         with pytest.raises(ConfigError, match=said) as e:
             vf_agent(**params)
         assert "\n" not in str(e.value)
+    # a code-executing harness runs where its runtime is pinned; one that executes none defaults to this machine
+    pinned = vf_agent(agent={"harness": {"id": "bash"}, "runtime": {"type": "docker"}}).spec.config({})
+    assert (pinned.agent.harness.id, pinned.agent.runtime.type) == ("bash", "docker")
+    for chat in (vf_agent(**harness()), vf_agent(agent={"harness": {"id": "null"}})):
+        assert chat.spec.config({}).agent.runtime.type == "subprocess"
     # past its deadline the runner cancels the episode: verifiers unwinds it (interception down), nothing hangs
     async def cancelled():
         agent = vf_agent(**harness(sleep_s=60.0))
@@ -464,7 +470,9 @@ def test_the_how_to_pages_environments_and_configs_run_as_written(server, tmp_pa
     assert task.score(eval_set[0].answer, eval_set[0]) == 1.0 and task.score("-1", eval_set[0]) == 0.0
     agent = verifiers_env.make_agent(vf_yaml["rollout"]["agent"].removeprefix("verifiers:"),
                                      vf_yaml["rollout"]["agent_params"])
-    assert agent.spec.config({}).agent.max_turns == 4 and agent.spec.sampling.max_tokens == 64
+    config = agent.spec.config({})
+    assert (config.agent.harness.id, config.agent.runtime.type, config.agent.max_turns) == ("null", "subprocess", 4)
+    assert agent.spec.sampling.max_tokens == 64
     # the Gymnasium environment and its config, one episode against the served model
     (tmp_path / "countdown.py").write_text(countdown)
     params = gym_yaml["rollout"]["agent_params"]

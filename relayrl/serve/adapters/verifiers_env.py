@@ -18,8 +18,11 @@ traces. A failed verifiers episode (harness error, setup failure, timeout: `epis
 drops it and counts it.
 
 relayrl's defaults on verifiers' config: a seat whose runtime verifiers leaves at its default (`prime`, a remote
-sandbox) runs in `subprocess` (this machine) unless agent_params pins a runtime; episode retries stay at verifiers'
-default of none (a retried attempt's model calls would be recorded too). The eval client authenticates with the
+sandbox) and whose harness executes no model-written code (`null`, an in-process chat loop: EXECUTES_CODE false)
+runs in `subprocess` (this machine); a harness that executes model-written commands (`bash`, the coding agents) must
+have its runtime pinned in agent_params (docker, ..., or subprocess knowingly): untrusted code is never run on the
+training machine by default. Episode retries stay at verifiers' default of none (a retried attempt's model calls
+would be recorded too). The eval client authenticates with the
 value of $RELAYRL_API_KEY (set it when the endpoint has a token; anything works otherwise).
 
 It imports relayrl.data (the task rebuild), relayrl.errors and, when an agent is made, verifiers.
@@ -68,6 +71,7 @@ class VerifiersSpec:
             import verifiers.v1 as vf
             from verifiers.v1.configs.agent import agent_config_fields
             from verifiers.v1.runtimes import PrimeConfig, SubprocessConfig
+            from verifiers.v1.utils.loaders import harness_class
         except ImportError as e:
             raise ConfigError(f"{INSTALL} ({type(e).__name__}: {e})") from None
         self.vf, self.env_id, self.where = vf, env_id, where
@@ -84,6 +88,7 @@ class VerifiersSpec:
             raise ConfigError(f"{where}: agent_params.sampling: {one_line(e)}") from None
         self._pinned = {name for name, role in raw.items() if isinstance(role, dict) and "runtime" in role}
         self._agent_fields, self._prime, self._subprocess = agent_config_fields, PrimeConfig, SubprocessConfig
+        self._harness_class = harness_class
         self._configs: dict[str, Any] = {}
         self.config(taskset or {})  # a bad key fails here, when the run starts, not in every episode
 
@@ -97,9 +102,17 @@ class VerifiersSpec:
             except Exception as e:
                 raise ConfigError(f"{self.where}: verifiers cannot load it: {type(e).__name__}: {one_line(e)}"
                                   ) from None
+            harnesses = config.agent_harnesses()
             for name, role in self._agent_fields(config).items():
-                if name not in self._pinned and isinstance(role.runtime, self._prime):
-                    setattr(config, name, role.model_copy(update={"runtime": self._subprocess()}))
+                if name in self._pinned or not isinstance(role.runtime, self._prime):
+                    continue
+                if self._harness_class(harnesses[name].id).EXECUTES_CODE:
+                    raise ConfigError(
+                        f"{self.where}: the seat '{name}' runs harness '{harnesses[name].id}', which executes "
+                        "model-written commands, in verifiers' default runtime (prime, a remote sandbox); pin the "
+                        f"runtime that isolates them: agent_params: {{{name}: {{runtime: {{type: docker}}}}}} (or "
+                        "type: subprocess to run them on this machine)")
+                setattr(config, name, role.model_copy(update={"runtime": self._subprocess()}))
             self._configs[key] = config
         return self._configs[key]
 
