@@ -15,8 +15,10 @@ endpoint's responses returned (return_token_ids, logprobs) for every token the c
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -279,6 +281,38 @@ def test_concurrent_verifiers_episodes_on_one_event_loop_keep_apart(vf_env, serv
         assert line["prompt_ids"] == fmt.prompt_ids(ex.prompt) and line["response_ids"] == call["token_ids"]
 
 
+@pytest.mark.e2e
+def test_a_run_trains_on_a_verifiers_tasksets_examples_scored_by_its_own_rewards(vf_env, tmp_path, monkeypatch):
+    """`data.task: verifiers` in a plain run (relayrl's own sampling, the `task` reward): the examples are the
+    taskset's, every sample's reward is the environment's, no eval prompt is trained on."""
+    import json
+
+    from relayrl.jobs.train import prompt_digest, train
+
+    from helpers import cfg_for
+
+    # the environment is importable in any worker process too, as an installed environment is
+    here = str(Path(vf_env.__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    cfg = cfg_for(tmp_path, "vf", data={"task": "verifiers", "task_params": {"env": ENV_ID}, "n_train": 8, "n_eval": 4,
+                                        "chat_template": "always"},
+                  run={"steps": 1, "save_every": 0}, rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 4})
+    train(cfg, show_progress=False)
+    samples = [json.loads(x) for x in (tmp_path / "vf" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8 and {s["step"] for s in samples} == {0, 1}
+    for s in samples:
+        a, b = s["prompt"][1]["content"].removesuffix("=").split("+")
+        assert s["answer"] == str(int(a) + int(b)) and s["prompt"][0] == {"role": "system", "content": "add"}
+        assert s["reward"] == brief_sum(s["completion"], s["answer"])
+    # what was trained on: taskset examples, none of them an eval prompt
+    digest = {prompt_digest(ex): ex.prompt[1]["content"] for ex in get_task("verifiers", env=ENV_ID).generate(12, 0)}
+    assert len(digest) == 12
+    trained = [d for x in (tmp_path / "vf" / "trained_prompts.jsonl").read_text().splitlines()
+               for d in json.loads(x)["prompts"]]
+    assert len(trained) == 2 and set(trained) <= set(digest)
+    assert not {digest[d] for d in trained} & {s["prompt"][1]["content"] for s in samples}
+
+
 @pytest.mark.faults
 def test_a_failed_verifiers_episode_raises_and_bad_agent_params_are_one_line(vf_env, server):
     from relayrl.serve.adapters.verifiers_env import VerifiersEpisodeError
@@ -441,8 +475,6 @@ def test_a_gym_env_that_misbehaves_fails_its_episode_and_bad_refs_are_one_line(s
 
 
 def doc_blocks(lang: str) -> list[str]:
-    from pathlib import Path
-
     text = (Path(__file__).resolve().parents[2] / "docs/how-to/environment-libraries.md").read_text()
     return [b.split("\n", 1)[1] for b in text.split("```")[1::2] if b.startswith(lang + "\n")]
 
