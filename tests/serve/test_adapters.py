@@ -47,6 +47,7 @@ VF_ENV = textwrap.dedent('''
     import verifiers.v1 as vf
 
     RECORD = []  # what each model response returned to the harness, in order
+    MODELS = []  # the model cards /v1/models listed (as verifiers' chat program reads the context window)
 
 
     class SumData(vf.TaskData):
@@ -79,6 +80,7 @@ VF_ENV = textwrap.dedent('''
         stream_last: bool = False
         fail: bool = False
         sleep_s: float = 0.0
+        list_models: bool = False
 
 
     class ChatHarness(vf.Harness[ChatHarnessConfig]):
@@ -95,6 +97,8 @@ VF_ENV = textwrap.dedent('''
             system, prompt = self.resolve_prompt(data)
             messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
             async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+                if self.config.list_models:
+                    MODELS.extend((m.id, m.model_extra["max_model_len"]) for m in (await client.models.list()).data)
                 for turn in range(self.config.turns):
                     if turn:
                         messages.append({"role": "user", "content": "sure?"})
@@ -239,10 +243,11 @@ def test_a_verifiers_episode_is_verifiers_own_rollout_and_reward_and_capture_hol
 def test_a_two_turn_verifiers_harness_streams_and_the_endpoint_reuses_the_sampled_ids(vf_env, server, tok):
     task = get_task("verifiers", env=ENV_ID, taskset={"n": 12})
     ex = task.generate(1, seed=3)[0]
-    agent = vf_agent(**harness(turns=2, stream_last=True))
+    agent = vf_agent(**harness(turns=2, stream_last=True, list_models=True))
     vf_env.RECORD.clear()
     episode = asyncio.run(agent.spec.run(ex, server.episode_url("vf-two"), "tiny"))
     first, second = vf_env.RECORD
+    assert vf_env.MODELS == [("tiny", MAX_LEN)]  # relayed by the interception from the episode's /v1/models
     (trace,) = episode.traces
     assert [m.content for m in trace.assistant_messages] == [first["content"], second["content"]]
     assert trace.reward == brief_sum(second["content"], ex.answer)  # scored on the last reply
