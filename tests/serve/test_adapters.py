@@ -318,6 +318,46 @@ def test_a_run_trains_on_a_verifiers_tasksets_examples_scored_by_its_own_rewards
     assert not {digest[d] for d in trained} & {s["prompt"][1]["content"] for s in samples}
 
 
+@pytest.mark.e2e
+def test_a_verifiers_environment_trains_by_name_through_its_own_harness(vf_env, tmp_path, monkeypatch):
+    """rollout.agent: verifiers:ENV_ID, 2 steps: every episode is verifiers' two-turn harness run through the run's
+    private endpoint; the run's max_tokens is imposed through verifiers' relay; the trained (and evaluated) rewards
+    are the environment's own, recomputed by hand from each episode's last reply."""
+    import json
+
+    from relayrl.jobs.train import train
+    from relayrl.observe import read_metrics
+
+    from helpers import TINY_ENV_MODEL, cfg_for
+
+    here = str(Path(vf_env.__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    cfg = cfg_for(tmp_path, "vf", model=TINY_ENV_MODEL,
+                  data={"task": "verifiers", "task_params": {"env": ENV_ID}, "n_train": 8, "n_eval": 4,
+                        "chat_template": "always"},
+                  rollout={"prompts_per_step": 2, "group_size": 4, "max_tokens": 2, "agent": f"verifiers:{ENV_ID}",
+                           "agent_params": {"sampling": {"logprobs": True, "return_token_ids": True},
+                                            **harness(turns=2)}},
+                  eval={"max_tokens": 2}, run={"steps": 2, "save_every": 0, "samples_every": 1})
+    vf_env.RECORD.clear()
+    train(cfg, show_progress=False)
+    steps = [m for m in read_metrics(tmp_path / "vf") if "reward/mean" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert (m["agent/calls"], m["agent/dropped"], m["agent/retokenize_drift"]) == (2.0, 0.0, 0.0)
+    # 2 steps x 8 episodes + 2 evaluations x 4, two calls each, every reply within the run's max_tokens
+    assert len(vf_env.RECORD) == 2 * (2 * 8 + 2 * 4)
+    assert all(1 <= len(r["token_ids"]) <= 2 for r in vf_env.RECORD)
+    samples = [json.loads(x) for x in (tmp_path / "vf" / "samples.jsonl").read_text().splitlines()]
+    assert sorted({(s["split"], s["step"]) for s in samples}) == [("eval", 0), ("eval", 2), ("train", 1),
+                                                                   ("train", 2)]
+    for s in samples:
+        assert s["reward"] == brief_sum(s["completion"], s["answer"]) >= 0.5
+    train_rewards = {st: [s["reward"] for s in samples if s["split"] == "train" and s["step"] == st] for st in (1, 2)}
+    for m in steps:
+        assert m["reward/mean"] == pytest.approx(sum(train_rewards[m["step"]]) / 8)
+
+
 @pytest.mark.faults
 def test_a_failed_verifiers_episode_raises_and_bad_agent_params_are_one_line(vf_env, server):
     from relayrl.serve.adapters.verifiers_env import VerifiersEpisodeError
