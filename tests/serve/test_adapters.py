@@ -227,7 +227,7 @@ def test_a_verifiers_episode_is_verifiers_own_rollout_and_reward_and_capture_hol
         got = asyncio.run(agent(example=ex, base_url=server.episode_url(episode), model="tiny"))
         (call,) = vf_env.RECORD  # the harness made one call, through verifiers' interception
         # the reward is verifiers' own: Task.score on a trace built afresh from the reply, and the hand formula
-        assert got == {"reward": task.score(call["content"], ex)}
+        assert got == {"reward": task.score(call["content"], ex), "finish": "done", "counters": {"tool_calls": 0.0}}
         assert got["reward"] == brief_sum(call["content"], ex.answer)
         # the capture: the messages the harness sent, rendered by the template; the ids and logprobs returned
         (line,) = server.endpoint.trajectory(episode)
@@ -281,7 +281,7 @@ def test_concurrent_verifiers_episodes_on_one_event_loop_keep_apart(vf_env, serv
     fmt = ChatFormat(tok)
     for i, (ex, reward) in enumerate(zip(examples, got, strict=True)):
         call = by_prompt[ex.prompt[1]["content"]]
-        assert reward == {"reward": brief_sum(call["content"], ex.answer)}
+        assert reward["reward"] == brief_sum(call["content"], ex.answer)
         (line,) = server.endpoint.trajectory(f"vf-many-{i}")
         assert line["prompt_ids"] == fmt.prompt_ids(ex.prompt) and line["response_ids"] == call["token_ids"]
 
@@ -386,6 +386,13 @@ def test_a_failed_verifiers_episode_raises_and_bad_agent_params_are_one_line(vf_
 
     assert asyncio.run(cancelled()) == []
     assert server.endpoint.recorder.counters("vf-late")["calls"] == 0
+    # a verifiers limit that stops the episode short is the contract's `finish` (env/truncated); it still scores
+    vf_env.RECORD.clear()
+    short = vf_agent(agent={"max_turns": 1, "harness": {"id": ENV_ID, "turns": 2}})
+    got = asyncio.run(short(example=ex, base_url=server.episode_url("vf-short"), model="tiny"))
+    (call,) = vf_env.RECORD
+    assert got == {"reward": brief_sum(call["content"], ex.answer), "finish": "max_turns",
+                   "counters": {"tool_calls": 0.0}}
     # an example from another task: its prompt and answer become the row
     agent = vf_agent(**harness())
     other = Example(prompt="3+4=", answer="7")
@@ -477,7 +484,8 @@ def test_a_gymnasium_text_env_episode_sums_its_rewards_and_capture_holds_what_wa
     # the environment's own rewards, recomputed from the replies; 3 tries unless the answer came first
     want = [1.0 if a.strip() == "0" else len(a) / 100 for a in replies]
     assert len(replies) == (3 if 1.0 not in want else want.index(1.0) + 1)
-    assert got["reward"] == sum(want) and got["success"] is (want[-1] == 1.0)
+    hit = want[-1] == 1.0
+    assert got == {"reward": sum(want), "success": hit, "finish": "done" if hit else "max_turns"}
     assert Countdown.log == [("reset", 11, ex.prompt), *[("step", a) for a in replies], ("close",)]
     # the capture: one line, the sampled ids the responses returned (mask 1), the observations between (mask 0)
     fmt = ChatFormat(tok)
@@ -558,5 +566,5 @@ def test_the_how_to_pages_environments_and_configs_run_as_written(server, tmp_pa
     got = gym(example=Example(prompt="count", answer="7"), client=client, model="tiny")
     replies = [r.choices[0].message.content for r in client.responses]
     hits = [float(r.strip() == "7") for r in replies]
-    assert got == {"reward": sum(hits), "success": hits[-1] == 1.0} and len(replies) == (3 if not any(hits) else
-                                                                                          hits.index(1.0) + 1)
+    assert len(replies) == (3 if not any(hits) else hits.index(1.0) + 1)
+    assert got == {"reward": sum(hits), "success": hits[-1] == 1.0, "finish": "done" if any(hits) else "max_turns"}

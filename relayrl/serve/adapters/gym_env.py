@@ -31,8 +31,9 @@ One episode, driven through the episode's OpenAI client (a sync `agent(example, 
 
 An observation is text (a user message), a chat message {"role", "content"}, or a list of them (SkyRL-Gym's
 observations). The episode's reward is the sum of the step rewards; `success` is the last step's info["success"]
-when it is a bool (else relayrl's rule: reward >= 1). An observation or reward of another type, or an environment
-that raises, fails the episode (the runner drops it and counts it).
+when it is a bool (else relayrl's rule: reward >= 1); `finish` is "done" when the environment terminated the
+episode, "max_turns" when it truncated it or max_turns ran out (counted as env/truncated). An observation or reward
+of another type, or an environment that raises, fails the episode (the runner drops it and counts it).
 
 It imports relayrl's ground floor (relayrl.config, relayrl.errors, relayrl.lazy) and relayrl.data's Example type.
 """
@@ -105,7 +106,9 @@ def load_class(ref: str, where: str):
 
 def run_episode(cls, cfg: GymParams, example: Example, client, model: str, ref: str = "") -> dict[str, Any]:
     """One episode of a new `cls(**cfg.kwargs)` on `example`, the model reached through `client` (see the module
-    docstring): {"reward": the summed step rewards, "success": the last info's bool "success" (when given)}."""
+    docstring): {"reward": the summed step rewards, "finish": "done" when the environment terminated it, else
+    "max_turns" (truncated by it, or max_turns reached: env/truncated), "success": the last info's bool "success"
+    (when given)}."""
     name = f"gym environment {ref or cls.__name__}"
     env = cls(**cfg.kwargs)
     try:
@@ -117,20 +120,21 @@ def run_episode(cls, cfg: GymParams, example: Example, client, model: str, ref: 
             opening = ([{"role": "user", "content": example.prompt}] if isinstance(example.prompt, str)
                        else list(example.prompt))
         messages += opening
-        total = 0.0
+        total, finish = 0.0, "max_turns"  # unless the environment ends it
         for _ in range(cfg.max_turns):
             reply = client.chat.completions.create(**cfg.sampling, model=model, messages=messages)
             message = reply.choices[0].message
             observation, reward, terminated, truncated, info = env.step(message.content or "")
             total += _reward(reward, name)
             if terminated or truncated:
+                finish = "done" if terminated else "max_turns"
                 break
             messages += [message.model_dump(exclude_none=True), *_observed(observation, name, "step()")]
     finally:
         close = getattr(env, "close", None)
         if callable(close):
             close()
-    out: dict[str, Any] = {"reward": total}
+    out: dict[str, Any] = {"reward": total, "finish": finish}
     if isinstance(info, dict) and isinstance(info.get("success"), bool):
         out["success"] = info["success"]
     return out

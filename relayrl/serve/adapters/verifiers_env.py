@@ -7,7 +7,8 @@
         taskset: {split: train}           #   optional: else the taskset config of `data.task: verifiers`
         sampling: {max_tokens: 256}       #   the run's sampling as verifiers imposes it on every model call
 
-make_agent(env_id, params) returns an `async def agent(example, base_url, model)`. Each episode is one verifiers
+make_agent(env_id, params) returns an `async def agent(example, base_url, model)` returning {"reward", "finish",
+"counters": {"tool_calls"}} (episode_outcome). Each episode is one verifiers
 episode, run by verifiers' own code only: the environment loaded by its loader (`resolve_env_config`,
 `load_environment`), the example's task rebuilt as verifiers' env server rebuilds a dispatched task
 (relayrl.data.verifiers_task.rebuild_task), then `env.serving()` and `env.run_slot` — its harness drives the model
@@ -49,8 +50,7 @@ def make_agent(env_id: str, params: dict[str, Any] | None = None):
     spec = VerifiersSpec(env_id, params or {})
 
     async def agent(example: Example, base_url: str, model: str) -> dict[str, Any]:
-        episode = await spec.run(example, base_url, model)
-        return {"reward": episode_reward(episode)}
+        return episode_outcome(await spec.run(example, base_url, model))
 
     agent.__name__ = agent.__qualname__ = f"verifiers:{env_id}"
     agent.spec = spec  # type: ignore[attr-defined] - for tests and introspection
@@ -146,6 +146,19 @@ class VerifiersSpec:
             said = "; ".join(f"{e.type}: {_line(e.message)}" for e in errors[-2:]) or "no error recorded"
             raise VerifiersEpisodeError(f"verifiers environment '{self.env_id}': the episode failed ({said})")
         return episode
+
+
+# verifiers' stop conditions that cut an episode short, as the agent contract's `finish` (env/truncated)
+FINISH = {"max_turns": "max_turns", "max_input_tokens": "max_total_tokens", "max_output_tokens": "max_total_tokens",
+          "max_total_tokens": "max_total_tokens"}
+
+
+def episode_outcome(episode) -> dict[str, Any]:
+    """What the agent returns for a verifiers episode: its reward (episode_reward), `finish` max_turns /
+    max_total_tokens when a verifiers limit stopped it, and its tool calls counted (tools/calls)."""
+    finish = next((FINISH[t.stop_condition] for t in episode.traces if t.stop_condition in FINISH), "done")
+    return {"reward": episode_reward(episode), "finish": finish,
+            "counters": {"tool_calls": float(sum(len(t.tool_messages) for t in episode.traces))}}
 
 
 def episode_reward(episode) -> float:
