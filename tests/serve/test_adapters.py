@@ -558,6 +558,14 @@ def test_the_how_to_pages_environments_and_configs_run_as_written(server, tmp_pa
     config = agent.spec.config({})
     assert (config.agent.harness.id, config.agent.runtime.type, config.agent.max_turns) == ("null", "subprocess", 4)
     assert agent.spec.sampling.max_tokens == 64
+    # the page's one episode by hand: its agent_params load as written
+    import ast
+    import re
+
+    (by_hand,) = (b for b in doc_blocks("python") if "make_agent(" in b)
+    env_id, params = re.search(r'make_agent\("([\w-]+)", (\{.*\})\)', by_hand).groups()
+    config = verifiers_env.make_agent(env_id, ast.literal_eval(params)).spec.config({})
+    assert (config.agent.harness.id, config.agent.runtime.type) == ("null", "subprocess")
     # the Gymnasium environment and its config, one episode against the served model
     (tmp_path / "countdown.py").write_text(countdown)
     params = gym_yaml["rollout"]["agent_params"]
