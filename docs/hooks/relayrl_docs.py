@@ -75,11 +75,12 @@ MEANINGS = {
     "model.tiny.init_std": "Standard deviation of the random initialisation.",
     "model.tiny.seed": "Seed of the random initialisation.",
     "data.task": "A built-in task (`arith`, `sort`, `calculator`, `guess`, `python`), `reasoning_gym` (a dataset of "
-                 "the reasoning-gym library), your own task factory as `pkg.module:factory` or "
-                 "`path/file.py:factory`, or `file` for a dataset file.",
+                 "the reasoning-gym library), `verifiers` (the tasks of a verifiers v1 environment), your own task "
+                 "factory as `pkg.module:factory` or `path/file.py:factory`, or `file` for a dataset file.",
     "data.task_params": "Keyword parameters of the task (e.g. `digits`, `ops`, `num_operands` for arith; `dataset`, "
-                        "`config`, `system_prompt` for reasoning_gym; what your factory takes); checked when the "
-                        "config loads (a factory's only for its name's form: it is imported when the run starts).",
+                        "`config`, `system_prompt` for reasoning_gym; `env`, `taskset`, `limit` for verifiers; what "
+                        "your factory takes); checked when the config loads (a factory's only for its name's form: it "
+                        "is imported when the run starts).",
     "data.path": "The dataset file (`.jsonl` or `.parquet`) when `task: file`.",
     "data.eval_path": "A separate held-out file; without it the last `n_eval` rows of a seeded shuffle of `path` "
                       "are held out.",

@@ -14,7 +14,8 @@ Every generated example carries `meta["task"]` and `meta["params"]`, so a scorer
 the example can rebuild the task that made it (`task_for_example`). That is how the `task` reward
 works without passing task objects through worker boundaries. A user's task, `data.task: "pkg.module:factory"`,
 is rebuilt the same way, by importing the factory in the worker (relayrl.data.plugin); `reasoning_gym` is a
-registered task over the reasoning-gym library (relayrl.data.reasoning_gym_task).
+registered task over the reasoning-gym library (relayrl.data.reasoning_gym_task), `verifiers` one over a verifiers
+v1 environment's taskset (relayrl.data.verifiers_task).
 
 `check_task` is what loading a config runs: a built-in task is built (they are cheap), a task with a
 `check_params` static method (reasoning_gym) checks its parameters without importing its library, and a factory
@@ -137,4 +138,4 @@ def first_line(completion: str) -> str:
 
 def _load_builtins() -> None:
     # Imported lazily: the task modules import this one to register themselves.
-    from relayrl.data import agent_tasks, arith, reasoning_gym_task, sort  # noqa: F401 - for their registrations
+    from relayrl.data import agent_tasks, arith, reasoning_gym_task, sort, verifiers_task  # noqa: F401 - registrations
