@@ -18,7 +18,7 @@ $(VENV)/.torch: $(BIN)/python
 	touch $@
 
 $(VENV)/.relayrl: $(VENV)/.torch pyproject.toml
-	$(BIN)/python -m pip install -q -e ".[ray,loggers,docs,tasks,serve]" pytest ruff
+	$(BIN)/python -m pip install -q -e ".[ray,loggers,docs,tasks,serve,agents]" pytest ruff
 	touch $@
 
 setup: $(VENV)/.relayrl sandbox-tools
