@@ -283,12 +283,13 @@ def test_a_weight_update_between_two_pumps_pauses_serving_and_the_next_call_samp
     weights samples it."""
     new = perturbed_model(small_config(vocab_size=len(tok), max_position_embeddings=MAX_LEN,
                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), seed=4).eval()
-    first_done = threading.Event()
+    first_done, go = threading.Event(), threading.Event()
 
     def agent(example, client, model):
         msgs = [{"role": "user", "content": example.prompt}]
         r = client.chat.completions.create(model=model, messages=msgs)
         first_done.set()
+        go.wait(30)  # sent once the test has stopped pumping: it then waits, unserved, through the update
         msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
         client.chat.completions.create(model=model, messages=msgs)
         return 1.0
@@ -299,6 +300,7 @@ def test_a_weight_update_between_two_pumps_pauses_serving_and_the_next_call_samp
         runner.submit([EX], [SamplingParams(n=1, max_tokens=6, seed=SEED)], "t")
         while not first_done.is_set():
             assert runner.advance(block=True) == []
+        go.set()
         time.sleep(0.2)  # the second call reaches the engine loop's queue; nothing pumps it
         assert engine.has_unfinished() is False
         engine.load_weights(new.state_dict().items())
