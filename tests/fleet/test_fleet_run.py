@@ -50,3 +50,24 @@ def test_a_run_on_1_2_and_4_replicas_samples_and_trains_as_one_engine(tmp_path):
                 assert m[f"fleet/replica{r}/canary_gap"] <= 1e-3
             assert m["sync/bytes_between_processes"] == n * shard
             assert m["sync/trainer_rank_bytes_sent_max"] == n * shard  # one trainer rank: once per replica
+
+
+def test_lora_adapters_alone_reach_every_replica_after_the_first_sync(tmp_path):
+    """With LoRA the first sync sends base + adapters, every later one the adapters alone, to each replica; with
+    rollout.sleep_level 1 every replica frees its KV cache after the rollout and wakes at the sync. The same run as
+    one engine."""
+    def lora_run(replicas: int):
+        cfg = cfg_for(tmp_path, f"lora{replicas}", rollout={"replicas": replicas, "sleep_level": 1}, parallel=FLEET,
+                      reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]},
+                      trainer={"lora": {"rank": 4, "alpha": 8}, "lr": 1e-2}, run={"steps": 3, "save_every": 0})
+        return step_metrics(Path(train(cfg, show_progress=False)["run_dir"]))
+
+    one, two = lora_run(1), lora_run(2)
+    assert_same_metrics(two, one)
+    assert [m["sync/adapters_only"] for m in two] == [0.0, 1.0, 1.0]
+    for step, m in enumerate(two):
+        shard = m["sync/bytes_per_replica"]
+        assert shard == one[step]["sync/bytes_per_engine_rank"]  # the base + adapters, then the adapters alone
+        assert [m[f"fleet/replica{r}/sync_bytes"] for r in range(2)] == [shard, shard]
+        assert [m[f"fleet/replica{r}/version"] for r in range(2)] == [step + 1, step + 1]
+    assert two[1]["sync/bytes_per_replica"] < two[0]["sync/bytes_per_replica"] / 5  # rank-4 adapters: a small share
