@@ -27,12 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relayrl.engine import SamplingParams  # noqa: E402
-from relayrl.models.config import TinyModelConfig  # noqa: E402
-from relayrl.models.tiny import build_tiny_model  # noqa: E402
-from relayrl.models.tokenizer import load_tokenizer  # noqa: E402
-from relayrl.roles.fleet import RolloutFleet  # noqa: E402
-from relayrl.single_controller.liveness import GroupOptions  # noqa: E402
+from relayrl.engine import SamplingParams
+from relayrl.models.config import TinyModelConfig
+from relayrl.models.tiny import build_tiny_model
+from relayrl.models.tokenizer import load_tokenizer
+from relayrl.roles.fleet import RolloutFleet
+from relayrl.single_controller.liveness import GroupOptions
 
 ALPHABET = "0123456789+-*= abcdefghijklmnopqrstuvwxyz"
 
