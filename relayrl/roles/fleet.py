@@ -18,6 +18,7 @@ Like the rest of relayrl.roles, it may import relayrl.rollout and the layers bel
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -53,6 +54,7 @@ class RolloutFleet:
         self.replicas, self.router = replicas, router
         self.tokenizer, self.pad_id = replicas[0].tokenizer, replicas[0].pad_id
         self.tokens = [0] * len(replicas)  # tokens each generated since the last reset_stats
+        self.busy = [0.0] * len(replicas)  # seconds each spent in generate calls since then
         self._pool = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="relayrl-fleet")
 
     @classmethod
@@ -115,7 +117,7 @@ class RolloutFleet:
             for i, (r, _) in enumerate(routed):
                 shares.setdefault(r, []).append(i)
             which = sorted(shares)
-            futures = [self._pool.submit(self.replicas[r].generate, [prompts[i] for i in shares[r]],
+            futures = [self._pool.submit(self._generate_on, r, [prompts[i] for i in shares[r]],
                                          [params[i] for i in shares[r]]) for r in which]
             results = wait_all(futures)
         finally:
@@ -127,6 +129,13 @@ class RolloutFleet:
                 outputs[i] = out
                 self.tokens[r] += sum(len(s.token_ids) for s in out.samples)
         return outputs
+
+    def _generate_on(self, r: int, prompts: list, params: list[SamplingParams]):
+        t0 = time.perf_counter()
+        try:
+            return self.replicas[r].generate(prompts, params)
+        finally:
+            self.busy[r] += time.perf_counter() - t0
 
     def _ids(self, prompt) -> list[int]:
         """The token ids the router keys a prompt by (relayrl's sources send ids; a string is tokenized as is)."""
@@ -173,7 +182,8 @@ class RolloutFleet:
     def stats(self) -> dict[str, float]:
         """The engines' figures fleet-wide (engine/*: counters summed, the peak replica's blocks, the prefix hit
         rate weighted by each replica's prompt tokens) and each replica's (fleet/replica<r>/*: requests, tokens,
-        the engine's prefix hit rate, the router's, requests sent for their cached prefix, weights version)."""
+        tokens per second of its generate calls, its KV blocks' peak share, the engine's prefix hit rate, the
+        router's, requests sent for their cached prefix, weights version)."""
         per = self._each(RolloutRole.stats)
         out: dict[str, float] = {"fleet/replicas": float(len(self.replicas))}
         for key in SUMMED:
@@ -194,6 +204,8 @@ class RolloutFleet:
         for r, (s, c) in enumerate(zip(per, self.router.counters, strict=True)):
             pre = f"fleet/replica{r}/"
             out |= {pre + "requests": float(c.requests), pre + "tokens": float(self.tokens[r]),
+                    pre + "tokens_per_s": self.tokens[r] / self.busy[r] if self.busy[r] else 0.0,
+                    pre + "kv_peak": s.get(PEAK, 0.0),
                     pre + "prefix_hit_rate": s.get("engine/prefix_hit_rate", 0.0),
                     pre + "router_hit_rate": c.hit_rate, pre + "by_affinity": float(c.by_affinity),
                     pre + "version": float(self.replicas[r].weights_version)}
@@ -203,6 +215,7 @@ class RolloutFleet:
         self._each(RolloutRole.reset_stats)
         self.router.reset_counters()
         self.tokens = [0] * len(self.replicas)
+        self.busy = [0.0] * len(self.replicas)
 
     def close(self) -> None:
         """Close every replica, each on its own (one that fails must not keep the others' processes alive)."""

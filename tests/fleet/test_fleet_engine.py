@@ -66,6 +66,9 @@ def test_a_fleet_samples_what_one_engine_samples(model_dir, n):
         tokens = sum(stats[f"fleet/replica{r}/tokens"] for r in range(n))
         assert tokens == sum(len(s.token_ids) for o in want for s in o.samples)
         assert all(f.router.load(r) == 0 for r in range(n))  # every request's work left the load when done
+        for r, role in enumerate(f.replicas):  # each replica's own engine figures, under its name
+            assert stats[f"fleet/replica{r}/kv_peak"] == role.stats()["engine/peak_blocks_used"] > 0
+            assert stats[f"fleet/replica{r}/tokens_per_s"] > 0
     finally:
         f.close()
 
