@@ -28,6 +28,13 @@ def run(tmp_path, replicas: int):
     return step_metrics(run_dir), [r for r in rows if r["split"] == "train"]
 
 
+def model_bytes(run_dir: Path) -> int:
+    """The fp32 bytes of every tensor of the run's model file (a tied head is stored once, and synced once)."""
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * 4 for t in load_file(run_dir / "base_model" / "model.safetensors").values())
+
+
 def test_a_run_on_1_2_and_4_replicas_samples_and_trains_as_one_engine(tmp_path):
     one, one_samples = run(tmp_path, 1)
     assert len(one_samples) == 2 * P * G
@@ -43,7 +50,8 @@ def test_a_run_on_1_2_and_4_replicas_samples_and_trains_as_one_engine(tmp_path):
             assert tokens == m["response_length/mean"] * P * G
             # the sync fanned out: every replica at the step's version, verified, and sent exactly its shard
             shard = m["sync/bytes_per_replica"]
-            assert shard == one[step]["sync/bytes_per_engine_rank"] > 0  # rollout.tp 1: the shard is the model
+            # rollout.tp 1: a replica's shard is the whole model, each tensor once
+            assert shard == one[step]["sync/bytes_per_engine_rank"] == model_bytes(tmp_path / "replicas1")
             for r in range(n):
                 assert m[f"fleet/replica{r}/version"] == step + 1
                 assert m[f"fleet/replica{r}/sync_bytes"] == shard
@@ -71,3 +79,24 @@ def test_lora_adapters_alone_reach_every_replica_after_the_first_sync(tmp_path):
         assert [m[f"fleet/replica{r}/sync_bytes"] for r in range(2)] == [shard, shard]
         assert [m[f"fleet/replica{r}/version"] for r in range(2)] == [step + 1, step + 1]
     assert two[1]["sync/bytes_per_replica"] < two[0]["sync/bytes_per_replica"] / 5  # rank-4 adapters: a small share
+
+
+def test_replicas_of_two_tensor_parallel_ranks_each_get_their_shards(tmp_path):
+    """rollout.tp 2 on 2 replicas: each rollout worker runs its engine's 2 ranks; each replica receives what the plan
+    gives its 2 ranks (the model, with what every engine TP rank holds whole, the embedding and the norms
+    (relayrl.sync.layout), counted on both), at the step's version."""
+    cfg = cfg_for(tmp_path, "tp2", rollout={"replicas": 2, "tp": 2}, parallel=FLEET,
+                  reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]},
+                  run={"steps": 2, "save_every": 0})
+    run_dir = Path(train(cfg, show_progress=False)["run_dir"])
+    whole = model_bytes(run_dir)
+    for step, m in enumerate(step_metrics(run_dir)):
+        shard = m["sync/bytes_per_replica"]
+        # the largest rank's shard is about half the model; the two ranks' together a little more than all of it (the
+        # tiny model's replicated embedding and norms: 5.7% of it)
+        assert whole / 2 <= m["sync/bytes_per_engine_rank"] < shard <= 2 * m["sync/bytes_per_engine_rank"]
+        assert whole < shard < 1.1 * whole
+        for r in range(2):
+            assert m[f"fleet/replica{r}/sync_bytes"] == shard  # measured on the wire = the plan's
+            assert m[f"fleet/replica{r}/version"] == step + 1
+            assert m[f"fleet/replica{r}/canary_gap"] <= 1e-3
