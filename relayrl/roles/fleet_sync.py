@@ -9,7 +9,8 @@ its shards by the same shard-to-shard plan as one engine, over a sync group of i
                 every replica's ranks receive and unpack                          (at once, a driver thread each)
                 the trainer ranks wait for all their sends
                 every replica's end_weight_update: each carries the new version   (the fleet checks they agree)
-                verify(): each replica's canary and, after the first sync, every piece's checksum
+                verify(): each replica's canary (against one trainer forward of the rows) and, after the first
+                sync, every piece's checksum
 
 What a trainer rank sends is its shard once per replica (a broadcast tree would send less; not built yet); what a
 replica receives is its shard exactly (the plan's bytes per engine rank, summed over its ranks): both are reported,
@@ -94,7 +95,9 @@ class FleetWeightSync:
         t0 = time.perf_counter()
         what = "sync + wake" if woke else "sync"
         after = f"{what} {label}" if label else f"{what} {self.replicas[0].syncs}"
-        gaps = [s.verify(f"{after}, replica {r}") for r, s in enumerate(self.replicas)]
+        first = self.replicas[0]
+        trainer = first.policy.compute_logprobs(first.canary_batch())  # once: the same rows for every replica
+        gaps = [s.verify(f"{after}, replica {r}", trainer) for r, s in enumerate(self.replicas)]
         self.last_table = {f"replica {r}, {k}": v for r, s in enumerate(self.replicas) for k, v in s.last_table.items()}
         out["sync/canary_gap"] = max(gaps)
         for r, gap in enumerate(gaps):

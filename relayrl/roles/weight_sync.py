@@ -221,15 +221,21 @@ class PlannedWeightSync:
         out["time/sync_verify"] = time.perf_counter() - t0
         return out
 
-    def verify(self, after: str) -> float:
-        """The canary: the mean |logprob gap| must stay under the bound, else stop, naming the first
-        parameter whose checksum differs. Returns the gap."""
-        L = len(self.rows[0])
+    def canary_batch(self) -> TrainBatch:
+        """The canary rows as the trainer scores them (every token but the first)."""
         ids = torch.tensor(self.rows)
-        mask = torch.ones(len(self.rows), L)
+        mask = torch.ones(len(self.rows), len(self.rows[0]))
         mask[:, 0] = 0
-        batch = TrainBatch(ids, torch.ones_like(ids), mask)
-        trainer = self.policy.compute_logprobs(batch)
+        return TrainBatch(ids, torch.ones_like(ids), mask)
+
+    def verify(self, after: str, trainer: torch.Tensor | None = None) -> float:
+        """The canary: the mean |logprob gap| must stay under the bound, else stop, naming the first
+        parameter whose checksum differs. Returns the gap. trainer: the trainer's logprobs of canary_batch(), when
+        the caller computed them already (a fleet compares every replica against one trainer forward)."""
+        batch = self.canary_batch()
+        mask = batch.response_mask
+        if trainer is None:
+            trainer = self.policy.compute_logprobs(batch)
         engine = self.engine.score(self.rows, self.temperature)
         gap = float(((trainer - engine).abs() * mask).sum() / mask.sum())
         over = not gap <= self.bound  # NaN (an unwritten weight) fails too
