@@ -103,10 +103,11 @@ class RolloutFleet:
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]):
         """Each prompt routed (relayrl.rollout.router), each replica's share run by it at once; outputs in order."""
+        if isinstance(prompts, (str, bytes)) or (not isinstance(params, SamplingParams)
+                                                  and len(list(params)) != len(list(prompts))):
+            return self.replicas[0].generate(prompts, params)  # the engine's own one-line error, before any routing
         prompts = list(prompts)
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):  # the engines say it in their words; the routing needs it first
-            return self.replicas[0].generate(prompts, params)
         routed: list[tuple[int, int]] = []  # (replica, work) per prompt
         try:
             for p, sp in zip(prompts, params, strict=True):

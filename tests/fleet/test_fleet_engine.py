@@ -131,3 +131,21 @@ def test_the_replicas_generate_at_once(model_dir):
         assert peak[0] == 2
     finally:
         f.close()
+
+
+@pytest.mark.unit
+def test_a_bad_call_gets_the_engine_s_own_error(model_dir):
+    from relayrl.errors import UserError
+
+    f = fleet(model_dir, 2)
+    one = engine(model_dir)
+    try:
+        for prompts, ps in (("5 6 7", SamplingParams()), (PROMPTS, params()[:2])):
+            with pytest.raises(UserError) as want:
+                one.generate(prompts, ps)
+            with pytest.raises(type(want.value)) as got:
+                f.generate(prompts, ps)
+            assert str(got.value) == str(want.value)
+        assert all(f.router.load(r) == 0 for r in range(2)) and sum(c.requests for c in f.router.counters) == 0
+    finally:
+        f.close()
