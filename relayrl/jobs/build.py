@@ -41,6 +41,8 @@ from relayrl.observe.trace import trace_dir
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import RewardConfig
 from relayrl.rewards.protocol import Scorer
+from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet_sync import FleetWeightSync
 from relayrl.roles.group_policy import GroupPolicy, group_options
 from relayrl.roles.reward_model import CombinedScorer, ModelScorer, model_entries
 from relayrl.roles.rollout_worker import EpisodeRole, RolloutRole
@@ -67,7 +69,8 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
                                       policy's groups were spawned with (colocated_engine), ranks 0..tp-1
                                       hosting it (backend none: its one rank beside the actor, in this one)
         disaggregated                 processes of its own (a worker group of its ranks; or the
-                                      whole engine in a rollout worker)
+                                      whole engine in a rollout worker; rollout.replicas > 1: a fleet of
+                                      rollout workers behind a router, relayrl.roles.fleet)
 
     Colocated engines start empty: the first (verified) sync gives them the policy's weights."""
     r, par = cfg.rollout, cfg.parallel
@@ -82,8 +85,11 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
     device = resolve_device(par.device)  # colocated ranks take the actor's device instead
     tokenizer = load_tokenizer(src)
     if par.rollout_worker:  # a tensor-parallel engine's own group, started in the worker, traces there too
-        return RolloutRole.own_process(src, {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)},
-                                       options, tokenizer, device=device)
+        worker_kwargs = {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)}
+        if r.replicas > 1:  # a fleet: each replica in a rollout worker of its own, behind a router
+            return RolloutFleet.own_processes(r.replicas, src, worker_kwargs, options, tokenizer, device=device,
+                                              block_size=r.block_size)
+        return RolloutRole.own_process(src, worker_kwargs, options, tokenizer, device=device)
     if par.placement == "disaggregated":
         if par.backend == "none":  # the trainer is in this process; the engine's ranks are processes all the same
             options = dataclasses.replace(options, backend="local")
@@ -119,13 +125,15 @@ def build_weight_sync(cfg: RunConfig, model: ModelConfig, policy: Policy, engine
                                  pp_schedule=par.pp_schedule, ep=par.ep))
     bf16_base = cfg.trainer.lora is not None and cfg.trainer.lora.base_dtype == "bfloat16"  # the trainer's compute
     # sync_shape keeps an MoE model's experts (ModelShape.of drops them)
-    return PlannedWeightSync(policy, engine, shape=sync_shape(model), trainer_layout=layout,
-                             engine_tp=cfg.rollout.tp, expert_placement=cfg.rollout.expert_placement,
-                             ipc=sync_transport(cfg) == "ipc",
-                             colocated=par.placement == "colocated" and not par.rollout_worker,
-                             engine_dtype=DTYPES[cfg.rollout.engine_dtype],
-                             trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 or bf16_base else torch.float32,
-                             temperature=cfg.rollout.temperature, cfg=cfg.sync, **lora_options(cfg.trainer.lora))
+    planned = dict(shape=sync_shape(model), trainer_layout=layout, engine_tp=cfg.rollout.tp,
+                   expert_placement=cfg.rollout.expert_placement, ipc=sync_transport(cfg) == "ipc",
+                   engine_dtype=DTYPES[cfg.rollout.engine_dtype],
+                   trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 or bf16_base else torch.float32,
+                   temperature=cfg.rollout.temperature, cfg=cfg.sync, **lora_options(cfg.trainer.lora))
+    if isinstance(engine, RolloutFleet):  # one sync fanned out: each replica by the plan, each verified
+        return FleetWeightSync(policy, engine, **planned)
+    return PlannedWeightSync(policy, engine, colocated=par.placement == "colocated" and not par.rollout_worker,
+                             **planned)
 
 
 def build_scorer_for(cfg: RunConfig, options: GroupOptions | None = None) -> Scorer | None:

@@ -120,8 +120,24 @@ class RolloutRole:
     def own_process(cls, model_dir, engine_kwargs: dict, options: GroupOptions, tokenizer,
                     device: str = "cpu") -> RolloutRole:
         """The engine loaded from `model_dir` in a rollout worker of its own, on `device`."""
-        group = WorkerGroup(ResourcePool([1], device=device, name="rollout"), RolloutWorker, str(model_dir),
-                            engine_kwargs, options=options)
+        return cls.ready(cls.start_process(model_dir, engine_kwargs, options, device), tokenizer)
+
+    @staticmethod
+    def start_process(model_dir, engine_kwargs: dict, options: GroupOptions, device: str = "cpu",
+                      name: str = "rollout") -> WorkerGroup:
+        """own_process's start without the wait: a fleet starts every replica's worker, then waits for all
+        (from the driver's thread: a worker dies with the thread that started it, relayrl.parallel.launch)."""
+        return WorkerGroup.start(ResourcePool([1], device=device, name=name), RolloutWorker,
+                                 (str(model_dir), engine_kwargs), options=options)
+
+    @classmethod
+    def ready(cls, group: WorkerGroup, tokenizer) -> RolloutRole:
+        """The handle of a started rollout worker, once it has built its engine (its group stopped on failure)."""
+        try:
+            group.wait_ready()
+        except BaseException:
+            group.shutdown(raise_errors=False)
+            raise
         return cls(group, tokenizer)
 
     def _engine(self, fn: Callable, *args):

@@ -48,14 +48,22 @@ from relayrl.trainer.policy import TrainerRank
 _COMM, _SEND = "comm", "send"  # keys of trainer_rank.sync_state and runner.sync_state
 
 
+def _key(base: str, channel: int) -> str:
+    """A trainer rank's state for the sync to engine replica `channel` (a rollout fleet syncs each replica over
+    a group of its own: relayrl.roles.fleet_sync); channel 0 keeps the one engine's keys."""
+    return base if channel == 0 else f"{base}/{channel}"
+
+
 # ---------------------------------------------------------------------------- trainer ranks
-def trainer_connect(rank: TrainerRank, store: StoreAddress, members: Members, timeout_s: float) -> None:
+def trainer_connect(rank: TrainerRank, store: StoreAddress, members: Members, timeout_s: float,
+                    channel: int = 0) -> None:
     if members.world_size > 1:
-        rank.sync_state[_COMM] = SyncComm(store, members.of_trainer(rank.rank), members.world_size, timeout_s)
+        rank.sync_state[_key(_COMM, channel)] = SyncComm(store, members.of_trainer(rank.rank), members.world_size,
+                                                         timeout_s)
 
 
-def trainer_close(rank: TrainerRank) -> None:
-    comm = rank.sync_state.pop(_COMM, None)
+def trainer_close(rank: TrainerRank, channel: int = 0) -> None:
+    comm = rank.sync_state.pop(_key(_COMM, channel), None)
     if comm is not None:
         comm.close()
 
@@ -68,17 +76,18 @@ def trainer_colocated(rank: TrainerRank, spec: SyncSpec) -> SyncStats:
                      params=runner.params() if runner is not None else None)
 
 
-def trainer_start_send(rank: TrainerRank, spec: SyncSpec) -> None:
-    if rank.sync_state.get(_SEND) is not None:
+def trainer_start_send(rank: TrainerRank, spec: SyncSpec, channel: int = 0) -> None:
+    if rank.sync_state.get(_key(_SEND, channel)) is not None:
         raise RuntimeError("a weight sync's sends are still pending (the last sync failed part way): "
                            "restart the run from its last checkpoint")
     local = trainer_locals(rank.model)
     check_locals(spec.plan, rank.rank, local)
-    rank.sync_state[_SEND] = BackgroundSend(spec, rank.rank, local, rank.sync_state.get(_COMM))
+    rank.sync_state[_key(_SEND, channel)] = BackgroundSend(spec, rank.rank, local,
+                                                           rank.sync_state.get(_key(_COMM, channel)))
 
 
-def trainer_finish_send(rank: TrainerRank) -> SyncStats:
-    send = rank.sync_state.pop(_SEND, None)
+def trainer_finish_send(rank: TrainerRank, channel: int = 0) -> SyncStats:
+    send = rank.sync_state.pop(_key(_SEND, channel), None)
     return send.join() if send is not None else SyncStats()
 
 

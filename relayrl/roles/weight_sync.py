@@ -87,15 +87,19 @@ def canary_rows(vocab_size: int, rows: int, length: int) -> list[list[int]]:
 class PlannedWeightSync:
     """Moves the policy's weights into the engine by the plan, and checks them, every step."""
 
+    channel = 0  # the engine replica this sync reaches (the one engine's unless a fleet sets it: __init__)
+
     def __init__(self, policy: Policy, engine: RolloutEngine, *, shape: ModelShape, trainer_layout: TrainerLayout,
                  engine_tp: int, colocated: bool, engine_dtype: torch.dtype, trainer_dtype: torch.dtype,
                  temperature: float, cfg: SyncConfig | None = None, lora: AdapterShape | None = None,
-                 lora_scaling: float = 1.0, ipc: bool = False, expert_placement: str = "tp"):
+                 lora_scaling: float = 1.0, ipc: bool = False, expert_placement: str = "tp", channel: int = 0):
         """ipc: buckets between processes cross as CUDA IPC handles (when: relayrl.jobs.preflight.sync_transport).
         shape: relayrl.sync.sync_shape of the model (an MoE model's keeps its experts); expert_placement: the
-        engine's (rollout.expert_placement)."""
+        engine's (rollout.expert_placement). channel: which engine replica of a rollout fleet this sync reaches
+        (the trainer ranks keep a sync group per replica; relayrl.roles.fleet_sync), 0 for the one engine."""
         cfg = cfg if cfg is not None else SyncConfig()
         self.policy, self.engine, self.cfg, self.temperature = policy, engine, cfg, temperature
+        self.channel = channel
         members = Members(trainer_layout.world_size, engine_tp, colocated)
         # base (+ adapters): the first sync, the checksums; adapters alone: every later sync with LoRA
         self.spec = SyncSpec(shape=shape, trainer=trainer_layout, engine=EngineLayout(engine_tp, expert_placement),
@@ -115,7 +119,7 @@ class PlannedWeightSync:
         if members.world_size > 1:
             # the driver, as the trainer's workers reach it
             self._hosted = serve_store(policy.address, members.world_size + 1, timeout_s=cfg.timeout_s)
-            policy.run_on_ranks(steps.trainer_connect, self._hosted.address, members, cfg.timeout_s)
+            policy.run_on_ranks(steps.trainer_connect, self._hosted.address, members, cfg.timeout_s, channel)
             if not colocated:
                 engine.run_on_ranks(steps.engine_connect, self._hosted.address, members, cfg.timeout_s)
         self.checked_pieces = False  # every piece's checksum is compared after the first sync
@@ -146,29 +150,56 @@ class PlannedWeightSync:
         """One planned transfer (verify() next). Returns its figures: bytes per engine rank (what
         the plan moves into the largest engine shard), bytes moved between processes, bytes copied
         in place (colocated pieces)."""
-        if self.broken:
-            raise RuntimeError("an earlier weight sync failed part way; the sync group's state is unknown: "
-                               "restart the run from its last checkpoint")
         t0 = time.perf_counter()
-        # the base goes once, unless deep sleep released the engine's copy of it
-        spec = self.adapters_spec if self.lora is not None and self.syncs and self.engine.asleep < 2 else self.spec
+        spec = self.next_spec()
         self.engine.begin_weight_update()
         try:
             if self.colocated:
                 stats = steps.total(self.policy.run_on_ranks(steps.trainer_colocated, spec))
             else:
-                self.policy.run_on_ranks(steps.trainer_start_send, spec)
-                received = self.engine.run_on_ranks(steps.engine_receive, spec)
-                stats = steps.total(self.policy.run_on_ranks(steps.trainer_finish_send) + received)
-            if self.lora is not None and self.cfg.lora == "merge":
-                self.engine.run_on_ranks(steps.engine_merge_lora)
+                self.start_sends(spec)
+                received = self.receive(spec)
+                stats = steps.total(self.finish_sends() + received)
+            self.after_receive()
         except BaseException as e:
-            self.broken = True  # sends or receives may still be posted: no later sync may reuse the group
-            if isinstance(e, Exception) and not isinstance(e, RunFault):
-                self._name_a_dead_rank(e)
+            self.failed(e)
             raise
         self.engine.end_weight_update()
         self.syncs += 1
+        return self.figures(spec, stats, t0)
+
+    # the phases of a disaggregated transfer, which a rollout fleet interleaves over its replicas (fleet_sync)
+    def next_spec(self) -> SyncSpec:
+        """What the next transfer moves: the base goes once, unless deep sleep released the engine's copy of it."""
+        if self.broken:
+            raise RuntimeError("an earlier weight sync failed part way; the sync group's state is unknown: "
+                               "restart the run from its last checkpoint")
+        return self.adapters_spec if self.lora is not None and self.syncs and self.engine.asleep < 2 else self.spec
+
+    def start_sends(self, spec: SyncSpec) -> None:
+        """The trainer ranks post their sends to this engine in a thread each, and return."""
+        self.policy.run_on_ranks(steps.trainer_start_send, spec, self.channel)
+
+    def receive(self, spec: SyncSpec) -> list:
+        """The engine's ranks receive and unpack (their SyncStats)."""
+        return self.engine.run_on_ranks(steps.engine_receive, spec)
+
+    def finish_sends(self) -> list:
+        """The trainer ranks wait for their sends (their SyncStats)."""
+        return self.policy.run_on_ranks(steps.trainer_finish_send, self.channel)
+
+    def after_receive(self) -> None:
+        if self.lora is not None and self.cfg.lora == "merge":
+            self.engine.run_on_ranks(steps.engine_merge_lora)
+
+    def failed(self, e: BaseException) -> None:
+        """A transfer failed part way: sends or receives may still be posted, so no later sync may reuse the group;
+        a dead rank is named as the cause."""
+        self.broken = True
+        if isinstance(e, Exception) and not isinstance(e, RunFault):
+            self._name_a_dead_rank(e)
+
+    def figures(self, spec: SyncSpec, stats, t0: float) -> dict[str, float]:
         out = {"time/sync_transfer": time.perf_counter() - t0,
                "sync/bytes_between_processes": float(stats.bytes_received),
                "sync/bytes_copied_in_place": float(stats.bytes_copied),
@@ -190,15 +221,21 @@ class PlannedWeightSync:
         out["time/sync_verify"] = time.perf_counter() - t0
         return out
 
-    def verify(self, after: str) -> float:
-        """The canary: the mean |logprob gap| must stay under the bound, else stop, naming the first
-        parameter whose checksum differs. Returns the gap."""
-        L = len(self.rows[0])
+    def canary_batch(self) -> TrainBatch:
+        """The canary rows as the trainer scores them (every token but the first)."""
         ids = torch.tensor(self.rows)
-        mask = torch.ones(len(self.rows), L)
+        mask = torch.ones(len(self.rows), len(self.rows[0]))
         mask[:, 0] = 0
-        batch = TrainBatch(ids, torch.ones_like(ids), mask)
-        trainer = self.policy.compute_logprobs(batch)
+        return TrainBatch(ids, torch.ones_like(ids), mask)
+
+    def verify(self, after: str, trainer: torch.Tensor | None = None) -> float:
+        """The canary: the mean |logprob gap| must stay under the bound, else stop, naming the first
+        parameter whose checksum differs. Returns the gap. trainer: the trainer's logprobs of canary_batch(), when
+        the caller computed them already (a fleet compares every replica against one trainer forward)."""
+        batch = self.canary_batch()
+        mask = batch.response_mask
+        if trainer is None:
+            trainer = self.policy.compute_logprobs(batch)
         engine = self.engine.score(self.rows, self.temperature)
         gap = float(((trainer - engine).abs() * mask).sum() / mask.sum())
         over = not gap <= self.bound  # NaN (an unwritten weight) fails too
@@ -264,7 +301,7 @@ class PlannedWeightSync:
         if self._hosted is None:
             return
         try:
-            self.policy.run_on_ranks(steps.trainer_close)
+            self.policy.run_on_ranks(steps.trainer_close, self.channel)
             if not self.colocated:
                 self.engine.run_on_ranks(steps.engine_close)
         except Exception:  # a broken role is torn down by its own close

@@ -1,0 +1,111 @@
+"""Rollout throughput of a fleet of engine replicas against one engine (issue 35, deliverable 6).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_fleet.py                     1 vs 2 replicas (and 4: --replicas 1 2 4)
+
+The same workload, in one run, on fleets of N replicas (relayrl.roles.fleet: each replica an LLMEngine in a rollout
+worker process of its own, one torch thread each, behind the router): --prompts distinct random prompts, --n seeded
+samples each, every sample --max-tokens long (ignore_eos: the work is the same whatever is sampled), each replica
+running at most --max-num-seqs sequences at once (a replica's capacity: what more replicas add). The figure is
+generated tokens per second of the fleet's generate() call, the best of --repeats after a warm-up call; the ratio
+against 1 replica is printed (the issue's target: 2 one-thread replicas >= 1.7x one, on 2 cores). The samples of
+every fleet are checked equal to the 1-replica fleet's (the router does not change what is sampled).
+
+On a machine shared with other work the ratio shows the cores left to the run: report the load average beside it.
+The replicas' own CPU time is printed too (tokens per CPU-second of the replica processes, summed): the fleet's
+overhead, which the machine's load does not move; the wall-clock ratio is what an idle 2-core machine is judged by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from relayrl.engine import SamplingParams
+from relayrl.models.config import TinyModelConfig
+from relayrl.models.tiny import build_tiny_model
+from relayrl.models.tokenizer import load_tokenizer
+from relayrl.roles.fleet import RolloutFleet
+from relayrl.single_controller.liveness import GroupOptions
+
+ALPHABET = "0123456789+-*= abcdefghijklmnopqrstuvwxyz"
+
+
+def workload(prompts: int, n: int, max_tokens: int, prompt_len: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    ids = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(prompts)]
+    params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed * 1000 + i)
+              for i in range(prompts)]
+    return ids, params
+
+
+def cpu_seconds(engine) -> float:
+    """This process's CPU time (run in a rollout worker, on its engine: RolloutRole._engine)."""
+    return time.process_time()
+
+
+def measure(model_dir: Path, replicas: int, args, ids, params) -> tuple[float, float, list]:
+    engine_kwargs = dict(block_size=16, kv_cache_bytes=args.kv_mb << 20, max_num_seqs=args.max_num_seqs, seed=0)
+    fleet = RolloutFleet.own_processes(replicas, model_dir, engine_kwargs, GroupOptions(threads=1),
+                                       load_tokenizer(model_dir), block_size=16)
+    try:
+        fleet.generate(ids[:replicas], params[:replicas])  # warm-up: every replica runs once
+        best, cpu, outs = float("inf"), 0.0, []
+        for _ in range(args.repeats):
+            c0 = [role._engine(cpu_seconds) for role in fleet.replicas]
+            t0 = time.perf_counter()
+            outs = fleet.generate(ids, params)
+            wall = time.perf_counter() - t0
+            used = sum(role._engine(cpu_seconds) - c for role, c in zip(fleet.replicas, c0, strict=True))
+            if wall < best:
+                best, cpu = wall, used
+        tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
+        return tokens / best, tokens / cpu, [[s.token_ids for s in o.samples] for o in outs]
+    finally:
+        fleet.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=512, help="the model's width (4 layers)")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences a replica runs at once (its capacity)")
+    ap.add_argument("--kv-mb", type=int, default=64, help="each replica's KV cache")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if 1 not in args.replicas:
+        args.replicas = [1, *args.replicas]
+    cfg = TinyModelConfig(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(build_tiny_model(Path(tmp) / "m", ALPHABET, cfg))
+        vocab = load_tokenizer(model_dir).vocab_size
+        ids, params = workload(args.prompts, args.n, args.max_tokens, args.prompt_len, vocab, seed=1)
+        print(f"workload: {args.prompts} prompts x {args.n} samples x {args.max_tokens} tokens, model width "
+              f"{args.hidden} x 4 layers, {args.max_num_seqs} sequences at once per replica; load average before: "
+              f"{os.getloadavg()[0]:.2f}")
+        figures, ref = {}, None
+        for n in args.replicas:
+            tps, per_cpu, samples = measure(model_dir, n, args, ids, params)
+            ref = samples if ref is None else ref
+            same = samples == ref
+            figures[n] = tps, per_cpu
+            print(f"replicas {n}: {tps:8.1f} tokens/s  x{tps / figures[1][0]:.2f} of 1 replica; "
+                  f"{per_cpu:8.1f} tokens per replica CPU-second x{per_cpu / figures[1][1]:.2f} "
+                  f"(samples equal to 1 replica's: {same}; load average {os.getloadavg()[0]:.2f})", flush=True)
+            if not same:
+                sys.exit("the fleet sampled differently from one replica")
+
+
+if __name__ == "__main__":
+    main()

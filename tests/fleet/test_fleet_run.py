@@ -1,0 +1,102 @@
+"""The issue's test: a 2-step run on 1, 2 and 4 engine replicas (each in a rollout worker process of its own, behind
+the router) gives the same samples and the same step metrics as one engine, since every request carries its own seed;
+each replica holds the step's weights version after its sync, and receives exactly its shard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from relayrl.jobs.train import train
+
+from helpers import assert_same_metrics, cfg_for, step_metrics
+
+pytestmark = pytest.mark.e2e
+
+FLEET = {"backend": "local", "placement": "disaggregated", "rollout_worker": True}
+P, G = 4, 4  # helpers.SMALL's prompts per step and group size
+
+
+def run(tmp_path, replicas: int):
+    cfg = cfg_for(tmp_path, f"replicas{replicas}", algo={"kl_coef": 0.05}, rollout={"replicas": replicas},
+                  reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]}, parallel=FLEET,
+                  run={"steps": 2, "save_every": 0, "samples_every": 1, "samples_per_step": P * G})
+    run_dir = Path(train(cfg, show_progress=False)["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return step_metrics(run_dir), [r for r in rows if r["split"] == "train"]
+
+
+def model_bytes(run_dir: Path) -> int:
+    """The fp32 bytes of every tensor of the run's model file (a tied head is stored once, and synced once)."""
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * 4 for t in load_file(run_dir / "base_model" / "model.safetensors").values())
+
+
+def test_a_run_on_1_2_and_4_replicas_samples_and_trains_as_one_engine(tmp_path):
+    one, one_samples = run(tmp_path, 1)
+    assert len(one_samples) == 2 * P * G
+    for n in (2, 4):
+        got, samples = run(tmp_path, n)
+        assert samples == one_samples  # every prompt, completion, reward and advantage of both steps
+        assert_same_metrics(got, one)
+        for step, m in enumerate(got):
+            assert m["fleet/replicas"] == n
+            # routing: P prompts of a few tokens (no full block to share) spread by load, P / n each
+            assert [m[f"fleet/replica{r}/requests"] for r in range(n)] == [P / n] * n
+            tokens = sum(m[f"fleet/replica{r}/tokens"] for r in range(n))
+            assert tokens == m["response_length/mean"] * P * G
+            # the sync fanned out: every replica at the step's version, verified, and sent exactly its shard
+            shard = m["sync/bytes_per_replica"]
+            # rollout.tp 1: a replica's shard is the whole model, each tensor once
+            assert shard == one[step]["sync/bytes_per_engine_rank"] == model_bytes(tmp_path / "replicas1")
+            for r in range(n):
+                assert m[f"fleet/replica{r}/version"] == step + 1
+                assert m[f"fleet/replica{r}/sync_bytes"] == shard
+                assert m[f"fleet/replica{r}/canary_gap"] <= 1e-3
+            assert m["sync/bytes_between_processes"] == n * shard
+            assert m["sync/trainer_rank_bytes_sent_max"] == n * shard  # one trainer rank: once per replica
+
+
+def test_lora_adapters_alone_reach_every_replica_after_the_first_sync(tmp_path):
+    """With LoRA the first sync sends base + adapters, every later one the adapters alone, to each replica; with
+    rollout.sleep_level 1 every replica frees its KV cache after the rollout and wakes at the sync. The same run as
+    one engine."""
+    def lora_run(replicas: int):
+        cfg = cfg_for(tmp_path, f"lora{replicas}", rollout={"replicas": replicas, "sleep_level": 1}, parallel=FLEET,
+                      reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]},
+                      trainer={"lora": {"rank": 4, "alpha": 8}, "lr": 1e-2}, run={"steps": 3, "save_every": 0})
+        return step_metrics(Path(train(cfg, show_progress=False)["run_dir"]))
+
+    one, two = lora_run(1), lora_run(2)
+    assert_same_metrics(two, one)
+    assert [m["sync/adapters_only"] for m in two] == [0.0, 1.0, 1.0]
+    for step, m in enumerate(two):
+        shard = m["sync/bytes_per_replica"]
+        assert shard == one[step]["sync/bytes_per_engine_rank"]  # the base + adapters, then the adapters alone
+        assert [m[f"fleet/replica{r}/sync_bytes"] for r in range(2)] == [shard, shard]
+        assert [m[f"fleet/replica{r}/version"] for r in range(2)] == [step + 1, step + 1]
+    assert two[1]["sync/bytes_per_replica"] < two[0]["sync/bytes_per_replica"] / 5  # rank-4 adapters: a small share
+
+
+def test_replicas_of_two_tensor_parallel_ranks_each_get_their_shards(tmp_path):
+    """rollout.tp 2 on 2 replicas: each rollout worker runs its engine's 2 ranks; each replica receives what the plan
+    gives its 2 ranks (the model, with what every engine TP rank holds whole, the embedding and the norms
+    (relayrl.sync.layout), counted on both), at the step's version."""
+    cfg = cfg_for(tmp_path, "tp2", rollout={"replicas": 2, "tp": 2}, parallel=FLEET,
+                  reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]},
+                  run={"steps": 2, "save_every": 0})
+    run_dir = Path(train(cfg, show_progress=False)["run_dir"])
+    whole = model_bytes(run_dir)
+    for step, m in enumerate(step_metrics(run_dir)):
+        shard = m["sync/bytes_per_replica"]
+        # the largest rank's shard is about half the model; the two ranks' together a little more than all of it (the
+        # tiny model's replicated embedding and norms: 5.7% of it)
+        assert whole / 2 <= m["sync/bytes_per_engine_rank"] < shard <= 2 * m["sync/bytes_per_engine_rank"]
+        assert whole < shard < 1.1 * whole
+        for r in range(2):
+            assert m[f"fleet/replica{r}/sync_bytes"] == shard  # measured on the wire = the plan's
+            assert m[f"fleet/replica{r}/version"] == step + 1
+            assert m[f"fleet/replica{r}/canary_gap"] <= 1e-3
