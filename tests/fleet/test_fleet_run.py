@@ -60,6 +60,7 @@ def test_a_run_on_1_2_and_4_replicas_samples_and_trains_as_one_engine(tmp_path):
             assert m["sync/trainer_rank_bytes_sent_max"] == n * shard  # one trainer rank: once per replica
 
 
+@pytest.mark.slow  # ~20 s: the 1/2/4-replica test covers the fan-out in CI; `make bench` runs this
 def test_lora_adapters_alone_reach_every_replica_after_the_first_sync(tmp_path):
     """With LoRA the first sync sends base + adapters, every later one the adapters alone, to each replica; with
     rollout.sleep_level 1 every replica frees its KV cache after the rollout and wakes at the sync. The same run as
@@ -81,6 +82,7 @@ def test_lora_adapters_alone_reach_every_replica_after_the_first_sync(tmp_path):
     assert two[1]["sync/bytes_per_replica"] < two[0]["sync/bytes_per_replica"] / 5  # rank-4 adapters: a small share
 
 
+@pytest.mark.slow  # ~25 s (six engine processes): `make bench` runs it
 def test_replicas_of_two_tensor_parallel_ranks_each_get_their_shards(tmp_path):
     """rollout.tp 2 on 2 replicas: each rollout worker runs its engine's 2 ranks; each replica receives what the plan
     gives its 2 ranks (the model, with what every engine TP rank holds whole, the embedding and the norms
