@@ -38,8 +38,10 @@ ALLOWED: dict[str, set[str]] = {
 }
 # the RL application, by concern: producing samples, where roles run, the loop, the jobs that build and run it
 ALLOWED["rollout"] = GROUND | {"engine", "envs", "rewards", "data", "models", "observe", "algorithms"}
-# the OpenAI-compatible endpoint: a front of the rollout side (the engine, the chat format and tool-call parser)
-ALLOWED["serve"] = GROUND | {"engine", "envs", "data", "models"}
+# the OpenAI-compatible endpoint: a front of the rollout side (the engine, the chat format and tool-call parser), and
+# the agent functions' runner behind it (an EpisodeRunner: the rollout's trajectory and reward settling, user
+# functions loaded as rewards are); the rollout layer never imports it (roles build the runner, lazily)
+ALLOWED["serve"] = GROUND | {"engine", "envs", "data", "models", "rewards", "rollout"}
 ALLOWED["roles"] = set(ALLOWED) - {"planner"}  # roles run the rollout side too (a rollout worker's agent loop)
 # the loop is typed against the protocols below it and takes its batches from a rollout source; it never builds
 # or places a role (that is the jobs')

@@ -97,6 +97,26 @@ class RunConfig(Config):
                              f"'{self.algo.advantage}'); remove the critic section or set algo.advantage=gae")
         return self
 
+    @property
+    def episodes(self) -> bool:
+        """Multi-turn episodes: an environment (env:) or an agent function (rollout.agent)."""
+        return self.env is not None or self.rollout.agent is not None
+
+    @model_validator(mode="after")
+    def _agent_fits(self) -> RunConfig:
+        if self.rollout.agent is None:
+            return self
+        if self.env is not None:
+            raise ValueError("rollout.agent runs your agent function's episodes, env: relayrl's own agent loop; set "
+                             "one of them (an environment through the endpoint: rollout.agent=env:NAME)")
+        if self.rollout.backend != "relayrl":
+            raise ValueError("rollout.agent serves relayrl's engine to the agent, stepped between weight syncs; set "
+                             "rollout.backend=relayrl")
+        if self.algo.routing_replay:
+            raise ValueError("algo.routing_replay replays the engine's routing record, which agent episodes "
+                             "(rollout.agent) do not carry yet; set algo.routing_replay=false")
+        return self
+
     @model_validator(mode="after")
     def _env_fits(self) -> RunConfig:
         if self.env is None:

@@ -110,3 +110,11 @@ class SamplingParams:
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise _bad("stop_token_ids", ids, "a list of token ids (integers >= 0)")
         self.stop_token_ids = [int(t) for t in ids]
+
+
+def turn_seed(seed: int | None, sample: int, turn: int) -> int | None:
+    """The seed of a multi-turn episode's turn-th request, for sample `sample` of a request seeded `seed`: an
+    episode draws the same tokens whatever runs beside it (relayrl's agent loop and the endpoint's episodes)."""
+    if seed is None:
+        return None
+    return ((seed * 1_000_003 + sample) * 10_007 + turn) % (1 << 62)

@@ -137,6 +137,8 @@ class Trajectory:
     # the assistant turns of a written demonstration). Asynchronous training reads its staleness here:
     # with generation interrupted for new weights, one turn's tokens may come from several versions.
     versions: list[int] = field(default_factory=list)
+    # an agent function's episode that returned an answer (last_text) for the run's reward functions to score
+    needs_score: bool = False
 
     @property
     def model_tokens(self) -> int:

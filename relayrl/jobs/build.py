@@ -129,7 +129,8 @@ def build_weight_sync(cfg: RunConfig, model: ModelConfig, policy: Policy, engine
 
 
 def build_scorer_for(cfg: RunConfig, options: GroupOptions | None = None) -> Scorer | None:
-    """The run's reward scorer (reward_scorer); none for environments, which reward their own episodes."""
+    """The run's reward scorer (reward_scorer); none for environments, which reward their own episodes. With an
+    agent function (rollout.agent) it scores the answers an agent returns instead of a reward."""
     if cfg.env is not None:
         return None
     groups = None if cfg.parallel.backend == "none" else options or group_options(cfg.parallel)
@@ -157,11 +158,12 @@ def reward_scorer(reward: RewardConfig, device: str, groups: GroupOptions | None
 
 
 def build_agent(cfg: RunConfig, engine: RolloutEngine) -> EpisodeRunner | None:
-    """With an `env:` section, the agent loop: in the rollout worker, beside the engine (inline or its own process)."""
-    if cfg.env is None:
+    """With an `env:` section, the agent loop; with rollout.agent, the agent function's runner and its endpoint: in
+    the rollout worker, beside the engine (inline or its own process)."""
+    if not cfg.episodes:
         return None
-    assert isinstance(engine, RolloutRole)  # RunConfig refuses env with the vllm backend
-    return EpisodeRole(engine, cfg.env)
+    assert isinstance(engine, RolloutRole)  # RunConfig refuses env and rollout.agent with the vllm backend
+    return EpisodeRole(engine, cfg.env or cfg.rollout)
 
 
 def close_all(*roles) -> None:
@@ -207,7 +209,8 @@ def build_source(cfg: RunConfig, engine: RolloutEngine, scorer: Scorer | None, a
     assert isinstance(engine, RolloutRole)  # RunConfig refuses streaming with vllm and with a rollout worker
     # the stream steps the engine (and the agent loop) itself, from a thread of the driver, between weight syncs
     common["agent"] = agent.local_agent() if isinstance(agent, EpisodeRole) else None
-    return StreamingSource(engine.local_engine(), env_name=cfg.env.name if cfg.env else "", **common)
+    name = cfg.env.name if cfg.env else cfg.rollout.agent or ""
+    return StreamingSource(engine.local_engine(), env_name=name, **common)
 
 
 def run_trace_dir(cfg: RunConfig, run_dir: Path) -> str | None:

@@ -6,7 +6,8 @@ the engine runs:
                + run_episodes)             processes of their own: placement disaggregated)
                            ──> RolloutWorker x 1, a process of its own (parallel.rollout_worker): it loads the
                                            engine from the model directory, its TP workers below it
-           ── EpisodeRole ──> the same worker's AgentLoop (env:): only finished trajectories travel
+           ── EpisodeRole ──> the same worker's AgentLoop (env:), or AgentRunner (rollout.agent: the agent functions
+                              behind the worker's private OpenAI endpoint): only finished trajectories travel
 
 Inline, the group passes the same objects (no pickling, no process): the colocated engine's runner group, a handle
 to the actor's group, never leaves the driver. The handle mirrors the engine's weights_version and asleep after
@@ -29,7 +30,8 @@ from relayrl.engine import LLMEngine
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import Trajectory
-from relayrl.rollout.agent_loop import AgentLoop
+from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner, StreamingEpisodeRunner
+from relayrl.rollout.config import RolloutConfig
 from relayrl.single_controller.dispatch import Dispatch, dispatch
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.single_controller.resource_pool import ResourcePool
@@ -46,7 +48,7 @@ class RolloutWorker(Worker):
             self.engine = engine()
         else:
             self.engine = LLMEngine.from_pretrained(engine, device=self.device, **(engine_kwargs or {}))
-        self.agent: AgentLoop | None = None
+        self.agent: EpisodeRunner | None = None
 
     @dispatch(Dispatch.RANK_ZERO)
     def generate(self, prompts, params):
@@ -71,9 +73,10 @@ class RolloutWorker(Worker):
         return out
 
     @dispatch(Dispatch.RANK_ZERO, deadline="control")
-    def start_agent(self, env_cfg: EnvConfig) -> None:
+    def start_agent(self, cfg: EnvConfig | RolloutConfig) -> None:
+        """relayrl's agent loop over an environment (EnvConfig), or the agent function's runner (rollout.agent)."""
         if self.agent is None:
-            self.agent = AgentLoop(self.engine, env_cfg)
+            self.agent = AgentLoop(self.engine, cfg) if isinstance(cfg, EnvConfig) else agent_runner(self.engine, cfg)
 
     @dispatch(Dispatch.RANK_ZERO)
     def run_episodes(self, examples, params) -> list[Trajectory]:
@@ -83,7 +86,7 @@ class RolloutWorker(Worker):
         return self.agent.run(examples, params)
 
     @dispatch(Dispatch.RANK_ZERO, deadline="control")
-    def local(self) -> tuple[LLMEngine, AgentLoop | None]:
+    def local(self) -> tuple[LLMEngine, EpisodeRunner | None]:
         """The engine and agent loop themselves: an inline worker's only (they cannot leave a process)."""
         return self.engine, self.agent
 
@@ -167,7 +170,7 @@ class RolloutRole:
         """The engine itself, for a caller that steps it (the rollout stream): an inline role's only."""
         return self.local()[0]
 
-    def local(self) -> tuple[LLMEngine, AgentLoop | None]:
+    def local(self) -> tuple[LLMEngine, EpisodeRunner | None]:
         if self.group.backend_name != "inline":
             raise RuntimeError("the engine runs in a rollout worker of its own: it cannot be stepped from the driver "
                                "(drop parallel.rollout_worker)")
@@ -177,17 +180,28 @@ class RolloutRole:
         self.group.shutdown(raise_errors=False)
 
 
-class EpisodeRole:
-    """Episodes of `env_cfg` run by the rollout worker's agent loop (an EpisodeRunner)."""
+def agent_runner(engine, r: RolloutConfig) -> EpisodeRunner:
+    """rollout.agent's runner on `engine` (the serve layer and the openai client are imported only here)."""
+    from relayrl.serve.agents import AgentRunner, resolve_agent
 
-    def __init__(self, rollout: RolloutRole, env_cfg: EnvConfig):
+    fn = resolve_agent(r.agent, r.agent_params, engine.tokenizer)
+    budget = r.agent_max_total_tokens or getattr(fn, "max_total_tokens", None)  # env:NAME: its env's budget
+    return AgentRunner(engine, fn, name=r.agent, concurrency=r.agent_concurrency, timeout_s=r.agent_timeout_s,
+                       max_total_tokens=budget)
+
+
+class EpisodeRole:
+    """Episodes run by the rollout worker's agent loop (`cfg` an EnvConfig) or agent runner (a RolloutConfig with
+    rollout.agent): an EpisodeRunner either way."""
+
+    def __init__(self, rollout: RolloutRole, cfg: EnvConfig | RolloutConfig):
         self.rollout = rollout
-        rollout.group.call(RolloutWorker.start_agent, env_cfg)
+        rollout.group.call(RolloutWorker.start_agent, cfg)
 
     def run(self, examples: list[Example], params: list[SamplingParams]) -> list[Trajectory]:
         return self.rollout.run_episodes(examples, params)
 
-    def local_agent(self) -> AgentLoop:
+    def local_agent(self) -> StreamingEpisodeRunner:
         """The agent loop itself, for a caller that drives it step by step (the rollout stream): inline only."""
         agent = self.rollout.local()[1]
         assert agent is not None  # start_agent built it

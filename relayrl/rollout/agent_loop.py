@@ -35,20 +35,15 @@ from typing import Protocol
 
 from relayrl.data import Example
 from relayrl.engine.protocols import StepEngine
-from relayrl.engine.sampling_params import SamplingParams
+from relayrl.engine.sampling_params import SamplingParams, turn_seed
 from relayrl.envs.base import as_step_result, make_env
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import ChatFormat, Episode, Trajectory
 from relayrl.envs.threads import DaemonPool, Job
 from relayrl.errors import EnvError
+from relayrl.rollout.agent_rewards import agent_metrics
 
 POLL_S = 0.05  # the longest the loop sleeps on environments while no engine work is left
-
-
-def turn_seed(seed: int | None, sample: int, turn: int) -> int | None:
-    if seed is None:
-        return None
-    return ((seed * 1_000_003 + sample) * 10_007 + turn) % (1 << 62)
 
 
 class EpisodeRunner(Protocol):
@@ -92,7 +87,7 @@ def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
             "tools/calls": total("tool_calls"), "tools/errors": total("tool_errors"),
             "tools/timeouts": total("tool_timeouts"), "turns/mean": sum(t.turns for t in trajs) / n,
             "time/env": total("env_s"), "env/errors": share("env_error"), "env/timeouts": share("env_timeout"),
-            "env/truncated": share("max_turns", "max_total_tokens")}
+            "env/truncated": share("max_turns", "max_total_tokens"), **agent_metrics(trajs)}
 
 
 @dataclass

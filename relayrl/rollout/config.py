@@ -6,7 +6,7 @@ It imports the config base only, so that loading a run's config stays cheap.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -45,6 +45,13 @@ class RolloutConfig(Config):
     # new weights arrive mid-generation (async): in-flight samples keep the KV the old weights computed,
     # or recompute it (prompt and tokens so far) under the new ones
     partial: Literal["keep_kv", "reprefill"] = "keep_kv"
+    # an agent function (relayrl.serve.agents): 'pkg.module:run' or 'file.py:run', called per episode with an OpenAI
+    # client bound to it; or an adapter: 'verifiers:ENV_ID', 'gym:pkg.module:Class', 'env:NAME'
+    agent: str | None = None
+    agent_params: dict[str, Any] = Field(default_factory=dict)  # keyword arguments of an adapter
+    agent_concurrency: int = Field(64, ge=1)  # episodes in flight at once
+    agent_timeout_s: float = Field(300.0, gt=0)  # an episode's deadline, from its start
+    agent_max_total_tokens: int | None = Field(None, ge=2)  # an episode's prompt + replies, per call (None: context)
 
     @property
     def staleness(self) -> int:

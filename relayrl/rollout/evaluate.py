@@ -28,6 +28,7 @@ from relayrl.engine.protocols import RolloutEngine, StepEngine
 from relayrl.envs.config import EnvConfig
 from relayrl.rewards import Scorer, TrainerState
 from relayrl.rollout.agent_loop import AgentLoop, EpisodeRunner
+from relayrl.rollout.agent_rewards import settle_rewards
 from relayrl.rollout.prompts import encode_prompt
 from relayrl.rollout.sample_rows import episode_rows, eval_rows
 
@@ -42,7 +43,7 @@ def evaluate_set(
     `rows`, each example's row appended to it."""
     if agent is not None:
         return evaluate_episodes(agent, examples, max_tokens, temperature, seed, stop, rows=rows,
-                                 tokenizer=engine.tokenizer)
+                                 tokenizer=engine.tokenizer, scorer=scorer, state=state)
     if scorer is None:
         raise ValueError("evaluate_set needs a scorer, or an agent whose environment rewards its episodes")
     return evaluate(engine, examples, data, scorer, max_tokens, temperature, seed, stop, state, rows=rows)
@@ -93,11 +94,13 @@ def evaluate(
 
 def evaluate_episodes(agent: EpisodeRunner, examples: list[Example], max_tokens: int, temperature: float = 0.0,
                       seed: int = 0, stop: Sequence[str] = (), rows: list[dict] | None = None,
-                      tokenizer=None) -> dict[str, float]:
+                      tokenizer=None, scorer: Scorer | None = None, state: TrainerState | None = None
+                      ) -> dict[str, float]:
     """One episode per eval example in its environment (greedy by default): success rate, reward, the
     model's tokens per episode, turns and tool calls per episode; with `rows` (and the engine's `tokenizer`), each
     episode's row appended to it."""
     trajs = agent.run(examples, sampling(len(examples), max_tokens, temperature, seed, stop))
+    settle_rewards(trajs, examples, 1, scorer, state)  # an agent function's answers; a dropped episode: 0
     if rows is not None:
         rows += episode_rows(examples, trajs, tokenizer)
     n = max(len(trajs), 1)

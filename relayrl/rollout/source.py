@@ -40,6 +40,7 @@ from relayrl.rewards.protocol import Scorer
 from relayrl.rewards.result import ScoreResult
 from relayrl.rewards.state import TrainerState
 from relayrl.rollout.agent_loop import EpisodeRunner, StreamingEpisodeRunner, episode_metrics
+from relayrl.rollout.agent_rewards import DROPPED, settle_rewards
 from relayrl.rollout.config import RolloutConfig
 from relayrl.rollout.prompts import encode_prompt
 from relayrl.rollout.sample import Rollout, Sample, samples_of_episodes, samples_of_outputs, scored
@@ -128,7 +129,7 @@ class LockstepSource:
                  seed: int, scorer: Scorer | None = None, agent: EpisodeRunner | None = None,
                  filter_groups: bool = False, max_resample_rounds: int = 0, greedy_baseline: bool = False,
                  timer: StageTimer | None = None, on_generated: OnGenerated | None = None, total_steps: int = 0):
-        if (scorer is None) == (agent is None):
+        if scorer is None and agent is None:  # with both: episodes, the scorer for the answers agents return
             raise ValueError("a rollout source scores single-turn samples (scorer) or runs episodes (agent)")
         self.engine, self.sampler, self.scorer, self.agent = engine, sampler, scorer, agent
         self.total_steps = total_steps  # the trainer state's max_steps
@@ -172,7 +173,8 @@ class LockstepSource:
 
     def rollout(self, step: int, examples: list[Example], state: TrainerState, round_: int = 0) -> Rollout:
         params = self._params(step, round_, examples)
-        ro = self._episodes(examples, params) if self.agent is not None else self._samples(examples, params, state)
+        ro = (self._episodes(examples, params, state) if self.agent is not None
+              else self._samples(examples, params, state))
         if self.greedy_baseline:
             with self.timer.stage("baseline"):
                 ro.baseline = self._greedy_rewards(examples, params, state)
@@ -192,10 +194,14 @@ class LockstepSource:
                                     completion_ids=[s.response_ids for s in samples], state=state)
         return Rollout(scored(samples, res), res.metrics())
 
-    def _episodes(self, examples: list[Example], params: list[SamplingParams]) -> Rollout:
-        """G episodes per prompt in the environment; each episode's reward is its environment's."""
+    def _episodes(self, examples: list[Example], params: list[SamplingParams], state: TrainerState) -> Rollout:
+        """G episodes per prompt; each episode's reward is its environment's or its agent's (an answer an agent
+        returned is scored by the run's reward functions, relayrl.rollout.agent_rewards)."""
         with self.timer.stage("rollout"):
             trajs = self.agent.run(examples, params)
+        G = self.r.group_size
+        with self.timer.stage("reward"):
+            settle_rewards(trajs, [ex for ex in examples for _ in range(G)], G, self.scorer, state)
         return Rollout(samples_of_episodes(examples, trajs), episode_metrics(trajs))
 
     def _greedy_rewards(self, examples: list[Example], params: list[SamplingParams],
@@ -203,7 +209,9 @@ class LockstepSource:
         """ReMax's baseline: the reward of one greedy (temperature 0) sample of each prompt, scored like the rest."""
         greedy = [replace(p, n=1, temperature=0.0) for p in params]
         if self.agent is not None:
-            return torch.tensor([t.reward for t in self.agent.run(examples, greedy)], dtype=torch.float32)
+            trajs = self.agent.run(examples, greedy)
+            settle_rewards(trajs, examples, 1, self.scorer, state)
+            return torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         prompts = [encode_prompt(self.engine.tokenizer, ex, self.data) for ex in examples]
         outs = self.engine.generate(prompts, greedy)
         res = self.scorer.score([o.samples[0].text for o in outs], examples,
@@ -247,13 +255,15 @@ class StreamingSource:
         self.engine, self.sampler, self.r, self.env_name = engine, sampler, r, env_name
         self.interrupt = r.mode == "async"  # weights change mid-generation, not only between batches
         self.engine.partial = r.partial if self.interrupt else None
+        self.answers = scorer if agent is not None else None  # scores the answers agent functions return
         self.timer = timer or StageTimer()
         self.on_generated = on_generated
         self.stream = RolloutStream(
             engine, sampler=sampler, prompts_per_step=r.prompts_per_step, total_batches=total_steps,
             staleness=r.staleness, max_inflight=r.prompts_per_step if r.mode == "one_step_off" else r.max_inflight,
             make_params=lambda batch, i, ex: sampling_params(r, seed, batch, 0, i, ex),
-            encode=lambda ex: encode_prompt(engine.tokenizer, ex, data), scorer=scorer, agent=agent)
+            encode=lambda ex: encode_prompt(engine.tokenizer, ex, data), scorer=None if agent else scorer,
+            agent=agent)
 
     def collect(self, step: int) -> Collected:
         self.stream.set_version(step)  # batches up to step + eta may now be admitted
@@ -270,9 +280,14 @@ class StreamingSource:
     def _assemble(self, groups: list[Group]) -> Rollout:
         samples = [s for g in groups for s in g.samples]
         if groups[0].episodes is not None:
+            for g in groups:
+                settle_rewards(g.episodes, [g.example] * len(g.episodes), len(g.episodes), self.answers, g.state)
+                for s, t in zip(g.samples, g.episodes, strict=True):
+                    s.reward, s.correct = t.reward, t.success
             trajs = [t for g in groups for t in g.episodes]
-            if all(t.finish == "env_error" for t in trajs):  # judged per step, as the lockstep source does
-                raise EnvError(f"environment '{self.env_name}' failed on every episode of the step, "
+            if all(t.finish == "env_error" or t.finish in DROPPED for t in trajs):  # per step, as in lockstep
+                kind = "agent" if trajs[0].finish in DROPPED else "environment"
+                raise EnvError(f"{kind} '{self.env_name}' failed on every episode of the step, "
                                f"e.g.: {trajs[0].error}")
             return Rollout(samples, episode_metrics(trajs))
         # scored group by group without the every-sample-failed check: it applies to the step, as in lockstep

@@ -16,6 +16,12 @@ finish_reason "tool_calls"; generation stops after a closed tool call (relayrl.e
 Assistant messages sent back with tool_calls are rendered by the template where it knows tool_calls, else as
 Hermes blocks in their content.
 
+During training (relayrl.serve.agents) the endpoint serves episodes only: the runner opens each episode with an
+EpisodePolicy (the run's temperature / top_p / top_k, a seed per call, max_tokens capped at rollout.max_tokens, a
+token budget per episode) that overrides what the client asks, so the policy samples as the run says whatever the
+agent's code sets; a call to no open episode is a 404 body (an episode past its deadline is closed, its requests
+aborted).
+
 Closed by default and robust: a bearer token when one is set (required off loopback: check_bind); malformed JSON,
 an unknown field, a prompt past the context, n or max_tokens past the limits, a bad message: an OpenAI-style 4xx
 body {"error": {"message", "type", "param", "code"}}; anything unexpected a 500 body, never a dead server. A client
@@ -34,6 +40,8 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -82,11 +90,22 @@ class _Disconnected(Exception):
     pass
 
 
+@dataclass
+class EpisodePolicy:
+    """What a training run imposes on an episode's calls (see the module's docstring)."""
+
+    params: SamplingParams  # temperature, top_p, top_k, the max_tokens cap, extra stop strings
+    seed_of: Callable[[int], int | None]  # the seed of the episode's k-th call
+    max_total_tokens: int | None = None  # prompt + every reply of a call, at most (None: the model's context)
+    calls: int = 0
+
+
 class Endpoint:
-    """The app (`.app`), the engine loop and the recorder of one served engine. start() before serving."""
+    """The app (`.app`), the engine loop and the recorder of one served engine. start() before serving (or pump
+    its loop from the caller's thread: `episodes_only`, a training run's private endpoint)."""
 
     def __init__(self, engine, model_name: str = "relayrl", *, token: str | None = None, max_n: int = 16,
-                 max_body_bytes: int = 8 << 20, stop_token_ids: list[int] | None = None):
+                 max_body_bytes: int = 8 << 20, stop_token_ids: list[int] | None = None, episodes_only: bool = False):
         self.engine, self.model_name, self.token, self.max_n = engine, model_name, token, max_n
         self.max_body_bytes = max_body_bytes
         self.stop_token_ids = list(stop_token_ids or [])
@@ -96,6 +115,8 @@ class Endpoint:
         self.max_chars = self.max_len * max_token_chars(self.tokenizer) * 2
         self.loop = EngineLoop(engine)
         self.recorder = Recorder()
+        self.episodes_only = episodes_only
+        self.policies: dict[str, EpisodePolicy] = {}  # the open episodes (episodes_only)
         self._formats: dict[str, ChatFormat] = {}
         routes = []
         for prefix in ("", "/episodes/{episode}"):
@@ -116,6 +137,27 @@ class Endpoint:
         """The episode's recorded lines (relayrl.serve.capture.Recorder.trajectory)."""
         return self.recorder.trajectory(episode)
 
+    def open_episode(self, episode: str, policy: EpisodePolicy) -> None:
+        self.policies[episode] = policy
+
+    def close_episode(self, episode: str) -> None:
+        """No more calls of `episode` are served; those still running are aborted (their KV blocks freed)."""
+        self.policies.pop(episode, None)
+        self.loop.abort_episode(episode)
+
+    def _recording(self, episode: str | None) -> bool:
+        """Whether a call of `episode` that just ended is recorded: not one of a closed training episode."""
+        return bool(episode) and (not self.episodes_only or episode in self.policies)
+
+    def _policy(self, episode: str | None) -> EpisodePolicy | None:
+        if not self.episodes_only:
+            return None
+        policy = self.policies.get(episode) if episode else None
+        if policy is None:
+            raise ApiError(404, f"episode {episode!r} is not running (it ended, passed its deadline, or was never "
+                           "started): call the base_url your episode was given", code="episode_not_found")
+        return policy
+
     # ---- handlers ----
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -124,19 +166,20 @@ class Endpoint:
     async def _completions(self, request: Request) -> Response:
         try:
             req = await self._read(request, CompletionRequest)
+            episode = _episode(request)
+            policy = self._policy(episode)
             prompts = self._completion_prompts(req.prompt)
             if req.stream and len(prompts) > 1:
                 raise ApiError(400, "stream takes one prompt per request", "prompt")
-            params = [self._params(req, len(ids), req.max_tokens, req.logprobs or 0, [], "max_tokens")
+            params = [self._params(req, len(ids), req.max_tokens, req.logprobs or 0, [], "max_tokens", policy=policy)
                       for ids in prompts]
-            episode = _episode(request)
             plans = [self.recorder.plan_completion(episode, ids) if episode else None for ids in prompts]
             if req.stream:
-                h = self.loop.submit(prompts[0], params[0], stream=True)
+                h = self.loop.submit(prompts[0], params[0], stream=True, episode=episode)
                 return self._sse(self._completion_chunks(req, h, plans[0], episode), h)
-            handles = [self.loop.submit(ids, p) for ids, p in zip(prompts, params, strict=True)]
+            handles = [self.loop.submit(ids, p, episode=episode) for ids, p in zip(prompts, params, strict=True)]
             outs = await self._results(request, handles)
-            if episode:
+            if self._recording(episode):
                 for plan, out in zip(plans, outs, strict=True):
                     self.recorder.record(episode, "completions", plan, out)
             choices = []
@@ -155,6 +198,8 @@ class Endpoint:
     async def _chat(self, request: Request) -> Response:
         try:
             req = await self._read(request, ChatRequest)
+            episode = _episode(request)
+            policy = self._policy(episode)
             if isinstance(req.tool_choice, dict):
                 raise ApiError(400, "tool_choice naming a function is not supported (the engine does not constrain "
                                "decoding); use 'auto' or 'none'", "tool_choice")
@@ -165,7 +210,6 @@ class Endpoint:
             tools_key = json.dumps(tools, sort_keys=True)
             fmt = self._format(tools_key, tools)
             templated = _for_template(messages, fmt)
-            episode = _episode(request)
             try:
                 if episode:
                     plan = self.recorder.plan_chat(episode, messages, templated, tools_key, fmt)
@@ -180,13 +224,13 @@ class Endpoint:
                 raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            params = self._params(req, len(ids), max_tokens, top, stop_ids, which, stop_strings)
+            params = self._params(req, len(ids), max_tokens, top, stop_ids, which, stop_strings, policy)
             if req.stream:
-                h = self.loop.submit(ids, params, stream=True)
+                h = self.loop.submit(ids, params, stream=True, episode=episode)
                 return self._sse(self._chat_chunks(req, h, with_tools, plan, episode), h)
-            (out,) = await self._results(request, [self.loop.submit(ids, params)])
+            (out,) = await self._results(request, [self.loop.submit(ids, params, episode=episode)])
             choices = [self._chat_choice(j, s, req, with_tools) for j, s in enumerate(out.samples)]
-            if episode:
+            if self._recording(episode):
                 self.recorder.record(episode, "chat", plan, out, [c["message"] for c in choices])
             return JSONResponse(self._envelope("chat.completion", "chatcmpl", [out], choices, req))
         except ApiError as e:
@@ -255,7 +299,9 @@ class Endpoint:
                            f"{self.max_len} tokens; shorten it", param, code="context_length_exceeded")
 
     def _params(self, req, n_prompt: int, max_tokens: int | None, logprobs: int, stop_ids: list[int], which: str,
-                stop_strings: list[str] | None = None) -> SamplingParams:
+                stop_strings: list[str] | None = None, policy: EpisodePolicy | None = None) -> SamplingParams:
+        if policy is not None:
+            return self._episode_params(req, n_prompt, max_tokens, logprobs, stop_ids, stop_strings, policy)
         room = self.max_len - n_prompt
         if room < 1:
             raise ApiError(400, f"the prompt is {n_prompt} tokens, which leaves no room for a completion within "
@@ -272,6 +318,28 @@ class Endpoint:
                                   max_tokens=max_tokens, stop=req.stops() + list(stop_strings or []),
                                   stop_token_ids=self.stop_token_ids + list(stop_ids), seed=req.seed,
                                   logprobs=logprobs, ignore_eos=req.ignore_eos)
+        except UserError as e:
+            raise ApiError(400, _one_line(e)) from None
+
+    def _episode_params(self, req, n_prompt: int, max_tokens: int | None, logprobs: int, stop_ids: list[int],
+                        stop_strings: list[str] | None, policy: EpisodePolicy) -> SamplingParams:
+        """A training episode's call: the run's sampling and seed, max_tokens clipped to the run's cap and to what
+        is left of the episode's budget (as relayrl's own agent loop clips a turn), never refused for asking more."""
+        p = policy.params
+        budget = min(self.max_len, policy.max_total_tokens or self.max_len)
+        room = budget - n_prompt
+        if room < 1:
+            raise ApiError(400, f"the prompt is {n_prompt} tokens, which leaves no room for a completion within the "
+                           f"episode's budget of {budget} tokens", "messages" if isinstance(req, ChatRequest)
+                           else "prompt", code="context_length_exceeded")
+        seed = policy.seed_of(policy.calls)
+        policy.calls += 1
+        try:
+            return SamplingParams(n=req.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                  max_tokens=min(room, p.max_tokens, max_tokens or room),
+                                  stop=list(p.stop) + req.stops() + list(stop_strings or []),
+                                  stop_token_ids=self.stop_token_ids + list(p.stop_token_ids) + list(stop_ids),
+                                  seed=seed, logprobs=logprobs, ignore_eos=req.ignore_eos)
         except UserError as e:
             raise ApiError(400, _one_line(e)) from None
 
@@ -425,7 +493,7 @@ class Endpoint:
                     if req.return_token_ids:
                         choice["token_ids"] = list(s.token_ids[k:])
                     yield {**base, "system_fingerprint": f"relayrl-v{out.weights_version}", "choices": [choice]}
-                if episode:
+                if self._recording(episode):
                     self.recorder.record(episode, "chat", plan, out, replies)
                 if (req.stream_options or {}).get("include_usage"):
                     yield {**base, "choices": [], "usage": _usage([out])}
@@ -465,7 +533,7 @@ class Endpoint:
                     if req.return_token_ids:
                         choice["token_ids"] = list(s.token_ids[k:])
                     yield {**base, "system_fingerprint": f"relayrl-v{out.weights_version}", "choices": [choice]}
-                if episode:
+                if self._recording(episode):
                     self.recorder.record(episode, "completions", plan, out)
                 if (req.stream_options or {}).get("include_usage"):
                     yield {**base, "choices": [], "usage": _usage([out])}

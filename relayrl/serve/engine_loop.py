@@ -10,6 +10,10 @@ Requests from concurrent clients join the engine's continuous batch as they arri
 Every engine call happens on the engine thread, so the engine needs no lock; abort() is a command too, ordered
 after the add it refers to, and frees the request's KV blocks on the thread that owns them.
 
+A loop that is never start()ed is pumped instead (training, relayrl.serve.agents): pump() runs the commands and at
+most one engine step on the caller's thread, so the driver loads new weights between two pumps and serving pauses
+for exactly as long as the sync takes (requests arriving meanwhile wait in the command queue).
+
 It imports the engine and relayrl.errors only.
 """
 
@@ -40,6 +44,7 @@ class Handle:
     loop: asyncio.AbstractEventLoop
     stream: bool
     sent: list[int] = field(default_factory=list)  # per sample, the tokens already sent as "tokens" events
+    episode: str | None = None  # the episode it serves (abort_episode ends all of them)
 
     def emit(self, event: tuple) -> None:
         try:
@@ -56,6 +61,7 @@ class EngineLoop:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._live: dict[int, Handle] = {}
+        self._ended: dict[str, None] = {}  # episodes aborted: a request of theirs still queued is refused (FIFO)
         self._ids = itertools.count()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="relayrl-serve-engine", daemon=True)
@@ -72,8 +78,9 @@ class EngineLoop:
             self._thread.join(timeout=10)
 
     # ---- called from the server's event loop ----
-    def submit(self, ids: list[int], params: SamplingParams, stream: bool = False) -> Handle:
-        h = Handle(next(self._ids), asyncio.Queue(), asyncio.get_running_loop(), stream, [0] * params.n)
+    def submit(self, ids: list[int], params: SamplingParams, stream: bool = False, episode: str | None = None
+               ) -> Handle:
+        h = Handle(next(self._ids), asyncio.Queue(), asyncio.get_running_loop(), stream, [0] * params.n, episode)
         self._cmds.put(("add", h, ids, params))
         self._wake.set()
         return h
@@ -81,6 +88,15 @@ class EngineLoop:
     def abort(self, handle: Handle) -> None:
         """Drop the request if it still runs (its KV blocks return to the pool); a no-op once it ended."""
         self._cmds.put(("abort", handle))
+        self._wake.set()
+
+    def wake(self) -> None:
+        """End a pump's wait now (an agent finished without a request: its episode is to be settled)."""
+        self._wake.set()
+
+    def abort_episode(self, episode: str) -> None:
+        """Abort every request of `episode` still running (an episode past its deadline); thread-safe."""
+        self._cmds.put(("abort_episode", episode))
         self._wake.set()
 
     def call(self, fn: Callable[[Any], Any]) -> Future:
@@ -94,21 +110,33 @@ class EngineLoop:
     def in_flight(self) -> int:
         return len(self._live)
 
-    # ---- the engine thread ----
+    # ---- the engine thread (or the caller of pump) ----
+    def pump(self, wait_s: float = 0.0) -> bool:
+        """The commands queued so far, then one engine step if a request is in flight (waiting up to `wait_s` for
+        one to arrive when none is). True if a step ran. On a loop never start()ed only: the caller owns the
+        engine between two pumps. An engine failure fails the requests in flight and is raised."""
+        self._drain()
+        if not self.engine.has_unfinished() and wait_s > 0:
+            self._wake.wait(wait_s)
+            self._wake.clear()
+            self._drain()
+        if not self.engine.has_unfinished():
+            return False
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            self._fail_all(e)
+            raise
+        self.steps += 1
+        self._publish(outs)
+        return True
+
     def _run(self) -> None:
         while not self._stop:
-            self._drain()
-            if not self.engine.has_unfinished():
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
-                continue
             try:
-                outs = self.engine.step()
-            except Exception as e:  # the engine restarted its pool (LLMEngine._step): fail what was in flight
-                self._fail_all(e)
+                self.pump(IDLE_WAIT_S)
+            except Exception:  # the engine restarted its pool (LLMEngine._step): what was in flight has failed
                 continue
-            self.steps += 1
-            self._publish(outs)
 
     def _drain(self) -> None:
         while True:
@@ -118,6 +146,9 @@ class EngineLoop:
                 return
             if cmd[0] == "add":
                 _, h, ids, params = cmd
+                if h.episode is not None and h.episode in self._ended:  # queued before its episode was closed
+                    h.emit(("error", UserError(f"episode {h.episode!r} has ended")))
+                    continue
                 try:
                     self.engine.add_request(ids, params, request_id=h.request_id)
                 except (UserError, ValueError) as e:
@@ -125,16 +156,24 @@ class EngineLoop:
                 else:
                     self._live[h.request_id] = h
             elif cmd[0] == "abort":
-                h = cmd[1]
-                if self._live.pop(h.request_id, None) is not None:
-                    for out in self.engine.abort([h.request_id]):
-                        h.emit(("done", out))
+                self._abort([cmd[1]])
+            elif cmd[0] == "abort_episode":
+                self._ended[cmd[1]] = None
+                if len(self._ended) > 100_000:
+                    self._ended.pop(next(iter(self._ended)))
+                self._abort([h for h in self._live.values() if h.episode == cmd[1]])
             else:
                 _, fn, fut = cmd
                 try:
                     fut.set_result(fn(self.engine))
                 except BaseException as e:
                     fut.set_exception(e)
+
+    def _abort(self, handles: list[Handle]) -> None:
+        for h in handles:
+            if self._live.pop(h.request_id, None) is not None:
+                for out in self.engine.abort([h.request_id]):
+                    h.emit(("done", out))
 
     def _publish(self, outs: list[RequestOutput]) -> None:
         for out in outs:

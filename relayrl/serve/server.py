@@ -27,8 +27,10 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, name="relayrl-serve-http", daemon=True)
         self.port = port
 
-    def start(self, timeout_s: float = 30.0) -> ServerThread:
-        self.endpoint.start()
+    def start(self, timeout_s: float = 30.0, engine_thread: bool = True) -> ServerThread:
+        """Serve; `engine_thread` False: the caller steps the engine (endpoint.loop.pump), as training does."""
+        if engine_thread:
+            self.endpoint.start()
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
