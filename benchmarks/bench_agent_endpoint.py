@@ -1,25 +1,31 @@
 """The endpoint's overhead on agent episodes (issue 34, deliverable 7): the calculator environment's episodes run by
-relayrl's AgentLoop straight on an engine, against the same episodes driven through the OpenAI-compatible endpoint
-(AsyncOpenAI agents, one per episode, all in flight at once), on a second engine with the same weights.
+relayrl's AgentLoop straight on an engine, against the same episodes through the OpenAI-compatible endpoint, each path
+on its own engine with the same weights:
 
-    direct     AgentLoop(engine_a, env calculator).run(examples, params)          one step: P prompts x G episodes
-    endpoint   Endpoint(engine_b) + ServerThread; per episode an agent that plays the environment over
-               /episodes/ID/v1/chat/completions with tools=[the env's tool schemas]: the reply's sampled ids decoded
-               as AgentLoop decodes them are the environment's input, its tool messages go back as "tool" messages
-               with the call ids, each call seeded and capped as AgentLoop seeds and caps the turn (turn_seed, room)
+    direct         AgentLoop(engine, env calculator).run(examples, params)         one step: P prompts x G episodes
+    runner_env     rollout.agent: env:calculator   the training run's AgentRunner (relayrl.roles.rollout_worker's
+                   agent_runner): the environment played through the endpoint, one thread and one openai.OpenAI
+                   client per episode
+    runner_react   rollout.agent: examples/agents/react_calculator.py:run   the ReAct demo agent, the same way
+    async_client   the environment played through a started endpoint (its own engine thread) by one AsyncOpenAI
+                   client on one event loop, each call seeded and capped as AgentLoop seeds and caps the turn: the
+                   endpoint's cost with the cheapest client
 
-Both paths draw the same tokens (a seeded call samples what the engine samples for the same ids), so the episodes
-are the same: the benchmark checks it on every episode (the recorded trajectory's ids and mask against AgentLoop's,
-and the reward) and reports how many matched. Per shape it reports the seconds per step of each path (median of
---repeats, the two paths alternating), their ratio and the worst ratio over the repeats; the target is an overhead
-under 10% of the step time. Then the tokens sampled per second with 1, 8 and 64 concurrent agents (each runs
---episodes-per-agent episodes one after the other), with errors and leaked KV blocks.
+A seeded call samples what the engine samples for the same ids, so every path draws the same episodes as the agent
+loop: the benchmark checks it on every episode (prompt ids, response ids, mask, reward) and reports how many matched.
+Per shape: the seconds per step of each path (median of --repeats, the paths in rotating order), the ratio to the
+agent loop's, and the worst ratio over the repeats (target: an overhead under 10% of the step time). Then the tokens
+sampled per second by the ReAct agent through the runner with 1, 8 and 64 agents in flight (--episodes episodes),
+with the episodes dropped (errors) and the KV blocks not returned. With --train-steps N: N GRPO steps of the
+calculator demo each way (env:, rollout.agent env:calculator, the ReAct agent), seconds per training step and the
+endpoint's extra time as a share of it.
 
 The model: --model DIR, else the calculator demo's SFT warm-start (relayrl.jobs.demo's recipe, trained here: ~1
 minute on 2 cores), whose episodes call the tool about one time in four.
 
     python benchmarks/bench_agent_endpoint.py [--model DIR] [--shapes 4x8 16x8 32x8] [--repeats 3]
-                                              [--agents 1 8 64] [--episodes-per-agent 4] [--json OUT]
+                                              [--agents 1 8 64] [--episodes 64] [--own-pools]
+                                              [--train-steps N] [--json OUT]
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -45,10 +53,13 @@ from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import ChatFormat
 from relayrl.models.hf_io import generation_eos_ids
 from relayrl.rollout.agent_loop import AgentLoop, turn_seed
+from relayrl.rollout.agent_rewards import DROPPED
+from relayrl.rollout.config import RolloutConfig
 from relayrl.serve import Endpoint, ServerThread
 
 ENV = {"name": "calculator", "max_turns": 3, "max_total_tokens": 224}  # the calculator demo's
 MAX_TOKENS, TEMPERATURE = 96, 1.0
+REACT = Path(__file__).resolve().parent.parent / "examples" / "agents" / "react_calculator.py"
 
 
 def sft_model(out: Path) -> str:
@@ -102,97 +113,174 @@ class EnvAgent:
         return {"reward": reward, "success": bool(success if success is not None else reward >= 1), "tokens": tokens}
 
 
-def free_blocks(endpoint: Endpoint) -> int:
-    return endpoint.loop.call(lambda e: e.block_manager.num_free_blocks).result(timeout=30)
+def free_blocks(engine: LLMEngine) -> int:
+    return engine.block_manager.num_free_blocks
 
 
-def settle(endpoint: Endpoint) -> None:
-    while endpoint.loop.in_flight:
-        time.sleep(0.005)
+def runner(engine: LLMEngine, agent: str, concurrency: int, params: dict | None = None):
+    """rollout.agent's runner on `engine`, built as a training run builds it (relayrl.roles.rollout_worker)."""
+    from relayrl.roles.rollout_worker import agent_runner
+
+    return agent_runner(engine, RolloutConfig.model_validate({
+        "agent": agent, "agent_params": params or {}, "agent_concurrency": concurrency, "max_tokens": MAX_TOKENS,
+        "agent_max_total_tokens": ENV["max_total_tokens"]}))
 
 
-def client_of(server: ServerThread) -> openai.AsyncOpenAI:
-    """One client for the whole run, its connections kept alive: httpx's default keeps 100, so a step of more
-    concurrent episodes would reconnect on every call (the agents' cost, not the endpoint's)."""
-    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
-    return openai.AsyncOpenAI(base_url=server.base_url, api_key="-", max_retries=0, timeout=600, http_client=http)
+def own_pools(r):
+    """Diagnostic (--own-pools): `r`'s sync agents each get a client with a connection pool of its own, as the runner
+    did before it shared one (building one loads the certificate store: ~30 ms of CPU per episode)."""
+    def call_sync(ep):
+        with openai.OpenAI(base_url=r._url(ep), api_key="relayrl", max_retries=0, timeout=r.timeout_s) as client:
+            return r.fn(**r._kwargs(ep, client))
+
+    r._call_sync = call_sync
+    return r
 
 
-async def endpoint_step(c: openai.AsyncOpenAI, server: ServerThread, agent: EnvAgent, examples: list[Example], params,
-                        tag: str):
-    jobs, names = [], []
-    for i, (ex, sp) in enumerate(zip(examples, params, strict=True)):
-        for j in range(sp.n):
-            names.append(f"{tag}-{i}-{j}")
-            jobs.append(agent.episode(c.with_options(base_url=server.episode_url(names[-1])), ex, sp.seed, j))
-    return names, await asyncio.gather(*jobs)
+class AsyncDriver:
+    """EnvAgent's episodes through a started endpoint (its own engine thread), from one AsyncOpenAI client on an
+    event loop of its own: the endpoint's cost with the cheapest client (no client built per episode)."""
+
+    def __init__(self, engine: LLMEngine, model: str, cfg: EnvConfig):
+        self.endpoint = Endpoint(engine, "bench", stop_token_ids=generation_eos_ids(model))
+        self.server = ServerThread(self.endpoint).start()
+        self.agent = EnvAgent(cfg, engine.tokenizer, "bench")
+        self.aloop = asyncio.new_event_loop()
+        threading.Thread(target=self.aloop.run_forever, daemon=True).start()
+        # idle connections dropped before uvicorn's 5 s keep-alive timeout can close one under a request
+        http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024,
+                                                                  keepalive_expiry=1.0))
+        self.client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key="-", max_retries=0, timeout=600,
+                                         http_client=http)
+        self.n = 0
+
+    def run(self, examples: list[Example], params: list[SamplingParams]) -> list[SimpleNamespace]:
+        self.n += 1
+        names, jobs = [], []
+        for i, (ex, sp) in enumerate(zip(examples, params, strict=True)):
+            for j in range(sp.n):
+                names.append(f"r{self.n}-{i}-{j}")
+                c = self.client.with_options(base_url=self.server.episode_url(names[-1]))
+                jobs.append(self.agent.episode(c, ex, sp.seed, j))
+
+        async def all_of():
+            return await asyncio.gather(*jobs)
+
+        results = asyncio.run_coroutine_threadsafe(all_of(), self.aloop).result()
+        while self.endpoint.loop.in_flight:
+            time.sleep(0.002)
+        out = []
+        for name, res in zip(names, results, strict=True):
+            (line,) = self.endpoint.recorder.pop(name)
+            out.append(SimpleNamespace(prompt_ids=line["prompt_ids"], response_ids=line["response_ids"],
+                                       mask=line["mask"], reward=res["reward"], finish="done"))
+        return out
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.client.close(), self.aloop).result()
+        self.aloop.call_soon_threadsafe(self.aloop.stop)
+        self.server.close()
 
 
-def same_episodes(endpoint: Endpoint, names: list[str], results: list[dict], trajs) -> int:
-    same = 0
-    for name, res, t in zip(names, results, trajs, strict=True):
-        lines = endpoint.recorder.pop(name)
-        same += (len(lines) == 1 and lines[0]["prompt_ids"] == t.prompt_ids
-                 and lines[0]["response_ids"] == t.response_ids and lines[0]["mask"] == t.mask
-                 and res["reward"] == t.reward)
-    return same
+def same(a, b) -> bool:
+    return (a.prompt_ids, a.response_ids, a.mask, a.reward) == (b.prompt_ids, b.response_ids, b.mask, b.reward)
 
 
-async def overhead(c: openai.AsyncOpenAI, direct: LLMEngine, server: ServerThread, agent: EnvAgent, cfg: EnvConfig,
-                   pool: list[Example], shape: tuple[int, int], repeats: int, offset: int) -> dict:
+def overhead(paths: dict, pool: list[Example], shape: tuple[int, int], repeats: int, offset: int) -> dict:
+    """Each path runs the same steps (P prompts x G episodes, fresh examples each repeat, the paths in a rotating
+    order); seconds per step (median), ratio to the agent loop's, worst ratio, episodes equal to the agent loop's."""
     prompts, group = shape
-    loop = AgentLoop(direct, cfg)
-    rows = []
+    names = list(paths)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    matched = {n: 0 for n in names}
+    tokens, success, episodes = [], [], 0
+    for rep in range(repeats + 1):  # the first round warms every path up and is not counted
+        start = (offset + rep * prompts) % (len(pool) - prompts)
+        examples = pool[start:start + prompts]
+        params = [SamplingParams(n=group, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=1000 * rep + i)
+                  for i in range(prompts)]
+        got, secs = {}, {}
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            t0 = time.perf_counter()
+            got[name] = paths[name].run(examples, params)
+            secs[name] = time.perf_counter() - t0
+        if rep == 0:
+            continue
+        ref = got["direct"]
+        episodes += len(ref)
+        tokens.append(sum(t.model_tokens for t in ref))
+        success.append(sum(t.success for t in ref) / len(ref))
+        for name in names:
+            times[name].append(secs[name])
+            matched[name] += sum(same(a, b) for a, b in zip(got[name], ref, strict=True))
+    direct = statistics.median(times["direct"])
+    row = {"shape": f"{prompts}x{group}", "episodes_per_step": prompts * group,
+           "model_tokens_per_step": statistics.median(tokens), "success": round(statistics.mean(success), 3),
+           "direct_s_per_step": round(direct, 3)}
+    for name in names[1:]:
+        row[f"{name}_s_per_step"] = round(statistics.median(times[name]), 3)
+        row[f"{name}_ratio"] = round(statistics.median(times[name]) / direct, 2)
+        row[f"{name}_worst_ratio"] = round(max(e / d for e, d in zip(times[name], times["direct"], strict=True)), 2)
+        row[f"{name}_same_episodes"] = f"{matched[name]}/{episodes}"
+    return row
+
+
+def concurrency(engine: LLMEngine, agent: str, pool: list[Example], n: int, episodes: int) -> dict:
+    """`episodes` episodes of `agent` by the runner with at most `n` in flight: tokens sampled per second, episodes
+    dropped (errors), KV blocks not returned."""
+    r = runner(engine, agent, n)
     try:
-        for rep in range(repeats + 1):  # the first round warms both paths up and is not counted
-            start = (offset + rep * prompts) % (len(pool) - prompts)
-            examples = pool[start:start + prompts]
-            params = [SamplingParams(n=group, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=1000 * rep + i)
-                      for i in range(prompts)]
-            times = {}
-            for path in (("direct", "endpoint") if rep % 2 == 0 else ("endpoint", "direct")):
-                t0 = time.perf_counter()
-                if path == "direct":
-                    trajs = loop.run(examples, params)
-                else:
-                    names, results = await endpoint_step(c, server, agent, examples, params, f"s{offset}-{rep}")
-                times[path] = time.perf_counter() - t0
-            settle(server.endpoint)
-            if rep:
-                rows.append({**times, "same": same_episodes(server.endpoint, names, results, trajs),
-                             "episodes": len(trajs), "tokens": sum(t.model_tokens for t in trajs),
-                             "success": sum(t.success for t in trajs) / len(trajs)})
-            else:
-                same_episodes(server.endpoint, names, results, trajs)  # forget the warm-up's episodes
+        prompts = episodes // 8
+        params = [SamplingParams(n=8, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=500 + i)
+                  for i in range(prompts)]
+        r.run(pool[:prompts], params)  # warm-up
+        free0 = free_blocks(engine)
+        t0 = time.perf_counter()
+        trajs = r.run(pool[prompts:2 * prompts], params)
+        wall = time.perf_counter() - t0
+        tokens = sum(t.model_tokens for t in trajs)
+        dropped = [t for t in trajs if t.finish in DROPPED]
+        return {"agents": n, "episodes": len(trajs), "errors": len(dropped),
+                "leaked_blocks": free0 - free_blocks(engine), "tokens": tokens, "wall_s": round(wall, 2),
+                "tokens_per_s": round(tokens / wall, 1), "first_error": dropped[0].error if dropped else None}
     finally:
-        loop.close()
-    d, e = [r["direct"] for r in rows], [r["endpoint"] for r in rows]
-    ratios = [r["endpoint"] / r["direct"] for r in rows]
-    return {"shape": f"{prompts}x{group}", "episodes_per_step": prompts * group,
-            "model_tokens_per_step": statistics.median(r["tokens"] for r in rows),
-            "success": round(statistics.mean(r["success"] for r in rows), 3),
-            "direct_s_per_step": round(statistics.median(d), 3), "endpoint_s_per_step": round(statistics.median(e), 3),
-            "ratio": round(statistics.median(e) / statistics.median(d), 3), "worst_ratio": round(max(ratios), 3),
-            "same_episodes": f"{sum(r['same'] for r in rows)}/{sum(r['episodes'] for r in rows)}"}
+        r.close()
 
 
-async def concurrent(c: openai.AsyncOpenAI, server: ServerThread, agent: EnvAgent, pool: list[Example], agents: int,
-                     per_agent: int, tag: str) -> dict:
-    async def one(a: int) -> int:
-        tokens = 0
-        for k in range(per_agent):
-            ex = pool[(a * per_agent + k) % len(pool)]
-            res = await agent.episode(c.with_options(base_url=server.episode_url(f"{tag}-{a}-{k}")), ex,
-                                      a * 100 + k, 0)
-            tokens += res["tokens"]
-        return tokens
+def train_steps(model: str, steps: int, out: Path) -> list[dict]:
+    """The calculator demo's GRPO steps (relayrl.jobs.demo's recipe, 16 prompts x 8) on `model`, with the environment
+    run by the agent loop (env:), through the endpoint (rollout.agent: env:calculator) and by the ReAct agent: the
+    median seconds per training step and per rollout, and the endpoint's extra time as a share of the agent loop's
+    step (the target: under 10%)."""
+    from relayrl.controller.config import RunConfig
+    from relayrl.jobs.demo import CALC_ENV, recipe
+    from relayrl.jobs.train import train
 
-    t0 = time.perf_counter()
-    got = await asyncio.gather(*(one(a) for a in range(agents)), return_exceptions=True)
-    wall = time.perf_counter() - t0
-    errors = [g for g in got if isinstance(g, BaseException)]
-    return {"wall_s": wall, "tokens": sum(g for g in got if not isinstance(g, BaseException)), "errors": len(errors),
-            "first_error": repr(errors[0]) if errors else None}
+    _, rl, _ = recipe("calculator", "grpo")
+    base = {**{k: v for k, v in rl.items() if k != "env"}, "model": {"path": model},
+            "data": {**rl["data"], "n_eval": 16}, "eval": {**rl["eval"], "every": 0}}
+    runs = {"agent_loop": {"env": CALC_ENV},
+            "runner_env": {"rollout": {**rl["rollout"], "agent": "env:calculator",
+                                       "agent_params": {k: v for k, v in CALC_ENV.items() if k != "name"},
+                                       "agent_concurrency": 128}},
+            "runner_react": {"rollout": {**rl["rollout"], "agent": f"{REACT}:run", "agent_concurrency": 128,
+                                         "agent_max_total_tokens": CALC_ENV["max_total_tokens"]}}}
+    rows = []
+    for name, extra in runs.items():
+        cfg = RunConfig.from_dict({**base, **extra, "run": {**rl["run"], "steps": steps, "out_dir": str(out / name),
+                                                            "loggers": []}})
+        train(cfg, show_progress=False)
+        metrics = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+        metrics = [m for m in metrics if "time/step" in m][1:]  # the first step warms up
+        rows.append({"train": name, "steps": len(metrics),
+                     "s_per_step": round(statistics.median(m["time/step"] for m in metrics), 3),
+                     "rollout_s_per_step": round(statistics.median(m["time/rollout"] for m in metrics), 3),
+                     "reward_mean": round(statistics.mean(m["reward/mean"] for m in metrics), 3)})
+    loop = rows[0]["s_per_step"]
+    for row in rows[1:]:
+        row["ratio"] = round(row["s_per_step"] / loop, 2)
+        row["overhead_share_of_step"] = round((row["s_per_step"] - loop) / row["s_per_step"], 3)
+    return rows
 
 
 def main() -> None:
@@ -200,46 +288,48 @@ def main() -> None:
     ap.add_argument("--model", help="a model directory (default: the calculator demo's SFT model, trained here)")
     ap.add_argument("--shapes", nargs="+", default=["4x8", "16x8", "32x8"], help="PROMPTSxGROUP per step")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--agents", type=int, nargs="*", default=[1, 8, 64])
-    ap.add_argument("--episodes-per-agent", type=int, default=4)
+    ap.add_argument("--agents", type=int, nargs="*", default=[1, 8, 64], help="concurrent agents (tokens/s)")
+    ap.add_argument("--episodes", type=int, default=64, help="episodes per concurrency measurement")
+    ap.add_argument("--own-pools", action="store_true",
+                    help="also run the ReAct agent's runner with a client and pool per episode (a diagnostic)")
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="also train this many GRPO steps of the calculator demo each way (time per training step)")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     model = a.model or sft_model(Path(tempfile.mkdtemp(prefix="bench-agent-")))
     cfg = EnvConfig.model_validate(ENV)
-    direct = LLMEngine.from_pretrained(model)
-    endpoint = Endpoint(LLMEngine.from_pretrained(model), "bench", stop_token_ids=generation_eos_ids(model))
-    agent = EnvAgent(cfg, direct.tokenizer, "bench")
     data = DataConfig.model_validate({"task": "calculator", "task_params": {"digits": [2, 2, 2]}, "n_train": 2000,
                                       "n_eval": 1, "seed": 7, "chat_template": "always"})
     pool = build_datasets(data)[0]
-    with ServerThread(endpoint) as server:
-        rows = asyncio.run(measure(a, server, direct, agent, cfg, pool))
-    direct.close()
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=2))
-
-
-async def measure(a, server: ServerThread, direct: LLMEngine, agent: EnvAgent, cfg: EnvConfig,
-                  pool: list[Example]) -> list[dict]:
-    endpoint, rows = server.endpoint, []
-    async with client_of(server) as c:
+    env_params = {k: v for k, v in ENV.items() if k != "name"}
+    most = max(int(p) * int(g) for p, g in (s.split("x") for s in a.shapes))
+    rows = []
+    paths = {"direct": AgentLoop(LLMEngine.from_pretrained(model), cfg),
+             "runner_env": runner(LLMEngine.from_pretrained(model), "env:calculator", most, env_params),
+             "runner_react": runner(LLMEngine.from_pretrained(model), f"{REACT}:run", most),
+             "async_client": AsyncDriver(LLMEngine.from_pretrained(model), model, cfg)}
+    if a.own_pools:
+        paths["runner_react_own_pools"] = own_pools(runner(LLMEngine.from_pretrained(model), f"{REACT}:run", most))
+    try:
         for k, shape in enumerate(a.shapes):
             p, g = (int(x) for x in shape.split("x"))
-            row = await overhead(c, direct, server, agent, cfg, pool, (p, g), a.repeats, offset=k * 97)
+            row = overhead(paths, pool, (p, g), a.repeats, offset=k * 97)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        for n in a.agents:
-            settle(endpoint)
-            free0, steps0 = free_blocks(endpoint), endpoint.loop.steps
-            res = await concurrent(c, server, agent, pool, n, a.episodes_per_agent, f"c{n}")
-            settle(endpoint)
-            row = {"agents": n, "episodes": n * a.episodes_per_agent, "errors": res["errors"],
-                   "leaked_blocks": free0 - free_blocks(endpoint), "tokens": res["tokens"],
-                   "wall_s": round(res["wall_s"], 2), "tokens_per_s": round(res["tokens"] / res["wall_s"], 1),
-                   "engine_steps": endpoint.loop.steps - steps0, "first_error": res["first_error"]}
+    finally:
+        for path in paths.values():
+            path.close()
+    engine = LLMEngine.from_pretrained(model)
+    for n in a.agents:
+        row = concurrency(engine, f"{REACT}:run", pool, n, a.episodes)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if a.train_steps:
+        for row in train_steps(model, a.train_steps, Path(tempfile.mkdtemp(prefix="bench-agent-train-"))):
             rows.append(row)
             print(json.dumps(row), flush=True)
-    return rows
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
