@@ -149,10 +149,16 @@ def messages_of(prompt) -> list[dict]:
 
 def episode(example, client: openai.OpenAI, model: str, max_turns: int = MAX_TURNS, **sampling) -> list[dict]:
     """One episode's conversation, ending with the final answer (or with the last tool results when the model was
-    still calling the tool after `max_turns` calls). `sampling`: extra create() arguments (temperature, ...)."""
+    still calling the tool after `max_turns` calls, or when the conversation left no room for another reply).
+    `sampling`: extra create() arguments (temperature, ...)."""
     messages = messages_of(example.prompt)
     for _ in range(max_turns):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR], **sampling)
+        try:
+            reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR], **sampling)
+        except openai.BadRequestError as e:
+            if e.code == "context_length_exceeded":  # no room left for a reply (a training run's episode budget)
+                break
+            raise
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))  # as returned: the server reuses its tokens
         if not message.tool_calls:

@@ -136,13 +136,13 @@ def taught(rc):
 class Spy:
     """An OpenAI client whose chat calls ask for the token ids and keep each response (what the test compares)."""
 
-    def __init__(self, client):
+    def __init__(self, client, **settings):
         self.client, self.responses = client, []
+        self.settings = {"temperature": 0, "max_tokens": 64, **settings}
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
 
     def create(self, **kw):
-        r = self.client.chat.completions.create(**kw, temperature=0, max_tokens=64,
-                                                extra_body={"return_token_ids": True})
+        r = self.client.chat.completions.create(**kw, **self.settings, extra_body={"return_token_ids": True})
         self.responses.append(r)
         return r
 
@@ -170,3 +170,19 @@ def test_one_episode_against_the_endpoint_is_recorded_as_the_ids_it_was_served(r
     spy = Spy(openai.OpenAI(base_url=server.episode_url("react-2"), api_key="x", max_retries=0))
     assert rc.run(SimpleNamespace(prompt=QUESTION, answer="1870"), spy, "tiny") == 0.0
     assert len(spy.responses) == 2
+
+
+@pytest.mark.faults
+def test_an_episode_left_without_room_ends_unanswered_and_other_refusals_raise(rc, taught):
+    server, _ = taught
+    ex = SimpleNamespace(prompt=QUESTION, answer=VALUE)
+    # 150 tokens fit after the question (256 in all), not after the tool call and its result: the server says
+    # context_length_exceeded on the second call; the episode ends there, with no answer
+    spy = Spy(openai.OpenAI(base_url=server.episode_url("react-room"), api_key="x", max_retries=0), max_tokens=150)
+    assert rc.run(ex, spy, "tiny") == 0.0
+    (r1,) = spy.responses
+    assert r1.choices[0].message.tool_calls and r1.usage.prompt_tokens + 150 <= MAX_LEN
+    assert len(server.endpoint.trajectory("react-room")) == 1
+    spy = Spy(openai.OpenAI(base_url=server.episode_url("react-n"), api_key="x", max_retries=0), n=99)
+    with pytest.raises(openai.BadRequestError, match="limit of 16"):
+        rc.run(ex, spy, "tiny")
