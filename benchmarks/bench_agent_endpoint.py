@@ -5,8 +5,10 @@ on its own engine with the same weights:
     direct         AgentLoop(engine, env calculator).run(examples, params)         one step: P prompts x G episodes
     runner_env     rollout.agent: env:calculator   the training run's AgentRunner (relayrl.roles.rollout_worker's
                    agent_runner): the environment played through the endpoint, one thread and one openai.OpenAI
-                   client per episode
+                   client (its own connection pool, the runner's SSL context) per episode
     runner_react   rollout.agent: examples/agents/react_calculator.py:run   the ReAct demo agent, the same way
+    runner_react_fresh_clients (--fresh-clients)   the same, each episode's client built from scratch (the runner's
+                   first version: an SSL context per client)
     async_client   the environment played through a started endpoint (its own engine thread) by one AsyncOpenAI
                    client on one event loop, each call seeded and capped as AgentLoop seeds and caps the turn: the
                    endpoint's cost with the cheapest client
@@ -24,7 +26,7 @@ The model: --model DIR, else the calculator demo's SFT warm-start (relayrl.jobs.
 minute on 2 cores), whose episodes call the tool about one time in four.
 
     python benchmarks/bench_agent_endpoint.py [--model DIR] [--shapes 4x8 16x8 32x8] [--repeats 3]
-                                              [--agents 1 8 64] [--episodes 64] [--own-pools]
+                                              [--agents 1 8 64] [--episodes 64] [--fresh-clients]
                                               [--train-steps N] [--json OUT]
 """
 
@@ -126,9 +128,9 @@ def runner(engine: LLMEngine, agent: str, concurrency: int, params: dict | None 
         "agent_max_total_tokens": ENV["max_total_tokens"]}))
 
 
-def own_pools(r):
-    """Diagnostic (--own-pools): `r`'s sync agents each get a client with a connection pool of its own, as the runner
-    did before it shared one (building one loads the certificate store: ~30 ms of CPU per episode)."""
+def fresh_clients(r):
+    """Diagnostic (--fresh-clients): `r`'s sync agents each get a client built from scratch, its own SSL context too,
+    as the runner's first version gave them (building one loads the certificate store: 20-150 ms of CPU)."""
     def call_sync(ep):
         with openai.OpenAI(base_url=r._url(ep), api_key="relayrl", max_retries=0, timeout=r.timeout_s) as client:
             return r.fn(**r._kwargs(ep, client))
@@ -290,8 +292,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--agents", type=int, nargs="*", default=[1, 8, 64], help="concurrent agents (tokens/s)")
     ap.add_argument("--episodes", type=int, default=64, help="episodes per concurrency measurement")
-    ap.add_argument("--own-pools", action="store_true",
-                    help="also run the ReAct agent's runner with a client and pool per episode (a diagnostic)")
+    ap.add_argument("--fresh-clients", action="store_true",
+                    help="also run the ReAct agent's runner with clients built from scratch (a diagnostic)")
     ap.add_argument("--train-steps", type=int, default=0,
                     help="also train this many GRPO steps of the calculator demo each way (time per training step)")
     ap.add_argument("--json", help="also write the rows here")
@@ -308,8 +310,9 @@ def main() -> None:
              "runner_env": runner(LLMEngine.from_pretrained(model), "env:calculator", most, env_params),
              "runner_react": runner(LLMEngine.from_pretrained(model), f"{REACT}:run", most),
              "async_client": AsyncDriver(LLMEngine.from_pretrained(model), model, cfg)}
-    if a.own_pools:
-        paths["runner_react_own_pools"] = own_pools(runner(LLMEngine.from_pretrained(model), f"{REACT}:run", most))
+    if a.fresh_clients:
+        paths["runner_react_fresh_clients"] = fresh_clients(runner(LLMEngine.from_pretrained(model), f"{REACT}:run",
+                                                                   most))
     try:
         for k, shape in enumerate(a.shapes):
             p, g = (int(x) for x in shape.split("x"))

@@ -196,7 +196,9 @@ class AgentRunner:
         self.endpoint = Endpoint(engine, model_name, episodes_only=True, max_n=64)
         self.server = ServerThread(self.endpoint).start(engine_thread=False)
         self.model = model_name
-        self._http = _shared_http(openai, concurrency, self.is_async)
+        import httpx
+
+        self._ssl = httpx.create_ssl_context()  # one certificate store for every episode's client (_call_sync)
         self._threads = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix="rl-agent")
         self._aloop = asyncio.new_event_loop() if self.is_async else None
         if self._aloop is not None:
@@ -274,12 +276,7 @@ class AgentRunner:
         self.server.close()
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
-            self._http.shut()
         if self._aloop is not None:
-            try:  # the pool's connections belong to the agents' event loop: closed on it
-                asyncio.run_coroutine_threadsafe(self._http.shut(), self._aloop).result(timeout=5)
-            except Exception:  # a loop wedged by an agent: its sockets go with the process
-                pass
             self._aloop.call_soon_threadsafe(self._aloop.stop)
 
     # ---- episodes ----
@@ -302,19 +299,30 @@ class AgentRunner:
     def _url(self, ep: _Episode) -> str:
         return self.server.episode_url(ep.id)
 
-    # Every episode's client sends through the runner's one connection pool (self._http): a client with a pool of its
-    # own builds an SSL context and loads the certificate store, ~30 ms of CPU per episode (most of a 128-episode
-    # step's rollout on the calculator demo: benchmarks/bench_agent_endpoint.py --shared-http).
+    # Each episode's client has a connection pool of its own (one agent's threads or tasks use it; httpcore's sync
+    # pool shared by threads can close a connection it has just handed to another thread's request, encode/httpcore
+    # #1110), built over the runner's one SSL context: a client left to build its own loads the certificate store,
+    # 20-150 ms of CPU per episode, most of a 128-episode step's rollout on the calculator demo
+    # (benchmarks/bench_agent_endpoint.py --fresh-clients).
     def _call_sync(self, ep: _Episode):
-        client = self._openai.OpenAI(base_url=self._url(ep), api_key="relayrl", max_retries=0, timeout=self.timeout_s,
-                                     http_client=self._http) if "client" in self.wanted else None
-        return self.fn(**self._kwargs(ep, client))
+        client = self._openai.OpenAI(
+            base_url=self._url(ep), api_key="relayrl", max_retries=0, timeout=self.timeout_s,
+            http_client=self._openai.DefaultHttpxClient(verify=self._ssl)) if "client" in self.wanted else None
+        try:
+            return self.fn(**self._kwargs(ep, client))
+        finally:
+            if client is not None:
+                client.close()
 
     async def _call_async(self, ep: _Episode):
-        client = self._openai.AsyncOpenAI(base_url=self._url(ep), api_key="relayrl", max_retries=0,
-                                          timeout=self.timeout_s, http_client=self._http) if "client" in self.wanted \
-            else None
-        return await self.fn(**self._kwargs(ep, client))
+        client = self._openai.AsyncOpenAI(
+            base_url=self._url(ep), api_key="relayrl", max_retries=0, timeout=self.timeout_s,
+            http_client=self._openai.DefaultAsyncHttpxClient(verify=self._ssl)) if "client" in self.wanted else None
+        try:
+            return await self.fn(**self._kwargs(ep, client))
+        finally:
+            if client is not None:
+                await client.close()
 
     def _settle(self) -> None:
         now = time.monotonic()
@@ -377,33 +385,6 @@ class AgentRunner:
         while start > 0 and mask[start - 1] == 1:
             start -= 1
         return self.engine.tokenizer.decode(ids[start:end], skip_special_tokens=True)
-
-
-def _shared_http(openai, concurrency: int, is_async: bool):
-    """The connection pool every episode's client shares: closing a client (an agent's `with client:`) leaves it open;
-    the runner closes it (.shut()). Idle connections are dropped after 1 s, before uvicorn's 5 s keep-alive timeout
-    can close one under a request."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency, keepalive_expiry=1.0)
-    if is_async:
-        class SharedAsync(openai.DefaultAsyncHttpxClient):
-            async def aclose(self) -> None:
-                pass
-
-            async def shut(self) -> None:
-                await openai.DefaultAsyncHttpxClient.aclose(self)
-
-        return SharedAsync(limits=limits)
-
-    class Shared(openai.DefaultHttpxClient):
-        def close(self) -> None:
-            pass
-
-        def shut(self) -> None:
-            openai.DefaultHttpxClient.close(self)
-
-    return Shared(limits=limits)
 
 
 def _seeds(seed: int | None, sample: int) -> Callable[[int], int | None]:
