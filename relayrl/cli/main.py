@@ -169,16 +169,17 @@ def _cmd_plan(a) -> int:
 
 def _cmd_demo(a) -> int:
     if a.model is not None:
-        if a.env or a.algo != "grpo" or a.lora:
+        if a.env or a.agent or a.algo != "grpo" or a.lora:
             raise UserError("relayrl demo --model smollm2 has one recipe, GRPO with full fine-tuning; drop --env, "
-                            "--algo and --lora")
+                            "--agent, --algo and --lora")
         from relayrl.jobs.demo_smollm2 import run_smollm2_demo
 
         run_smollm2_demo(Path(a.out or "runs/demo-smollm2"), steps=a.steps, seed=a.seed)
         return 0
     from relayrl.jobs.demo import run_demo
 
-    run_demo(Path(a.out or "runs/demo"), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora, seed=a.seed)
+    run_demo(Path(a.out or "runs/demo"), steps=a.steps, env=a.env, algo=a.algo, lora=a.lora, seed=a.seed,
+             agent=a.agent)
     return 0
 
 
@@ -340,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "smollm2, its run's seed")
     d.add_argument("--env", default=None, choices=["calculator"],
                    help="an agent in an environment: SFT on its tool-use traces, then GRPO on episodes")
+    d.add_argument("--agent", default=None, choices=["react"],
+                   help="react: bring your own agent; the ReAct calculator agent of examples/agents (openai client "
+                        "only) trains through the OpenAI endpoint, after the calculator's SFT warm-start")
     d.add_argument("--algo", default="grpo", choices=["grpo", "ppo"],
                    help="ppo: PPO with a learned critic (GAE) instead of GRPO's group baseline")
     d.add_argument("--lora", action="store_true",

@@ -13,6 +13,12 @@ adapters only.
     tiny model ──SFT on the environment's tool-use traces──> success_before (held-out, greedy, with the tool)
                ──GRPO on episodes in the environment────> success_after ──> report PNGs (episodes.png)
 
+`relayrl demo --agent react` (bring your own agent: a program written against the openai client only):
+    tiny model ──SFT on the calculator environment's traces──> the SFT model
+               ──GRPO on the episodes of examples/agents/react_calculator.py:run, through the OpenAI endpoint
+                 (rollout.agent; relayrl.serve.agents)──> success before (the first evaluation, the agent on the SFT
+                 model) and after (the last), both held-out, greedy, run by the same agent
+
 It writes OUT/sft, OUT/grpo (a full run directory) and OUT/summary.json with accuracy_before,
 accuracy_after and seconds (for an environment, accuracy is held-out success). The settings below are
 the demo's own; `relayrl train` and `relayrl sft` take the same sections from YAML.
@@ -87,6 +93,20 @@ CALC_GRPO = {
 }
 RECIPES = {None: (SFT, GRPO, "arith"), "calculator": (CALC_SFT, CALC_GRPO, "the calculator environment")}
 
+# `--agent react`: the calculator demo's data and SFT warm-start, then GRPO on the episodes of a ReAct agent written
+# only against the openai client (examples/agents/react_calculator.py): it offers the calculator as an OpenAI tool,
+# evaluates the calls itself and returns 1.0 for a right answer. The endpoint imposes the run's sampling and caps each
+# reply at rollout.max_tokens; agent_max_total_tokens is the environment's episode budget, so episodes are as long
+# as the calculator demo's. All of a step's 128 episodes run at once. 20 steps, not 60: a step through the endpoint
+# costs about twice the agent loop's (benchmarks/bench_agent_endpoint.py), and the gain is made early (seed 0, three
+# runs: held-out success 0.22 -> 0.66 after 10 steps -> 0.72-0.73 after 20, in 379-652 s on a shared 2-core machine).
+REACT_AGENT = Path(__file__).resolve().parents[2] / "examples" / "agents" / "react_calculator.py"
+REACT_GRPO = {**{k: v for k, v in CALC_GRPO.items() if k != "env"},
+              "rollout": {**CALC_GRPO["rollout"], "agent": f"{REACT_AGENT}:run", "agent_concurrency": 128,
+                          "agent_max_total_tokens": CALC_ENV["max_total_tokens"]},
+              "run": {**CALC_GRPO["run"], "steps": 20}}
+AGENTS = {"react": (CALC_SFT, REACT_GRPO, "the calculator environment's traces, for the ReAct agent")}
+
 # `--algo ppo`: the same job with PPO's learned value function instead of the group baseline. The critic
 # starts from the SFT model with a zero head and trains alone for its first steps (its early values are
 # noise); GAE with lam = 1 on the outcome reward makes each token's advantage the return minus its value.
@@ -104,11 +124,12 @@ ALGOS = ("grpo", "ppo")
 LORA = {"trainer": {"lora": {"rank": 8, "alpha": 16.0}, "lr": 5e-4}, "run": {"steps": 600}}
 
 
-def recipe(env: str | None, algo: str, lora: bool = False, seed: int = 0) -> tuple[dict, dict, str]:
-    """(SFT recipe, RL recipe, what it trains on) for the demo of `env` with `algo` (LoRA adapters: `lora`). `seed`
-    seeds everything random: the task's data, the tiny model's initial weights, the SFT batches and the RL run's
-    sampling (the recipes' own seeds are all 0)."""
-    sft, rl, what = RECIPES[env]
+def recipe(env: str | None, algo: str, lora: bool = False, seed: int = 0,
+           agent: str | None = None) -> tuple[dict, dict, str]:
+    """(SFT recipe, RL recipe, what it trains on) for the demo of `env` (or of the agent function `agent`) with `algo`
+    (LoRA adapters: `lora`). `seed` seeds everything random: the task's data, the tiny model's initial weights, the
+    SFT batches and the RL run's sampling (the recipes' own seeds are all 0)."""
+    sft, rl, what = AGENTS[agent] if agent else RECIPES[env]
     if algo == "ppo":
         rl = {**rl, "algo": {**rl["algo"], **PPO["algo"]}, "critic": PPO["critic"], "run": {**rl["run"], **PPO["run"]}}
     if lora:
@@ -122,9 +143,18 @@ def recipe(env: str | None, algo: str, lora: bool = False, seed: int = 0) -> tup
 
 
 def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, env: str | None = None,
-             algo: str = "grpo", lora: bool = False, seed: int = 0) -> dict:
+             algo: str = "grpo", lora: bool = False, seed: int = 0, agent: str | None = None) -> dict:
     from relayrl.observe.report import make_report
 
+    if agent is not None:
+        if agent not in AGENTS:
+            raise UserError(f"relayrl demo has no recipe for agent '{agent}': use one of {', '.join(AGENTS)}")
+        if env or algo != "grpo" or lora:
+            raise UserError("relayrl demo --agent react has one recipe: the calculator's SFT warm-start, then GRPO "
+                            "with full fine-tuning; drop --env, --algo and --lora")
+        if not REACT_AGENT.is_file():
+            raise UserError(f"relayrl demo --agent react runs {REACT_AGENT}, which is not there: run it from a "
+                            "checkout of the relayrl repository (the agent is an example, not part of the package)")
     if env not in RECIPES:
         raise UserError(f"relayrl demo has no recipe for env '{env}': use one of "
                         f"{', '.join(k for k in RECIPES if k)} (or none, for arith)")
@@ -133,9 +163,9 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
     if lora and algo == "ppo":
         raise UserError("relayrl demo --lora trains the policy's adapters with GRPO; drop --algo ppo "
                         "(the critic trains in full)")
-    sft_recipe, grpo_recipe, what = recipe(env, algo, lora, seed)
+    sft_recipe, grpo_recipe, what = recipe(env, algo, lora, seed, agent)
     configure_process()  # a bad RELAYRL_HOST_MEMORY / RELAYRL_CPU_LINEAR is one line here, before anything is written
-    measure = "success" if env else "accuracy"
+    measure = "success" if env or agent else "accuracy"
     start = time.perf_counter()
     for sub in ("sft", "grpo"):
         shutil.rmtree(out / sub, ignore_errors=True)  # the demo always starts fresh
@@ -145,18 +175,23 @@ def run_demo(out: Path, steps: int | None = None, show_progress: bool = True, en
     sft_cfg = SFTJobConfig.from_dict({**sft_recipe, "sft": {**sft_recipe["sft"], "out_dir": str(out / "sft")}})
     sft = run_sft(sft_cfg, show_progress=show_progress)
     before = sft["eval_last"]["eval/accuracy"]
-    print(f"      held-out {measure} after SFT: {before:.3f}")
+    print(f"      held-out {measure} after SFT: {before:.3f}" + (" (the environment's agent loop)" if agent else ""))
 
-    print(f"[2/3] {algo.upper()}" + (" (LoRA adapters, base frozen)" if lora else ""))
+    print(f"[2/3] {algo.upper()}" + (" (LoRA adapters, base frozen)" if lora else "")
+          + (f" on the episodes of {grpo_recipe['rollout']['agent']}, through the OpenAI endpoint" if agent else ""))
     run = {**grpo_recipe["run"], "out_dir": str(out / "grpo"), **({"steps": steps} if steps else {})}
     grpo_cfg = RunConfig.from_dict({**grpo_recipe, "model": {"path": sft["model_dir"]}, "run": run})
     res = train(grpo_cfg, show_progress=show_progress)
     after = res["eval_last"]["eval/accuracy"]
+    sft_env = None
+    if agent:  # before: the same agent on the SFT model (the run's first evaluation), as after is measured
+        sft_env, before = before, res["eval_first"]["eval/accuracy"]
 
     print("[3/3] report")
     plots = make_report(out / "grpo")
     seconds = time.perf_counter() - start
-    summary = {"env": env, "algo": algo, "lora": lora, "seed": seed, "accuracy_before": before, "accuracy_after": after,
+    summary = {"env": env, "agent": agent, "algo": algo, "lora": lora, "seed": seed, "accuracy_before": before,
+               "accuracy_after": after, **({"accuracy_sft_env": sft_env} if agent else {}),
                "seconds": round(seconds, 1),
                "sft_dir": str(out / "sft"), "grpo_dir": str(out / "grpo"), "plots": [str(p) for p in plots]}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))

@@ -196,19 +196,13 @@ class AgentRunner:
         self.endpoint = Endpoint(engine, model_name, episodes_only=True, max_n=64)
         self.server = ServerThread(self.endpoint).start(engine_thread=False)
         self.model = model_name
+        import httpx
+
+        self._ssl = httpx.create_ssl_context()  # one certificate store for every episode's client (_call_sync)
         self._threads = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix="rl-agent")
         self._aloop = asyncio.new_event_loop() if self.is_async else None
         if self._aloop is not None:
             threading.Thread(target=self._aloop.run_forever, name="rl-agent-async", daemon=True).start()
-        # one connection pool for every episode's client: building an httpx client per episode (its SSL context)
-        # cost more than the episode's calls on a small model
-        import httpx
-
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        if self._aloop is not None:
-            self._http = asyncio.run_coroutine_threadsafe(_async_client(limits, timeout_s), self._aloop).result()
-        else:
-            self._http = httpx.Client(limits=limits, timeout=timeout_s, trust_env=False)
         self._subs: dict[Hashable, _Submission] = {}
         self._queued: deque[_Episode] = deque()
         self._running: dict[str, _Episode] = {}
@@ -282,12 +276,7 @@ class AgentRunner:
         self.server.close()
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
-            self._http.close()
         if self._aloop is not None:
-            try:
-                asyncio.run_coroutine_threadsafe(self._http.aclose(), self._aloop).result(timeout=5)
-            except Exception:  # an agent still holds a connection: the loop stops anyway
-                pass
             self._aloop.call_soon_threadsafe(self._aloop.stop)
 
     # ---- episodes ----
@@ -310,16 +299,30 @@ class AgentRunner:
     def _url(self, ep: _Episode) -> str:
         return self.server.episode_url(ep.id)
 
+    # Each episode's client has a connection pool of its own (one agent's threads or tasks use it; httpcore's sync
+    # pool shared by threads can close a connection it has just handed to another thread's request, encode/httpcore
+    # #1110), built over the runner's one SSL context: a client left to build its own loads the certificate store,
+    # 20-150 ms of CPU per episode, most of a 128-episode step's rollout on the calculator demo
+    # (benchmarks/bench_agent_endpoint.py --fresh-clients).
     def _call_sync(self, ep: _Episode):
-        client = self._openai.OpenAI(base_url=self._url(ep), api_key="relayrl", max_retries=0,
-                                     timeout=self.timeout_s, http_client=self._http) if "client" in self.wanted else None
-        return self.fn(**self._kwargs(ep, client))  # the shared pool stays open: the client is not closed
+        client = self._openai.OpenAI(
+            base_url=self._url(ep), api_key="relayrl", max_retries=0, timeout=self.timeout_s,
+            http_client=self._openai.DefaultHttpxClient(verify=self._ssl)) if "client" in self.wanted else None
+        try:
+            return self.fn(**self._kwargs(ep, client))
+        finally:
+            if client is not None:
+                client.close()
 
     async def _call_async(self, ep: _Episode):
-        client = self._openai.AsyncOpenAI(base_url=self._url(ep), api_key="relayrl", max_retries=0,
-                                          timeout=self.timeout_s, http_client=self._http
-                                          ) if "client" in self.wanted else None
-        return await self.fn(**self._kwargs(ep, client))
+        client = self._openai.AsyncOpenAI(
+            base_url=self._url(ep), api_key="relayrl", max_retries=0, timeout=self.timeout_s,
+            http_client=self._openai.DefaultAsyncHttpxClient(verify=self._ssl)) if "client" in self.wanted else None
+        try:
+            return await self.fn(**self._kwargs(ep, client))
+        finally:
+            if client is not None:
+                await client.close()
 
     def _settle(self) -> None:
         now = time.monotonic()
@@ -382,12 +385,6 @@ class AgentRunner:
         while start > 0 and mask[start - 1] == 1:
             start -= 1
         return self.engine.tokenizer.decode(ids[start:end], skip_special_tokens=True)
-
-
-async def _async_client(limits, timeout_s: float):
-    import httpx
-
-    return httpx.AsyncClient(limits=limits, timeout=timeout_s, trust_env=False)
 
 
 def _seeds(seed: int | None, sample: int) -> Callable[[int], int | None]:
