@@ -60,6 +60,7 @@ class ChatFormat:
         self.eos_id = tokenizer.eos_token_id
         self.turn_end_ids = self._turn_end_ids()
         self.token_chars = max_token_chars(tokenizer)  # K: the most characters one token stands for
+        self._tool_close: list[int] | None = None
 
     def max_chars(self, tokens: int) -> int:
         """More characters of messages than this cannot fit in `tokens` tokens (module docstring)."""
@@ -93,7 +94,9 @@ class ChatFormat:
         closed tool call: a stop token when the tag is one token (Qwen, the tiny tokenizer), else a string."""
         if not with_tools:
             return [], list(self.turn_end_ids)
-        close = self.encode(TOOL_CLOSE)
+        if self._tool_close is None:  # encoded once per format: the endpoint asks on every call
+            self._tool_close = self.encode(TOOL_CLOSE)
+        close = list(self._tool_close)
         if len(close) == 1:
             return [], list(self.turn_end_ids) + close
         return [TOOL_CLOSE], list(self.turn_end_ids)
