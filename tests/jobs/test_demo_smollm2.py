@@ -78,9 +78,9 @@ def test_the_demo_runs_grpo_from_a_gguf_file_and_reports_before_and_after(tmp_pa
 def test_the_cli_refuses_options_the_smollm2_recipe_does_not_have(capsys):
     from relayrl.cli.main import main
 
-    for argv, msg in ((["demo", "--model", "smollm2", "--lora"], "drop --env, --algo and --lora"),
-                      (["demo", "--model", "smollm2", "--env", "calculator"], "drop --env, --algo and --lora"),
-                      (["demo", "--model", "smollm2", "--algo", "ppo"], "drop --env, --algo and --lora")):
+    msg = "drop --env, --agent, --algo and --lora"
+    for argv in (["demo", "--model", "smollm2", "--lora"], ["demo", "--model", "smollm2", "--env", "calculator"],
+                 ["demo", "--model", "smollm2", "--algo", "ppo"], ["demo", "--model", "smollm2", "--agent", "react"]):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and err.startswith("relayrl: error: ") and msg in err
