@@ -159,6 +159,7 @@ def test_async_carries_multi_turn_episodes(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 18 s on 2 cores: the inline staleness-0 test stays in CI; `make bench` runs this one
 def test_async_in_worker_groups_staleness_zero_equals_sync(tmp_path):
     par = {"backend": "local", "placement": "disaggregated"}
     run = {"steps": 3, "save_every": 0}

@@ -240,7 +240,8 @@ WORKER = {"parallel": {"backend": "local", "rollout_worker": True, "placement": 
 
 @pytest.mark.equivalence
 @pytest.mark.parametrize("mode,sections", [
-    ("sync", {}), ("one_step_off", {}), ("sync", {"trainer": {"lora": {"rank": 4}}}), ("sync", WORKER)],
+    ("sync", {}), ("one_step_off", {}), ("sync", {"trainer": {"lora": {"rank": 4}}}),
+    pytest.param("sync", WORKER, marks=pytest.mark.slow)],  # 16 s (worker processes): `make bench` runs it
     ids=["sync", "one_step_off", "lora", "rollout_worker"])
 def test_an_environment_through_the_endpoint_trains_as_relayrls_agent_loop(tmp_path, mode, sections):
     """rollout.agent: env:calculator (the calculator's episodes through the OpenAI endpoint, tokens captured) and
