@@ -40,13 +40,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
 from relayrl.data import Example
 from relayrl.engine.sampling_params import SamplingParams, turn_seed
 from relayrl.envs.episode import Trajectory
+from relayrl.envs.threads import DaemonPool
 from relayrl.errors import ConfigError, EnvError
 from relayrl.rewards.registry import load_user_object
 from relayrl.rollout.agent_rewards import DROPPED
@@ -199,7 +200,8 @@ class AgentRunner:
         import httpx
 
         self._ssl = httpx.create_ssl_context()  # one certificate store for every episode's client (_call_sync)
-        self._threads = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix="rl-agent")
+        # daemon threads: an agent that hangs past its deadline is abandoned and must not keep the process from exiting
+        self._threads = None if self.is_async else DaemonPool(concurrency, name="rl-agent")
         self._aloop = asyncio.new_event_loop() if self.is_async else None
         if self._aloop is not None:
             threading.Thread(target=self._aloop.run_forever, name="rl-agent-async", daemon=True).start()
@@ -275,7 +277,7 @@ class AgentRunner:
         self.abort_all()
         self.server.close()
         if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads.close()
         if self._aloop is not None:
             self._aloop.call_soon_threadsafe(self._aloop.stop)
 
@@ -288,7 +290,7 @@ class AgentRunner:
             if self._aloop is not None:
                 ep.future = asyncio.run_coroutine_threadsafe(self._call_async(ep), self._aloop)
             else:
-                ep.future = self._threads.submit(self._call_sync, ep)
+                ep.future = self._threads.submit(self._call_sync, {"ep": ep}).future
             ep.future.add_done_callback(lambda _: self.endpoint.loop.wake())
             self._running[ep.id] = ep
 

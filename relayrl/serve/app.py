@@ -164,82 +164,72 @@ class Endpoint:
                                                          "owned_by": "relayrl", "max_model_len": self.max_len}]})
 
     async def _completions(self, request: Request) -> Response:
-        try:
-            req = await self._read(request, CompletionRequest)
-            episode = _episode(request)
-            policy = self._policy(episode)
-            prompts = self._completion_prompts(req.prompt)
-            if req.stream and len(prompts) > 1:
-                raise ApiError(400, "stream takes one prompt per request", "prompt")
-            params = [self._params(req, len(ids), req.max_tokens, req.logprobs or 0, [], "max_tokens", policy=policy)
-                      for ids in prompts]
-            plans = [self.recorder.plan_completion(episode, ids) if episode else None for ids in prompts]
-            if req.stream:
-                h = self.loop.submit(prompts[0], params[0], stream=True, episode=episode)
-                return self._sse(self._completion_chunks(req, h, plans[0], episode), h)
-            handles = [self.loop.submit(ids, p, episode=episode) for ids, p in zip(prompts, params, strict=True)]
-            outs = await self._results(request, handles)
-            if self._recording(episode):
-                for plan, out in zip(plans, outs, strict=True):
-                    self.recorder.record(episode, "completions", plan, out)
-            choices = []
-            for i, out in enumerate(outs):
-                for j, s in enumerate(out.samples):
-                    choices.append(self._completion_choice(i * req.n + j, s, req))
-            return JSONResponse(self._envelope("text_completion", "cmpl", outs, choices, req))
-        except ApiError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        except _Disconnected:
-            return Response(status_code=499)
-        except Exception as e:  # a bug of ours: a 500 body, the server goes on
-            log.exception("the endpoint failed on a request")
-            return JSONResponse(error_body(f"internal error: {_one_line(e)}", "server_error"), status_code=500)
+        return await _answered(self._complete(request))
 
     async def _chat(self, request: Request) -> Response:
+        return await _answered(self._chat_complete(request))
+
+    async def _complete(self, request: Request) -> Response:
+        req = await self._read(request, CompletionRequest)
+        episode = _episode(request)
+        policy = self._policy(episode)
+        prompts = self._completion_prompts(req.prompt)
+        if req.stream and len(prompts) > 1:
+            raise ApiError(400, "stream takes one prompt per request", "prompt")
+        params = [self._params(req, len(ids), req.max_tokens, req.logprobs or 0, [], "max_tokens", policy=policy)
+                  for ids in prompts]
+        plans = [self.recorder.plan_completion(episode, ids) if episode else None for ids in prompts]
+        if req.stream:
+            h = self.loop.submit(prompts[0], params[0], stream=True, episode=episode)
+            return self._sse(self._completion_chunks(req, h, plans[0], episode), h)
+        handles = [self.loop.submit(ids, p, episode=episode) for ids, p in zip(prompts, params, strict=True)]
+        outs = await self._results(request, handles)
+        if self._recording(episode):
+            for plan, out in zip(plans, outs, strict=True):
+                self.recorder.record(episode, "completions", plan, out)
+        choices = []
+        for i, out in enumerate(outs):
+            for j, s in enumerate(out.samples):
+                choices.append(self._completion_choice(i * req.n + j, s, req))
+        return JSONResponse(self._envelope("text_completion", "cmpl", outs, choices, req))
+
+    async def _chat_complete(self, request: Request) -> Response:
+        req = await self._read(request, ChatRequest)
+        episode = _episode(request)
+        policy = self._policy(episode)
+        if isinstance(req.tool_choice, dict):
+            raise ApiError(400, "tool_choice naming a function is not supported (the engine does not constrain "
+                           "decoding); use 'auto' or 'none'", "tool_choice")
+        messages = _messages(req.messages)
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        with_tools = bool(req.tools) and req.tool_choice != "none"
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if with_tools else []
+        tools_key = json.dumps(tools, sort_keys=True)
+        fmt = self._format(tools_key, tools)
+        templated = _for_template(messages, fmt)
         try:
-            req = await self._read(request, ChatRequest)
-            episode = _episode(request)
-            policy = self._policy(episode)
-            if isinstance(req.tool_choice, dict):
-                raise ApiError(400, "tool_choice naming a function is not supported (the engine does not constrain "
-                               "decoding); use 'auto' or 'none'", "tool_choice")
-            messages = _messages(req.messages)
-            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-            with_tools = bool(req.tools) and req.tool_choice != "none"
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if with_tools else []
-            tools_key = json.dumps(tools, sort_keys=True)
-            fmt = self._format(tools_key, tools)
-            templated = _for_template(messages, fmt)
-            try:
-                if episode:
-                    plan = self.recorder.plan_chat(episode, messages, templated, tools_key, fmt)
-                    ids = plan.prompt_ids
-                else:
-                    plan, ids = None, fmt.prompt_ids(templated)
-            except UserError as e:
-                raise ApiError(400, _one_line(e), "messages") from None
-            stop_strings, stop_ids = fmt.turn_stops(with_tools)
-            top = (req.top_logprobs or 0) if req.logprobs else 0
-            if req.top_logprobs and not req.logprobs:
-                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            params = self._params(req, len(ids), max_tokens, top, stop_ids, which, stop_strings, policy)
-            if req.stream:
-                h = self.loop.submit(ids, params, stream=True, episode=episode)
-                return self._sse(self._chat_chunks(req, h, with_tools, plan, episode), h)
-            (out,) = await self._results(request, [self.loop.submit(ids, params, episode=episode)])
-            choices = [self._chat_choice(j, s, req, with_tools) for j, s in enumerate(out.samples)]
-            if self._recording(episode):
-                self.recorder.record(episode, "chat", plan, out, [c["message"] for c in choices])
-            return JSONResponse(self._envelope("chat.completion", "chatcmpl", [out], choices, req))
-        except ApiError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        except _Disconnected:
-            return Response(status_code=499)
-        except Exception as e:  # a bug of ours: a 500 body, the server goes on
-            log.exception("the endpoint failed on a request")
-            return JSONResponse(error_body(f"internal error: {_one_line(e)}", "server_error"), status_code=500)
+            if episode:
+                plan = self.recorder.plan_chat(episode, messages, templated, tools_key, fmt)
+                ids = plan.prompt_ids
+            else:
+                plan, ids = None, fmt.prompt_ids(templated)
+        except UserError as e:
+            raise ApiError(400, _one_line(e), "messages") from None
+        stop_strings, stop_ids = fmt.turn_stops(with_tools)
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = self._params(req, len(ids), max_tokens, top, stop_ids, which, stop_strings, policy)
+        if req.stream:
+            h = self.loop.submit(ids, params, stream=True, episode=episode)
+            return self._sse(self._chat_chunks(req, h, with_tools, plan, episode), h)
+        (out,) = await self._results(request, [self.loop.submit(ids, params, episode=episode)])
+        choices = [self._chat_choice(j, s, req, with_tools) for j, s in enumerate(out.samples)]
+        if self._recording(episode):
+            self.recorder.record(episode, "chat", plan, out, [c["message"] for c in choices])
+        return JSONResponse(self._envelope("chat.completion", "chatcmpl", [out], choices, req))
 
     # ---- request checks ----
     async def _read(self, request: Request, model):
@@ -679,6 +669,20 @@ def _call_obj(c: dict) -> dict:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
+
+
+async def _answered(handling) -> Response:
+    """A handler's response, or the OpenAI error body of what it raised: a 4xx for the client's mistakes, 499 for a
+    client that went away, 500 for a bug of ours (logged; the server goes on)."""
+    try:
+        return await handling
+    except ApiError as e:
+        return JSONResponse(e.body(), status_code=e.status)
+    except _Disconnected:
+        return Response(status_code=499)
+    except Exception as e:
+        log.exception("the endpoint failed on a request")
+        return JSONResponse(error_body(f"internal error: {_one_line(e)}", "server_error"), status_code=500)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

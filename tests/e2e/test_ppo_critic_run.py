@@ -58,6 +58,7 @@ def test_killed_ppo_run_resumes_equal_to_the_uninterrupted_one(tmp_path, monkeyp
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 22 s on 2 cores: `make bench`; worker groups against one process stay in CI for GRPO
 def test_ppo_in_worker_groups_matches_one_process(tmp_path):
     def cfg(name, **parallel):
         c = group_cfg(tmp_path, name, **parallel).to_dict()

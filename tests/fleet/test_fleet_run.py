@@ -35,10 +35,12 @@ def model_bytes(run_dir: Path) -> int:
     return sum(t.numel() * 4 for t in load_file(run_dir / "base_model" / "model.safetensors").values())
 
 
-def test_a_run_on_1_2_and_4_replicas_samples_and_trains_as_one_engine(tmp_path):
+@pytest.mark.parametrize("replicas", [(2,), pytest.param((2, 4), marks=pytest.mark.slow)], ids=["2", "2-4"])
+def test_a_run_on_1_2_and_4_replicas_samples_and_trains_as_one_engine(tmp_path, replicas):
+    """CI runs 1 against 2 replicas; `make bench` 1 against 2 and 4."""
     one, one_samples = run(tmp_path, 1)
     assert len(one_samples) == 2 * P * G
-    for n in (2, 4):
+    for n in replicas:
         got, samples = run(tmp_path, n)
         assert samples == one_samples  # every prompt, completion, reward and advantage of both steps
         assert_same_metrics(got, one)

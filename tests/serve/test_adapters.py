@@ -25,15 +25,12 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
-from relayrl.data.agent_tasks import PRINTABLE  # noqa: E402
 from relayrl.data.split import split_train_eval  # noqa: E402
 from relayrl.data.tasks import Example, check_task, get_task  # noqa: E402
 from relayrl.engine import LLMEngine  # noqa: E402
 from relayrl.envs.episode import ChatFormat  # noqa: E402
 from relayrl.errors import ConfigError, DataError  # noqa: E402
-from relayrl.models.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
 from relayrl.serve import Endpoint, ServerThread  # noqa: E402
-from tests.helpers import perturbed_model, small_config  # noqa: E402
 
 MAX_LEN = 192
 ENV_ID = "relayrl-vf-sums"  # verifiers imports it as the module relayrl_vf_sums
@@ -131,17 +128,8 @@ SAMPLING = {"max_tokens": 3, "logprobs": True, "return_token_ids": True}
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    build_char_tokenizer(d, PRINTABLE, tool_tokens=True)
-    return load_tokenizer(d)
-
-
-@pytest.fixture(scope="module")
-def server(tok):
-    cfg = small_config(vocab_size=len(tok), max_position_embeddings=MAX_LEN, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
-    engine = LLMEngine.from_model(perturbed_model(cfg, seed=3).eval(), tok, kv_cache_bytes=4 << 20, block_size=8)
+def server(tok, model):
+    engine = LLMEngine.from_model(model, tok, kv_cache_bytes=4 << 20, block_size=8)
     with ServerThread(Endpoint(engine, "tiny")) as s:
         yield s
 

@@ -17,13 +17,11 @@ openai = pytest.importorskip("openai")
 
 from relayrl.controller.config import RunConfig  # noqa: E402
 from relayrl.data import Example  # noqa: E402
-from relayrl.data.agent_tasks import PRINTABLE  # noqa: E402
 from relayrl.engine import LLMEngine, SamplingParams  # noqa: E402
 from relayrl.engine.sampling_params import turn_seed  # noqa: E402
 from relayrl.envs.episode import ChatFormat  # noqa: E402
 from relayrl.errors import ConfigError, EnvError  # noqa: E402
 from relayrl.jobs.train import train  # noqa: E402
-from relayrl.models.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
 from relayrl.rollout.agent_rewards import settle_rewards  # noqa: E402
 from relayrl.serve.agents import AgentRunner, outcome, resolve_agent  # noqa: E402
 from tests.helpers import (  # noqa: E402
@@ -38,20 +36,6 @@ from tests.helpers import (  # noqa: E402
 MAX_LEN = 192
 SEED = 17
 RUN = SamplingParams(n=4, temperature=1.0, top_p=0.9, max_tokens=10, seed=SEED)  # what the run says
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    build_char_tokenizer(d, PRINTABLE, tool_tokens=True)
-    return load_tokenizer(d)
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    cfg = small_config(vocab_size=len(tok), max_position_embeddings=MAX_LEN, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
-    return perturbed_model(cfg, seed=3).eval()
 
 
 def engine_of(model, tok):

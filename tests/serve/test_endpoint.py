@@ -18,30 +18,14 @@ import torch
 
 openai = pytest.importorskip("openai")
 
-from relayrl.data.agent_tasks import PRINTABLE  # noqa: E402
 from relayrl.engine import LLMEngine, SamplingParams  # noqa: E402
 from relayrl.envs.episode import ChatFormat  # noqa: E402
 from relayrl.errors import ConfigError  # noqa: E402
-from relayrl.models.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
 from relayrl.serve import Endpoint, ServerThread, check_bind  # noqa: E402
 from tests.helpers import perturbed_model, small_config  # noqa: E402
 
 MAX_LEN = 192
 LP_TOL = dict(atol=1e-5, rtol=0)  # the served engine batches differently than the reference: float rounding only
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    build_char_tokenizer(d, PRINTABLE, tool_tokens=True)
-    return load_tokenizer(d)
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    cfg = small_config(vocab_size=len(tok), max_position_embeddings=MAX_LEN, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
-    return perturbed_model(cfg, seed=3).eval()
 
 
 def engine_of(model, tok):
