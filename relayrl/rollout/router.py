@@ -17,6 +17,9 @@ prefix affinity, the idea of SGLang's cache-aware router (sgl-router) at the eng
                    prefix cache keeps them)
     forget():      new weights: no replica's cache is worth anything (the engine salts its block hashes by the
                    weights version), so every table is emptied
+    route(..., among=[...]): only those replicas may take it (the fleet passes the live ones in service: not lost,
+                   not draining, not behind the staleness bound); clear(r): replica r was replaced by a fresh engine
+                   (its table emptied); add(): one more replica, numbered after the others (numbers never reused)
 
 A replica's table keeps at most `capacity_blocks` block hashes, the least recently used dropped first (the engine's
 own eviction is of free blocks, least recently freed: the table approximates it, as sgl-router's radix tree
@@ -29,6 +32,7 @@ Like the rest of relayrl.rollout, it imports the engine and the layers below; ne
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from relayrl.engine.block_manager import block_hash
@@ -99,11 +103,14 @@ class Router:
         a, b = self.load(r), self.load(least)
         return a - b > self.balance_abs and a > self.balance_rel * b
 
-    def route(self, ids: list[int], work: int) -> int:
-        """The replica that runs this request; its load and table take the request in."""
-        R = range(self.replicas)
+    def route(self, ids: list[int], work: int, among: Sequence[int] | None = None) -> int:
+        """The replica that runs this request (one of `among`, default every replica); its load and table take the
+        request in."""
+        R = range(self.replicas) if among is None else sorted(set(among))
+        if not R:
+            raise ValueError("no replica may take the request")
         hashes = prefix_hashes(ids, self.block_size)
-        matched = [self.matched_tokens(hashes, r) for r in R]
+        matched = {r: self.matched_tokens(hashes, r) for r in R}
         least = min(R, key=lambda r: (self.load(r), r))
         best = min(R, key=lambda r: (-matched[r], self.load(r), r))
         affine = (matched[best] > 0 and matched[best] >= self.cache_threshold * len(ids)
@@ -132,6 +139,17 @@ class Router:
     def forget(self) -> None:
         for t in self.tables:
             t.clear()
+
+    def clear(self, r: int) -> None:
+        """Replica r is a fresh engine now (restarted): it holds no prefix, and no work of the lost one."""
+        self.tables[r].clear()
+        self.counters[r].outstanding = 0
+
+    def add(self) -> int:
+        """One more replica; its number."""
+        self.counters.append(ReplicaCounters())
+        self.tables.append(OrderedDict())
+        return len(self.counters) - 1
 
     def reset_counters(self) -> None:
         for c in self.counters:

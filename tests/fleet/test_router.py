@@ -97,3 +97,23 @@ def test_counters_reset_but_load_stays():
     r.route(ids(1), work=7)
     r.reset_counters()
     assert r.counters[0].requests == 0 and r.counters[0].prompt_tokens == 0 and r.load(0) == 7
+
+
+def test_only_the_replicas_named_may_take_a_request():
+    r = Router(3, B)
+    assert r.route(ids(1, 2), work=10, among=[1, 2]) == 1  # 0 is the least loaded (tie) but may not take it
+    # the prefix is cached on 1; with 1 out of service the least loaded of the others takes it, cold
+    assert r.route(ids(1, 2), work=10, among=[0, 2]) == 0
+    assert r.counters[0].matched_tokens == 0 and r.counters[0].by_affinity == 0
+    assert r.route(ids(1, 2), work=10, among=[1]) == 1 and r.counters[1].matched_tokens == 2 * B
+    with pytest.raises(ValueError, match="no replica"):
+        r.route(ids(3), work=1, among=[])
+
+
+def test_a_replaced_replica_holds_nothing_and_an_added_one_is_numbered_last():
+    r = Router(2, B)
+    assert r.route(ids(4, 5), work=7) == 0
+    r.clear(0)  # restarted: its cache and the lost engine's work are gone
+    assert r.load(0) == 0 and r.matched_tokens(prefix_hashes(ids(4, 5), B), 0) == 0
+    assert r.add() == 2 and r.replicas == 3
+    assert r.route(ids(6), work=1, among=[2]) == 2 and r.counters[2].requests == 1
