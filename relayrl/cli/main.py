@@ -132,6 +132,19 @@ def _cmd_report(a) -> int:
     return 0
 
 
+def _cmd_fleet(a) -> int:
+    """A live run's rollout fleet: its status, or a new size (relayrl.jobs.fleet_control)."""
+    from relayrl.jobs.fleet_control import describe, read_status, request_size
+
+    if a.replicas is None:
+        status = read_status(a.run_dir)
+        print(describe(status))
+        print(json.dumps({k: status[k] for k in sorted(status) if k != "time"}, sort_keys=True))
+        return 0
+    request_size(a.run_dir, a.replicas, wait_s=a.wait)
+    return 0
+
+
 def _cmd_export(a) -> int:
     from relayrl.checkpoint import export_hf
 
@@ -281,6 +294,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", action="store_true", help="instead of plots, merge the run's spans (driver and "
                    "every worker) into RUN_DIR/report/trace.json for ui.perfetto.dev or chrome://tracing")
     r.set_defaults(fn=_cmd_report)
+
+    fl = sub.add_parser("fleet", help="a live run's rollout fleet: relayrl fleet RUN_DIR [--replicas N]",
+                        description="Print the rollout fleet of the run training in RUN_DIR (rollout.replicas >= 2): "
+                        "each replica's state, losses, restarts, weights version. --replicas N resizes it while it "
+                        "trains: new replicas build beside the steps and join at the next weight sync after; the "
+                        "highest-numbered are drained between two steps.")
+    fl.add_argument("run_dir")
+    fl.add_argument("--replicas", type=int, default=None, help="the fleet's new size (>= 1)")
+    fl.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                    help="follow the run until that many replicas serve, at most this long (default: do not wait)")
+    fl.set_defaults(fn=_cmd_fleet)
 
     x = sub.add_parser("export", help="merge a sharded checkpoint into a Hugging Face directory")
     x.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_XXXXXXXX")

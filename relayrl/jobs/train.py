@@ -42,6 +42,7 @@ from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
 from relayrl.errors import UserError
 from relayrl.jobs.build import Roles, build_driver, run_trace_dir
+from relayrl.jobs.fleet_control import fleet_control
 from relayrl.jobs.preflight import check_start
 from relayrl.jobs.run_dir import RunDirLock, disk_error
 from relayrl.models import load_pretrained, save_pretrained
@@ -52,6 +53,7 @@ from relayrl.observe.samples import SampleLog, samples_path
 from relayrl.observe.trace import open_tracer
 from relayrl.rewards import TrainerState
 from relayrl.rewards.naming import held_out_metric
+from relayrl.roles.fleet import FleetLostError
 from relayrl.rollout.evaluate import evaluate_set
 from relayrl.rollout.sample_rows import train_rows
 from relayrl.single_controller.process_setup import configure_process
@@ -196,29 +198,17 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
     progress = Progress(cfg.run.steps, desc="grpo", initial=start, disable=not show_progress)
     try:
         first = None
-        if start == 0:
-            with tracer.span("eval", step=0):
-                first = _eval(driver, roles, eval_set, cfg, run_dir, logger, samples)
-        last = first
-        while driver.step < cfg.run.steps:
-            with tracer.span("step", step=driver.step + 1):  # the driver's stages nest inside it
-                m = driver.train_step()
-            logger.log(driver.step, m)
-            with open(run_dir / "trained_prompts.jsonl", "a") as f:
-                f.write(json.dumps({"step": driver.step, "prompts": [prompt_digest(ex) for ex in driver.last_prompts]})
-                        + "\n")
-            if cfg.sync.debug_checksums:  # per-tensor checksums, trainer vs engine, of this step's sync
-                with open(run_dir / "sync_checksums.jsonl", "a") as f:
-                    f.write(json.dumps({"step": driver.step, "checksums": driver.weight_sync.last_table}) + "\n")
-            _train_samples(driver, roles, cfg, samples)
-            progress.update(driver.step, progress_figures(m))
-            done = driver.step == cfg.run.steps
-            if done or (cfg.eval.every and driver.step % cfg.eval.every == 0):
-                with tracer.span("eval", step=driver.step):
-                    last = _eval(driver, roles, eval_set, cfg, run_dir, logger, samples)
-            if done or (cfg.run.save_every and driver.step % cfg.run.save_every == 0):
-                with tracer.span("checkpoint", step=driver.step):
-                    _save(driver, run_dir, cfg, src)
+        saved = [start if ckpt is not None else None]  # the step the newest checkpoint holds
+        try:
+            if start == 0:
+                with tracer.span("eval", step=0):
+                    first = _eval(driver, roles, eval_set, cfg, run_dir, logger, samples)
+            last = _steps(driver, roles, cfg, run_dir, src, eval_set, logger, samples, progress, tracer, saved,
+                          first)
+        except FleetLostError:  # no rollout replica is left: the trainer is whole at its last step; save it
+            if saved[0] != driver.step:
+                _save(driver, run_dir, cfg, src)
+            raise
         final = load_pretrained(src)  # the policy's weights, wherever it runs, as a HF directory
         final.load_state_dict(final_weights(dict(driver.policy.weights()), cfg.trainer.lora))
         save_pretrained(final, run_dir / "final_model", tokenizer_dir=src)
@@ -228,6 +218,34 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
         logger.close()
     return {"run_dir": str(run_dir), "eval_first": first, "eval_last": last, "steps": driver.step,
             "held_out": held_out(cfg)}
+
+
+def _steps(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path, eval_set, logger, samples,
+           progress, tracer, saved: list, last):
+    """The steps to run.steps, each logged, evaluated and checkpointed as the config says; returns the last
+    evaluation. saved[0]: the step of the newest checkpoint."""
+    while driver.step < cfg.run.steps:
+        fleet_control(roles.engine, run_dir)  # relayrl fleet RUN_DIR --replicas N, between two steps
+        with tracer.span("step", step=driver.step + 1):  # the driver's stages nest inside it
+            m = driver.train_step()
+        logger.log(driver.step, m)
+        with open(run_dir / "trained_prompts.jsonl", "a") as f:
+            f.write(json.dumps({"step": driver.step, "prompts": [prompt_digest(ex) for ex in driver.last_prompts]})
+                    + "\n")
+        if cfg.sync.debug_checksums:  # per-tensor checksums, trainer vs engine, of this step's sync
+            with open(run_dir / "sync_checksums.jsonl", "a") as f:
+                f.write(json.dumps({"step": driver.step, "checksums": driver.weight_sync.last_table}) + "\n")
+        _train_samples(driver, roles, cfg, samples)
+        progress.update(driver.step, progress_figures(m))
+        done = driver.step == cfg.run.steps
+        if done or (cfg.eval.every and driver.step % cfg.eval.every == 0):
+            with tracer.span("eval", step=driver.step):
+                last = _eval(driver, roles, eval_set, cfg, run_dir, logger, samples)
+        if done or (cfg.run.save_every and driver.step % cfg.run.save_every == 0):
+            with tracer.span("checkpoint", step=driver.step):
+                _save(driver, run_dir, cfg, src)
+            saved[0] = driver.step
+    return last
 
 
 def progress_figures(m: dict[str, float]) -> dict[str, float]:

@@ -2,7 +2,7 @@
 one router, as ONE RolloutEngine to the rest of relayrl (the sources, the evaluator, the driver).
 
     driver ── RolloutFleet ──> Router (relayrl.rollout.router): each request (a prompt, its n samples) to a replica
-              (a RolloutEngine)    by least outstanding work with prefix affinity
+              (a RolloutEngine)    by least outstanding work with prefix affinity, among those in service
                                 ──> RolloutRole x N (relayrl.roles.rollout_worker), each a worker process holding an
                                     LLMEngine (its TP ranks below it); their generate calls run at once, one driver
                                     thread each, and the outputs come back in the prompts' order
@@ -11,18 +11,42 @@ What is sampled does not depend on the routing: every request of a run carries i
 sampling_params), and a seeded request's samples are the same in any batch on any replica
 (tests/engine/test_llm_engine.py: test_seeded_sampling_independent_of_batch; tests/fleet: the same run on 1, 2 and 4
 replicas). The weight sync reaches each replica by its own handle (relayrl.roles.fleet_sync); the fleet's
-weights_version is the oldest any replica holds (all equal after a verified sync).
+weights_version is the one its replicas in service hold (all equal after a verified sync).
+
+Each replica (a numbered slot; numbers are never reused) is in one state:
+
+    serving    routed to; synced every step
+    starting   its process builds its engine (a restart, or one added by `relayrl fleet`), from a thread of the fleet
+    joining    built: the next weight sync gives it the fleet's weights and version, verifies it, and it serves
+    draining   asked to leave (`relayrl fleet --replicas N` lower): takes no new request; closed at the next sync
+               point, when nothing is in flight (lockstep)
+    lost       its process died or stopped (kill -9 is seen at once, SIGSTOP within parallel.heartbeat_timeout_s):
+               the requests it held are routed again to the replicas in service and run from their prompts — their
+               seeds give the same samples, so none is lost or duplicated (counted: fleet/rerouted_requests); it is
+               restarted at once, up to rollout.replica_restarts times, after which the run goes on without it and
+               says so
+    retired    drained, or past its restarts
+
+No replica in service when a request must run: FleetLostError (a RunFault): one line naming each loss; the train job
+saves a resumable checkpoint of the last finished step and exits non-zero (relayrl.jobs.train).
+
+Processes start from the driver's main thread (a worker dies with the thread that started it: relayrl.parallel.launch):
+a loss noticed on another thread is restarted at the next sync point (maintain()).
 
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the jobs.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from relayrl.engine.sampling_params import SamplingParams
+from relayrl.errors import RunFault
 from relayrl.roles.rollout_worker import RolloutRole
 from relayrl.rollout.router import Router
 from relayrl.single_controller.liveness import GroupOptions
@@ -30,6 +54,13 @@ from relayrl.single_controller.liveness import GroupOptions
 # the engine's figures, fleet-wide: counters add up; a peak is the highest replica's (with its utilisation)
 SUMMED = ("engine/preemptions", "engine/reprefills", "engine/prefill_tokens", "engine/forked_samples")
 PEAK = "engine/peak_blocks_used"
+
+SERVING, STARTING, JOINING, DRAINING, LOST, RETIRED = "serving", "starting", "joining", "draining", "lost", "retired"
+ACTIVE = (SERVING, STARTING, JOINING)  # what counts towards the fleet's size (`relayrl fleet --replicas N`)
+
+
+class FleetLostError(RunFault):
+    """No replica of the fleet is left in service: the run stops (a checkpoint of its last finished step is saved)."""
 
 
 def wait_all(futures: list[Future]) -> list:
@@ -45,27 +76,79 @@ def wait_all(futures: list[Future]) -> list:
     return out
 
 
+def settle(futures: dict[int, Future]) -> tuple[dict[int, object], dict[int, BaseException]]:
+    """Every future waited for: (results, errors), each by key."""
+    done, failed = {}, {}
+    for k, f in futures.items():
+        try:
+            done[k] = f.result()
+        except BaseException as e:
+            failed[k] = e
+    return done, failed
+
+
+def adopt_version(engine, version: int) -> None:
+    """A replica that joined late carries the fleet's weights version (its own count of syncs is 1): the versions
+    its samples carry then name the same policy as every other replica's. Runs in its worker (nothing in flight)."""
+    engine.reset_prefix_cache()  # nothing cached under the old number may be read under the new
+    engine.weights_version = engine.block_manager.version = version
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def stderr_notice(line: str) -> None:
+    print(f"relayrl: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Replica:
+    """One slot of the fleet: its role (the last one it had, after a loss), its state, its restarts."""
+
+    role: RolloutRole | None
+    state: str
+    restarts: int = 0
+    starting: Future | None = None  # the start of its (new) process: a RolloutRole once its engine is built
+    reason: str = ""  # why it was lost (one line)
+
+
 class RolloutFleet:
     """N rollout roles behind a router: a RolloutEngine (relayrl.engine.protocols)."""
 
-    def __init__(self, replicas: list[RolloutRole], router: Router):
+    def __init__(self, replicas: list[RolloutRole], router: Router, *,
+                 spawn: Callable[[str], object] | None = None, max_restarts: int = 2,
+                 notice: Callable[[str], None] = stderr_notice):
+        """spawn(name): start one more rollout worker's process (its engine builds in it; RolloutRole.ready waits
+        for it) — what restarts a lost replica and adds one; None: neither (a fleet of given roles)."""
         if len(replicas) != router.replicas:
             raise ValueError(f"{len(replicas)} replicas for a router of {router.replicas}")
-        self.replicas, self.router = replicas, router
+        self.slots = [Replica(role, SERVING) for role in replicas]
+        self.router, self.spawn, self.max_restarts, self.notice = router, spawn, max_restarts, notice
         self.tokenizer, self.pad_id = replicas[0].tokenizer, replicas[0].pad_id
         self.tokens = [0] * len(replicas)  # tokens each generated since the last reset_stats
         self.busy = [0.0] * len(replicas)  # seconds each spent in generate calls since then
-        self._pool = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="relayrl-fleet")
+        self.lost_total = self.restarts_total = 0  # over the run
+        self.rerouted = 0  # requests routed again since the last reset_stats (their replica was lost)
+        self.recovery_s = 0.0  # from the first loss noticed in a generate call to its end, since the last reset
+        self._version = min(r.weights_version for r in replicas)
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(replicas)), thread_name_prefix="relayrl-fleet")
+        self._starts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="relayrl-fleet-start")
 
     @classmethod
     def own_processes(cls, n: int, model_dir, engine_kwargs: dict, options: GroupOptions, tokenizer,
-                      device: str = "cpu", block_size: int = 16) -> RolloutFleet:
+                      device: str = "cpu", block_size: int = 16, router: dict | None = None,
+                      max_restarts: int = 2) -> RolloutFleet:
         """n replicas, each the engine loaded from `model_dir` in a rollout worker of its own: all started, then
-        all waited for (they build at once; on a failure every one is stopped)."""
+        all waited for (they build at once; on a failure every one is stopped). Lost replicas are restarted the
+        same way, up to max_restarts times each; router: the Router's keyword arguments."""
+        def spawn(name: str):
+            return RolloutRole.start_process(model_dir, engine_kwargs, options, device, name)
+
         groups = []
         try:
             for r in range(n):
-                groups.append(RolloutRole.start_process(model_dir, engine_kwargs, options, device, f"rollout{r}"))
+                groups.append(spawn(f"rollout{r}"))
         except BaseException:
             for g in groups:
                 g.shutdown(raise_errors=False)
@@ -78,63 +161,236 @@ class RolloutFleet:
             for g in groups:
                 g.shutdown(raise_errors=False)
             raise
-        return cls(started, Router(n, block_size))
+        return cls(started, Router(n, block_size, **(router or {})), spawn=spawn, max_restarts=max_restarts)
+
+    # ------------------------------------------------------------------ the replicas and their states
+    @property
+    def replicas(self) -> list[RolloutRole | None]:
+        """Every slot's role, by number (a lost or retired slot's last one)."""
+        return [s.role for s in self.slots]
+
+    def numbered(self, *states: str) -> list[int]:
+        return [r for r, s in enumerate(self.slots) if s.state in states]
+
+    @property
+    def serving(self) -> list[int]:
+        return self.numbered(SERVING)
+
+    @property
+    def size(self) -> int:
+        """Replicas serving, starting or joining: the fleet's size as `relayrl fleet` counts it."""
+        return len(self.numbered(*ACTIVE))
+
+    def status(self) -> dict:
+        """Each state's replicas, by number, and the losses and restarts so far (relayrl fleet prints it)."""
+        out: dict = {state: self.numbered(state) for state in (SERVING, STARTING, JOINING, DRAINING, LOST, RETIRED)}
+        out |= {"size": self.size, "lost_total": self.lost_total, "restarts_total": self.restarts_total,
+                "version": self.weights_version,
+                "reasons": {str(r): s.reason for r, s in enumerate(self.slots) if s.reason}}
+        return out
+
+    def lose(self, r: int, error: BaseException) -> None:
+        """Replica r's process died or stopped: out of service, its process stopped, a restart begun (or deferred
+        to the next sync point, off the main thread), or, past its restarts, retired."""
+        slot = self.slots[r]
+        if slot.state in (LOST, RETIRED):
+            return
+        draining = slot.state == DRAINING
+        slot.state, slot.reason = LOST, one_line(error)
+        self.lost_total += 1
+        self.router.clear(r)
+        if slot.role is not None:
+            slot.role.close()  # a stopped process is killed; nothing of it is waited for
+        left = self.serving
+        self.notice(f"rollout replica {r} lost: {slot.reason}; " + (
+            f"its requests move to replica(s) {', '.join(map(str, left))}" if left else "no replica is left"))
+        if draining:
+            slot.state = RETIRED  # it was leaving anyway: not restarted
+        elif threading.current_thread() is threading.main_thread():
+            self._restart(r)
+
+    def _restart(self, r: int) -> None:
+        slot = self.slots[r]
+        if self.spawn is None or slot.restarts >= self.max_restarts:
+            slot.state = RETIRED
+            tries = f"after {slot.restarts} restart(s)" if self.spawn is not None else "(no restarts: no spawn)"
+            self.notice(f"rollout replica {r} is not restarted {tries}; the run goes on with "
+                        f"{len(self.numbered(*ACTIVE))} replica(s)")
+            return
+        slot.restarts += 1
+        self.restarts_total += 1
+        self._start(r)
+
+    def _start(self, r: int) -> None:
+        """Replica r's new process, started from this (the main) thread; its engine builds in it, waited for by a
+        thread of the fleet."""
+        slot = self.slots[r]
+        try:
+            group = self.spawn(f"rollout{r}")
+        except Exception as e:  # e.g. no memory for another process: counts as a failed restart
+            slot.starting = Future()
+            slot.starting.set_exception(e)
+        else:
+            slot.starting = self._starts.submit(RolloutRole.ready, group, self.tokenizer)
+        slot.state = STARTING
+
+    def resize(self, n: int) -> None:
+        """The fleet's size becomes n (>= 1): replicas added (started now, joining at a sync once built) or the
+        highest-numbered ones drained (starting ones first). From the driver's main thread."""
+        if n < 1:
+            raise ValueError(f"a fleet needs at least 1 replica, got {n}")
+        if self.spawn is None and n > self.size:
+            raise ValueError("this fleet cannot start replicas (it was given its roles)")
+        while self.size < n:
+            r = self.router.add()
+            self.slots.append(Replica(None, STARTING))
+            self.tokens.append(0)
+            self.busy.append(0.0)
+            self._start(r)
+            self.notice(f"rollout replica {r} is starting (the fleet's size: {self.size})")
+        if self.size > n:
+            order = self.numbered(STARTING, JOINING)[::-1] + self.serving[::-1]
+            for r in order[:self.size - n]:
+                self.slots[r].state = DRAINING
+                self.notice(f"rollout replica {r} is draining (the fleet's size: {self.size})")
+
+    def maintain(self) -> list[int]:
+        """At a sync point (main thread, nothing in flight): restarts deferred from other threads begun; started
+        replicas that finished building become joining (or, failed, are restarted again or retired); drained
+        replicas closed. Returns the replicas joining at this sync."""
+        for r in self.numbered(LOST):
+            self._restart(r)
+        for r in self.numbered(STARTING, DRAINING):
+            slot = self.slots[r]
+            if slot.starting is None or not slot.starting.done():
+                if slot.state == DRAINING and slot.starting is None:
+                    self._retire(r)
+                continue
+            try:
+                role = slot.starting.result()
+            except Exception as e:
+                slot.starting = None
+                if slot.state == DRAINING:
+                    slot.state = RETIRED
+                    continue
+                slot.reason = f"its restart failed: {one_line(e)}"
+                self.notice(f"rollout replica {r} did not start: {one_line(e)}")
+                self._restart(r)
+                continue
+            slot.starting, slot.role = None, role
+            if slot.state == DRAINING:
+                self._retire(r)
+            else:
+                slot.state = JOINING
+                self.router.clear(r)
+        return self.numbered(JOINING)
+
+    def _retire(self, r: int) -> None:
+        slot = self.slots[r]
+        if slot.role is not None:
+            slot.role.close()
+        slot.state = RETIRED
+        self.router.clear(r)
+        self.notice(f"rollout replica {r} drained and closed (the fleet's size: {self.size})")
+
+    def joined(self, r: int) -> None:
+        """Replica r holds the fleet's verified weights now: in service."""
+        self.slots[r].state = SERVING
+        self.slots[r].reason = ""
+
+    def exhausted(self) -> FleetLostError:
+        why = "; ".join(f"replica {r}: {s.reason}" for r, s in enumerate(self.slots) if s.reason)
+        return FleetLostError(f"every rollout replica is lost ({why or 'none in service'}); the run stops: resume it "
+                              "from its last checkpoint with relayrl train --resume")
 
     # ------------------------------------------------------------------ every replica at once
-    def _each(self, fn: Callable[[RolloutRole], object], which: Sequence[int] | None = None) -> list:
-        """fn(replica) on each replica (those numbered in `which`), concurrently; results in that order. Every
-        call is waited for before the first error is raised, so none is left in flight."""
-        which = range(len(self.replicas)) if which is None else which
-        return wait_all([self._pool.submit(fn, self.replicas[r]) for r in which])
+    def _each(self, fn: Callable[[RolloutRole], object], which: Sequence[int] | None = None) -> dict[int, object]:
+        """fn(replica) on the replicas in service (or those numbered in `which`), concurrently: results by number.
+        Every call is waited for; a replica lost on the way is taken out of service (lose()) and its result left
+        out; another error is raised after all ended."""
+        which = self.serving if which is None else list(which)
+        done, failed = settle({r: self._pool.submit(fn, self.slots[r].role) for r in which})
+        other = None
+        for r, e in failed.items():
+            if isinstance(e, RunFault):
+                self.lose(r, e)
+            else:
+                other = other or e
+        if other is not None:
+            raise other
+        return done
 
     @property
     def weights_version(self) -> int:
-        """The oldest weights any replica holds (a verified sync leaves them all at the same version)."""
-        return min(r.weights_version for r in self.replicas)
+        """The weights the replicas in service hold (a verified sync leaves them all at the same version)."""
+        versions = [self.slots[r].role.weights_version for r in self.serving]
+        if versions:
+            self._version = min(versions)
+        return self._version
 
     @property
     def versions(self) -> list[int]:
-        return [r.weights_version for r in self.replicas]
+        """Each replica's in service (and joining) version, by number."""
+        return [self.slots[r].role.weights_version for r in self.numbered(SERVING, JOINING)]
 
     @property
     def asleep(self) -> int:
-        return max(r.asleep for r in self.replicas)
+        return max((self.slots[r].role.asleep for r in self.serving), default=0)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]):
-        """Each prompt routed (relayrl.rollout.router), each replica's share run by it at once; outputs in order."""
+        """Each prompt routed among the replicas in service (relayrl.rollout.router), each replica's share run by
+        it at once; outputs in order. A share whose replica is lost is routed again among the others."""
         if isinstance(prompts, (str, bytes)) or (not isinstance(params, SamplingParams)
                                                   and len(list(params)) != len(list(prompts))):
-            return self.replicas[0].generate(prompts, params)  # the engine's own one-line error, before any routing
+            if not self.serving:
+                raise self.exhausted()
+            return self.slots[self.serving[0]].role.generate(prompts, params)  # the engine's own one-line error
         prompts = list(prompts)
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        routed: list[tuple[int, int]] = []  # (replica, work) per prompt
-        try:
-            for p, sp in zip(prompts, params, strict=True):
-                ids = self._ids(p)
-                work = len(ids) + sp.n * sp.max_tokens
-                routed.append((self.router.route(ids, work), work))
-            shares: dict[int, list[int]] = {}
-            for i, (r, _) in enumerate(routed):
-                shares.setdefault(r, []).append(i)
-            which = sorted(shares)
-            futures = [self._pool.submit(self._generate_on, r, [prompts[i] for i in shares[r]],
-                                         [params[i] for i in shares[r]]) for r in which]
-            results = wait_all(futures)
-        finally:
-            for r, work in routed:
-                self.router.done(r, work)
+        ids = [self._ids(p) for p in prompts]
+        work = [len(x) + sp.n * sp.max_tokens for x, sp in zip(ids, params, strict=True)]
         outputs: list = [None] * len(prompts)
-        for r, outs in zip(which, results, strict=True):
-            for i, out in zip(shares[r], outs, strict=True):
-                outputs[i] = out
-                self.tokens[r] += sum(len(s.token_ids) for s in out.samples)
+        todo, first_loss = list(range(len(prompts))), None
+        while todo:
+            among = self.serving
+            if not among:
+                raise self.exhausted()
+            shares: dict[int, list[int]] = {}
+            for i in todo:
+                shares.setdefault(self.router.route(ids[i], work[i], among), []).append(i)
+            try:
+                done, failed = settle({r: self._pool.submit(self._generate_on, r, [prompts[i] for i in share],
+                                                            [params[i] for i in share])
+                                       for r, share in shares.items()})
+            finally:
+                for r, share in shares.items():
+                    for i in share:
+                        self.router.done(r, work[i])
+            todo, other = [], None
+            for r, e in failed.items():
+                if not isinstance(e, RunFault):
+                    other = other or e
+                    continue
+                first_loss = first_loss or time.perf_counter()
+                self.lose(r, e)
+                todo += shares[r]
+                self.rerouted += len(shares[r])
+            if other is not None:
+                raise other
+            for r, outs in done.items():
+                for i, out in zip(shares[r], outs, strict=True):
+                    outputs[i] = out
+                    self.tokens[r] += sum(len(s.token_ids) for s in out.samples)
+            todo.sort()
+        if first_loss is not None:
+            self.recovery_s += time.perf_counter() - first_loss
         return outputs
 
     def _generate_on(self, r: int, prompts: list, params: list[SamplingParams]):
         t0 = time.perf_counter()
         try:
-            return self.replicas[r].generate(prompts, params)
+            return self.slots[r].role.generate(prompts, params)
         finally:
             self.busy[r] += time.perf_counter() - t0
 
@@ -152,20 +408,23 @@ class RolloutFleet:
         return self.weights_version
 
     def run_on_ranks(self, fn: Callable, *args) -> list:
-        """fn on every rank of every replica: replica 0's ranks first, then replica 1's..."""
-        return [x for part in self._each(lambda role: role.run_on_ranks(fn, *args)) for x in part]
+        """fn on every rank of every replica in service: the lowest-numbered replica's ranks first."""
+        return [x for _, part in sorted(self._each(lambda role: role.run_on_ranks(fn, *args)).items()) for x in part]
 
-    def begin_weight_update(self) -> None:
-        self._each(RolloutRole.begin_weight_update)
+    def begin_weight_update(self, which: Sequence[int] | None = None) -> list[int]:
+        """The bracket's start on the replicas in service (or `which`); returns those that answered."""
+        return sorted(self._each(RolloutRole.begin_weight_update, which))
 
-    def end_weight_update(self) -> int:
-        self._each(RolloutRole.end_weight_update)
+    def end_weight_update(self, which: Sequence[int] | None = None) -> int:
+        self._each(RolloutRole.end_weight_update, which)
         self.router.forget()  # the engines' caches of the old weights are no use to the new
         return self.weights_version
 
     def score(self, rows, temperature: float = 1.0):
-        """Replica 0's logprobs (every replica holds the same, verified weights)."""
-        return self.replicas[0].score(rows, temperature)
+        """The first replica in service's logprobs (every replica holds the same, verified weights)."""
+        if not self.serving:
+            raise self.exhausted()
+        return self.slots[self.serving[0]].role.score(rows, temperature)
 
     def reset_prefix_cache(self) -> None:
         self._each(RolloutRole.reset_prefix_cache)
@@ -182,50 +441,66 @@ class RolloutFleet:
     # ------------------------------------------------------------------ figures
     def stats(self) -> dict[str, float]:
         """The engines' figures fleet-wide (engine/*: counters summed, the peak replica's blocks, the prefix hit
-        rate weighted by each replica's prompt tokens) and each replica's (fleet/replica<r>/*: requests, tokens,
-        tokens per second of its generate calls, its KV blocks' peak share, the engine's prefix hit rate, the
-        router's, requests sent for their cached prefix, weights version)."""
+        rate weighted by each replica's prompt tokens), the fleet's (fleet/*: replicas in service, starting or
+        joining, lost and restarted so far, requests routed again and the time from the first loss to the end of
+        its generate call) and each replica's in service (fleet/replica<r>/*: requests, tokens, tokens per second
+        of its generate calls, its KV blocks' peak share, the engine's prefix hit rate, the router's, requests
+        sent for their cached prefix, weights version)."""
         per = self._each(RolloutRole.stats)
-        out: dict[str, float] = {"fleet/replicas": float(len(self.replicas))}
+        out: dict[str, float] = {"fleet/replicas": float(len(self.serving)),
+                                 "fleet/replicas_starting": float(len(self.numbered(STARTING, JOINING))),
+                                 "fleet/lost": float(self.lost_total), "fleet/restarts": float(self.restarts_total),
+                                 "fleet/rerouted_requests": float(self.rerouted), "fleet/recovery_s": self.recovery_s}
+        stats = list(per.values())
         for key in SUMMED:
-            if any(key in s for s in per):
-                out[key] = float(sum(s.get(key, 0.0) for s in per))
-        if any(PEAK in s for s in per):
-            top = max(per, key=lambda s: s.get(PEAK, 0.0))
+            if any(key in s for s in stats):
+                out[key] = float(sum(s.get(key, 0.0) for s in stats))
+        if any(PEAK in s for s in stats):
+            top = max(stats, key=lambda s: s.get(PEAK, 0.0))
             out[PEAK] = top[PEAK]
             out["engine/block_utilisation_at_peak"] = top.get("engine/block_utilisation_at_peak", 0.0)
-        prompt_tokens = [c.prompt_tokens for c in self.router.counters]
-        if any("engine/prefix_hit_rate" in s for s in per):
-            total = sum(prompt_tokens)
-            out["engine/prefix_hit_rate"] = (sum(s.get("engine/prefix_hit_rate", 0.0) * w
-                                                 for s, w in zip(per, prompt_tokens, strict=True)) / total
-                                             if total else 0.0)
-        for key in {k for s in per for k in s if k.startswith("engine/expert")}:
-            out[key] = max(s.get(key, 0.0) for s in per)
-        for r, (s, c) in enumerate(zip(per, self.router.counters, strict=True)):
-            pre = f"fleet/replica{r}/"
+        prompt_tokens = {r: self.router.counters[r].prompt_tokens for r in per}
+        if any("engine/prefix_hit_rate" in s for s in stats):
+            total = sum(prompt_tokens.values())
+            out["engine/prefix_hit_rate"] = (sum(s.get("engine/prefix_hit_rate", 0.0) * prompt_tokens[r]
+                                                 for r, s in per.items()) / total if total else 0.0)
+        for key in {k for s in stats for k in s if k.startswith("engine/expert")}:
+            out[key] = max(s.get(key, 0.0) for s in stats)
+        for r, s in sorted(per.items()):
+            c, pre = self.router.counters[r], f"fleet/replica{r}/"
             out |= {pre + "requests": float(c.requests), pre + "tokens": float(self.tokens[r]),
                     pre + "tokens_per_s": self.tokens[r] / self.busy[r] if self.busy[r] else 0.0,
                     pre + "kv_peak": s.get(PEAK, 0.0),
                     pre + "prefix_hit_rate": s.get("engine/prefix_hit_rate", 0.0),
                     pre + "router_hit_rate": c.hit_rate, pre + "by_affinity": float(c.by_affinity),
-                    pre + "version": float(self.replicas[r].weights_version)}
+                    pre + "version": float(self.slots[r].role.weights_version)}
         return out
 
     def reset_stats(self) -> None:
         self._each(RolloutRole.reset_stats)
         self.router.reset_counters()
-        self.tokens = [0] * len(self.replicas)
-        self.busy = [0.0] * len(self.replicas)
+        self.tokens = [0] * len(self.slots)
+        self.busy = [0.0] * len(self.slots)
+        self.rerouted, self.recovery_s = 0, 0.0
 
     def close(self) -> None:
-        """Close every replica, each on its own (one that fails must not keep the others' processes alive)."""
+        """Close every replica, each on its own (one that fails must not keep the others' processes alive), and
+        every one still starting once it has started."""
         first = None
-        for role in self.replicas:
+        for slot in self.slots:
+            if slot.starting is not None:
+                try:
+                    slot.role = slot.starting.result()
+                except Exception:
+                    slot.role = None  # its start failed: its group stopped itself
+                slot.starting = None
+            if slot.role is None:
+                continue
             try:
-                role.close()
+                slot.role.close()
             except Exception as e:
                 first = first or e
         self._pool.shutdown(wait=True)
+        self._starts.shutdown(wait=True)
         if first is not None:
             raise first

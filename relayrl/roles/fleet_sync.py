@@ -18,6 +18,14 @@ per replica and per trainer rank. Every transfer has a deadline: the sync group'
 message, and the worker groups' call deadlines (parallel.call_timeout_s) on every call. A failure part way marks
 every replica's group broken (as for one engine) and names a dead rank when one is the cause.
 
+The fleet's membership changes between syncs (relayrl.roles.fleet): at each sync the fleet is maintained first
+(restarts begun, built replicas joining, drained ones closed); a replica that left has its sync group closed, and one
+joining gets a group of its own (the same channel number as the replica it replaces: the trainer ranks close the old
+one first), its first transfer the whole base even when the others get LoRA adapters alone, its weights version set
+to the fleet's, every piece's checksum compared, and it serves from then on. A replica found lost before the sends
+begin (begin_weight_update) is left out of this sync. One lost during the transfer leaves the trainer ranks' sends to
+it in an unknown state: the sync stops the run in one line, as for one engine.
+
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the jobs.
 """
 
@@ -26,8 +34,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from relayrl.errors import RunFault
 from relayrl.roles import sync_steps as steps
-from relayrl.roles.fleet import RolloutFleet, wait_all
+from relayrl.roles.fleet import RolloutFleet, adopt_version, wait_all
 from relayrl.roles.weight_sync import PlannedWeightSync
 from relayrl.trainer.policy import Policy
 
@@ -37,26 +46,50 @@ class FleetWeightSync:
 
     def __init__(self, policy: Policy, fleet: RolloutFleet, **planned):
         """planned: PlannedWeightSync's keyword arguments (the same for every replica; placement disaggregated)."""
-        self.policy, self.fleet = policy, fleet
-        self.replicas: list[PlannedWeightSync] = []
+        self.policy, self.fleet, self.planned = policy, fleet, planned
+        self.replicas: dict[int, PlannedWeightSync] = {}  # by replica number
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="relayrl-fleet-sync")
         try:
-            for r, role in enumerate(fleet.replicas):
-                self.replicas.append(PlannedWeightSync(policy, role, colocated=False, channel=r, **planned))
+            for r in fleet.serving:
+                self.replicas[r] = self._connect(r)
         except BaseException:
             self.close()
             raise
         self.last_table: dict[str, tuple[float, float]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="relayrl-fleet-sync")
+        self.syncs = 0
+
+    def _connect(self, r: int) -> PlannedWeightSync:
+        return PlannedWeightSync(self.policy, self.fleet.replicas[r], colocated=False, channel=r, **self.planned)
 
     def replica_bytes(self, spec) -> int:
         """What the plan moves into one replica: its whole shard (every engine rank's), in the engine's dtype."""
         return sum(spec.plan.bytes_per_dst_rank(spec.dtype).values())
 
+    def _members(self) -> tuple[list[int], list[int]]:
+        """The fleet maintained; each replica's sync group matched to it: (replicas in service, replicas joining)."""
+        joining = self.fleet.maintain()
+        keep = set(self.fleet.serving) | set(joining)
+        for r in [r for r in self.replicas if r not in keep]:
+            self.replicas.pop(r).close()  # lost, drained or retired: its group goes (the trainer ranks' side too)
+        for r in joining:
+            old = self.replicas.pop(r, None)
+            if old is not None:
+                old.close()  # the replica it replaces
+            try:
+                self.replicas[r] = self._connect(r)
+            except RunFault as e:  # it died before its first sync: lost again
+                self.fleet.lose(r, e)
+        return [r for r in self.fleet.serving if r in self.replicas], [r for r in joining if r in self.replicas]
+
     def transfer(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        syncs = self.replicas
+        serving, joining = self._members()
+        version = self.fleet.weights_version + 1  # what this sync makes every replica hold
+        which = self.fleet.begin_weight_update(serving + joining)  # those lost here are left out
+        if not which:
+            raise self.fleet.exhausted()
+        syncs = [self.replicas[r] for r in which]
         specs = [s.next_spec() for s in syncs]
-        self.fleet.begin_weight_update()
         try:
             for s, spec in zip(syncs, specs, strict=True):
                 s.start_sends(spec)
@@ -70,43 +103,54 @@ class FleetWeightSync:
             for s in syncs:  # the first that finds a dead rank raises its fault
                 s.failed(e)
             raise
-        self.fleet.end_weight_update()
-        versions = self.fleet.versions
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"after a weight sync the fleet's replicas hold weights versions {versions}: they "
-                               "must agree (a replica missed a sync); restart the run from its last checkpoint")
+        self.fleet.end_weight_update(which)
+        for r in which:
+            if r in joining:
+                self.fleet.replicas[r]._engine(adopt_version, version)
+        versions = {r: self.fleet.replicas[r].weights_version for r in which}
+        if set(versions.values()) != {version}:
+            raise RuntimeError(f"after a weight sync the fleet's replicas hold weights versions {versions} (by "
+                               f"replica), not {version}: a replica missed a sync; restart the run from its last "
+                               "checkpoint")
         for s in syncs:
             s.syncs += 1
+        self.syncs += 1
+        self._synced = (which, joining)
         total = steps.total([x for part in received + sent for x in part])
         out = syncs[0].figures(specs[0], total, t0)  # bytes_between_processes: every replica's together
         per_trainer_rank = [sum(part[t].bytes_sent for part in sent) for t in range(len(sent[0]))]
         out["sync/trainer_rank_bytes_sent_max"] = float(max(per_trainer_rank))
         out["sync/bytes_per_replica"] = float(self.replica_bytes(specs[0]))
-        for r, part in enumerate(received):
+        out["fleet/joined"] = float(len(joining))
+        for r, part in zip(which, received, strict=True):
             out[f"fleet/replica{r}/sync_bytes"] = float(sum(x.bytes_received for x in part))
         return out
 
     def sync(self, label: str | None = None) -> dict[str, float]:
-        """transfer(), wake() replicas put to sleep since the last sync, then verify() each."""
+        """transfer(), wake() replicas put to sleep since the last sync, then verify() each; replicas that joined
+        serve once verified."""
         out = self.transfer()
+        which, joining = self._synced
         woke = bool(self.fleet.asleep)
         if woke:
             self.fleet.wake()
         t0 = time.perf_counter()
         what = "sync + wake" if woke else "sync"
-        after = f"{what} {label}" if label else f"{what} {self.replicas[0].syncs}"
-        first = self.replicas[0]
+        after = f"{what} {label}" if label else f"{what} {self.syncs}"
+        first = self.replicas[which[0]]
         trainer = first.policy.compute_logprobs(first.canary_batch())  # once: the same rows for every replica
-        gaps = [s.verify(f"{after}, replica {r}", trainer) for r, s in enumerate(self.replicas)]
-        self.last_table = {f"replica {r}, {k}": v for r, s in enumerate(self.replicas) for k, v in s.last_table.items()}
-        out["sync/canary_gap"] = max(gaps)
-        for r, gap in enumerate(gaps):
+        gaps = {r: self.replicas[r].verify(f"{after}, replica {r}", trainer) for r in which}
+        for r in joining:
+            self.fleet.joined(r)
+        self.last_table = {f"replica {r}, {k}": v for r in which for k, v in self.replicas[r].last_table.items()}
+        out["sync/canary_gap"] = max(gaps.values())
+        for r, gap in gaps.items():
             out[f"fleet/replica{r}/canary_gap"] = gap
         out["time/sync_verify"] = time.perf_counter() - t0
         return out
 
     def close(self) -> None:
-        for s in self.replicas:
+        for s in self.replicas.values():
             s.close()
         pool = getattr(self, "_pool", None)
         if pool is not None:

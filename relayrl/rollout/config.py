@@ -33,6 +33,9 @@ class RolloutConfig(Config):
     # engine replicas of rollout.tp ranks each, behind one router (relayrl.roles.fleet): for now each in a rollout
     # worker of its own (parallel.rollout_worker, placement disaggregated, backend local, rollout.mode sync)
     replicas: int = Field(1, ge=1)
+    # how many times each replica of a fleet is restarted after its process died or stopped (then the run goes on
+    # without it; none left: a checkpoint and a non-zero exit)
+    replica_restarts: int = Field(2, ge=0)
     # MoE models: where the engine's experts sit over its tp ranks, each expert's width sharded (tp) or whole experts
     # per rank (ep; relayrl.engine.moe). The same results either way
     expert_placement: Literal["tp", "ep"] = "tp"

@@ -143,11 +143,16 @@ class LockstepSource:
 
     def collect(self, step: int) -> Collected:
         r = self.r
-        state = TrainerState.at(step, self.total_steps, self.sampler.state_dict(), r.prompts_per_step)
-        first = self.rollout(step, self.sampler.next_batch(r.prompts_per_step), state)
-        signal = group_has_signal(first.rewards, r.group_size)
-        no_signal = 1.0 - float(signal.float().mean())
-        ro = self._filtered(step, first, signal, state) if self.filter_groups else first
+        drawn_from = self.sampler.state_dict()
+        state = TrainerState.at(step, self.total_steps, drawn_from, r.prompts_per_step)
+        try:
+            first = self.rollout(step, self.sampler.next_batch(r.prompts_per_step), state)
+            signal = group_has_signal(first.rewards, r.group_size)
+            no_signal = 1.0 - float(signal.float().mean())
+            ro = self._filtered(step, first, signal, state) if self.filter_groups else first
+        except BaseException:  # the step is not trained: its prompts stay the next untrained ones (a checkpoint
+            self.sampler.load_state_dict(drawn_from)  # saved now resumes with them)
+            raise
         if r.sleep_level:  # the KV cache (level 2: the weights too) is free while the trainer works
             self.engine.sleep(r.sleep_level)
         return Collected(ro, no_signal, {})
