@@ -26,7 +26,6 @@ from pathlib import Path
 
 from relayrl.errors import UserError
 from relayrl.jobs.run_dir import LOCK_FILE
-from relayrl.roles.fleet import RolloutFleet
 
 REQUEST, STATUS = "fleet_request.json", "fleet.json"
 POLL_S = 0.5
@@ -54,6 +53,8 @@ def _read_json(path: Path) -> dict | None:
 # ---------------------------------------------------------------------------- the run's side
 def fleet_control(engine, run_dir: Path) -> None:
     """Between two steps: a new request applied, then the fleet's status written (a run without a fleet: nothing)."""
+    from relayrl.roles.fleet import RolloutFleet  # here: the command's side loads no torch
+
     if not isinstance(engine, RolloutFleet):
         return
     run_dir = Path(run_dir)

@@ -53,7 +53,7 @@ from relayrl.observe.samples import SampleLog, samples_path
 from relayrl.observe.trace import open_tracer
 from relayrl.rewards import TrainerState
 from relayrl.rewards.naming import held_out_metric
-from relayrl.roles.fleet import FleetLostError
+from relayrl.roles.fleet import FleetLostError, RolloutFleet
 from relayrl.rollout.evaluate import evaluate_set
 from relayrl.rollout.sample_rows import train_rows
 from relayrl.single_controller.process_setup import configure_process
@@ -196,6 +196,8 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
         _truncate_jsonl(run_dir / "eval.jsonl", start)
         _truncate_jsonl(run_dir / "trained_prompts.jsonl", start)
     progress = Progress(cfg.run.steps, desc="grpo", initial=start, disable=not show_progress)
+    if isinstance(roles.engine, RolloutFleet):  # a replica lost, restarted, added: a line above the bar
+        roles.engine.notice = lambda line: progress.write(f"relayrl: {line}")
     try:
         first = None
         saved = [start if ckpt is not None else None]  # the step the newest checkpoint holds

@@ -43,6 +43,7 @@ class Progress:
         disable: bool = False,
     ) -> None:
         stream = file if file is not None else sys.stderr
+        self._stream = stream
         is_tty = bool(getattr(stream, "isatty", lambda: False)())
         self._bar = tqdm(
             total=total,
@@ -62,6 +63,10 @@ class Progress:
             # refresh=False: the redraw below (rate-limited by mininterval) shows it.
             self._bar.set_postfix({k: _format(v) for k, v in postfix.items()}, refresh=False)
         self._bar.update(step - self._bar.n)
+
+    def write(self, line: str) -> None:
+        """A line of its own above the bar (the bar redrawn below it), on the bar's stream."""
+        self._bar.write(line, file=self._stream)
 
     def close(self) -> None:
         self._bar.close()

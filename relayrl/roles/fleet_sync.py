@@ -23,8 +23,10 @@ The fleet's membership changes between syncs (relayrl.roles.fleet): at each sync
 joining gets a group of its own (the same channel number as the replica it replaces: the trainer ranks close the old
 one first), its first transfer the whole base even when the others get LoRA adapters alone, its weights version set
 to the fleet's, every piece's checksum compared, and it serves from then on. A replica found lost before the sends
-begin (begin_weight_update) is left out of this sync. One lost during the transfer leaves the trainer ranks' sends to
-it in an unknown state: the sync stops the run in one line, as for one engine.
+begin (begin_weight_update) is left out of this sync; one lost during the transfer too: its group is abandoned (the
+trainer ranks drop their send to it without waiting: a send to a stopped peer ends at sync.timeout_s in its own daemon
+thread) while the other replicas' transfers, each over a group of its own, complete. Any other failure part way (the
+trainer's side) marks every replica's group broken and stops the run, as for one engine.
 
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the jobs.
 """
@@ -36,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from relayrl.errors import RunFault
 from relayrl.roles import sync_steps as steps
-from relayrl.roles.fleet import RolloutFleet, adopt_version, wait_all
+from relayrl.roles.fleet import JOINING, SERVING, FleetLostError, RolloutFleet, adopt_version, settle
 from relayrl.roles.weight_sync import PlannedWeightSync
 from relayrl.trainer.policy import Policy
 
@@ -88,22 +90,37 @@ class FleetWeightSync:
         which = self.fleet.begin_weight_update(serving + joining)  # those lost here are left out
         if not which:
             raise self.fleet.exhausted()
-        syncs = [self.replicas[r] for r in which]
-        specs = [s.next_spec() for s in syncs]
+        specs = {r: self.replicas[r].next_spec() for r in which}
         try:
-            for s, spec in zip(syncs, specs, strict=True):
-                s.start_sends(spec)
-            received = wait_all([self._pool.submit(s.receive, spec) for s, spec in zip(syncs, specs, strict=True)])
-            sent = [s.finish_sends() for s in syncs]
-            for s in syncs:
-                s.after_receive()
+            for r in which:
+                self.replicas[r].start_sends(specs[r])
+            received, failed = settle({r: self._pool.submit(self.replicas[r].receive, specs[r]) for r in which})
+            other = next((e for e in failed.values() if not isinstance(e, RunFault)), None)
+            if other is not None:
+                raise other
+            for r in failed:  # a replica lost mid-transfer: the others' transfers go on (a group each)
+                self.fleet.lose(r, failed[r])
+                self.replicas.pop(r).abandon()
+            which = [r for r in which if r in received]
+            if not which:
+                raise self.fleet.exhausted()
+            sent = {r: self.replicas[r].finish_sends() for r in which}
+            for r in which:
+                self.replicas[r].after_receive()
+        except FleetLostError:
+            raise
         except BaseException as e:
+            syncs = list(self.replicas.values())
             for s in syncs:
                 s.broken = True
             for s in syncs:  # the first that finds a dead rank raises its fault
                 s.failed(e)
             raise
         self.fleet.end_weight_update(which)
+        which = [r for r in which if self.fleet.slots[r].state in (SERVING, JOINING)]  # lost on the way: out
+        syncs = [self.replicas[r] for r in which]
+        if not which:
+            raise self.fleet.exhausted()
         for r in which:
             if r in joining:
                 self.fleet.replicas[r]._engine(adopt_version, version)
@@ -115,15 +132,15 @@ class FleetWeightSync:
         for s in syncs:
             s.syncs += 1
         self.syncs += 1
-        self._synced = (which, joining)
-        total = steps.total([x for part in received + sent for x in part])
-        out = syncs[0].figures(specs[0], total, t0)  # bytes_between_processes: every replica's together
-        per_trainer_rank = [sum(part[t].bytes_sent for part in sent) for t in range(len(sent[0]))]
+        self._synced = (which, [r for r in joining if r in which])
+        total = steps.total([x for r in which for x in received[r] + sent[r]])
+        out = syncs[0].figures(specs[which[0]], total, t0)  # bytes_between_processes: every replica's together
+        per_trainer_rank = [sum(sent[r][t].bytes_sent for r in which) for t in range(len(sent[which[0]]))]
         out["sync/trainer_rank_bytes_sent_max"] = float(max(per_trainer_rank))
-        out["sync/bytes_per_replica"] = float(self.replica_bytes(specs[0]))
-        out["fleet/joined"] = float(len(joining))
-        for r, part in zip(which, received, strict=True):
-            out[f"fleet/replica{r}/sync_bytes"] = float(sum(x.bytes_received for x in part))
+        out["sync/bytes_per_replica"] = float(self.replica_bytes(specs[which[0]]))
+        out["fleet/joined"] = float(len([r for r in joining if r in which]))
+        for r in which:
+            out[f"fleet/replica{r}/sync_bytes"] = float(sum(x.bytes_received for x in received[r]))
         return out
 
     def sync(self, label: str | None = None) -> dict[str, float]:

@@ -68,6 +68,14 @@ def trainer_close(rank: TrainerRank, channel: int = 0) -> None:
         comm.close()
 
 
+def trainer_abandon(rank: TrainerRank, channel: int) -> None:
+    """The engine replica of `channel` was lost mid-transfer: this rank drops its send and its group to it without
+    waiting (a send to a stopped peer ends at its own deadline, sync.timeout_s, in its daemon thread; a dead peer's
+    at once). The channel's next group is a new one (relayrl.roles.fleet_sync)."""
+    rank.sync_state.pop(_key(_SEND, channel), None)
+    rank.sync_state.pop(_key(_COMM, channel), None)
+
+
 def trainer_colocated(rank: TrainerRank, spec: SyncSpec) -> SyncStats:
     """Both roles of this process: engine rank r lives in trainer rank r's process (when r < engine tp)."""
     runner = rank.engine_runner

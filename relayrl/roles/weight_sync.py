@@ -296,6 +296,15 @@ class PlannedWeightSync:
             row[1] += dst[i]
         return {k: (a, b) for k, (a, b) in out.items()}
 
+    def abandon(self) -> None:
+        """The engine was lost part way through a transfer (a fleet's replica): the trainer ranks drop their side of
+        this sync without waiting for it, and the store goes; nothing of this sync is used again."""
+        self.broken = True
+        self.policy.run_on_ranks(steps.trainer_abandon, self.channel)
+        if self._hosted is not None:
+            self._hosted.close()
+            self._hosted = None
+
     def close(self) -> None:
         """Shut both sides' sync groups down (best effort: this runs on the way out of failures too)."""
         if self._hosted is None:

@@ -238,3 +238,36 @@ def test_resize_adds_replicas_that_join_at_a_sync_point_and_drains_the_highest(m
             fleet.resize(0)
     finally:
         fleet.close()
+
+
+def test_fleet_control_applies_each_request_once_and_writes_the_status(model_dir, tmp_path):
+    """The run's side of `relayrl fleet` (relayrl.jobs.fleet_control), between two steps: a request read once by its
+    id, a bad one ignored in one line, the status written for the command to follow."""
+    import json
+
+    from relayrl.jobs.fleet_control import REQUEST, STATUS, fleet_control
+
+    fleet, notices = inline_fleet(model_dir, 1)
+    try:
+        fleet_control(fleet, tmp_path)  # no request: the status alone
+        status = json.loads((tmp_path / STATUS).read_text())
+        assert status["serving"] == [0] and status["size"] == 1 and status["request"] is None
+        (tmp_path / REQUEST).write_text(json.dumps({"replicas": 2, "id": "a"}))
+        fleet_control(fleet, tmp_path)
+        assert fleet.size == 2 and json.loads((tmp_path / STATUS).read_text())["request"] == "a"
+        until_built(fleet, 1)
+        fleet.joined(1)
+        fleet_control(fleet, tmp_path)  # the same request again: not applied twice
+        status = json.loads((tmp_path / STATUS).read_text())
+        assert fleet.size == 2 and status["serving"] == [0, 1] and status["starting"] == []
+        (tmp_path / REQUEST).write_text(json.dumps({"replicas": "three", "id": "b"}))
+        fleet_control(fleet, tmp_path)
+        status = json.loads((tmp_path / STATUS).read_text())
+        assert status["error"] == notices[-1] == "ignored a fleet request of replicas='three': it must be a whole " \
+                                                 "number >= 1"
+        assert fleet.size == 2 and status["request"] == "b"
+        (tmp_path / REQUEST).write_text("{not json")  # a file being written, or garbage: read as nothing
+        fleet_control(fleet, tmp_path)
+        assert fleet.size == 2
+    finally:
+        fleet.close()
