@@ -2,12 +2,15 @@
 fault-injection suite injected into a real `relayrl train` (the harness of tests/faults), and for each: did
 the run survive it (go on, or stop in one line and resume), how much was lost, and how long it took to notice.
 
-    python benchmarks/bench_reliability.py [--out table.md]
+    python benchmarks/bench_reliability.py [--out table.md] [--only fleet]
 
 Worker faults run with each role in worker processes of its own (parallel.heartbeat_timeout_s=3); the
 time is from the signal to the driver's exit (detection plus teardown). Driver kills are followed by
 `--resume`; "lost" counts checkpoints that vanished or stopped loading, and the final weights are
-compared with an uninterrupted run's.
+compared with an uninterrupted run's. Rollout-fleet faults (rollout.replicas 2) kill or stop one replica: the run
+must go on, the replica come back (restarted and re-synced), and every step keep all its samples; the time is from
+the signal to the end of the step that noticed it (the issue's "death to the step's completion"). With no replica
+left the run must stop in one line with a checkpoint of its last finished step.
 """
 
 from __future__ import annotations
@@ -55,6 +58,78 @@ def worker_fault(tmp: Path, role: str, sig: int) -> dict:
         run.kill()
     return {"survived": code == 3 and one_line and not left, "lost": 0, "seconds": took,
             "note": f"exit {code}, {'one line' if one_line else 'not one line'}, {len(left)} processes left"}
+
+
+FLEET = merged(TINY, {
+    "rollout": {"replicas": 2, "max_tokens": 8},
+    "parallel": {"backend": "local", "placement": "disaggregated", "rollout_worker": True, "heartbeat_timeout_s": 3},
+    "run": {"samples_every": 1, "samples_per_step": 4},
+    "eval": {"every": 0},
+})
+
+
+def step_rows(run_dir: Path) -> list[dict]:
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []:
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "reward/mean" in m:
+            out.append(m)
+    return out
+
+
+def fleet_fault(tmp: Path, sig: int) -> dict:
+    """One of 2 replicas killed or stopped after step 2: seconds from the signal to the end of the step that noticed
+    it; survived = the run went on, the replica rejoined verified, and every step kept its 4 samples."""
+    run = TrainRun(tmp, FLEET)
+    noticed = joined = None
+    try:
+        run.wait_for_step(2, timeout=180)
+        run.signal(run.find("rl-rollout1-0"), sig)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and joined is None and run.proc.poll() is None:
+            ms = step_rows(run.run_dir)
+            if noticed is None and any(m.get("fleet/lost") for m in ms):
+                noticed = run.seconds_since_injection()
+            if any(m.get("fleet/joined") for m in ms):
+                joined = run.seconds_since_injection()
+            time.sleep(0.05)
+        code = run.proc.poll()
+        ms = step_rows(run.run_dir)
+    finally:
+        run.kill()
+    samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().splitlines()]
+    per_step: dict[int, int] = {}
+    for r in samples:
+        per_step[r["step"]] = per_step.get(r["step"], 0) + 1
+    whole = all(n == 4 for n in per_step.values())
+    ok = code is None and noticed is not None and joined is not None and whole
+    return {"survived": ok, "lost": sum(4 - n for n in per_step.values()), "seconds": noticed or float("nan"),
+            "note": f"the step noticing it ended {noticed or float('nan'):.1f} s after the signal; the replica "
+                    f"rejoined verified after {joined or float('nan'):.1f} s; {len(ms)} steps, "
+                    f"{'every step 4 samples' if whole else 'samples missing'}"}
+
+
+def fleet_exhausted(tmp: Path) -> dict:
+    """Both replicas killed, no restarts: one line, exit 3, a checkpoint of the last finished step."""
+    run = TrainRun(tmp, FLEET, ["rollout.replica_restarts=0"])
+    try:
+        run.wait_for_step(2, timeout=180)
+        for r in (0, 1):
+            run.signal(run.find(f"rl-rollout{r}-0"), signal.SIGKILL)
+        code = run.wait(timeout=120)
+        took = run.seconds_since_injection()
+        last = run.error_lines()[-1] if run.error_lines() else ""
+        done = max(m["step"] for m in step_rows(run.run_dir))
+        ckpts = sorted(p.name for p in (run.run_dir / "checkpoints").iterdir())
+    finally:
+        run.kill()
+    held = ckpts[-1:] == [f"step_{done:08d}"]
+    ok = code == 3 and last.startswith("relayrl: error: every rollout replica is lost") and held
+    return {"survived": ok, "lost": 0, "seconds": took,
+            "note": f"exit {code}, one line, checkpoint of step {done} {'written' if held else 'MISSING'}"}
 
 
 def weights(run_dir: Path) -> dict:
@@ -133,15 +208,24 @@ def pytest_cases(path: str, keyword: str = "") -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", choices=["fleet"], default=None, help="only the rollout fleet's faults")
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
-        for role in ROLE_PROCESS:
+        for sig in (signal.SIGKILL, signal.SIGSTOP):
+            name = f"{'kill -9' if sig == signal.SIGKILL else 'SIGSTOP'} of one of 2 rollout replicas"
+            rows.append((name, fleet_fault(root / f"fleet-{sig}", sig)))
+            print(rows[-1], flush=True)
+        rows.append(("kill -9 of both rollout replicas, no restarts left", fleet_exhausted(root / "fleet-none")))
+        print(rows[-1], flush=True)
+        for role in ROLE_PROCESS if a.only is None else ():
             for sig in (signal.SIGKILL, signal.SIGSTOP):
                 name = f"{'kill -9' if sig == signal.SIGKILL else 'SIGSTOP'} of the {role} worker"
                 rows.append((name, worker_fault(root / f"{role}-{sig}", role, sig)))
                 print(rows[-1], flush=True)
+        if a.only is not None:
+            return finish(rows, a.out)
         ref = TrainRun(root / "ref", merged(TINY, STEPS))
         ref.wait(timeout=300)
         ref.kill()
@@ -156,14 +240,18 @@ def main() -> None:
                      pytest_cases("tests/faults/test_checkpoint_faults.py")))
         rows.append(("a peer without the run's token at the rendezvous",
                      pytest_cases("tests/faults/test_network_faults.py")))
+    finish(rows, a.out)
+
+
+def finish(rows: list, out: str | None) -> None:
     lines = ["| fault injected | survived | data lost | seconds | what happened |", "|---|---|---|---|---|"]
     for name, r in rows:
         secs = "" if r["seconds"] != r["seconds"] else f"{r['seconds']:.1f}"
         lines.append(f"| {name} | {'yes' if r['survived'] else 'NO'} | {r['lost']} | {secs} | {r['note']} |")
     text = "\n".join(lines)
     print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

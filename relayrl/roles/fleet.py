@@ -422,9 +422,13 @@ class RolloutFleet:
 
     def score(self, rows, temperature: float = 1.0):
         """The first replica in service's logprobs (every replica holds the same, verified weights)."""
-        if not self.serving:
-            raise self.exhausted()
-        return self.slots[self.serving[0]].role.score(rows, temperature)
+        while self.serving:
+            r = self.serving[0]
+            try:
+                return self.slots[r].role.score(rows, temperature)
+            except RunFault as e:
+                self.lose(r, e)
+        raise self.exhausted()
 
     def reset_prefix_cache(self) -> None:
         self._each(RolloutRole.reset_prefix_cache)

@@ -121,9 +121,15 @@ class FleetWeightSync:
         syncs = [self.replicas[r] for r in which]
         if not which:
             raise self.fleet.exhausted()
-        for r in which:
-            if r in joining:
+        for r in [r for r in which if r in joining]:
+            try:
                 self.fleet.replicas[r]._engine(adopt_version, version)
+            except RunFault as e:
+                self.fleet.lose(r, e)
+        which = [r for r in which if self.fleet.slots[r].state in (SERVING, JOINING)]
+        syncs = [self.replicas[r] for r in which]
+        if not which:
+            raise self.fleet.exhausted()
         versions = {r: self.fleet.replicas[r].weights_version for r in which}
         if set(versions.values()) != {version}:
             raise RuntimeError(f"after a weight sync the fleet's replicas hold weights versions {versions} (by "
@@ -156,9 +162,18 @@ class FleetWeightSync:
         after = f"{what} {label}" if label else f"{what} {self.syncs}"
         first = self.replicas[which[0]]
         trainer = first.policy.compute_logprobs(first.canary_batch())  # once: the same rows for every replica
-        gaps = {r: self.replicas[r].verify(f"{after}, replica {r}", trainer) for r in which}
+        gaps = {}
+        for r in which:
+            try:
+                gaps[r] = self.replicas[r].verify(f"{after}, replica {r}", trainer)
+            except RunFault as e:  # lost before its canary answered: out of service (its group goes next sync)
+                self.fleet.lose(r, e)
+        if not gaps:
+            raise self.fleet.exhausted()
+        which = list(gaps)
         for r in joining:
-            self.fleet.joined(r)
+            if r in gaps:
+                self.fleet.joined(r)
         self.last_table = {f"replica {r}, {k}": v for r in which for k, v in self.replicas[r].last_table.items()}
         out["sync/canary_gap"] = max(gaps.values())
         for r, gap in gaps.items():

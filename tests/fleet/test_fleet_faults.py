@@ -4,7 +4,7 @@ the heartbeat deadline), its requests run again on the others from their prompts
 call gives without a fault; the lost replica is restarted, up to rollout.replica_restarts times, and joins at the next
 sync point once built; with none left the call stops in one line naming every loss. The whole-run cases (the step
 finishes and the run trains as without the fault, the checkpoint when none is left, `relayrl fleet`) are in
-tests/faults/test_fleet_faults.py."""
+tests/faults/test_fleet_run_faults.py."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ each replica holds the step's weights version after its sync, and receives exact
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,40 @@ def test_replicas_of_two_tensor_parallel_ranks_each_get_their_shards(tmp_path):
             assert m[f"fleet/replica{r}/sync_bytes"] == shard  # measured on the wire = the plan's
             assert m[f"fleet/replica{r}/version"] == step + 1
             assert m[f"fleet/replica{r}/canary_gap"] <= 1e-3
+
+
+@pytest.mark.slow  # ~30 s (two fleet runs): `make bench`; CI covers the loss mid-rollout (tests/faults)
+def test_a_replica_lost_mid_transfer_is_left_out_and_the_run_trains_as_without_the_loss(tmp_path, monkeypatch):
+    """Replica 1's process is killed as its second weight sync's receive begins (the first is the evaluation's):
+    its sync group is abandoned (the trainer ranks do not wait on their send to it), the other replica's transfer
+    completes and is verified, the step runs on replica 0, and the run samples and trains exactly as the same run
+    without the loss."""
+    import os
+    import signal
+
+    from relayrl.roles.weight_sync import PlannedWeightSync
+
+    want, want_samples = run(tmp_path, 2)
+    real, seen = PlannedWeightSync.receive, []
+
+    def killed_on_the_third_sync(self, spec):
+        if self.channel == 1:
+            seen.append(1)
+            if len(seen) == 2:
+                os.kill(self.engine.group._pids[0], signal.SIGKILL)
+                time.sleep(0.5)  # dead before the call reaches it
+        return real(self, spec)
+
+    monkeypatch.setattr(PlannedWeightSync, "receive", killed_on_the_third_sync)
+    cfg = cfg_for(tmp_path, "lost", algo={"kl_coef": 0.05}, rollout={"replicas": 2, "replica_restarts": 0},
+                  reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]}, parallel=FLEET,
+                  run={"steps": 2, "save_every": 0, "samples_every": 1, "samples_per_step": P * G})
+    run_dir = Path(train(cfg, show_progress=False)["run_dir"])
+    got = step_metrics(run_dir)
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r for r in rows if r["split"] == "train"] == want_samples
+    assert_same_metrics(got, want, skip=tuple(k for k in want[0] if k.startswith(("fleet/", "sync/"))))
+    assert len(seen) >= 2
+    hit = next(m for m in got if m["fleet/lost"] == 1)  # the step whose sync lost it: run on replica 0 alone
+    assert hit["fleet/replicas"] == 1 and hit["fleet/replica0/requests"] == P and hit["sync/skipped"] == 0
+    assert "fleet/replica1/sync_bytes" not in hit and hit["fleet/replica0/canary_gap"] <= 1e-3
