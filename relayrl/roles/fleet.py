@@ -110,6 +110,7 @@ class Replica:
     state: str
     restarts: int = 0
     starting: Future | None = None  # the start of its (new) process: a RolloutRole once its engine is built
+    group: object | None = None  # that process's worker group, while it starts (close() stops it unwaited)
     reason: str = ""  # why it was lost (one line)
 
 
@@ -231,6 +232,7 @@ class RolloutFleet:
             slot.starting = Future()
             slot.starting.set_exception(e)
         else:
+            slot.group = group
             slot.starting = self._starts.submit(RolloutRole.ready, group, self.tokenizer)
         slot.state = STARTING
 
@@ -269,7 +271,7 @@ class RolloutFleet:
             try:
                 role = slot.starting.result()
             except Exception as e:
-                slot.starting = None
+                slot.starting = slot.group = None
                 if slot.state == DRAINING:
                     slot.state = RETIRED
                     continue
@@ -277,7 +279,7 @@ class RolloutFleet:
                 self.notice(f"rollout replica {r} did not start: {one_line(e)}")
                 self._restart(r)
                 continue
-            slot.starting, slot.role = None, role
+            slot.starting, slot.group, slot.role = None, None, role
             if slot.state == DRAINING:
                 self._retire(r)
             else:
@@ -488,16 +490,18 @@ class RolloutFleet:
         self.rerouted, self.recovery_s = 0, 0.0
 
     def close(self) -> None:
-        """Close every replica, each on its own (one that fails must not keep the others' processes alive), and
-        every one still starting once it has started."""
+        """Close every replica, each on its own (one that fails must not keep the others' processes alive); one
+        still building is stopped without waiting for it."""
         first = None
         for slot in self.slots:
             if slot.starting is not None:
+                if not slot.starting.done() and slot.group is not None:
+                    slot.group.shutdown(raise_errors=False)  # still building: stopped, not waited for
                 try:
                     slot.role = slot.starting.result()
                 except Exception:
-                    slot.role = None  # its start failed: its group stopped itself
-                slot.starting = None
+                    slot.role = None  # its start failed (or was stopped): its group is down
+                slot.starting = slot.group = None
             if slot.role is None:
                 continue
             try:

@@ -150,7 +150,9 @@ def test_no_replica_left_stops_the_call_in_one_line_naming_each_loss(model_dir):
     fleet, notices = start(model_dir, 2, restarts=0)
     pids = [pid_of(fleet, r) for r in range(2)]
     try:
-        for pid in pids:
+        fleet.resize(3)  # a third replica starts building: it serves nothing until a sync, and close() stops it
+        pids.append(fleet.slots[2].group._pids[0])
+        for pid in pids[:2]:
             os.kill(pid, signal.SIGKILL)
         with pytest.raises(FleetLostError) as info:
             fleet.generate(PROMPTS, params(4))
@@ -159,10 +161,10 @@ def test_no_replica_left_stops_the_call_in_one_line_naming_each_loss(model_dir):
                                                   f"(pid {pids[0]}) died (killed by SIGKILL)")
         assert f"replica 1: rollout1 worker rank 0 (pid {pids[1]}) died" in msg
         assert msg.endswith("resume it from its last checkpoint with relayrl train --resume")
-        # restarts capped at 0: each retired, and the fleet says how many replicas it goes on with
-        assert [s.state for s in fleet.slots] == [RETIRED, RETIRED]
-        assert "rollout replica 0 is not restarted after 0 restart(s); the run goes on with 1 replica(s)" in notices
-        assert "rollout replica 1 is not restarted after 0 restart(s); the run goes on with 0 replica(s)" in notices
+        # restarts capped at 0: each retired, and the fleet says how many replicas it goes on with (the one building)
+        assert [s.state for s in fleet.slots] == [RETIRED, RETIRED, STARTING]
+        assert "rollout replica 0 is not restarted after 0 restart(s); the run goes on with 2 replica(s)" in notices
+        assert "rollout replica 1 is not restarted after 0 restart(s); the run goes on with 1 replica(s)" in notices
     finally:
         fleet.close()
     assert all(gone(p) for p in pids)
