@@ -55,6 +55,7 @@ class RolloutFleet:
         self.tokenizer, self.pad_id = replicas[0].tokenizer, replicas[0].pad_id
         self.tokens = [0] * len(replicas)  # tokens each generated since the last reset_stats
         self.busy = [0.0] * len(replicas)  # seconds each spent in generate calls since then
+        self.live: dict[int, dict[str, float]] = {}  # a stream's stepper's last view of each replica: queue, running
         self._pool = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="relayrl-fleet")
 
     @classmethod
@@ -184,7 +185,8 @@ class RolloutFleet:
         """The engines' figures fleet-wide (engine/*: counters summed, the peak replica's blocks, the prefix hit
         rate weighted by each replica's prompt tokens) and each replica's (fleet/replica<r>/*: requests, tokens,
         tokens per second of its generate calls, its KV blocks' peak share, the engine's prefix hit rate, the
-        router's, requests sent for their cached prefix, weights version)."""
+        router's, requests sent for their cached prefix, weights version; streaming, the sequences waiting and
+        running in it after its last advance: relayrl.roles.fleet_stepper)."""
         per = self._each(RolloutRole.stats)
         out: dict[str, float] = {"fleet/replicas": float(len(self.replicas))}
         for key in SUMMED:
@@ -210,6 +212,7 @@ class RolloutFleet:
                     pre + "prefix_hit_rate": s.get("engine/prefix_hit_rate", 0.0),
                     pre + "router_hit_rate": c.hit_rate, pre + "by_affinity": float(c.by_affinity),
                     pre + "version": float(self.replicas[r].weights_version)}
+            out |= {pre + k: v for k, v in self.live.get(r, {}).items()}
         return out
 
     def reset_stats(self) -> None:
