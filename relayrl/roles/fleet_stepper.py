@@ -21,6 +21,10 @@ until a sync brings it up (its requests in flight wait, so none samples a token 
 meanwhile. A verified sync reaches every replica (their versions agree), so this matters when a replica joins late:
 restarted after a fault, or added while the run goes on.
 
+The seams of faults and elastic replicas: reroute(r) takes a lost replica out and routes what it held again among
+the others (from the prompts: a request's seed samples the same tokens under the same weights); drain(r) stops new
+requests to r and lets it finish what it holds; restore(r) puts it back.
+
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the jobs.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from relayrl.engine.outputs import RequestOutput
 from relayrl.engine.sampling_params import SamplingParams
@@ -49,6 +54,18 @@ def fresh_replicas(versions: Sequence[int], staleness: int) -> list[int]:
     return [r for r, v in enumerate(versions) if v >= newest - staleness]
 
 
+@dataclass
+class Placed:
+    """A request from add_request until it comes back: its replica, its work (the router's load), what it is (to
+    route it again if its replica is lost), and whether its replica has it yet."""
+
+    replica: int
+    work: int
+    ids: list[int]
+    params: SamplingParams
+    sent: bool = False
+
+
 class FleetStepper:
     """The replicas of a fleet as one StepEngine (see the module docstring)."""
 
@@ -58,9 +75,10 @@ class FleetStepper:
         self.fleet, self.staleness, self.max_steps = fleet, staleness, max_steps
         self.tokenizer = fleet.tokenizer
         self._ids = itertools.count()
-        self.placed: dict[int, tuple[int, int]] = {}  # request id -> (replica, its work), until it comes back
-        self.new: dict[int, list[tuple[int, list[int], SamplingParams]]] = {}  # replica -> requests not yet sent
-        self.running: dict[int, int] = {}  # replica -> requests it holds (sent, not come back)
+        self.placed: dict[int, Placed] = {}  # request id -> where it is, until it comes back
+        self.lost: set[int] = set()  # replicas gone with what they held: they take and run nothing (reroute)
+        self.draining: set[int] = set()  # replicas that take no new request and finish what they hold (drain)
+        self.rerouted = 0  # requests routed again after their replica was lost
         self._partial: str | None = None
 
     # ---- what every replica's engine does with requests in flight across a weight update ----
@@ -73,30 +91,40 @@ class FleetStepper:
         wait_all([self.fleet._pool.submit(role.set_partial, value) for role in self.fleet.replicas])
         self._partial = value
 
-    # ---- StepEngine ----
-    def in_service(self) -> list[int]:
-        """The replicas that may take and run requests now: within the staleness bound (fresh_replicas)."""
-        return fresh_replicas(self.fleet.versions, self.staleness)
+    # ---- which replicas work ----
+    def runnable(self) -> list[int]:
+        """The replicas that may run their requests: not lost, and within the staleness bound (fresh_replicas)."""
+        return [r for r in fresh_replicas(self.fleet.versions, self.staleness) if r not in self.lost]
 
+    def in_service(self) -> list[int]:
+        """The replicas that may take new requests: runnable and not draining."""
+        return [r for r in self.runnable() if r not in self.draining]
+
+    def holds(self, r: int) -> int:
+        """Requests placed on replica r and not come back (sent to it or not yet)."""
+        return sum(p.replica == r for p in self.placed.values())
+
+    # ---- StepEngine ----
     def add_request(self, prompt, params: SamplingParams, request_id: int | None = None) -> int:
         """Route the request now (its replica's load grows by its work); it reaches the replica with the next step()."""
         ids = self.fleet._ids(prompt)
         rid = next(self._ids) if request_id is None else request_id
         if rid in self.placed:
             raise ValueError(f"request id {rid} is already in flight on the fleet")
-        work = len(ids) + params.n * params.max_tokens
-        r = self.fleet.router.route(ids, work, among=self.in_service())
-        self.placed[rid] = (r, work)
-        self.new.setdefault(r, []).append((rid, ids, params))
+        self.placed[rid] = self._route(ids, params)
         return rid
+
+    def _route(self, ids: list[int], params: SamplingParams) -> Placed:
+        work = len(ids) + params.n * params.max_tokens
+        return Placed(self.fleet.router.route(ids, work, among=self.in_service()), work, ids, params)
 
     def has_unfinished(self) -> bool:
         return bool(self.placed)
 
     def step(self) -> list[RequestOutput]:
-        """Every replica in service that has work advances at once; the requests they finished, by replica."""
-        serving = set(self.in_service())
-        which = sorted(r for r in set(self.new) | {r for r, n in self.running.items() if n} if r in serving)
+        """Every runnable replica that holds work advances at once; the requests they finished, by replica."""
+        runnable = set(self.runnable())
+        which = sorted({p.replica for p in self.placed.values()} & runnable)
         if not which and self.placed:  # only replicas behind the bound hold work: wait for their sync, do not spin
             time.sleep(IDLE_S)
         done = self._advance(which, {})
@@ -107,23 +135,51 @@ class FleetStepper:
         aborts: dict[int, list[int]] = {}
         for rid in request_ids:
             if rid in self.placed:
-                aborts.setdefault(self.placed[rid][0], []).append(rid)
+                aborts.setdefault(self.placed[rid].replica, []).append(rid)
         which = sorted(aborts)
         done = self._advance(which, aborts, max_steps=0)
         return [o for r in which for o in done[r].aborted]
 
+    # ---- replicas leaving and coming back (faults, elastic) ----
+    def reroute(self, r: int) -> int:
+        """Replica r is lost, with what it held: it takes and runs nothing from now on, and every request placed on
+        it (sent or not) is routed again among the replicas in service, from its prompt: its own seed samples the
+        same tokens under the same weights. Returns how many moved (also counted in `rerouted`)."""
+        self.lost.add(r)
+        moved = [rid for rid, p in self.placed.items() if p.replica == r]
+        if moved and not self.in_service():
+            raise RuntimeError(f"replica {r} was lost with {len(moved)} request(s) and no replica is left in service "
+                               "to take them")
+        for rid in moved:
+            p = self.placed[rid]
+            self.fleet.router.done(r, p.work)
+            self.placed[rid] = self._route(p.ids, p.params)
+        self.rerouted += len(moved)
+        return len(moved)
+
+    def drain(self, r: int) -> None:
+        """Replica r takes no new request; what it holds runs to the end (holds(r) says when it is empty)."""
+        self.draining.add(r)
+
+    def restore(self, r: int) -> None:
+        """Replica r serves again (restarted and synced after a loss, or no longer draining)."""
+        self.lost.discard(r)
+        self.draining.discard(r)
+
     def _advance(self, which: list[int], aborts: dict[int, list[int]], max_steps: int | None = None
                  ) -> dict[int, Advanced]:
         steps = self.max_steps if max_steps is None else max_steps
-        sent = {r: self.new.pop(r, []) for r in which}
+        sent: dict[int, list[tuple[int, list[int], SamplingParams]]] = {r: [] for r in which}
+        for rid, p in self.placed.items():
+            if p.replica in sent and not p.sent:
+                sent[p.replica].append((rid, p.ids, p.params))
+                p.sent = True
         futures = [self.fleet._pool.submit(self._advance_on, r, sent[r], aborts.get(r, []), steps) for r in which]
         done = dict(zip(which, wait_all(futures), strict=True))
         for r, out in done.items():
-            self.running[r] = self.running.get(r, 0) + len(sent[r])
             for o in out.finished + out.aborted:
-                _, work = self.placed.pop(o.request_id)
-                self.fleet.router.done(r, work)
-                self.running[r] -= 1
+                p = self.placed.pop(o.request_id)
+                self.fleet.router.done(r, p.work)
                 self.fleet.tokens[r] += sum(len(s.token_ids) for s in o.samples)
             self.fleet.live[r] = {"queue": float(out.waiting), "running": float(out.running)}
         return done
