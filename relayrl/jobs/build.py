@@ -217,7 +217,7 @@ def build_source(cfg: RunConfig, engine: RolloutEngine, scorer: Scorer | None, a
                               max_resample_rounds=cfg.algo.max_resample_rounds,
                               greedy_baseline=advantage_needs_greedy_baseline(cfg.algo.advantage), **common)
     if isinstance(engine, RolloutFleet):  # replicas in rollout workers: stepped together, one advance call each
-        return StreamingSource(FleetStepper(engine, staleness=cfg.rollout.staleness), **common)
+        return StreamingSource(FleetStepper(engine), **common)
     assert isinstance(engine, RolloutRole)  # RunConfig refuses streaming with vllm, and with one rollout worker
     # the stream steps the engine (and the agent loop) itself, from a thread of the driver, between weight syncs
     common["agent"] = agent.local_agent() if isinstance(agent, EpisodeRole) else None

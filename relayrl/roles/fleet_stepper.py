@@ -15,11 +15,11 @@ own `partial` behaviour (set on every replica). What a request samples does not 
 runs in (its own seed); an advance's budget counts engine steps, not seconds, so a run does not depend on timing
 either.
 
-The staleness bound per replica (relayrl.rollout.stream bounds the engine's version at admission): a replica whose
-weights are more than `staleness` syncs behind the newest any replica holds takes no new request and is not stepped
-until a sync brings it up (its requests in flight wait, so none samples a token behind the bound); the others serve
-meanwhile. A verified sync reaches every replica (their versions agree), so this matters when a replica joins late:
-restarted after a fault, or added while the run goes on.
+The staleness bound per replica: only a replica that holds the newest weights any replica holds (what the last sync
+wrote) takes a new request (serving_replicas says why not "within the bound of it"); one behind takes nothing new
+until a sync brings it up, and runs on what it holds (it held the newest weights when it took them, so they stay
+within the bound), while the others serve. A verified sync reaches every replica (their versions agree), so this
+matters when a replica joins late: restarted after a fault, or added while the run goes on.
 
 The seams of faults and elastic replicas: reroute(r) takes a lost replica out and routes what it held again among
 the others (from the prompts: a request's seed samples the same tokens under the same weights); drain(r) stops new
@@ -43,15 +43,19 @@ from relayrl.roles.rollout_worker import Advanced
 # engine steps one advance may run without finishing a request: a replica whose requests are long does not hold the
 # others (stepped in the same step()) for longer than this, and the stream admits new work at least this often
 ADVANCE_STEPS = 8
-IDLE_S = 0.005
 
 
-def fresh_replicas(versions: Sequence[int], staleness: int) -> list[int]:
-    """The replicas whose weights are within `staleness` syncs of the newest any replica holds: those that may take
-    and run requests. Every verified sync moves each replica it reaches one version on, so the newest version is
-    what the last sync wrote, and a replica at v >= newest - staleness samples no token older than the bound."""
+def serving_replicas(versions: Sequence[int]) -> list[int]:
+    """The replicas that may take a new request: those holding the newest weights any replica holds (every verified
+    sync moves each replica it reaches one version on: the newest is what the last sync wrote).
+
+    Why the newest and not "within the staleness bound of it": the stream admits batch j once the policy version S
+    the engine holds has j <= S + eta, and every token of batch j must be sampled by a version >= j - eta; on one
+    engine the version only grows after admission, so >= S holds. A request routed to a replica d syncs behind S
+    would sample tokens trained up to eta + d versions later. A replica that falls behind after taking requests runs
+    them on: it held the newest weights when it took them, and its version has not gone down since."""
     newest = max(versions)
-    return [r for r, v in enumerate(versions) if v >= newest - staleness]
+    return [r for r, v in enumerate(versions) if v == newest]
 
 
 @dataclass
@@ -69,10 +73,10 @@ class Placed:
 class FleetStepper:
     """The replicas of a fleet as one StepEngine (see the module docstring)."""
 
-    def __init__(self, fleet: RolloutFleet, staleness: int, max_steps: int = ADVANCE_STEPS):
-        if staleness < 0 or max_steps < 1:
-            raise ValueError(f"a fleet stepper needs staleness >= 0 and max_steps >= 1, got {staleness}, {max_steps}")
-        self.fleet, self.staleness, self.max_steps = fleet, staleness, max_steps
+    def __init__(self, fleet: RolloutFleet, max_steps: int = ADVANCE_STEPS):
+        if max_steps < 1:
+            raise ValueError(f"a fleet stepper needs max_steps >= 1, got {max_steps}")
+        self.fleet, self.max_steps = fleet, max_steps
         self.tokenizer = fleet.tokenizer
         self._ids = itertools.count()
         self.placed: dict[int, Placed] = {}  # request id -> where it is, until it comes back
@@ -92,13 +96,10 @@ class FleetStepper:
         self._partial = value
 
     # ---- which replicas work ----
-    def runnable(self) -> list[int]:
-        """The replicas that may run their requests: not lost, and within the staleness bound (fresh_replicas)."""
-        return [r for r in fresh_replicas(self.fleet.versions, self.staleness) if r not in self.lost]
-
     def in_service(self) -> list[int]:
-        """The replicas that may take new requests: runnable and not draining."""
-        return [r for r in self.runnable() if r not in self.draining]
+        """The replicas that may take new requests: holding the newest weights (serving_replicas), not lost, not
+        draining."""
+        return [r for r in serving_replicas(self.fleet.versions) if r not in self.lost and r not in self.draining]
 
     def holds(self, r: int) -> int:
         """Requests placed on replica r and not come back (sent to it or not yet)."""
@@ -122,11 +123,9 @@ class FleetStepper:
         return bool(self.placed)
 
     def step(self) -> list[RequestOutput]:
-        """Every runnable replica that holds work advances at once; the requests they finished, by replica."""
-        runnable = set(self.runnable())
-        which = sorted({p.replica for p in self.placed.values()} & runnable)
-        if not which and self.placed:  # only replicas behind the bound hold work: wait for their sync, do not spin
-            time.sleep(IDLE_S)
+        """Every replica that holds work advances at once (a lost one holds none: reroute); the requests they
+        finished, by replica."""
+        which = sorted({p.replica for p in self.placed.values()})
         done = self._advance(which, {})
         return [o for r in which for o in done[r].finished]
 

@@ -17,7 +17,7 @@ from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.errors import ConfigError
 from relayrl.models.tokenizer import load_tokenizer
 from relayrl.roles.fleet import RolloutFleet
-from relayrl.roles.fleet_stepper import FleetStepper, fresh_replicas
+from relayrl.roles.fleet_stepper import FleetStepper, serving_replicas
 from relayrl.roles.rollout_worker import RolloutRole
 from relayrl.rollout.router import Router
 
@@ -67,21 +67,12 @@ def drain(stepper: FleetStepper) -> tuple[dict, int]:
     return out, calls
 
 
-def drain_while(stepper: FleetStepper, cond) -> tuple[dict, int]:
-    out, calls = {}, 0
-    while cond():
-        for o in stepper.step():
-            out[o.request_id] = o
-        calls += 1
-    return out, calls
-
-
 @pytest.mark.equivalence
 def test_stepped_replicas_sample_what_one_engine_samples(model_dir):
     want = engine(model_dir).generate(PROMPTS, params())
     f = fleet(model_dir, 2)
     try:
-        s = FleetStepper(f, staleness=0, max_steps=3)
+        s = FleetStepper(f, max_steps=3)
         s.partial = "keep_kv"  # what the stream sets: it reaches every replica's engine
         assert [role.local_engine().partial for role in f.replicas] == ["keep_kv", "keep_kv"]
         ids = [s.add_request(p, sp) for p, sp in zip(PROMPTS, params(), strict=True)]
@@ -114,7 +105,7 @@ def test_stepped_replicas_sample_what_one_engine_samples(model_dir):
 def test_an_advance_returns_when_a_request_finishes_and_reports_the_queue(model_dir):
     f = fleet(model_dir, 1)
     try:
-        s = FleetStepper(f, staleness=0, max_steps=100)
+        s = FleetStepper(f, max_steps=100)
         s.add_request(PROMPTS[0], params(1, max_tokens=2)[0])
         s.add_request(PROMPTS[1], params(2, max_tokens=6)[1])
         first = s.step()  # both prefilled in one step, then one decode: request 0 is done, request 1 runs on
@@ -131,7 +122,7 @@ def test_an_advance_returns_when_a_request_finishes_and_reports_the_queue(model_
 def test_abort_returns_what_requests_produced_wherever_they_are(model_dir):
     f = fleet(model_dir, 2)
     try:
-        s = FleetStepper(f, staleness=0, max_steps=2)
+        s = FleetStepper(f, max_steps=2)
         a = s.add_request(PROMPTS[0], params(1)[0])
         s.step()  # request a ran 2 steps on replica 0: 2 tokens a sample
         b = s.add_request(PROMPTS[1], params(2)[1])  # routed to replica 1, not yet sent
@@ -147,45 +138,48 @@ def test_abort_returns_what_requests_produced_wherever_they_are(model_dir):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("versions, staleness, fresh", [
-    ([3, 3, 3], 0, [0, 1, 2]),  # after a verified sync all agree
-    ([3, 3, 1, 2], 0, [0, 1]),  # replica 2 two syncs behind, replica 3 one
-    ([3, 3, 1, 2], 1, [0, 1, 3]),
-    ([3, 3, 1, 2], 2, [0, 1, 2, 3]),
-    ([0, 5], 4, [1]),  # a replica restarted from the base weights joins a run five syncs on
+@pytest.mark.parametrize("versions, serving", [
+    ([3, 3, 3], [0, 1, 2]),  # after a verified sync all agree
+    ([3, 3, 1, 2], [0, 1]),  # replica 2 two syncs behind, replica 3 one: neither takes a new request
+    ([0, 5], [1]),  # a replica restarted from the base weights joins a run five syncs on
+    ([4], [0]),
 ])
-def test_a_replica_behind_the_bound_is_out_of_service(versions, staleness, fresh):
-    assert fresh_replicas(versions, staleness) == fresh
+def test_only_replicas_with_the_newest_weights_take_new_requests(versions, serving):
+    assert serving_replicas(versions) == serving
 
 
 @pytest.mark.unit
-def test_a_stale_replica_takes_and_runs_nothing_until_synced(model_dir):
-    """Two replicas at version 0; replica 0 is synced (version 1), replica 1 is not: with staleness 0 replica 1 takes no
-    new request and its request in flight waits, so every token either samples is of version 1."""
+def test_a_replica_behind_takes_nothing_new_and_runs_what_it_holds_within_the_bound(model_dir):
+    """Both replicas at version 1 take a request each; a sync reaches replica 0 alone (version 2). Replica 1 takes no
+    new request until synced, though it is the least loaded; the request it took at version 1, the newest then, runs
+    on at version 1 (the stream admitted it when the engine held version 1: within the bound)."""
     f = fleet(model_dir, 2)
     w = weights(model_dir)
     try:
-        s = FleetStepper(f, staleness=0, max_steps=100)
+        s = FleetStepper(f, max_steps=2)
+        s.partial = "keep_kv"  # requests in flight across a sync keep their KV
         for role in f.replicas:
             role.load_weights(w)  # version 1 each
         a = s.add_request(PROMPTS[0], params(1)[0])
         b = s.add_request(PROMPTS[1], params(2)[1])
         assert [s.placed[a].replica, s.placed[b].replica] == [0, 1]  # one each, by load
+        s.step()  # 2 tokens a sample of a and b, by version 1
         f.replicas[0].load_weights(w)  # a sync reached replica 0 alone: 2 against 1
         assert s.in_service() == [0]
         c = s.add_request(PROMPTS[3], params(4)[3])
-        assert s.placed[c].replica == 0  # not replica 1, though it is the least loaded
-        done, _ = drain_while(s, lambda: a in s.placed or c in s.placed)
-        assert sorted(done) == [a, c] and s.placed[b].replica == 1
-        assert not f.replicas[1].local_engine().has_unfinished()  # request b never reached its engine
-        assert all(v == 2 for o in done.values() for x in o.samples for v in x.versions)
-        f.replicas[1].load_weights(w)  # synced: back in service, its request runs on the new weights
+        d = s.add_request(PROMPTS[4], params(5)[4])
+        assert [s.placed[c].replica, s.placed[d].replica] == [0, 0]  # not replica 1, though it is the least loaded
+        s.step()  # replica 1, behind, runs on what it took when it held the newest weights: tokens 3, 4 of b
+        f.replicas[1].load_weights(w)  # synced: it takes new requests again
         assert s.in_service() == [0, 1]
-        rest, _ = drain(s)
-        assert list(rest) == [b] and all(v == 2 for x in rest[b].samples for v in x.versions)
+        e = s.add_request(PROMPTS[2], params(3)[2])
+        assert s.placed[e].replica == 1
+        got, _ = drain(s)
+        assert sorted(got) == [a, b, c, d, e]
+        for rid, want in [(a, [1, 1] + [2] * 6), (b, [1] * 4 + [2] * 4), (c, [2] * 8), (d, [2] * 8), (e, [2] * 8)]:
+            assert [x.versions for x in got[rid].samples] == [want] * 3, rid
     finally:
         f.close()
-
 
 
 # ---------------------------------------------------------------------------- runs: replicas in rollout workers
@@ -291,7 +285,7 @@ def test_a_lost_replica_s_requests_run_on_the_others_and_sample_the_same(model_d
     want = engine(model_dir).generate(PROMPTS, params())
     f = fleet(model_dir, 2)
     try:
-        s = FleetStepper(f, staleness=0, max_steps=3)
+        s = FleetStepper(f, max_steps=3)
         ids = [s.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params()[:3], strict=True)]
         s.step()  # 3 tokens a sample of requests 0..2, on replicas 0, 1, 0 (loads 52, 34)
         ids += [s.add_request(p, sp) for p, sp in zip(PROMPTS[3:], params()[3:], strict=True)]  # not yet sent
@@ -315,7 +309,7 @@ def test_a_lost_replica_s_requests_run_on_the_others_and_sample_the_same(model_d
 def test_a_draining_replica_finishes_what_it_holds_and_takes_nothing_new(model_dir):
     f = fleet(model_dir, 2)
     try:
-        s = FleetStepper(f, staleness=0, max_steps=2)
+        s = FleetStepper(f, max_steps=2)
         a, b = (s.add_request(p, sp) for p, sp in zip(PROMPTS[:2], params()[:2], strict=True))
         s.step()
         s.drain(1)
