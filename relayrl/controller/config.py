@@ -158,12 +158,11 @@ class RunConfig(Config):
             return self
         needs = {"parallel.backend=local": p.backend == "local", "parallel.placement=disaggregated":
                  p.placement == "disaggregated", "parallel.rollout_worker=true": p.rollout_worker,
-                 "rollout.backend=relayrl": r.backend == "relayrl", "rollout.mode=sync": r.mode == "sync"}
+                 "rollout.backend=relayrl": r.backend == "relayrl"}
         missing = [k for k, ok in needs.items() if not ok]
         if missing:
             raise ValueError(f"rollout.replicas={r.replicas} runs each engine replica in a rollout worker of its own, "
-                             f"for now on local processes in lockstep: set {', '.join(missing)} (or "
-                             "rollout.replicas=1)")
+                             f"for now on local processes: set {', '.join(missing)} (or rollout.replicas=1)")
         if self.episodes:
             raise ValueError(f"rollout.replicas={r.replicas} routes single-turn requests only for now; multi-turn "
                              "episodes (env:, rollout.agent) run on one engine: set rollout.replicas=1")
@@ -177,9 +176,10 @@ class RunConfig(Config):
         why = f"rollout.mode={r.mode} steps relayrl's engine from the driver while the trainer updates"
         if r.backend != "relayrl":
             raise ValueError(f"{why}; set rollout.backend=relayrl")
-        if p.rollout_worker:
+        if p.rollout_worker and r.replicas == 1:  # a fleet's replicas are stepped by relayrl.roles.fleet_stepper
             raise ValueError(f"{why}; drop parallel.rollout_worker and set parallel.placement=disaggregated "
-                             "(the engine's ranks then run in a worker group of their own)")
+                             "(the engine's ranks then run in a worker group of their own), or run rollout.replicas "
+                             "> 1 engines in rollout workers")
         if p.backend != "none" and p.placement == "colocated":
             raise ValueError(f"{why}; colocated, its ranks share the trainer's processes and nothing overlaps: "
                              "set parallel.placement=disaggregated")

@@ -3,8 +3,9 @@
     RolloutEngine   what the driver, the evaluator and the weight sync use: generate, score, sleep /
                     wake, the weight-update bracket, run_on_ranks, stats, close. LLMEngine is one;
                     so are the rollout role's handle (relayrl.roles.rollout_worker) and vLLM's adapter.
-    StepEngine      what the agent loop uses to drive episodes turn by turn: add a request, run one
-                    engine step, collect the requests it completed (LLMEngine is one)
+    StepEngine      what the agent loop and the rollout stream use to drive the engine step by step: add a
+                    request, run one engine step, collect the requests it completed (LLMEngine is one; so is
+                    a fleet's replicas stepped together, relayrl.roles.fleet_stepper)
     RunnerGroup     where the engine's tensor-parallel ranks (ModelRunners) live, as the engine
                     sees them: in this process (InProcessRunner), or RunnerWorkers in a worker group
                     (WorkerRanks, relayrl.engine.tp_workers): processes of their own, or placed in the

@@ -42,6 +42,7 @@ from relayrl.parallel.device import resolve_device
 from relayrl.rewards import RewardConfig
 from relayrl.rewards.protocol import Scorer
 from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet_stepper import FleetStepper
 from relayrl.roles.fleet_sync import FleetWeightSync
 from relayrl.roles.group_policy import GroupPolicy, group_options
 from relayrl.roles.reward_model import CombinedScorer, ModelScorer, model_entries
@@ -207,14 +208,17 @@ class Roles:
 
 def build_source(cfg: RunConfig, engine: RolloutEngine, scorer: Scorer | None, agent: EpisodeRunner | None,
                  sampler: PromptSampler, timer: StageTimer, cost: StepCost | None) -> RolloutSource:
-    """The rollout source of rollout.mode: lockstep (sync) or the stream (one_step_off, async)."""
+    """The rollout source of rollout.mode: lockstep (sync) or the stream (one_step_off, async), over one engine or
+    over a fleet's replicas (relayrl.roles.fleet_stepper)."""
     common = dict(sampler=sampler, rollout=cfg.rollout, data=cfg.data, seed=cfg.run.seed, scorer=scorer, agent=agent,
                   timer=timer, on_generated=cost.add if cost is not None else None, total_steps=cfg.run.steps)
     if cfg.rollout.mode == "sync":
         return LockstepSource(engine, filter_groups=cfg.algo.filter_groups,
                               max_resample_rounds=cfg.algo.max_resample_rounds,
                               greedy_baseline=advantage_needs_greedy_baseline(cfg.algo.advantage), **common)
-    assert isinstance(engine, RolloutRole)  # RunConfig refuses streaming with vllm and with a rollout worker
+    if isinstance(engine, RolloutFleet):  # replicas in rollout workers: stepped together, one advance call each
+        return StreamingSource(FleetStepper(engine), **common)
+    assert isinstance(engine, RolloutRole)  # RunConfig refuses streaming with vllm, and with one rollout worker
     # the stream steps the engine (and the agent loop) itself, from a thread of the driver, between weight syncs
     common["agent"] = agent.local_agent() if isinstance(agent, EpisodeRole) else None
     name = cfg.env.name if cfg.env else cfg.rollout.agent or ""

@@ -18,8 +18,8 @@ Each replica (a numbered slot; numbers are never reused) is in one state:
     serving    routed to; synced every step
     starting   its process builds its engine (a restart, or one added by `relayrl fleet`), from a thread of the fleet
     joining    built: the next weight sync gives it the fleet's weights and version, verifies it, and it serves
-    draining   asked to leave (`relayrl fleet --replicas N` lower): takes no new request; closed at the next sync
-               point, when nothing is in flight (lockstep)
+    draining   asked to leave (`relayrl fleet --replicas N` lower): takes no new request; closed at a sync point once
+               it holds nothing (lockstep: the next one; streaming: once it finished what it held)
     lost       its process died or stopped (kill -9 is seen at once, SIGSTOP within parallel.heartbeat_timeout_s):
                the requests it held are routed again to the replicas in service and run from their prompts — their
                seeds give the same samples, so none is lost or duplicated (counted: fleet/rerouted_requests); it is
@@ -132,6 +132,9 @@ class RolloutFleet:
         self.lost_total = self.restarts_total = 0  # over the run
         self.rerouted = 0  # requests routed again since the last reset_stats (their replica was lost)
         self.recovery_s = 0.0  # from the first loss noticed in a generate call to its end, since the last reset
+        self.partial: str | None = None  # the engines' setting for requests in flight across a sync (streaming)
+        self.holding: Callable[[int], int] = lambda r: 0  # requests replica r holds (a stream's stepper tells)
+        self.live: dict[int, dict[str, float]] = {}  # a stream's stepper's last view of each replica: queue, running
         self._version = min(r.weights_version for r in replicas)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(replicas)), thread_name_prefix="relayrl-fleet")
         self._starts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="relayrl-fleet-start")
@@ -265,8 +268,8 @@ class RolloutFleet:
         for r in self.numbered(STARTING, DRAINING):
             slot = self.slots[r]
             if slot.starting is None or not slot.starting.done():
-                if slot.state == DRAINING and slot.starting is None:
-                    self._retire(r)
+                if slot.state == DRAINING and slot.starting is None and not self.holding(r):
+                    self._retire(r)  # (a stream's replica holding requests finishes them first)
                 continue
             try:
                 role = slot.starting.result()
@@ -296,9 +299,17 @@ class RolloutFleet:
         self.notice(f"rollout replica {r} drained and closed (the fleet's size: {self.size})")
 
     def joined(self, r: int) -> None:
-        """Replica r holds the fleet's verified weights now: in service."""
+        """Replica r holds the fleet's verified weights now: in service (with the fleet's `partial` setting)."""
+        if self.partial is not None:
+            self.slots[r].role.set_partial(self.partial)
         self.slots[r].state = SERVING
         self.slots[r].reason = ""
+
+    def set_partial(self, value: str | None) -> None:
+        """What every engine does with requests in flight across a weight update (a stream sets it): the replicas
+        in service now, and each that joins later."""
+        self._each(lambda role: role.set_partial(value))
+        self.partial = value
 
     def exhausted(self) -> FleetLostError:
         why = "; ".join(f"replica {r}: {s.reason}" for r, s in enumerate(self.slots) if s.reason)
@@ -451,7 +462,8 @@ class RolloutFleet:
         joining, lost and restarted so far, requests routed again and the time from the first loss to the end of
         its generate call) and each replica's in service (fleet/replica<r>/*: requests, tokens, tokens per second
         of its generate calls, its KV blocks' peak share, the engine's prefix hit rate, the router's, requests
-        sent for their cached prefix, weights version)."""
+        sent for their cached prefix, weights version; streaming, the sequences waiting and running in it after
+        its last advance: relayrl.roles.fleet_stepper)."""
         per = self._each(RolloutRole.stats)
         out: dict[str, float] = {"fleet/replicas": float(len(self.serving)),
                                  "fleet/replicas_starting": float(len(self.numbered(STARTING, JOINING))),
@@ -480,6 +492,7 @@ class RolloutFleet:
                     pre + "prefix_hit_rate": s.get("engine/prefix_hit_rate", 0.0),
                     pre + "router_hit_rate": c.hit_rate, pre + "by_affinity": float(c.by_affinity),
                     pre + "version": float(self.slots[r].role.weights_version)}
+            out |= {pre + k: v for k, v in self.live.get(r, {}).items()}
         return out
 
     def reset_stats(self) -> None:

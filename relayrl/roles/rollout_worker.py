@@ -13,9 +13,11 @@ Inline, the group passes the same objects (no pickling, no process): the colocat
 to the actor's group, never leaves the driver. The handle mirrors the engine's weights_version and asleep after
 every call that may change them. The rollout stream (rollout.mode one_step_off / async) steps the engine and its
 agent loop from a driver thread between weight syncs: it takes them from an inline worker (local_engine,
-local_agent); RunConfig refuses streaming with parallel.rollout_worker. vLLM's adapter is a RolloutEngine of its
-own and stays outside this role. A user error inside the worker (a bad prompt) comes back as itself, one line,
-and a lost engine rank as the fault it is (relayrl.single_controller.worker_group).
+local_agent); a fleet's replicas in rollout workers of their own it steps through `advance` (one call per replica
+per stream step, relayrl.roles.fleet_stepper); RunConfig refuses streaming with one engine in a rollout worker.
+vLLM's adapter is a RolloutEngine of its own and stays outside this role. A user error inside the worker (a bad
+prompt) comes back as itself, one line, and a lost engine rank as the fault it is
+(relayrl.single_controller.worker_group).
 
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the
 jobs.
@@ -24,9 +26,11 @@ jobs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from relayrl.data.tasks import Example
 from relayrl.engine import LLMEngine
+from relayrl.engine.outputs import RequestOutput
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import Trajectory
@@ -37,6 +41,22 @@ from relayrl.single_controller.liveness import GroupOptions
 from relayrl.single_controller.resource_pool import ResourcePool
 from relayrl.single_controller.worker import Worker
 from relayrl.single_controller.worker_group import WorkerGroup
+
+
+class Advanced(NamedTuple):
+    """What one RolloutWorker.advance call did: the requests it finished and those it aborted (what they produced so
+    far), the engine steps it ran, and the engine's queue after it (sequences waiting, sequences running)."""
+
+    finished: list[RequestOutput]
+    aborted: list[RequestOutput]
+    steps: int
+    waiting: int
+    running: int
+
+
+def set_partial(engine: LLMEngine, partial: str | None) -> None:
+    """What the engine does with requests in flight across a weight update (LLMEngine.partial)."""
+    engine.partial = partial
 
 
 class RolloutWorker(Worker):
@@ -71,6 +91,23 @@ class RolloutWorker(Worker):
         if reset:
             self.engine.reset_stats()
         return out
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def advance(self, new: list[tuple[int, list[int], SamplingParams]], aborts: list[int], max_steps: int) -> Advanced:
+        """A fleet's stepper (relayrl.roles.fleet_stepper) in one call, not one per engine step: queue the new
+        requests (each under the stepper's id), drop the aborted ones, then step the engine until a request finishes
+        or `max_steps` steps have run (engine steps, not seconds: what each call returns does not depend on timing)."""
+        engine = self.engine
+        for rid, ids, params in new:
+            engine.add_request(ids, params, request_id=rid)
+        aborted = engine.abort(aborts) if aborts else []
+        finished: list = []
+        steps = 0
+        while not finished and steps < max_steps and engine.has_unfinished():
+            finished = engine.step()
+            steps += 1
+        s = engine.scheduler
+        return Advanced(finished, aborted, steps, len(s.waiting), len(s.running))
 
     @dispatch(Dispatch.RANK_ZERO, deadline="control")
     def start_agent(self, cfg: EnvConfig | RolloutConfig) -> None:
@@ -171,6 +208,13 @@ class RolloutRole:
 
     def wake(self) -> None:
         self._engine(LLMEngine.wake)
+
+    def advance(self, new: list[tuple[int, list[int], SamplingParams]], aborts: list[int], max_steps: int) -> Advanced:
+        """RolloutWorker.advance: new requests in, aborted ones out, engine steps until one finishes."""
+        return self.group.call(RolloutWorker.advance, new, aborts, max_steps)
+
+    def set_partial(self, partial: str | None) -> None:
+        self._engine(set_partial, partial)
 
     def stats(self) -> dict:
         return self.group.call(RolloutWorker.stats, False)

@@ -1,4 +1,5 @@
-"""rollout.replicas: what a fleet runs on today, and every other combination refused in one line naming what to set."""
+"""rollout.replicas: what a fleet runs on today, and every other combination refused in one line naming what to set.
+(The streaming modes on a fleet: tests/fleet/test_fleet_stream.py.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ def test_one_replica_is_the_default_and_today_s_engine():
 @pytest.mark.parametrize("parallel, rollout, names", [
     ({}, {}, "parallel.backend=local, parallel.placement=disaggregated, parallel.rollout_worker=true"),
     ({**FLEET, "rollout_worker": False}, {}, "set parallel.rollout_worker=true (or"),
-    (FLEET, {"mode": "one_step_off"}, "set rollout.mode=sync (or"),
     ({**FLEET, "backend": "ray"}, {}, "set parallel.backend=local (or"),
 ])
 def test_other_combinations_are_refused_in_one_line(parallel, rollout, names):
