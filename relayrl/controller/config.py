@@ -156,13 +156,13 @@ class RunConfig(Config):
         r, p = self.rollout, self.parallel
         if r.replicas == 1:
             return self
-        needs = {"parallel.backend=local": p.backend == "local", "parallel.placement=disaggregated":
+        needs = {"parallel.backend=local (or ray)": p.backend in ("local", "ray"), "parallel.placement=disaggregated":
                  p.placement == "disaggregated", "parallel.rollout_worker=true": p.rollout_worker,
                  "rollout.backend=relayrl": r.backend == "relayrl", "rollout.mode=sync": r.mode == "sync"}
         missing = [k for k, ok in needs.items() if not ok]
         if missing:
-            raise ValueError(f"rollout.replicas={r.replicas} runs each engine replica in a rollout worker of its own, "
-                             f"for now on local processes in lockstep: set {', '.join(missing)} (or "
+            raise ValueError(f"rollout.replicas={r.replicas} runs each engine replica in a rollout worker of its own "
+                             f"(local processes or Ray actors), in lockstep: set {', '.join(missing)} (or "
                              "rollout.replicas=1)")
         if self.episodes:
             raise ValueError(f"rollout.replicas={r.replicas} routes single-turn requests only for now; multi-turn "

@@ -6,6 +6,7 @@ import pytest
 
 from relayrl.controller.config import RunConfig
 from relayrl.errors import ConfigError
+from relayrl.roles.group_policy import group_options
 
 pytestmark = pytest.mark.unit
 
@@ -22,16 +23,24 @@ def test_one_replica_is_the_default_and_today_s_engine():
 
 
 @pytest.mark.parametrize("parallel, rollout, names", [
-    ({}, {}, "parallel.backend=local, parallel.placement=disaggregated, parallel.rollout_worker=true"),
+    ({}, {}, "parallel.backend=local (or ray), parallel.placement=disaggregated, parallel.rollout_worker=true"),
     ({**FLEET, "rollout_worker": False}, {}, "set parallel.rollout_worker=true (or"),
     (FLEET, {"mode": "one_step_off"}, "set rollout.mode=sync (or"),
-    ({**FLEET, "backend": "ray"}, {}, "set parallel.backend=local (or"),
 ])
 def test_other_combinations_are_refused_in_one_line(parallel, rollout, names):
     with pytest.raises(ConfigError) as info:
         cfg({"replicas": 2, **rollout}, parallel)
     msg = str(info.value)
     assert "\n" not in msg and "rollout.replicas=2" in msg and names in msg and "rollout.replicas=1" in msg
+
+
+def test_on_ray_each_replica_s_worker_group_runs_on_ray():
+    """parallel.backend ray: the fleet is accepted, and the worker-group options build_engine starts every replica's
+    rollout worker with (relayrl.roles.group_policy.group_options) name the Ray backend (tests/fleet/test_fleet_ray.py
+    runs it: slow)."""
+    c = cfg({"replicas": 2}, {**FLEET, "backend": "ray"})
+    assert c.rollout.replicas == 2 and group_options(c.parallel).backend == "ray"
+    assert group_options(cfg({"replicas": 2}, FLEET).parallel).backend == "local"
 
 
 def test_episodes_are_refused_with_replicas():
