@@ -41,12 +41,17 @@ class FleetWeightSync:
         self.replicas: list[PlannedWeightSync] = []
         try:
             for r, role in enumerate(fleet.replicas):
-                self.replicas.append(PlannedWeightSync(policy, role, colocated=False, channel=r, **planned))
+                self.replicas.append(self.replica_sync(r, role, planned))
         except BaseException:
             self.close()
             raise
         self.last_table: dict[str, tuple[float, float]] = {}
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="relayrl-fleet-sync")
+
+    def replica_sync(self, r: int, role, planned: dict) -> PlannedWeightSync:
+        """Replica r's sync: its engine ranks in processes of their own (a colocated fleet's differ:
+        relayrl.roles.fleet_colocated)."""
+        return PlannedWeightSync(self.policy, role, colocated=False, channel=r, **planned)
 
     def replica_bytes(self, spec) -> int:
         """What the plan moves into one replica: its whole shard (every engine rank's), in the engine's dtype."""
