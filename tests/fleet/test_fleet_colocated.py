@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.jobs.train import train
+from relayrl.roles.fleet import RolloutFleet
 
 from helpers import assert_same_metrics, cfg_for, step_metrics
 
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.e2e
 P, G = 4, 4  # helpers.SMALL's prompts per step and group size
 
 
-def run(tmp_path, name: str, replicas: int, rollout_tp: int = 1, **parallel):
-    cfg = cfg_for(tmp_path, name, algo={"kl_coef": 0.05}, rollout={"replicas": replicas, "tp": rollout_tp},
+def run(tmp_path, name: str, replicas: int, rollout_tp: int = 1, sleep_level: int = 0, **parallel):
+    cfg = cfg_for(tmp_path, name, algo={"kl_coef": 0.05},
+                  rollout={"replicas": replicas, "tp": rollout_tp, "sleep_level": sleep_level},
                   reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]}, parallel=parallel,
                   run={"steps": 2, "save_every": 0, "samples_every": 1, "samples_per_step": P * G})
     run_dir = Path(train(cfg, show_progress=False)["run_dir"])
@@ -29,9 +31,20 @@ def run(tmp_path, name: str, replicas: int, rollout_tp: int = 1, **parallel):
     return step_metrics(run_dir), [r for r in rows if r["split"] == "train"]
 
 
-def test_two_replicas_on_two_fsdp_ranks_train_as_one_engine_in_one_process(tmp_path):
+def test_two_replicas_on_two_fsdp_ranks_train_as_one_engine_in_one_process(tmp_path, monkeypatch):
     one, one_samples = run(tmp_path, "single", 1)  # the trainer and its engine in this process
-    got, samples = run(tmp_path, "coloc2", 2, backend="local", placement="colocated", dp_shard=2)
+    # rollout.sleep_level 2: every replica frees its KV cache and weights while the trainer updates, and gets them
+    # back (restored, re-synced, verified) at the next sync
+    slept = []  # (level, each replica's sleep level after it)
+    sleep = RolloutFleet.sleep
+
+    def recorded(fleet, level=1):
+        sleep(fleet, level)
+        slept.append((level, [role.asleep for role in fleet.replicas]))
+
+    monkeypatch.setattr(RolloutFleet, "sleep", recorded)
+    got, samples = run(tmp_path, "coloc2", 2, sleep_level=2, backend="local", placement="colocated", dp_shard=2)
+    assert slept == [(2, [2, 2])] * 2  # after each step's rollout, both replicas
     assert samples == one_samples and len(samples) == 2 * P * G
     assert_same_metrics(got, one)
     for step, m in enumerate(got):
