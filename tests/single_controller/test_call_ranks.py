@@ -10,12 +10,10 @@ import time
 import pytest
 
 from relayrl.single_controller.dispatch import Dispatch, dispatch
-from relayrl.single_controller.liveness import GroupOptions
+from relayrl.single_controller.liveness import CHECK_S, GroupOptions, Liveness
 from relayrl.single_controller.resource_pool import ResourcePool
 from relayrl.single_controller.worker import Worker
 from relayrl.single_controller.worker_group import WorkerGroup
-
-pytestmark = pytest.mark.equivalence  # real worker processes
 
 
 class NapWorker(Worker):
@@ -34,6 +32,7 @@ class NapWorker(Worker):
         return self.rank
 
 
+@pytest.mark.equivalence  # real worker processes
 def test_some_ranks_alone_and_two_parts_at_once():
     group = WorkerGroup(ResourcePool([2], name="nap"), NapWorker, options=GroupOptions(backend="local"))
     try:
@@ -57,3 +56,29 @@ def test_some_ranks_alone_and_two_parts_at_once():
             group.call_ranks([0], NapWorker.first)
     finally:
         group.shutdown()
+
+
+class CountingStore:
+    """A heartbeat store: each rank's beat count, and which ranks were read."""
+
+    def __init__(self, beats: dict[str, int]):
+        self.beats, self.read = beats, []
+
+    def add(self, key: str, n: int) -> int:
+        self.read.append(key)
+        return self.beats.get(key, 0)
+
+
+@pytest.mark.unit
+def test_heartbeats_of_two_parts_are_each_read():
+    """Two threads waiting on disjoint ranks each get their ranks' heartbeats read (one rank's read time does not
+    hold back another's), and a rank is read at most once per CHECK_S."""
+    store = CountingStore({})
+    live = Liveness(store, 2, timeout_s=30.0)
+    assert live.stale([0]) == [] and live.stale([1]) == []
+    assert len(store.read) == 2 and store.read[0] != store.read[1]  # both ranks read, one call after the other
+    assert live.stale([0, 1]) == [] and len(store.read) == 2  # within CHECK_S of their last read: not again
+    live._last_check = [t - CHECK_S for t in live._last_check]
+    live._changed[1] -= 31.0
+    live._started[1] = True
+    assert [r for r, _ in live.stale([0, 1])] == [1]  # rank 1 quiet for over 30 s: stopped or hung
