@@ -173,7 +173,7 @@ class RunConfig(Config):
 
     def _colocated_replicas_fit(self) -> RunConfig:
         """Colocated, replica k's rollout.tp ranks live in trainer ranks k*tp..k*tp+tp-1
-        (relayrl.roles.fleet_colocated), on local processes, in lockstep."""
+        (relayrl.roles.fleet_colocated), on local processes or Ray actors, in lockstep."""
         r, p = self.rollout, self.parallel
         ranks = r.replicas * r.tp
         trainer_ranks = 1 if p.backend == "none" else p.world_size
@@ -181,8 +181,9 @@ class RunConfig(Config):
                  f"k*{r.tp}.., {ranks} in all")
         instead = ("; or give each replica a rollout worker of its own: parallel.placement=disaggregated "
                    "parallel.rollout_worker=true (or rollout.replicas=1)")
-        if p.backend != "local":
-            raise ValueError(f"{where}: set parallel.backend=local with at least {ranks} trainer ranks{instead}")
+        if p.backend == "none":
+            raise ValueError(f"{where}: set parallel.backend=local (or ray) with at least {ranks} trainer "
+                             f"ranks{instead}")
         if ranks > trainer_ranks:
             raise ValueError(f"{where}, but the trainer has {trainer_ranks}: raise the trainer's degrees to "
                              f"{ranks} ranks or lower rollout.replicas{instead}")

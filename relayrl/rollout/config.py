@@ -30,8 +30,9 @@ class RolloutConfig(Config):
     kv_cache_bytes: int | None = Field(None, ge=1)  # None: a share of free memory
     enable_prefix_caching: bool = True
     tp: int = Field(1, ge=1)  # the engine's tensor-parallel degree (its ranks: see parallel.placement)
-    # engine replicas of rollout.tp ranks each, behind one router (relayrl.roles.fleet): for now each in a rollout
-    # worker of its own (parallel.rollout_worker, placement disaggregated, backend local or ray, rollout.mode sync)
+    # engine replicas of rollout.tp ranks each, behind one router (relayrl.roles.fleet), in lockstep (rollout.mode
+    # sync): each in a rollout worker of its own (parallel.rollout_worker, placement disaggregated, backend local or
+    # ray), or colocated: replica k in trainer ranks k*tp..k*tp+tp-1 (relayrl.roles.fleet_colocated)
     replicas: int = Field(1, ge=1)
     # MoE models: where the engine's experts sit over its tp ranks, each expert's width sharded (tp) or whole experts
     # per rank (ep; relayrl.engine.moe). The same results either way

@@ -63,14 +63,15 @@ def test_colocated_replicas_fit_in_the_trainer_s_ranks():
     assert cfg({"replicas": 2}, {**COLOCATED, "dp_shard": 2}).rollout.replicas == 2
     assert cfg({"replicas": 2, "tp": 2}, {**COLOCATED, "dp_shard": 2, "tp": 2}).rollout.replicas == 2
     assert cfg({"replicas": 2}, {**COLOCATED, "dp_shard": 4}).rollout.replicas == 2  # ranks 2, 3 host no engine
+    assert cfg({"replicas": 2}, {**COLOCATED, "backend": "ray", "dp_shard": 2}).rollout.replicas == 2  # Ray actors
 
 
 @pytest.mark.parametrize("parallel, rollout, names", [
     ({}, {}, "rollout.replicas=2 colocated puts replica k's rollout.tp=1 rank(s) in trainer ranks k*1.., 2 in all: "
-             "set parallel.backend=local with at least 2 trainer ranks; or give each replica a rollout worker"),
+             "set parallel.backend=local (or ray) with at least 2 trainer ranks; or give each replica a rollout "
+             "worker"),
     ({**COLOCATED, "dp_shard": 2}, {"tp": 2}, "4 in all, but the trainer has 2: raise the trainer's degrees to 4 "
                                               "ranks or lower rollout.replicas; or"),
-    ({**COLOCATED, "backend": "ray", "dp_shard": 2}, {}, "set parallel.backend=local with at least 2 trainer ranks"),
     ({**COLOCATED, "dp_shard": 2}, {"mode": "one_step_off"}, "2 in all: set rollout.mode=sync; or"),
 ])
 def test_colocated_replicas_refused_in_one_line(parallel, rollout, names):
