@@ -83,3 +83,24 @@ def test_two_tensor_parallel_replicas_on_four_trainer_ranks(tmp_path):
             assert m[f"fleet/replica{r}/sync_bytes"] == shard
             assert 0 < m[f"fleet/replica{r}/sync_bytes_copied"] < 0.5 * shard
             assert m[f"fleet/replica{r}/canary_gap"] <= 1e-3
+
+
+def test_lora_adapters_alone_reach_each_colocated_replica_after_the_first_sync(tmp_path):
+    """With LoRA each replica's first sync takes base + adapters, every later one the adapters alone, by its own
+    plan at its offset; the same run as one engine in one process."""
+    def lora_run(name: str, replicas: int, **parallel):
+        cfg = cfg_for(tmp_path, name, rollout={"replicas": replicas}, parallel=parallel,
+                      reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]},
+                      trainer={"lora": {"rank": 4, "alpha": 8}, "lr": 1e-2}, run={"steps": 3, "save_every": 0})
+        return step_metrics(Path(train(cfg, show_progress=False)["run_dir"]))
+
+    one = lora_run("lora1", 1)
+    two = lora_run("lora2", 2, backend="local", placement="colocated", dp_shard=2)
+    assert_same_metrics(two, one)
+    assert [m["sync/adapters_only"] for m in two] == [0.0, 1.0, 1.0]
+    for step, m in enumerate(two):
+        shard = m["sync/bytes_per_replica"]
+        assert shard == one[step]["sync/bytes_per_engine_rank"]  # the base + adapters, then the adapters alone
+        assert [m[f"fleet/replica{r}/sync_bytes"] for r in range(2)] == [shard, shard]
+        assert [m[f"fleet/replica{r}/version"] for r in range(2)] == [step + 1, step + 1]
+    assert two[1]["sync/bytes_per_replica"] < two[0]["sync/bytes_per_replica"] / 5
