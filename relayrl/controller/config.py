@@ -156,16 +156,39 @@ class RunConfig(Config):
         r, p = self.rollout, self.parallel
         if r.replicas == 1:
             return self
-        needs = {"parallel.backend=local": p.backend == "local", "parallel.placement=disaggregated":
+        if self.episodes:
+            raise ValueError(f"rollout.replicas={r.replicas} routes single-turn requests only for now; multi-turn "
+                             "episodes (env:, rollout.agent) run on one engine: set rollout.replicas=1")
+        if p.placement == "colocated" and not p.rollout_worker and r.backend == "relayrl":
+            return self._colocated_replicas_fit()
+        needs = {"parallel.backend=local (or ray)": p.backend in ("local", "ray"), "parallel.placement=disaggregated":
                  p.placement == "disaggregated", "parallel.rollout_worker=true": p.rollout_worker,
                  "rollout.backend=relayrl": r.backend == "relayrl"}
         missing = [k for k, ok in needs.items() if not ok]
         if missing:
-            raise ValueError(f"rollout.replicas={r.replicas} runs each engine replica in a rollout worker of its own, "
-                             f"for now on local processes: set {', '.join(missing)} (or rollout.replicas=1)")
-        if self.episodes:
-            raise ValueError(f"rollout.replicas={r.replicas} routes single-turn requests only for now; multi-turn "
-                             "episodes (env:, rollout.agent) run on one engine: set rollout.replicas=1")
+            raise ValueError(f"rollout.replicas={r.replicas} runs each engine replica in a rollout worker of its own "
+                             f"(local processes or Ray actors): set {', '.join(missing)} (or "
+                             "rollout.replicas=1)")
+        return self
+
+    def _colocated_replicas_fit(self) -> RunConfig:
+        """Colocated, replica k's rollout.tp ranks live in trainer ranks k*tp..k*tp+tp-1
+        (relayrl.roles.fleet_colocated), on local processes or Ray actors, in lockstep."""
+        r, p = self.rollout, self.parallel
+        ranks = r.replicas * r.tp
+        trainer_ranks = 1 if p.backend == "none" else p.world_size
+        where = (f"rollout.replicas={r.replicas} colocated puts replica k's rollout.tp={r.tp} rank(s) in trainer ranks "
+                 f"k*{r.tp}.., {ranks} in all")
+        instead = ("; or give each replica a rollout worker of its own: parallel.placement=disaggregated "
+                   "parallel.rollout_worker=true (or rollout.replicas=1)")
+        if p.backend == "none":
+            raise ValueError(f"{where}: set parallel.backend=local (or ray) with at least {ranks} trainer "
+                             f"ranks{instead}")
+        if ranks > trainer_ranks:
+            raise ValueError(f"{where}, but the trainer has {trainer_ranks}: raise the trainer's degrees to "
+                             f"{ranks} ranks or lower rollout.replicas{instead}")
+        if r.mode != "sync":
+            raise ValueError(f"{where}: set rollout.mode=sync{instead}")
         return self
 
     @model_validator(mode="after")

@@ -5,7 +5,9 @@ WorkerRanks: one class wherever the group's processes are.
                     (closing the engine stops them)
     colocated       WorkerRanks.of(handle, tp): RunnerWorkers placed in the actor's processes, one beside each
                     actor rank (relayrl.single_controller.placement.spawn_roles on the actor's pool); ranks
-                    >= tp host nothing, and the group's owner (the trainer's) stops the processes
+                    >= tp host nothing, and the group's owner (the trainer's) stops the processes. With
+                    `replicas` engines (a colocated fleet), process p holds replica p // tp's rank p % tp
+                    (ranks >= replicas * tp none), and WorkerRanks.of(handle, tp, first=k * tp) is replica k's
 
     driver process (scheduler, sampler) ── WorkerGroup ──> rank 0: RunnerWorker ┐ gloo / nccl
                                                        ──> rank 1: RunnerWorker ├ all-reduce inside
@@ -50,22 +52,29 @@ from relayrl.single_controller.worker_group import GroupHandle, WorkerGroup
 class RunnerWorker(Worker):
     """One tensor-parallel rank: its ModelRunner shard (`runner`; None on ranks >= tp, which host none)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_placement: str = "tp", tp: int | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_placement: str = "tp", tp: int | None = None,
+                 replicas: int = 1):
+        """replicas: engines of tp ranks each in this group (a colocated fleet): this process holds replica
+        rank // tp's engine rank rank % tp."""
         tp = self.world_size if tp is None else tp
         if self.in_group:  # a no-op where a colocated role already joined
             self.init_distributed()
-        group = tp_group(tp, self.world_size) if self.in_group else None
-        self.runner = (ModelRunner(cfg, dtype, TPInfo(self.rank, tp, group), self.device, expert_placement)
-                       if self.rank < tp else None)
+        if replicas == 1:
+            group = tp_group(tp, self.world_size) if self.in_group else None
+        else:  # every process takes part in making every replica's group, in order, and keeps its own
+            groups = [replica_group(k * tp, tp, self.world_size) for k in range(replicas)]
+            group = groups[self.rank // tp] if self.rank < replicas * tp else None
+        self.runner = (ModelRunner(cfg, dtype, TPInfo(self.rank % tp, tp, group), self.device, expert_placement)
+                       if self.rank < replicas * tp else None)
 
     @dispatch(Dispatch.ONE_TO_ALL)
     def run_on_rank(self, fn: Callable[..., Any], args: tuple, every_rank: bool) -> Any:
-        """fn(this rank's runner, *args); None from ranks hosting none, and from ranks other than 0 unless
-        every_rank (they all compute the same)."""
+        """fn(this rank's runner, *args); None from ranks hosting none, and from ranks other than its engine's rank 0
+        unless every_rank (they all compute the same)."""
         if self.runner is None:
             return None
         result = fn(self.runner, *args)
-        return result if every_rank or self.rank == 0 else None
+        return result if every_rank or self.runner.tp.rank == 0 else None
 
     @dispatch(Dispatch.ONE_TO_ALL, deadline="control")
     def free_memory(self) -> int | None:
@@ -91,6 +100,14 @@ def tp_group(tp: int, world_size: int):
     return dist.group.WORLD if tp == world_size else dist.new_group(list(range(tp)))
 
 
+def replica_group(first: int, tp: int, world_size: int):
+    """The tensor-parallel process group over ranks first..first+tp-1 (None at tp 1); every rank of the world takes
+    part in making it."""
+    if tp == 1:
+        return None
+    return dist.group.WORLD if tp == world_size else dist.new_group(list(range(first, first + tp)))
+
+
 class WorkerRanks:
     """The RunnerGroup of an engine whose ranks are RunnerWorkers: a worker group of their own, or placed
     beside another role's workers (`of`)."""
@@ -101,31 +118,39 @@ class WorkerRanks:
         self.group: GroupHandle = WorkerGroup(pool, RunnerWorker, cfg, dtype, expert_placement, options=options)
         self.tp, self.owned = tp_size, True
 
+    first: int | None = None  # a replica of a colocated fleet: its ranks first..first+tp-1 alone are called
+
     @classmethod
-    def of(cls, handle: GroupHandle, tp: int) -> WorkerRanks:
-        """The ranks of a RunnerWorker role already placed (ranks 0..tp-1 host the engine); its owner stops it."""
+    def of(cls, handle: GroupHandle, tp: int, first: int | None = None) -> WorkerRanks:
+        """The ranks of a RunnerWorker role already placed (ranks 0..tp-1 host the engine; with `first`, a colocated
+        fleet's replica: ranks first..first+tp-1, called on their own); its owner stops it."""
         ranks = cls.__new__(cls)
-        ranks.group, ranks.tp, ranks.owned = handle, tp, False
+        ranks.group, ranks.tp, ranks.owned, ranks.first = handle, tp, False, first
         return ranks
 
+    def _on_ranks(self, method, *args) -> list:
+        if self.first is None:
+            return self.group.call(method, *args)
+        return self.group.call_ranks(range(self.first, self.first + self.tp), method, *args)
+
     def call(self, fn: Callable[..., Any], *args) -> Any:
-        return self.group.call(RunnerWorker.run_on_rank, fn, args, False)[0]
+        return self._on_ranks(RunnerWorker.run_on_rank, fn, args, False)[0]
 
     def call_all(self, fn: Callable[..., Any], *args) -> list:
-        return self.group.call(RunnerWorker.run_on_rank, fn, args, True)[: self.tp]
+        return self._on_ranks(RunnerWorker.run_on_rank, fn, args, True)[: self.tp]
 
     def free_memory(self) -> int:
-        return min(f for f in self.group.call(RunnerWorker.free_memory) if f is not None)
+        return min(f for f in self._on_ranks(RunnerWorker.free_memory) if f is not None)
 
     def close(self) -> None:
         if self.owned:
             self.group.shutdown(raise_errors=False)
 
 
-def colocated_ranks(handle: GroupHandle, tp: int) -> RunnerGroup:
+def colocated_ranks(handle: GroupHandle, tp: int, replica: int | None = None) -> RunnerGroup:
     """The RunnerGroup of a RunnerWorker role placed beside another's: inline (the driver's own process, a world
     of 1), its runner called directly, so a rollout thread steps it without a group call per step; else the
-    group's ranks 0..tp-1."""
+    group's ranks 0..tp-1 (replica k of a colocated fleet: ranks k*tp..k*tp+tp-1)."""
     if handle.group.backend_name == "inline":
         return InProcessRunner(handle.call(RunnerWorker.local_runner))
-    return WorkerRanks.of(handle, tp)
+    return WorkerRanks.of(handle, tp) if replica is None else WorkerRanks.of(handle, tp, first=replica * tp)

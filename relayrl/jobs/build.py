@@ -42,6 +42,7 @@ from relayrl.parallel.device import resolve_device
 from relayrl.rewards import RewardConfig
 from relayrl.rewards.protocol import Scorer
 from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet_colocated import ColocatedFleetWeightSync, colocated_fleet
 from relayrl.roles.fleet_stepper import FleetStepper
 from relayrl.roles.fleet_sync import FleetWeightSync
 from relayrl.roles.group_policy import GroupPolicy, group_options
@@ -68,7 +69,9 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
         vllm                          vLLM's engine (its own workers; synced with full tensors)
         colocated                     in the trainer's processes: the engine role (RunnerWorkers) the
                                       policy's groups were spawned with (colocated_engine), ranks 0..tp-1
-                                      hosting it (backend none: its one rank beside the actor, in this one)
+                                      hosting it (backend none: its one rank beside the actor, in this one);
+                                      rollout.replicas > 1: replica k on ranks k*tp..k*tp+tp-1, behind a
+                                      router (relayrl.roles.fleet_colocated)
         disaggregated                 processes of its own (a worker group of its ranks; or the
                                       whole engine in a rollout worker; rollout.replicas > 1: a fleet of
                                       rollout workers behind a router, relayrl.roles.fleet)
@@ -96,6 +99,9 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
             options = dataclasses.replace(options, backend="local")
         return RolloutRole.inline(partial(LLMEngine, model, tokenizer, own_processes=True, group_options=options,
                                           device=device, **kwargs), tokenizer)
+    if r.replicas > 1:
+        return colocated_fleet(policy.roles["engine"], r.replicas, r.tp, partial(LLMEngine, model, tokenizer, **kwargs),
+                               tokenizer, r.block_size)
     hosted = colocated_ranks(policy.roles["engine"], r.tp)
     return RolloutRole.inline(partial(LLMEngine, model, tokenizer, runner_group=hosted, **kwargs), tokenizer)
 
@@ -106,7 +112,7 @@ def colocated_engine(cfg: RunConfig, model: ModelConfig) -> RoleSpec | None:
     r, par = cfg.rollout, cfg.parallel
     if r.backend == "vllm" or par.rollout_worker or par.placement != "colocated":
         return None
-    return RoleSpec(RunnerWorker, (model, DTYPES[r.engine_dtype], r.expert_placement, r.tp))
+    return RoleSpec(RunnerWorker, (model, DTYPES[r.engine_dtype], r.expert_placement, r.tp, r.replicas))
 
 
 def records_routing(model: ModelConfig) -> bool:
@@ -132,7 +138,8 @@ def build_weight_sync(cfg: RunConfig, model: ModelConfig, policy: Policy, engine
                    trainer_dtype=torch.bfloat16 if cfg.trainer.bf16 or bf16_base else torch.float32,
                    temperature=cfg.rollout.temperature, cfg=cfg.sync, **lora_options(cfg.trainer.lora))
     if isinstance(engine, RolloutFleet):  # one sync fanned out: each replica by the plan, each verified
-        return FleetWeightSync(policy, engine, **planned)
+        colocated = par.placement == "colocated" and not par.rollout_worker  # replica k on trainer ranks k*tp..
+        return (ColocatedFleetWeightSync if colocated else FleetWeightSync)(policy, engine, **planned)
     return PlannedWeightSync(policy, engine, colocated=par.placement == "colocated" and not par.rollout_worker,
                              **planned)
 

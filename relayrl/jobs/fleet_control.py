@@ -64,10 +64,13 @@ def fleet_control(engine, run_dir: Path) -> None:
     if request is not None and request.get("id") != applied:
         applied = request.get("id")
         n = request.get("replicas")
-        if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
-            engine.resize(n)
-        else:
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
             error = f"ignored a fleet request of replicas={n!r}: it must be a whole number >= 1"
+        elif not engine.losable:
+            error = "ignored a fleet request: a colocated fleet's replicas are the trainer's ranks (its size is fixed)"
+        else:
+            engine.resize(n)
+        if error is not None:
             engine.notice(error)
     _write_json(run_dir / STATUS, {**engine.status(), "request": applied, "error": error, "time": time.time()})
 

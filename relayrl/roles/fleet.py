@@ -119,13 +119,15 @@ class RolloutFleet:
 
     def __init__(self, replicas: list[RolloutRole], router: Router, *,
                  spawn: Callable[[str], object] | None = None, max_restarts: int = 2,
-                 notice: Callable[[str], None] = stderr_notice):
+                 notice: Callable[[str], None] = stderr_notice, losable: bool = True):
         """spawn(name): start one more rollout worker's process (its engine builds in it; RolloutRole.ready waits
-        for it) — what restarts a lost replica and adds one; None: neither (a fleet of given roles)."""
+        for it) — what restarts a lost replica and adds one; None: neither (a fleet of given roles). losable=False:
+        a replica's loss is the run's (a colocated fleet's replicas are the trainer's own ranks): lose() re-raises."""
         if len(replicas) != router.replicas:
             raise ValueError(f"{len(replicas)} replicas for a router of {router.replicas}")
         self.slots = [Replica(role, SERVING) for role in replicas]
         self.router, self.spawn, self.max_restarts, self.notice = router, spawn, max_restarts, notice
+        self.losable = losable
         self.tokenizer, self.pad_id = replicas[0].tokenizer, replicas[0].pad_id
         self.tokens = [0] * len(replicas)  # tokens each generated since the last reset_stats
         self.busy = [0.0] * len(replicas)  # seconds each spent in generate calls since then
@@ -196,6 +198,8 @@ class RolloutFleet:
     def lose(self, r: int, error: BaseException) -> None:
         """Replica r's process died or stopped: out of service, its process stopped, a restart begun (or deferred
         to the next sync point, off the main thread), or, past its restarts, retired."""
+        if not self.losable:
+            raise error
         slot = self.slots[r]
         if slot.state in (LOST, RETIRED):
             return

@@ -53,14 +53,16 @@ class FleetWeightSync:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="relayrl-fleet-sync")
         try:
             for r in fleet.serving:
-                self.replicas[r] = self._connect(r)
+                self.replicas[r] = self.replica_sync(r)
         except BaseException:
             self.close()
             raise
         self.last_table: dict[str, tuple[float, float]] = {}
         self.syncs = 0
 
-    def _connect(self, r: int) -> PlannedWeightSync:
+    def replica_sync(self, r: int) -> PlannedWeightSync:
+        """Replica r's sync: its engine ranks in processes of their own (a colocated fleet's differ:
+        relayrl.roles.fleet_colocated)."""
         return PlannedWeightSync(self.policy, self.fleet.replicas[r], colocated=False, channel=r, **self.planned)
 
     def replica_bytes(self, spec) -> int:
@@ -78,7 +80,7 @@ class FleetWeightSync:
             if old is not None:
                 old.close()  # the replica it replaces
             try:
-                self.replicas[r] = self._connect(r)
+                self.replicas[r] = self.replica_sync(r)
             except RunFault as e:  # it died before its first sync: lost again
                 self.fleet.lose(r, e)
         return [r for r in self.fleet.serving if r in self.replicas], [r for r in joining if r in self.replicas]

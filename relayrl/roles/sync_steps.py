@@ -76,12 +76,14 @@ def trainer_abandon(rank: TrainerRank, channel: int) -> None:
     rank.sync_state.pop(_key(_COMM, channel), None)
 
 
-def trainer_colocated(rank: TrainerRank, spec: SyncSpec) -> SyncStats:
-    """Both roles of this process: engine rank r lives in trainer rank r's process (when r < engine tp)."""
+def trainer_colocated(rank: TrainerRank, spec: SyncSpec, channel: int = 0) -> SyncStats:
+    """Both roles of this process: engine rank r lives in trainer rank r's process (when r < engine tp; replica k of
+    a colocated fleet, synced over channel k: in trainer rank k*tp + r's, spec.members.engine_offset)."""
     runner = rank.engine_runner
-    return sync_step(spec, comm=rank.sync_state.get(_COMM), trainer_rank=rank.rank,
-                     engine_rank=rank.rank if runner is not None else None, local=trainer_locals(rank.model),
-                     params=runner.params() if runner is not None else None)
+    engine_rank = spec.members.hosted_engine_rank(rank.rank) if runner is not None else None
+    return sync_step(spec, comm=rank.sync_state.get(_key(_COMM, channel)), trainer_rank=rank.rank,
+                     engine_rank=engine_rank, local=trainer_locals(rank.model),
+                     params=runner.params() if engine_rank is not None else None)
 
 
 def trainer_start_send(rank: TrainerRank, spec: SyncSpec, channel: int = 0) -> None:

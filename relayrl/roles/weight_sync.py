@@ -92,15 +92,18 @@ class PlannedWeightSync:
     def __init__(self, policy: Policy, engine: RolloutEngine, *, shape: ModelShape, trainer_layout: TrainerLayout,
                  engine_tp: int, colocated: bool, engine_dtype: torch.dtype, trainer_dtype: torch.dtype,
                  temperature: float, cfg: SyncConfig | None = None, lora: AdapterShape | None = None,
-                 lora_scaling: float = 1.0, ipc: bool = False, expert_placement: str = "tp", channel: int = 0):
+                 lora_scaling: float = 1.0, ipc: bool = False, expert_placement: str = "tp", channel: int = 0,
+                 engine_offset: int = 0):
         """ipc: buckets between processes cross as CUDA IPC handles (when: relayrl.jobs.preflight.sync_transport).
         shape: relayrl.sync.sync_shape of the model (an MoE model's keeps its experts); expert_placement: the
         engine's (rollout.expert_placement). channel: which engine replica of a rollout fleet this sync reaches
-        (the trainer ranks keep a sync group per replica; relayrl.roles.fleet_sync), 0 for the one engine."""
+        (the trainer ranks keep a sync group per replica; relayrl.roles.fleet_sync), 0 for the one engine.
+        engine_offset: colocated, the trainer rank whose process holds engine rank 0 (a colocated fleet's replica k:
+        k * engine_tp; relayrl.roles.fleet_colocated)."""
         cfg = cfg if cfg is not None else SyncConfig()
         self.policy, self.engine, self.cfg, self.temperature = policy, engine, cfg, temperature
         self.channel = channel
-        members = Members(trainer_layout.world_size, engine_tp, colocated)
+        members = Members(trainer_layout.world_size, engine_tp, colocated, engine_offset)
         # base (+ adapters): the first sync, the checksums; adapters alone: every later sync with LoRA
         self.spec = SyncSpec(shape=shape, trainer=trainer_layout, engine=EngineLayout(engine_tp, expert_placement),
                              members=members,
@@ -155,7 +158,7 @@ class PlannedWeightSync:
         self.engine.begin_weight_update()
         try:
             if self.colocated:
-                stats = steps.total(self.policy.run_on_ranks(steps.trainer_colocated, spec))
+                stats = steps.total(self.policy.run_on_ranks(steps.trainer_colocated, spec, self.channel))
             else:
                 self.start_sends(spec)
                 received = self.receive(spec)

@@ -30,9 +30,10 @@ class RolloutConfig(Config):
     kv_cache_bytes: int | None = Field(None, ge=1)  # None: a share of free memory
     enable_prefix_caching: bool = True
     tp: int = Field(1, ge=1)  # the engine's tensor-parallel degree (its ranks: see parallel.placement)
-    # engine replicas of rollout.tp ranks each, behind one router (relayrl.roles.fleet): for now each in a rollout
-    # worker of its own (parallel.rollout_worker, placement disaggregated, backend local); any rollout.mode: streaming,
-    # the replicas are stepped together under the staleness bound (relayrl.roles.fleet_stepper)
+    # engine replicas of rollout.tp ranks each, behind one router (relayrl.roles.fleet): each in a rollout worker of
+    # its own (parallel.rollout_worker, placement disaggregated, backend local or ray; any rollout.mode: streaming,
+    # the replicas are stepped together under the staleness bound, relayrl.roles.fleet_stepper), or colocated in
+    # lockstep: replica k in trainer ranks k*tp..k*tp+tp-1 (relayrl.roles.fleet_colocated)
     replicas: int = Field(1, ge=1)
     # how many times each replica of a fleet is restarted after its process died or stopped (then the run goes on
     # without it; none left: a checkpoint and a non-zero exit)

@@ -103,18 +103,18 @@ class Liveness:
         self._count = [0] * world_size
         self._changed = [time.monotonic()] * world_size
         self._started = [False] * world_size  # judged only after a first beat (start-up is the build's)
-        self._last_check = 0.0
+        # per rank: calls on disjoint ranks from several threads (GroupHandle.call_ranks) each get their ranks read
+        self._last_check = [0.0] * world_size
 
     def stale(self, ranks) -> list[tuple[int, float]]:
         """(rank, seconds since its last beat) of the given ranks that stopped beating."""
         if self.timeout_s is None or self.store is None:
             return []
         now = time.monotonic()
-        if now - self._last_check < CHECK_S:
-            return []
-        self._last_check = now
+        due = [r for r in ranks if now - self._last_check[r] >= CHECK_S]
         out = []
-        for r in ranks:
+        for r in due:
+            self._last_check[r] = now
             try:
                 n = self.store.add(KEY.format(rank=r), 0)
             except Exception:  # a store we host cannot fail short of this process dying

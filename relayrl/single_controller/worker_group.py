@@ -31,13 +31,14 @@ from __future__ import annotations
 import pickle
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from relayrl.errors import RunFault, UserError
 from relayrl.parallel.launch import WorkerError
 from relayrl.parallel.rendezvous import serve_store
 from relayrl.single_controller.dispatch import (
+    Dispatch,
     DPInfo,
     check_layout,
     collect_outputs,
@@ -111,6 +112,19 @@ class GroupHandle:
         results = self._group._run({r: ("call", (self._path(name), a, k)) for r, (a, k) in enumerate(per_rank)},
                                    what=self._path(name), kind=deadline_kind(fn))
         return collect_outputs(mode, layout, [results[r] for r in range(len(layout))])
+
+    def call_ranks(self, ranks: Sequence[int], method: Callable | str, *args, **kwargs) -> list[Any]:
+        """A @dispatch(ONE_TO_ALL) method on `ranks` only (the same arguments to each), their results in that order:
+        a part of the group that works on its own, e.g. one of several engine replicas placed in it. Calls on
+        disjoint ranks may run at once from different threads."""
+        name = _method_name(method)
+        fn = getattr(self._cls, name, None)
+        if dispatch_mode(fn) is not Dispatch.ONE_TO_ALL:
+            raise TypeError(f"{self._cls.__name__}.{name} must be declared @dispatch(Dispatch.ONE_TO_ALL) to be "
+                            "called on some ranks")
+        results = self._group._run({r: ("call", (self._path(name), args, kwargs)) for r in ranks},
+                                   what=self._path(name), kind=deadline_kind(fn))
+        return [results[r] for r in ranks]
 
     def execute_all(self, method: Callable | str, *args, **kwargs) -> list[Any]:
         """Any method, same arguments on every rank; the results by rank."""

@@ -82,9 +82,11 @@ class Transfer:
         return self.logical.size
 
 
-def choose_source(holders: tuple[int, ...], dst_rank: int) -> int:
-    """One trainer rank among `holders` (all hold the same box) for engine rank `dst_rank`."""
-    return dst_rank if dst_rank in holders else holders[dst_rank % len(holders)]
+def choose_source(holders: tuple[int, ...], dst_rank: int, home: int = 0) -> int:
+    """One trainer rank among `holders` (all hold the same box) for engine rank `dst_rank`: the trainer rank in its
+    process when that holds it (colocated: trainer rank home + dst_rank; a fleet's replica k has home k*tp)."""
+    own = home + dst_rank
+    return own if own in holders else holders[own % len(holders)]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -195,7 +197,8 @@ class SyncPlan:
 
 # ---------------------------------------------------------------------------- planning
 @lru_cache(maxsize=32)
-def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout, lora: AdapterShape | None, base: bool) -> SyncPlan:
+def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout, lora: AdapterShape | None, base: bool,
+          home: int = 0) -> SyncPlan:
     logical = logical_tensors(shape, lora, base)
     # name -> {(box, local offset): holders}; distinct boxes of one tensor must tile it
     index: dict[str, dict[tuple[Box, tuple[int, ...]], list[int]]] = defaultdict(dict)
@@ -222,7 +225,7 @@ def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout, lora: AdapterS
                     transfers.append(Transfer(
                         dst_rank=dst, dst_param=param,
                         dst_offset=x.relative_to(piece.box).shift(*piece.dst_offset).offset,
-                        src_rank=choose_source(tuple(holders), dst), name=piece.name,
+                        src_rank=choose_source(tuple(holders), dst, home), name=piece.name,
                         src_offset=x.relative_to(sbox).shift(*local_offset).offset,
                         shape=x.shape, logical=x))
                     covered += x.size
@@ -235,7 +238,8 @@ def _plan(shape: ModelShape, tl: TrainerLayout, el: EngineLayout, lora: AdapterS
 
 
 def plan_sync(cfg: ModelShape, trainer_layout: TrainerLayout, engine_layout: EngineLayout,
-              lora: AdapterShape | None = None, base: bool = True) -> SyncPlan:
+              lora: AdapterShape | None = None, base: bool = True, home: int = 0) -> SyncPlan:
     """The reshard plan from a trainer layout to one engine replica's layout (cached); with `lora`, the
-    adapters too (`base=False`: the adapters alone)."""
-    return _plan(sync_shape(cfg), trainer_layout, engine_layout, lora, base)
+    adapters too (`base=False`: the adapters alone). home: the trainer rank whose process holds engine rank 0
+    (colocated; replicated pieces are read from the engine rank's own process where it holds them)."""
+    return _plan(sync_shape(cfg), trainer_layout, engine_layout, lora, base, home)

@@ -4,7 +4,9 @@ messages.
 Who is where (a `Members` map: trainer rank / engine rank -> rank in the sync group):
 
     colocated      engine rank r lives in trainer rank r's process: members = trainer ranks; the
-                   r -> r pieces are copied in place (no buffer), the others go over the group
+                   r -> r pieces are copied in place (no buffer), the others go over the group. Replica k of
+                   a colocated fleet (rollout.replicas) lives in trainer ranks k*tp.. (engine_offset k*tp):
+                   engine rank r in trainer rank k*tp + r's process, whose own pieces it copies in place
     disaggregated  members = trainer ranks 0..T-1, then engine ranks T..T+E-1
 
 The sync group is a gloo process group of its own (`SyncComm`: it meets at a store the driver hosts,
@@ -69,6 +71,12 @@ class Members:
     trainer_world: int
     engine_world: int
     colocated: bool
+    engine_offset: int = 0  # colocated: the trainer rank whose process holds engine rank 0 (a fleet's replica k: k*tp)
+
+    def __post_init__(self) -> None:
+        if self.engine_offset and (not self.colocated or self.engine_offset + self.engine_world > self.trainer_world):
+            raise ValueError(f"engine ranks {self.engine_offset}..{self.engine_offset + self.engine_world - 1} "
+                             f"must sit in the {self.trainer_world} trainer ranks' processes (colocated)")
 
     @property
     def world_size(self) -> int:
@@ -78,7 +86,12 @@ class Members:
         return rank
 
     def of_engine(self, rank: int) -> int:
-        return rank if self.colocated else self.trainer_world + rank
+        return self.engine_offset + rank if self.colocated else self.trainer_world + rank
+
+    def hosted_engine_rank(self, trainer_rank: int) -> int | None:
+        """Colocated: the engine rank trainer rank `trainer_rank`'s process holds, or None."""
+        r = trainer_rank - self.engine_offset
+        return r if self.colocated and 0 <= r < self.engine_world else None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -100,7 +113,9 @@ class SyncSpec:
 
     @property
     def plan(self) -> SyncPlan:
-        return plan_sync(self.shape, self.trainer, self.engine, self.lora, self.base)
+        # colocated, each engine rank's pieces come from its own process's trainer rank where it holds them
+        home = self.members.engine_offset if self.members.colocated else 0
+        return plan_sync(self.shape, self.trainer, self.engine, self.lora, self.base, home=home)
 
 
 class SyncComm:
@@ -213,11 +228,12 @@ class SyncStats:
 # ---------------------------------------------------------------------------- one sync
 @torch.no_grad()
 def copy_own(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
-             fp8: bool = False) -> SyncStats:
-    """Colocated: trainer rank `rank`'s pieces for engine rank `rank`, copied straight into place
-    (through the same fp8 rounding as the pieces that travel, when the wire is fp8)."""
+             fp8: bool = False, src_rank: int | None = None) -> SyncStats:
+    """Colocated: trainer rank `src_rank`'s (`rank`'s unless given: a fleet replica's engine rank r sits beside
+    trainer rank offset + r) pieces for engine rank `rank`, copied straight into place (through the same fp8
+    rounding as the pieces that travel, when the wire is fp8)."""
     n = 0
-    ts = plan.between(rank, rank)
+    ts = plan.between(rank if src_rank is None else src_rank, rank)
     scales = fp8_scales(ts, local) if fp8 and ts else None
     for i, t in enumerate(ts):
         src = local[t.name][t.src_box.slices()]
@@ -374,7 +390,7 @@ def sync_step(spec: SyncSpec, *, comm: SyncComm | None, trainer_rank: int | None
     if engine_rank is not None:
         pending = post_receives(spec, engine_rank, params, comm)
         if trainer_rank is not None and members.of_trainer(trainer_rank) == members.of_engine(engine_rank):
-            stats = stats.add(copy_own(plan, engine_rank, local, params, spec.fp8))
+            stats = stats.add(copy_own(plan, engine_rank, local, params, spec.fp8, src_rank=trainer_rank))
         # both roles in one process: receiving runs in a thread of its own, so neither side's window
         # waits on the other (see the module doc)
         receiving = _Background(finish_receives, pending, params) if sends else None

@@ -262,7 +262,7 @@ def test_a_fleet_streams_in_rollout_workers(mode):
 @pytest.mark.parametrize("rollout, parallel, more, says", [
     # a fleet still needs its replicas in rollout workers of their own, on local processes
     ({"replicas": 2}, {"backend": "local", "placement": "disaggregated"}, {},
-     "rollout.replicas=2 runs each engine replica in a rollout worker of its own, for now on local processes: set "
+     "rollout.replicas=2 runs each engine replica in a rollout worker of its own (local processes or Ray actors): set "
      "parallel.rollout_worker=true (or rollout.replicas=1)"),
     # one engine in a rollout worker cannot be stepped from the driver
     ({"replicas": 1}, FLEET, {}, "drop parallel.rollout_worker and set parallel.placement=disaggregated"),
