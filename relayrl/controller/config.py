@@ -164,10 +164,7 @@ class RunConfig(Config):
             raise ValueError(f"rollout.replicas={r.replicas} runs each engine replica in a rollout worker of its own, "
                              f"for now on local processes in lockstep: set {', '.join(missing)} (or "
                              "rollout.replicas=1)")
-        if self.episodes:
-            raise ValueError(f"rollout.replicas={r.replicas} routes single-turn requests only for now; multi-turn "
-                             "episodes (env:, rollout.agent) run on one engine: set rollout.replicas=1")
-        return self
+        return self  # episodes (env:, rollout.agent) too: each replica's worker runs its own (relayrl.roles)
 
     @model_validator(mode="after")
     def _async_fits(self) -> RunConfig:

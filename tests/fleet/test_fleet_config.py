@@ -34,10 +34,14 @@ def test_other_combinations_are_refused_in_one_line(parallel, rollout, names):
     assert "\n" not in msg and "rollout.replicas=2" in msg and names in msg and "rollout.replicas=1" in msg
 
 
-def test_episodes_are_refused_with_replicas():
-    with pytest.raises(ConfigError, match=r"rollout.replicas=2 routes single-turn requests only.*rollout.replicas=1"):
-        cfg({"replicas": 2}, FLEET, env={"name": "tests.fixtures.envs:TwoTurns"},
-            data={"task": "calculator", "chat_template": "always"})
+def test_episodes_run_on_replicas_in_lockstep_only():
+    """env: and rollout.agent episodes run on a fleet (each replica's worker its own agent loop); streaming is still
+    refused for a fleet, episodes or not."""
+    calc = {"task": "calculator", "chat_template": "always"}
+    assert cfg({"replicas": 2}, FLEET, env={"name": "calculator"}, data=calc).episodes
+    assert cfg({"replicas": 2, "agent": "env:calculator"}, FLEET, data=calc).rollout.replicas == 2
+    with pytest.raises(ConfigError, match="rollout.replicas=2 .* set rollout.mode=sync"):
+        cfg({"replicas": 2, "agent": "env:calculator", "mode": "one_step_off"}, FLEET, data=calc)
 
 
 def test_replicas_must_be_at_least_one():
