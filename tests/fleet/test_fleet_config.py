@@ -47,3 +47,19 @@ def test_episodes_run_on_replicas_in_lockstep_only():
 def test_replicas_must_be_at_least_one():
     with pytest.raises(ConfigError, match="rollout.replicas"):
         cfg({"replicas": 0}, FLEET)
+
+
+def test_router_knobs_default_to_the_router_s_and_are_validated_in_one_line():
+    from relayrl.rollout import router
+
+    knobs = RunConfig().rollout.router
+    assert (knobs.cache_threshold, knobs.balance_abs, knobs.balance_rel) == (
+        router.CACHE_THRESHOLD, router.BALANCE_ABS, router.BALANCE_REL)
+    got = cfg({"replicas": 2, "router": {"cache_threshold": 0.3, "balance_abs": 0, "balance_rel": 2}}, FLEET)
+    assert got.rollout.router.to_dict() == {"cache_threshold": 0.3, "balance_abs": 0, "balance_rel": 2.0}
+    for key, bad in [("cache_threshold", 1.5), ("cache_threshold", -0.1), ("balance_abs", -1), ("balance_rel", 0.5),
+                     ("balance_abs", "lots"), ("affinity", 1)]:
+        with pytest.raises(ConfigError) as info:
+            cfg({"replicas": 2, "router": {key: bad}}, FLEET)
+        assert "\n" not in str(info.value) and f"rollout.router.{key}" in str(info.value)
+
