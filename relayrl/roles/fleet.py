@@ -30,6 +30,7 @@ from relayrl.single_controller.liveness import GroupOptions
 # the engine's figures, fleet-wide: counters add up; a peak is the highest replica's (with its utilisation)
 SUMMED = ("engine/preemptions", "engine/reprefills", "engine/prefill_tokens", "engine/forked_samples")
 PEAK = "engine/peak_blocks_used"
+QUEUE_PEAKS = ("engine/peak_running", "engine/peak_waiting")  # fleet-wide: the busiest replica's
 
 
 def wait_all(futures: list[Future]) -> list:
@@ -185,7 +186,8 @@ class RolloutFleet:
         """The engines' figures fleet-wide (engine/*: counters summed, the peak replica's blocks, the prefix hit
         rate weighted by each replica's prompt tokens) and each replica's (fleet/replica<r>/*: requests, tokens,
         tokens per second of its generate calls, its KV blocks' peak share, the engine's prefix hit rate, the
-        router's, requests sent for their cached prefix, weights version)."""
+        router's, requests sent for their cached prefix, weights version, the most sequences it ran and queued at
+        once)."""
         per = self._each(RolloutRole.stats)
         out: dict[str, float] = {"fleet/replicas": float(len(self.replicas))}
         for key in SUMMED:
@@ -203,6 +205,9 @@ class RolloutFleet:
                                              if total else 0.0)
         for key in {k for s in per for k in s if k.startswith("engine/expert")}:
             out[key] = max(s.get(key, 0.0) for s in per)
+        for key in QUEUE_PEAKS:
+            if any(key in s for s in per):
+                out[key] = max(s.get(key, 0.0) for s in per)
         for r, (s, c) in enumerate(zip(per, self.router.counters, strict=True)):
             pre = f"fleet/replica{r}/"
             out |= {pre + "requests": float(c.requests), pre + "tokens": float(self.tokens[r]),
@@ -210,7 +215,9 @@ class RolloutFleet:
                     pre + "kv_peak": s.get(PEAK, 0.0),
                     pre + "prefix_hit_rate": s.get("engine/prefix_hit_rate", 0.0),
                     pre + "router_hit_rate": c.hit_rate, pre + "by_affinity": float(c.by_affinity),
-                    pre + "version": float(self.replicas[r].weights_version)}
+                    pre + "version": float(self.replicas[r].weights_version),
+                    pre + "running_peak": s.get("engine/peak_running", 0.0),
+                    pre + "queue_peak": s.get("engine/peak_waiting", 0.0)}
         return out
 
     def reset_stats(self) -> None:
