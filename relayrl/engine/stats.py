@@ -72,6 +72,7 @@ class EngineStats:
                routing: RoutingStore | None) -> dict[str, float]:
         """The figures by name (see the module docstring)."""
         return {"engine/prefix_hit_rate": block_manager.hit_rate,
+                "engine/prefix_lookup_tokens": float(block_manager.prefix_queries),  # the rate's denominator
                 "engine/peak_blocks_used": self.peak_used_fraction,
                 "engine/block_utilisation_at_peak": self.utilisation_at_peak,
                 "engine/peak_running": float(self.peak_running), "engine/peak_waiting": float(self.peak_waiting),

@@ -28,7 +28,8 @@ from relayrl.rollout.router import Router
 from relayrl.single_controller.liveness import GroupOptions
 
 # the engine's figures, fleet-wide: counters add up; a peak is the highest replica's (with its utilisation)
-SUMMED = ("engine/preemptions", "engine/reprefills", "engine/prefill_tokens", "engine/forked_samples")
+SUMMED = ("engine/preemptions", "engine/reprefills", "engine/prefill_tokens", "engine/forked_samples",
+          "engine/prefix_lookup_tokens")
 PEAK = "engine/peak_blocks_used"
 QUEUE_PEAKS = ("engine/peak_running", "engine/peak_waiting")  # fleet-wide: the busiest replica's
 
@@ -197,7 +198,10 @@ class RolloutFleet:
             top = max(per, key=lambda s: s.get(PEAK, 0.0))
             out[PEAK] = top[PEAK]
             out["engine/block_utilisation_at_peak"] = top.get("engine/block_utilisation_at_peak", 0.0)
-        prompt_tokens = [c.prompt_tokens for c in self.router.counters]
+        # each replica's rate weighed by the tokens its engine looked up (every turn of an episode), else by the
+        # prompt tokens routed to it
+        prompt_tokens = [s.get("engine/prefix_lookup_tokens", c.prompt_tokens)
+                         for s, c in zip(per, self.router.counters, strict=True)]
         if any("engine/prefix_hit_rate" in s for s in per):
             total = sum(prompt_tokens)
             out["engine/prefix_hit_rate"] = (sum(s.get("engine/prefix_hit_rate", 0.0) * w

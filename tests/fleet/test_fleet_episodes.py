@@ -87,6 +87,11 @@ def test_a_fleets_episodes_are_one_agent_loops_in_the_examples_order(tmp_path):
     try:
         got = episodes.run(examples, params)
         stats = fleet.stats()
+        managers = [role.local_engine().block_manager for role in fleet.replicas]
+        # the fleet's prefix hit rate: every turn's lookups on both replicas, not only the routed prompts
+        hits, lookups = sum(m.prefix_hits for m in managers), sum(m.prefix_queries for m in managers)
+        assert lookups > sum(len(t.prompt_ids) for t in want[::4])  # later turns looked up their conversations
+        assert stats["engine/prefix_hit_rate"] == pytest.approx(hits / lookups) and hits > 0
     finally:
         episodes.close()
         fleet.close()
