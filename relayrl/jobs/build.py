@@ -89,7 +89,7 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
         worker_kwargs = {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)}
         if r.replicas > 1:  # a fleet: each replica in a rollout worker of its own, behind a router
             return RolloutFleet.own_processes(r.replicas, src, worker_kwargs, options, tokenizer, device=device,
-                                              block_size=r.block_size, router_kwargs=r.router.to_dict())
+                                              block_size=r.block_size, router=r.router.to_dict())
         return RolloutRole.own_process(src, worker_kwargs, options, tokenizer, device=device)
     if par.placement == "disaggregated":
         if par.backend == "none":  # the trainer is in this process; the engine's ranks are processes all the same

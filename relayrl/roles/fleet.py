@@ -61,10 +61,10 @@ class RolloutFleet:
 
     @classmethod
     def own_processes(cls, n: int, model_dir, engine_kwargs: dict, options: GroupOptions, tokenizer,
-                      device: str = "cpu", block_size: int = 16, router_kwargs: dict | None = None) -> RolloutFleet:
+                      device: str = "cpu", block_size: int = 16, router: dict | None = None) -> RolloutFleet:
         """n replicas, each the engine loaded from `model_dir` in a rollout worker of its own: all started, then
-        all waited for (they build at once; on a failure every one is stopped). router_kwargs: the Router's
-        cache_threshold, balance_abs, balance_rel (rollout.router)."""
+        all waited for (they build at once; on a failure every one is stopped). router: the Router's keyword
+        arguments (rollout.router: cache_threshold, balance_abs, balance_rel)."""
         groups = []
         try:
             for r in range(n):
@@ -81,7 +81,7 @@ class RolloutFleet:
             for g in groups:
                 g.shutdown(raise_errors=False)
             raise
-        return cls(started, Router(n, block_size, **(router_kwargs or {})))
+        return cls(started, Router(n, block_size, **(router or {})))
 
     # ------------------------------------------------------------------ every replica at once
     def _each(self, fn: Callable[[RolloutRole], object], which: Sequence[int] | None = None) -> list:

@@ -15,19 +15,27 @@ cached for its siblings, and each episode may add up to its token budget (env.ma
 rollout.agent_max_total_tokens, or the model's length) beyond it. What is sampled does not depend on the replica:
 an episode's seeds derive from its request's seed, its sample and its turn (relayrl.rollout.agent_loop).
 
+The fleet's service and faults meet it at two seams: among() (the replicas that may take episodes) and lost(r, e)
+(replica r's worker was lost, a RunFault, while it ran episodes). Here every replica serves and a loss is raised as
+any rollout worker's; once the fleet takes lost replicas out of service, among() gives those in service and lost()
+hands the replica to the fleet, and its examples are routed again to the others: seeded, they give the same
+episodes, none lost or duplicated (tests/fleet/test_fleet_episodes.py). A replica's worker gets its agent loop the
+first time it is asked for episodes, so a restarted or added replica (a new process) gets one too.
+
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the jobs.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from relayrl.data import DataConfig, Example
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import Trajectory
-from relayrl.roles.fleet import RolloutFleet, wait_all
+from relayrl.errors import RunFault
+from relayrl.roles.fleet import RolloutFleet
 from relayrl.roles.rollout_worker import EpisodeRole
 from relayrl.rollout.config import RolloutConfig
 from relayrl.rollout.prompts import encode_prompt
@@ -40,53 +48,100 @@ class FleetEpisodes:
     def __init__(self, fleet: RolloutFleet, cfg: EnvConfig | RolloutConfig, data: DataConfig, max_total_tokens: int):
         """cfg: what each replica's worker runs (EpisodeRole); data: how a prompt is encoded into its routing key;
         max_total_tokens: an episode's budget (prompt + every turn), for the work estimate."""
-        self.fleet, self.data, self.budget = fleet, data, max_total_tokens
-        self.roles = [EpisodeRole(replica, cfg) for replica in fleet.replicas]
+        self.fleet, self.cfg, self.data, self.budget = fleet, cfg, data, max_total_tokens
+        self._roles: list[EpisodeRole] = []  # one per rollout role whose worker has its agent loop started
+        for r in self.among():
+            self.episode_role(r)
+
+    def among(self) -> list[int]:
+        """The replicas that may take episodes (every replica of the fleet)."""
+        return list(range(len(self.fleet.replicas)))
+
+    def episode_role(self, r: int) -> EpisodeRole:
+        """Replica r's episodes, its worker's agent loop started the first time its role (a replica's process; a
+        restarted or added replica is a new one) is asked."""
+        role = self.fleet.replicas[r]
+        for er in self._roles:
+            if er.rollout is role:
+                return er
+        er = EpisodeRole(role, self.cfg)
+        self._roles.append(er)
+        return er
+
+    def lost(self, r: int, error: BaseException) -> None:
+        """Replica r failed while it held episodes: the error goes to the caller, as any rollout worker's."""
+        raise error
 
     def work(self, prompt_tokens: int, n: int) -> int:
         """What n episodes of a prompt may compute: the prompt once, and each episode's budget beyond it."""
         return prompt_tokens + n * max(self.budget - prompt_tokens, 0)
 
     def run(self, examples: list[Example], params: list[SamplingParams]) -> list[Trajectory]:
-        """params[i].n finished episodes of examples[i], contiguous and in the examples' order."""
+        """params[i].n finished episodes of examples[i], contiguous and in the examples' order. The examples whose
+        replica failed (lost(), when it does not raise) are routed again among the others: their seeds give the
+        same episodes."""
         if len(examples) != len(params):
             raise ValueError(f"{len(examples)} examples with {len(params)} sampling params")
-        fleet = self.fleet
-        routed: list[tuple[int, int]] = []  # (replica, work) per example
-        try:
-            for ex, sp in zip(examples, params, strict=True):
-                ids = encode_prompt(fleet.tokenizer, ex, self.data)
-                work = self.work(len(ids), sp.n)
-                routed.append((fleet.router.route(ids, work), work))
+        router = self.fleet.router
+        keys = [encode_prompt(self.fleet.tokenizer, ex, self.data) for ex in examples]
+        work = [self.work(len(k), sp.n) for k, sp in zip(keys, params, strict=True)]
+        groups: list[list[Trajectory]] = [[] for _ in examples]
+        todo = list(range(len(examples)))
+        while todo:
+            among = self.among()
             shares: dict[int, list[int]] = {}
-            for i, (r, _) in enumerate(routed):
-                shares.setdefault(r, []).append(i)
-            which = sorted(shares)
-            with ThreadPoolExecutor(max_workers=max(len(which), 1), thread_name_prefix="relayrl-episodes") as pool:
-                results = wait_all([pool.submit(self._run_on, r, [examples[i] for i in shares[r]],
-                                                [params[i] for i in shares[r]]) for r in which])
-        finally:
-            for r, work in routed:
-                fleet.router.done(r, work)
-        per_example: list[list[Trajectory]] = [[] for _ in examples]
-        for r, trajs in zip(which, results, strict=True):
-            at = 0
-            for i in shares[r]:
-                per_example[i] = trajs[at:at + params[i].n]
-                at += params[i].n
-            if at != len(trajs):
-                raise RuntimeError(f"replica {r} returned {len(trajs)} episodes for {at} asked")
-        return [t for group in per_example for t in group]
+            for i in todo:
+                shares.setdefault(router.route(keys[i], work[i], among), []).append(i)
+            try:
+                roles = {r: self.episode_role(r) for r in shares}
+                with ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="relayrl-episodes") as pool:
+                    futures = {r: pool.submit(self._run_on, r, roles[r], [examples[i] for i in share],
+                                              [params[i] for i in share]) for r, share in shares.items()}
+                done, failed = settle(futures)
+            finally:
+                for r, share in shares.items():
+                    for i in share:
+                        router.done(r, work[i])
+            todo, other = [], None
+            for r, e in failed.items():
+                if isinstance(e, RunFault):
+                    self.lost(r, e)
+                    todo += shares[r]
+                else:
+                    other = other or e
+            if other is not None:
+                raise other
+            for r, trajs in done.items():
+                at = 0
+                for i in shares[r]:
+                    groups[i] = trajs[at:at + params[i].n]
+                    at += params[i].n
+                if at != len(trajs):
+                    raise RuntimeError(f"replica {r} returned {len(trajs)} episodes for {at} asked")
+            todo.sort()
+        return [t for group in groups for t in group]
 
-    def _run_on(self, r: int, examples: list[Example], params: list[SamplingParams]) -> list[Trajectory]:
+    def _run_on(self, r: int, role: EpisodeRole, examples: list[Example],
+                params: list[SamplingParams]) -> list[Trajectory]:
         t0 = time.perf_counter()
         try:
-            trajs = self.roles[r].run(examples, params)
+            trajs = role.run(examples, params)
         finally:
             self.fleet.busy[r] += time.perf_counter() - t0
         self.fleet.tokens[r] += sum(t.model_tokens for t in trajs)  # the tokens its engine sampled
         return trajs
 
     def close(self) -> None:
-        for role in self.roles:
+        for role in self._roles:
             role.close()  # each worker's loop closes with the worker, before its engine
+
+
+def settle(futures: dict[int, Future]) -> tuple[dict[int, object], dict[int, BaseException]]:
+    """Every future waited for: (results, errors), each by key."""
+    done, failed = {}, {}
+    for k, f in futures.items():
+        try:
+            done[k] = f.result()
+        except BaseException as e:
+            failed[k] = e
+    return done, failed

@@ -59,16 +59,17 @@ def same_run(one, two) -> None:
         assert m["fleet/replica0/tokens"] > 0 and m["fleet/replica1/tokens"] > 0
 
 
-@pytest.mark.equivalence
-def test_a_fleets_episodes_are_one_agent_loops_in_the_examples_order(tmp_path):
-    """4 examples x 4 episodes of the guess environment (up to 3 turns) on 2 inline replicas: the same trajectories
-    as one engine's agent loop, in the examples' order; each example's episodes on one replica, 2 examples each (the
-    router's least outstanding work), the tokens each replica sampled counted on it, every example's work done."""
-    build_char_tokenizer(tmp_path, PRINTABLE, tool_tokens=True)
-    tok = load_tokenizer(tmp_path)
+ENV = EnvConfig(name="guess", max_turns=3, max_total_tokens=200)
+
+
+@pytest.fixture(scope="module")
+def guess(tmp_path_factory):
+    """A tiny model and tokenizer, 4 guess examples x 4 seeded episodes, and one engine's agent loop's episodes."""
+    d = tmp_path_factory.mktemp("tok")
+    build_char_tokenizer(d, PRINTABLE, tool_tokens=True)
+    tok = load_tokenizer(d)
     model = perturbed_model(small_config(vocab_size=len(tok), max_position_embeddings=512,
                                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), seed=3).eval()
-    env = EnvConfig(name="guess", max_turns=3, max_total_tokens=200)
     examples = get_task("guess", high=99).generate(4, seed=1)
     params = [SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=10 + i) for i in range(4)]
 
@@ -76,14 +77,32 @@ def test_a_fleets_episodes_are_one_agent_loops_in_the_examples_order(tmp_path):
         return LLMEngine.from_model(model, tok, kv_cache_bytes=32 << 20, block_size=8)
 
     one = engine()
-    loop = AgentLoop(one, env)
+    loop = AgentLoop(one, ENV)
     try:
         want = loop.run(examples, params)
     finally:
         loop.close()
         one.close()
+    assert len(want) == 16 and max(t.turns for t in want) >= 2
+    return tok, engine, examples, params, want
+
+
+def same_trajectories(want, got) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(want, got, strict=True):
+        assert (b.prompt_ids, b.response_ids, b.mask, b.turns, b.finish, b.reward) == \
+            (a.prompt_ids, a.response_ids, a.mask, a.turns, a.finish, a.reward)
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)  # another batch: rounding apart
+
+
+@pytest.mark.equivalence
+def test_a_fleets_episodes_are_one_agent_loops_in_the_examples_order(guess):
+    """4 examples x 4 episodes of the guess environment (up to 3 turns) on 2 inline replicas: the same trajectories
+    as one engine's agent loop, in the examples' order; each example's episodes on one replica, 2 examples each (the
+    router's least outstanding work), the tokens each replica sampled counted on it, every example's work done."""
+    tok, engine, examples, params, want = guess
     fleet = RolloutFleet([RolloutRole.inline(engine, tok) for _ in range(2)], Router(2, 8))
-    episodes = FleetEpisodes(fleet, env, DataConfig(task="guess"), max_total_tokens=env.max_total_tokens)
+    episodes = FleetEpisodes(fleet, ENV, DataConfig(task="guess"), max_total_tokens=ENV.max_total_tokens)
     try:
         got = episodes.run(examples, params)
         stats = fleet.stats()
@@ -95,15 +114,58 @@ def test_a_fleets_episodes_are_one_agent_loops_in_the_examples_order(tmp_path):
     finally:
         episodes.close()
         fleet.close()
-    assert len(got) == len(want) == 16 and max(t.turns for t in want) >= 2
-    for a, b in zip(want, got, strict=True):
-        assert (b.prompt_ids, b.response_ids, b.mask, b.turns, b.finish, b.reward) == \
-            (a.prompt_ids, a.response_ids, a.mask, a.turns, a.finish, a.reward)
-        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)  # another batch: rounding apart
+    same_trajectories(want, got)
     assert [stats["fleet/replica0/requests"], stats["fleet/replica1/requests"]] == [2.0, 2.0]
     assert stats["fleet/replica0/tokens"] + stats["fleet/replica1/tokens"] == sum(t.model_tokens for t in want)
     assert stats["fleet/replica0/tokens"] > 0 and stats["fleet/replica1/tokens"] > 0
     assert fleet.router.load(0) == fleet.router.load(1) == 0
+
+
+class OutOfService(FleetEpisodes):
+    """The fleet's fault seams as relayrl.roles.fleet's faults fill them: a lost replica leaves `among`."""
+
+    def __init__(self, *args, **kw):
+        self.out: list[int] = []
+        super().__init__(*args, **kw)
+
+    def among(self) -> list[int]:
+        return [r for r in super().among() if r not in self.out]
+
+    def lost(self, r: int, error: BaseException) -> None:
+        self.out.append(r)
+
+
+@pytest.mark.faults
+def test_the_examples_of_a_replica_lost_mid_rollout_run_again_on_the_others(guess):
+    """Replica 1's worker is lost when asked for its examples' episodes: they are routed again to replica 0 and,
+    seeded, give the same episodes; every example's work leaves the router's load. Without the fleet's fault
+    handling (FleetEpisodes.lost), the loss reaches the caller as itself."""
+    from relayrl.single_controller.liveness import WorkerLostError
+
+    tok, engine, examples, params, want = guess
+    fleet = RolloutFleet([RolloutRole.inline(engine, tok) for _ in range(2)], Router(2, 8))
+
+    def lose(*_):
+        raise WorkerLostError("rollout1: worker process died (SIGKILL)")
+
+    fleet.replicas[1].run_episodes = lose  # the worker of replica 1 dies under its call
+    episodes = OutOfService(fleet, ENV, DataConfig(task="guess"), max_total_tokens=ENV.max_total_tokens)
+    plain = FleetEpisodes(fleet, ENV, DataConfig(task="guess"), max_total_tokens=ENV.max_total_tokens)
+    try:
+        same_trajectories(want, episodes.run(examples, params))
+        assert episodes.out == [1]
+        stats = fleet.stats()
+        # 2 examples routed to each at first; replica 1's 2 routed again to replica 0
+        assert [stats["fleet/replica0/requests"], stats["fleet/replica1/requests"]] == [4.0, 2.0]
+        assert stats["fleet/replica0/tokens"] == sum(t.model_tokens for t in want) and fleet.router.load(0) == 0
+        assert fleet.router.load(1) == 0
+        with pytest.raises(WorkerLostError, match="rollout1: worker process died"):
+            plain.run(examples, params)
+        assert fleet.router.load(0) == fleet.router.load(1) == 0
+    finally:
+        plain.close()
+        episodes.close()
+        fleet.close()
 
 
 @pytest.mark.e2e
