@@ -15,12 +15,13 @@ cached for its siblings, and each episode may add up to its token budget (env.ma
 rollout.agent_max_total_tokens, or the model's length) beyond it. What is sampled does not depend on the replica:
 an episode's seeds derive from its request's seed, its sample and its turn (relayrl.rollout.agent_loop).
 
-The fleet's service and faults meet it at two seams: among() (the replicas that may take episodes) and lost(r, e)
-(replica r's worker was lost, a RunFault, while it ran episodes). Here every replica serves and a loss is raised as
-any rollout worker's; once the fleet takes lost replicas out of service, among() gives those in service and lost()
-hands the replica to the fleet, and its examples are routed again to the others: seeded, they give the same
-episodes, none lost or duplicated (tests/fleet/test_fleet_episodes.py). A replica's worker gets its agent loop the
-first time it is asked for episodes, so a restarted or added replica (a new process) gets one too.
+The fleet's service and faults meet it at two seams: among() (the replicas that may take episodes) and
+lost(r, e, n) (replica r's worker was lost, a RunFault, while it ran n examples' episodes). Here every replica
+serves and a loss is raised as any rollout worker's; once the fleet takes lost replicas out of service, among()
+gives those in service and lost() hands the replica to the fleet, and its examples are routed again to the others:
+seeded, they give the same episodes, none lost or duplicated (tests/fleet/test_fleet_episodes.py). A replica's
+worker gets its agent loop the first time it is asked for episodes, so a restarted or added replica (a new
+process) gets one too.
 
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the jobs.
 """
@@ -68,8 +69,9 @@ class FleetEpisodes:
         self._roles.append(er)
         return er
 
-    def lost(self, r: int, error: BaseException) -> None:
-        """Replica r failed while it held episodes: the error goes to the caller, as any rollout worker's."""
+    def lost(self, r: int, error: BaseException, examples: int) -> None:
+        """Replica r failed (a RunFault) while it held `examples` examples' episodes: the error goes to the caller,
+        as any rollout worker's."""
         raise error
 
     def work(self, prompt_tokens: int, n: int) -> int:
@@ -105,7 +107,7 @@ class FleetEpisodes:
             todo, other = [], None
             for r, e in failed.items():
                 if isinstance(e, RunFault):
-                    self.lost(r, e)
+                    self.lost(r, e, len(shares[r]))
                     todo += shares[r]
                 else:
                     other = other or e

@@ -129,10 +129,10 @@ class OutOfService(FleetEpisodes):
         super().__init__(*args, **kw)
 
     def among(self) -> list[int]:
-        return [r for r in super().among() if r not in self.out]
+        return [r for r in super().among() if r not in {lost for lost, _ in self.out}]
 
-    def lost(self, r: int, error: BaseException) -> None:
-        self.out.append(r)
+    def lost(self, r: int, error: BaseException, examples: int) -> None:
+        self.out.append((r, examples))
 
 
 @pytest.mark.faults
@@ -153,7 +153,7 @@ def test_the_examples_of_a_replica_lost_mid_rollout_run_again_on_the_others(gues
     plain = FleetEpisodes(fleet, ENV, DataConfig(task="guess"), max_total_tokens=ENV.max_total_tokens)
     try:
         same_trajectories(want, episodes.run(examples, params))
-        assert episodes.out == [1]
+        assert episodes.out == [(1, 2)]  # replica 1, lost with 2 examples' episodes
         stats = fleet.stats()
         # 2 examples routed to each at first; replica 1's 2 routed again to replica 0
         assert [stats["fleet/replica0/requests"], stats["fleet/replica1/requests"]] == [4.0, 2.0]
