@@ -50,3 +50,18 @@ def test_the_run_s_preflight_measures_this_machine():
     with pytest.raises(ConfigError, match=r"engines of rollout.tp=1 ranks need 2097152.00 GiB .* more than this "
                                           r"machine's \d+\.\d\d GiB \(its physical memory\)"):
         check_fits_model(RunConfig.from_dict({"rollout": {"replicas": 2, "kv_cache_bytes": 2**50}, **on_cpu}), TINY)
+
+
+def test_on_cuda_the_engines_share_every_gpu_s_memory(monkeypatch):
+    """Wherever the replicas are placed, they are on this machine's GPUs: their memory summed (two of 80 and 40 GiB,
+    as torch reports them)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from relayrl.jobs.preflight import machine_memory
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=[80, 40][i] << 30))
+    assert machine_memory("cuda") == (120 << 30, "its 2 GPUs' memory")
+    assert machine_memory("cpu")[1] == "its physical memory" and machine_memory("cpu")[0] > 0
