@@ -10,6 +10,11 @@ generated tokens per second of the fleet's generate() call, the best of --repeat
 against 1 replica is printed (the issue's target: 2 one-thread replicas >= 1.7x one, on 2 cores). The samples of
 every fleet are checked equal to the 1-replica fleet's (the router does not change what is sampled).
 
+Beside each measured ratio, the planner's prediction (relayrl.planner.rollout.fleet_speedup): the rounds of
+--max-num-seqs sequences (or fewer, if the KV cache holds fewer: relayrl.planner.kv.engine_kv) each replica runs
+its share of the workload in, with replicas beyond the cores sharing them; and the tokens/s it implies from the
+1-replica measurement.
+
 On a machine shared with other work the ratio shows the cores left to the run: report the load average beside it.
 The replicas' own CPU time is printed too (tokens per CPU-second of the replica processes, summed): the fleet's
 overhead, which the machine's load does not move; the wall-clock ratio is what an idle 2-core machine is judged by.
@@ -28,9 +33,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from relayrl.engine import SamplingParams
-from relayrl.models.config import TinyModelConfig
+from relayrl.models import load_config
+from relayrl.models.config import ModelShape, TinyModelConfig
 from relayrl.models.tiny import build_tiny_model
 from relayrl.models.tokenizer import load_tokenizer
+from relayrl.planner.kv import engine_kv
+from relayrl.planner.rollout import fleet_speedup
 from relayrl.roles.fleet import RolloutFleet
 from relayrl.single_controller.liveness import GroupOptions
 
@@ -71,6 +79,15 @@ def measure(model_dir: Path, replicas: int, args, ids, params) -> tuple[float, f
         fleet.close()
 
 
+def planned_capacity(model_dir: Path, args) -> int:
+    """The sequences of the workload's length one replica runs at once, as the planner counts them: its KV cache's
+    (--kv-mb) blocks, at most --max-num-seqs."""
+    kv = engine_kv(ModelShape.of(load_config(model_dir)), tp=1, dtype="float32", block_size=16,
+                   kv_cache_bytes=args.kv_mb << 20, max_num_seqs=args.max_num_seqs,
+                   seq_len=args.prompt_len + args.max_tokens)
+    return kv.max_concurrent_seqs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
@@ -94,15 +111,19 @@ def main() -> None:
         print(f"workload: {args.prompts} prompts x {args.n} samples x {args.max_tokens} tokens, model width "
               f"{args.hidden} x 4 layers, {args.max_num_seqs} sequences at once per replica; load average before: "
               f"{os.getloadavg()[0]:.2f}")
+        per_replica, cores = planned_capacity(model_dir, args), len(os.sched_getaffinity(0))
+        print(f"planner: a replica runs {per_replica} sequences at once; {cores} cores, a one-thread replica each")
         figures, ref = {}, None
         for n in args.replicas:
             tps, per_cpu, samples = measure(model_dir, n, args, ids, params)
             ref = samples if ref is None else ref
             same = samples == ref
             figures[n] = tps, per_cpu
-            print(f"replicas {n}: {tps:8.1f} tokens/s  x{tps / figures[1][0]:.2f} of 1 replica; "
-                  f"{per_cpu:8.1f} tokens per replica CPU-second x{per_cpu / figures[1][1]:.2f} "
-                  f"(samples equal to 1 replica's: {same}; load average {os.getloadavg()[0]:.2f})", flush=True)
+            planned = fleet_speedup(n, 1, cores, args.prompts * args.n, per_replica)
+            print(f"replicas {n}: {tps:8.1f} tokens/s  x{tps / figures[1][0]:.2f} of 1 replica (planner: "
+                  f"x{planned:.2f}, {planned * figures[1][0]:.1f} tokens/s); {per_cpu:8.1f} tokens per replica "
+                  f"CPU-second x{per_cpu / figures[1][1]:.2f} (samples equal to 1 replica's: {same}; load average "
+                  f"{os.getloadavg()[0]:.2f})", flush=True)
             if not same:
                 sys.exit("the fleet sampled differently from one replica")
 

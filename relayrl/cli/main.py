@@ -351,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--lora-sync", choices=["separate", "merge"], default=None,
                     help="with --lora-rank: the engine keeps the adapters apart (default) or merges them, holding a "
                     "second copy of the targeted base weights")
+    pl.add_argument("--replicas", type=int, default=None, help="plan a rollout fleet (rollout.replicas): this many "
+                    "engines of --engine-tp ranks, each rank a GPU of its own: their processes, memory per replica "
+                    "and tokens/s over all replicas")
+    pl.add_argument("--engine-tp", type=int, default=1, help="with --replicas: each replica's TP degree (rollout.tp)")
     pl.add_argument("--top", type=int, default=15, help="layouts to list in each table")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--texts", action="store_true", help="the reading's 70B memory figures, recomputed")

@@ -156,9 +156,6 @@ class RunConfig(Config):
         r, p = self.rollout, self.parallel
         if r.replicas == 1:
             return self
-        if self.episodes:
-            raise ValueError(f"rollout.replicas={r.replicas} routes single-turn requests only for now; multi-turn "
-                             "episodes (env:, rollout.agent) run on one engine: set rollout.replicas=1")
         if p.placement == "colocated" and not p.rollout_worker and r.backend == "relayrl":
             return self._colocated_replicas_fit()
         needs = {"parallel.backend=local (or ray)": p.backend in ("local", "ray"), "parallel.placement=disaggregated":
@@ -169,6 +166,9 @@ class RunConfig(Config):
             raise ValueError(f"rollout.replicas={r.replicas} runs each engine replica in a rollout worker of its own "
                              f"(local processes or Ray actors): set {', '.join(missing)} (or "
                              "rollout.replicas=1)")
+        if self.episodes and r.mode != "sync":  # each replica's worker runs its own agent loop, in lockstep
+            raise ValueError(f"rollout.replicas={r.replicas} runs multi-turn episodes (env:, rollout.agent) on its "
+                             "replicas' agent loops in lockstep: set rollout.mode=sync (or rollout.replicas=1)")
         return self
 
     def _colocated_replicas_fit(self) -> RunConfig:
@@ -189,6 +189,9 @@ class RunConfig(Config):
                              f"{ranks} ranks or lower rollout.replicas{instead}")
         if r.mode != "sync":
             raise ValueError(f"{where}: set rollout.mode=sync{instead}")
+        if self.episodes:
+            raise ValueError(f"{where}: multi-turn episodes (env:, rollout.agent) on a fleet run in its replicas' "
+                             f"rollout workers{instead}")
         return self
 
     @model_validator(mode="after")

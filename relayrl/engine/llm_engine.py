@@ -289,6 +289,7 @@ class LLMEngine:
         if self.asleep:
             raise RuntimeError("the engine is asleep: call wake() before generating")
         seqs, is_prefill = self.scheduler.schedule()
+        self._stats.observe_queue(self.scheduler)
         try:
             done_requests = self._run_batch(seqs, is_prefill) if seqs else set()
         except BaseException:

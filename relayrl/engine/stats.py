@@ -1,7 +1,8 @@
 """This module keeps the rollout engine's figures: what `LLMEngine.stats()` reports and what each sample cost.
 
     engine-wide  since construction or the last reset (wake() resets): the prefix cache's hit rate, the peak
-                 share of blocks in use and how full those blocks were then, preemptions and re-prefills, the
+                 share of blocks in use and how full those blocks were then, the most sequences running (holding
+                 KV) and waiting (queued) at once after a schedule, preemptions and re-prefills, the
                  tokens prefills computed, samples forked from a sibling's prefill and, with record_routing,
                  the experts' load imbalance
     per sample   its SampleCost (relayrl.engine.outputs): tokens computed, keys attended, logit positions
@@ -27,6 +28,12 @@ class EngineStats:
     def __init__(self, sliding_window: int | None, expert_placement: str, tp_size: int):
         self.sliding_window, self.expert_placement, self.tp_size = sliding_window, expert_placement, tp_size
         self.peak_used_fraction = self.utilisation_at_peak = 0.0
+        self.peak_running = self.peak_waiting = 0
+
+    def observe_queue(self, scheduler: Scheduler) -> None:
+        """After a schedule: the sequences running (admitted, holding KV) and waiting (queued) now."""
+        self.peak_running = max(self.peak_running, len(scheduler.running))
+        self.peak_waiting = max(self.peak_waiting, len(scheduler.waiting))
 
     def observe_blocks(self, block_manager: BlockManager) -> None:
         """Before a batch runs: at the peak, how full are the blocks in use? (the last step at the peak counts:
@@ -57,6 +64,7 @@ class EngineStats:
         scheduler.num_preemptions = scheduler.num_reprefills = 0
         scheduler.num_prefill_tokens = scheduler.num_forks = 0
         self.peak_used_fraction = self.utilisation_at_peak = 0.0
+        self.peak_running = self.peak_waiting = 0
         if routing is not None:
             routing.load.zero_()
 
@@ -64,8 +72,10 @@ class EngineStats:
                routing: RoutingStore | None) -> dict[str, float]:
         """The figures by name (see the module docstring)."""
         return {"engine/prefix_hit_rate": block_manager.hit_rate,
+                "engine/prefix_lookup_tokens": float(block_manager.prefix_queries),  # the rate's denominator
                 "engine/peak_blocks_used": self.peak_used_fraction,
                 "engine/block_utilisation_at_peak": self.utilisation_at_peak,
+                "engine/peak_running": float(self.peak_running), "engine/peak_waiting": float(self.peak_waiting),
                 "engine/preemptions": float(scheduler.num_preemptions),
                 "engine/reprefills": float(scheduler.num_reprefills),
                 "engine/prefill_tokens": float(scheduler.num_prefill_tokens),

@@ -43,6 +43,7 @@ from relayrl.rewards import RewardConfig
 from relayrl.rewards.protocol import Scorer
 from relayrl.roles.fleet import RolloutFleet
 from relayrl.roles.fleet_colocated import ColocatedFleetWeightSync, colocated_fleet
+from relayrl.roles.fleet_episodes import FleetEpisodes
 from relayrl.roles.fleet_stepper import FleetStepper
 from relayrl.roles.fleet_sync import FleetWeightSync
 from relayrl.roles.group_policy import GroupPolicy, group_options
@@ -92,7 +93,8 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
         worker_kwargs = {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)}
         if r.replicas > 1:  # a fleet: each replica in a rollout worker of its own, behind a router
             return RolloutFleet.own_processes(r.replicas, src, worker_kwargs, options, tokenizer, device=device,
-                                              block_size=r.block_size, max_restarts=r.replica_restarts)
+                                              block_size=r.block_size, router=r.router.to_dict(),
+                                              max_restarts=r.replica_restarts)
         return RolloutRole.own_process(src, worker_kwargs, options, tokenizer, device=device)
     if par.placement == "disaggregated":
         if par.backend == "none":  # the trainer is in this process; the engine's ranks are processes all the same
@@ -173,13 +175,23 @@ def reward_scorer(reward: RewardConfig, device: str, groups: GroupOptions | None
     return CombinedScorer(rules, models, entries, on_failure=reward.on_failure)
 
 
-def build_agent(cfg: RunConfig, engine: RolloutEngine) -> EpisodeRunner | None:
+def build_agent(cfg: RunConfig, engine: RolloutEngine, model: ModelConfig) -> EpisodeRunner | None:
     """With an `env:` section, the agent loop; with rollout.agent, the agent function's runner and its endpoint: in
-    the rollout worker, beside the engine (inline or its own process)."""
+    the rollout worker, beside the engine (inline or its own process); on a fleet, in every replica's worker."""
     if not cfg.episodes:
         return None
+    if isinstance(engine, RolloutFleet):  # every replica's worker runs its own; the router spreads the examples
+        return FleetEpisodes(engine, cfg.env or cfg.rollout, cfg.data, episode_budget(cfg, model))
     assert isinstance(engine, RolloutRole)  # RunConfig refuses env and rollout.agent with the vllm backend
     return EpisodeRole(engine, cfg.env or cfg.rollout)
+
+
+def episode_budget(cfg: RunConfig, model: ModelConfig) -> int:
+    """An episode's tokens at most (prompt + every turn): env.max_total_tokens, rollout.agent_max_total_tokens, or
+    the model's length (an agent's own budget, an adapter's parameter, is its worker's to know)."""
+    if cfg.env is not None:
+        return cfg.env.max_total_tokens
+    return cfg.rollout.agent_max_total_tokens or model.max_position_embeddings
 
 
 def close_all(*roles) -> None:
@@ -252,7 +264,7 @@ def build_driver(cfg: RunConfig, run_dir: Path) -> tuple[Driver, Roles, list, Pa
         engine = build_engine(cfg, src, model, policy, options)
         sync = build_weight_sync(cfg, model, policy, engine)
         scorer = build_scorer_for(cfg, options)
-        agent = build_agent(cfg, engine)
+        agent = build_agent(cfg, engine, model)
         timer, cost = StageTimer(), StepCost(cfg, model)
         source = build_source(cfg, engine, scorer, agent, PromptSampler(train_set, cfg.run.seed), timer, cost)
         driver = Driver(LoopSettings.of(cfg), policy=policy, engine=engine, source=source, weight_sync=sync,

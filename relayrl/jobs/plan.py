@@ -89,6 +89,7 @@ def plan(a) -> int:
                  recompute=a.recompute, lora_rank=a.lora_rank, num_micro_batches=a.micro_batches)
     plan = make_plan(shape, a.model or a.preset, w, gpus=a.gpus, gpu_mem_gib=a.gpu_mem, nodes=a.nodes,
                      intra_bw=a.intra_bw, inter_bw=a.inter_bw, peak_tflops=a.peak_tflops,
-                     lora_sync=a.lora_sync or "separate", hbm_gbs=a.hbm_bw, efficiency=a.efficiency)
+                     lora_sync=a.lora_sync or "separate", hbm_gbs=a.hbm_bw, efficiency=a.efficiency,
+                     replicas=a.replicas, engine_tp=a.engine_tp)
     print(json.dumps(plan.to_dict(), indent=1) if a.json else render(plan, top=a.top))
     return 0

@@ -8,7 +8,9 @@ each refusal one line that names the key to change, so that no bad layout is fou
     check_fits_model(cfg, model)       once the model's config is read, before any process starts: the
                                        trainer's and the engine's tensor-parallel degrees (and Ulysses' cp)
                                        against the heads, the MoE settings (check_fits_experts), the pipeline
-                                       stages (check_fits_stages), an episode's budget against the model's length
+                                       stages (check_fits_stages), an episode's budget against the model's length,
+                                       the engines (rollout.replicas of rollout.tp ranks) against the machine's
+                                       memory (check_fits_machine)
     check_roles(cfg)                   before any process starts: the environment builds, the reward models'
                                        directories exist
 
@@ -18,7 +20,10 @@ train job (relayrl.jobs.train), which calls it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
 
 from relayrl.controller.config import RunConfig, load_run_config
 from relayrl.engine.moe import check_expert_placement, dense_intermediate
@@ -33,6 +38,9 @@ from relayrl.parallel.device import resolve_device
 from relayrl.parallel.expert_parallel import check_experts_divide
 from relayrl.parallel.pipeline_stages import SCHEDULE_STAGES
 from relayrl.parallel.tensor_parallel import check_tp_divisibility
+from relayrl.planner.kv import engine_weight_bytes
+from relayrl.planner.moe import plan_shape
+from relayrl.planner.rollout import GIB
 from relayrl.roles.reward_model import model_entries
 
 
@@ -98,6 +106,36 @@ def check_fits_model(cfg: RunConfig, model: ModelConfig) -> None:
     if cfg.env is not None and cfg.env.max_total_tokens > model.max_position_embeddings:
         raise ConfigError(f"env.max_total_tokens={cfg.env.max_total_tokens} exceeds the model's maximum length "
                           f"({model.max_position_embeddings} tokens, max_position_embeddings): lower it")
+    check_fits_machine(cfg, model)
+
+
+def machine_memory(device: str) -> tuple[int, str]:
+    """The bytes every engine of a run shares at most, and what they are: all the GPUs' memory on CUDA (wherever
+    the replicas are placed, they are on these), the machine's physical memory on a CPU."""
+    if device == "cuda":
+        n = torch.cuda.device_count()
+        return sum(torch.cuda.get_device_properties(i).total_memory for i in range(n)), f"its {n} GPUs' memory"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "its physical memory"
+
+
+def check_fits_machine(cfg: RunConfig, model: ModelConfig, machine: tuple[int, str] | None = None) -> None:
+    """relayrl's engines against the machine (`machine`: bytes and what they are; default machine_memory), as the
+    plan counts them (relayrl.planner.rollout.fleet_option): rollout.replicas engines of rollout.tp ranks, each rank
+    holding its share of the weights in rollout.engine_dtype (relayrl.planner.kv.engine_weight_bytes) and a KV
+    cache of rollout.kv_cache_bytes (nothing counted when unset: the engine takes a share of what is free). What
+    every engine needs at least must fit the machine's memory, or the run is refused before any process starts."""
+    r = cfg.rollout
+    if r.backend != "relayrl":
+        return
+    weights, kv = engine_weight_bytes(plan_shape(model), r.tp, r.engine_dtype), r.kv_cache_bytes or 0
+    replica = r.tp * (weights + kv)
+    have, what = machine or machine_memory(resolve_device(cfg.parallel.device))
+    if r.replicas * replica > have:
+        raise ConfigError(
+            f"rollout.replicas={r.replicas} engines of rollout.tp={r.tp} ranks need {r.replicas * replica / GIB:.2f} "
+            f"GiB ({replica / GIB:.2f} GiB each: per rank {weights / GIB:.2f} GiB of {r.engine_dtype} weights + "
+            f"rollout.kv_cache_bytes {kv / GIB:.2f} GiB), more than this machine's {have / GIB:.2f} GiB ({what}): "
+            "lower rollout.replicas or rollout.kv_cache_bytes (or set rollout.engine_dtype=bfloat16)")
 
 
 def check_fits_experts(cfg: RunConfig, model: ModelConfig) -> None:

@@ -18,13 +18,19 @@ engine is awake (per replica min(max_num_seqs, (gpu_mem - trainer state - weight
 x gpus / t; the smaller t on a tie). None fits: disaggregated (trainer and engine on separate GPUs), and the
 engine's degree is the rollout table's first.
 
-It imports the planner's modules, relayrl.models (config, flops) and relayrl.sync.adapters only.
+A fleet (rollout.replicas engines of rollout.tp ranks behind a router, relayrl.roles.fleet; `relayrl plan --replicas
+N --engine-tp T`) is that option at a given TP degree and number of replicas, N x T ranks on GPUs of their own
+(fleet_option), with one replica's memory and the tokens per second of them all; fleet_speedup is the plan's
+speedup of N replicas over one for a batch of sequences (benchmarks/bench_fleet.py prints it beside the measured).
+
+It imports the planner's modules, relayrl.errors, relayrl.models (config, flops) and relayrl.sync.adapters only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relayrl.errors import ConfigError
 from relayrl.models.config import ModelShape, MoEShape
 from relayrl.models.flops import generate_flops
 from relayrl.planner.kv import engine_kv, engine_weight_bytes
@@ -114,26 +120,81 @@ def decode_flops_per_token(shape: ModelShape, context: float) -> float:
     return float(generate_flops(active, 1, int(context), 1) + 2 * router_params(shape))
 
 
+def rollout_option(shape: ModelShape, tp: int, replicas: int, gpu_mem: int, eng: Engine) -> RolloutOption:
+    """`replicas` engines of TP tp, each rank on a GPU of its own: a rank's KV cache, how many --seq sequences a
+    replica holds, and their decode speed over all replicas (the concurrent batch decoding from an empty cache to
+    --seq tokens: --seq steps at a mean context of --seq / 2)."""
+    weights = eng.weights(shape, tp)
+    budget = max(0, int(gpu_mem * eng.gpu_util) - weights)
+    kv = engine_kv(shape, tp=tp, dtype=eng.dtype, block_size=eng.block_size, kv_cache_bytes=budget,
+                   max_num_seqs=eng.max_num_seqs, seq_len=eng.seq)
+    conc = kv.max_concurrent_seqs or 0
+    opt = RolloutOption(tp, replicas, weights, budget, conc, conc * replicas, conc >= 1)
+    if conc:
+        step, opt.bound = decode_time(shape, tp, conc, eng.seq / 2, eng)
+        opt.decode_step_s, opt.batch_s = step, step * eng.seq
+        opt.tokens_per_s = opt.concurrent_total / step
+        opt.mfu = (opt.tokens_per_s * decode_flops_per_token(shape, eng.seq / 2)
+                   / (replicas * tp * eng.peak_tflops * 1e12))
+    return opt
+
+
 def rollout_options(shape: ModelShape, gpus: int, gpus_per_node: int, gpu_mem: int, eng: Engine) -> list[RolloutOption]:
-    """Every engine TP degree: its KV cache, how many --seq sequences it holds, and their decode speed (the
-    concurrent batch decoding from an empty cache to --seq tokens: --seq steps at a mean context of --seq / 2)."""
-    out = []
-    for tp in engine_tps(shape, gpus, gpus_per_node):
-        weights = eng.weights(shape, tp)
-        budget = max(0, int(gpu_mem * eng.gpu_util) - weights)
-        kv = engine_kv(shape, tp=tp, dtype=eng.dtype, block_size=eng.block_size, kv_cache_bytes=budget,
-                       max_num_seqs=eng.max_num_seqs, seq_len=eng.seq)
-        conc = kv.max_concurrent_seqs or 0
-        opt = RolloutOption(tp, gpus // tp, weights, budget, conc, conc * (gpus // tp), conc >= 1)
-        if conc:
-            step, opt.bound = decode_time(shape, tp, conc, eng.seq / 2, eng)
-            opt.decode_step_s, opt.batch_s = step, step * eng.seq
-            opt.tokens_per_s = opt.concurrent_total / step
-            opt.mfu = (opt.tokens_per_s * decode_flops_per_token(shape, eng.seq / 2)
-                       / (gpus * eng.peak_tflops * 1e12))
-        out.append(opt)
+    """Every engine TP degree t, as gpus // t replicas (rollout_option)."""
+    out = [rollout_option(shape, tp, gpus // tp, gpu_mem, eng) for tp in engine_tps(shape, gpus, gpus_per_node)]
     out.sort(key=lambda o: (not o.fits, -o.tokens_per_s, o.tp))
     return out
+
+
+@dataclass
+class FleetOption:
+    """A rollout fleet (rollout.replicas engines of rollout.tp ranks, relayrl.roles.fleet) as the plan sees it."""
+
+    replicas: int
+    tp: int
+    processes: int  # engine ranks: replicas x tp, each a process on a GPU of its own
+    replica_bytes: int  # one replica's memory: tp x (weights + KV per rank)
+    option: RolloutOption  # per replica and over all replicas (tokens_per_s: the fleet's)
+
+
+def fleet_option(shape: ModelShape, replicas: int, tp: int, gpus: int, gpus_per_node: int, gpu_mem: int,
+                 eng: Engine) -> FleetOption:
+    """`replicas` engines of TP tp on `gpus` GPUs: refused in one line when the engine's TP degree does not suit the
+    model or a node, or when the fleet's ranks outnumber the GPUs (a replica's ranks each need a GPU of their own:
+    replicas that share a GPU are no faster than one)."""
+    if replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {replicas}")
+    if not engine_tp_ok(shape, tp):
+        raise ConfigError(f"--engine-tp {tp} does not divide this model's attention heads, KV heads and MLP width; "
+                          "pick a divisor of them")
+    if tp > gpus_per_node:
+        raise ConfigError(f"--engine-tp {tp} spans more than the {gpus_per_node} GPUs of a node; lower it")
+    if replicas * tp > gpus:
+        raise ConfigError(f"--replicas {replicas} x --engine-tp {tp} = {replicas * tp} engine ranks, one GPU each, "
+                          f"but --gpus is {gpus}: lower --replicas or --engine-tp")
+    opt = rollout_option(shape, tp, replicas, gpu_mem, eng)
+    return FleetOption(replicas, tp, replicas * tp, tp * (opt.weight_bytes + opt.kv_bytes), opt)
+
+
+def fleet_speedup(replicas: int, tp: int, devices: int, sequences: int, per_replica: int) -> float:
+    """The plan's rollout speedup of `replicas` engines of TP tp over one engine, on `devices` devices, for a batch
+    of `sequences` sequences (of equal length) that one engine runs at most `per_replica` at once:
+
+        share(r)  = ceil(sequences / r)              a replica's sequences (the router spreads them by load)
+        waves(r)  = ceil(share(r) / per_replica)     the rounds it runs them in, one after another
+        a round takes about the same time at any batch up to per_replica (a decode step reads the weights once
+        for the whole batch: decode_time's memory roof), so a replica's time is waves(r) rounds; replicas beyond
+        devices // tp share their devices, r / (devices // tp) times slower
+        speedup(r) = waves(1) / waves(r) x min(1, (devices // tp) / r)"""
+    if min(replicas, tp, devices, sequences, per_replica) < 1:
+        raise ValueError("replicas, tp, devices, sequences and per_replica must be >= 1")
+    slots = max(devices // tp, 1)
+
+    def waves(r: int) -> int:
+        share = -(-sequences // r)
+        return -(-share // per_replica)
+
+    return waves(1) / waves(replicas) * min(1.0, slots / replicas)
 
 
 @dataclass

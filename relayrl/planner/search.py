@@ -26,7 +26,7 @@ from relayrl.planner.compute import StepTime, step_time
 from relayrl.planner.layout import PP_SCHEDULES, Layout
 from relayrl.planner.memory import TrainMemory, adapter_shape, rank_layers, stage_summary, train_memory
 from relayrl.planner.moe import MOE_PRESETS, mlp_widths, plan_shape
-from relayrl.planner.rollout import GIB, Engine, RolloutOption, placement, rollout_options
+from relayrl.planner.rollout import GIB, Engine, FleetOption, RolloutOption, fleet_option, placement, rollout_options
 from relayrl.planner.workload import Workload
 from relayrl.sync.presets import PRESETS
 
@@ -55,6 +55,7 @@ class Plan:
     placement: str
     placement_reason: str
     engine_tp: int | None = None  # the engine's TP degree the placement chose
+    fleet: FleetOption | None = None  # --replicas: the rollout fleet asked for
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -149,7 +150,8 @@ def evaluate(shape: ModelShape, layout: Layout, w: Workload, gpu_mem: int, net: 
 def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_gib: float, nodes: int = 1,
               intra_bw: float = 450.0, inter_bw: float = 50.0, peak_tflops: float | None = None,
               efficiency: float = 0.5, gpu_util: float = 0.9, max_num_seqs: int = 256, block_size: int = 16,
-              rollout_seqs: int = 64, lora_sync: str = "separate", hbm_gbs: float = 3350.0) -> Plan:
+              rollout_seqs: int = 64, lora_sync: str = "separate", hbm_gbs: float = 3350.0,
+              replicas: int | None = None, engine_tp: int = 1) -> Plan:
     from relayrl.planner.compute import PEAK_TFLOPS
 
     if gpus < 1 or nodes < 1 or gpus % nodes:
@@ -171,6 +173,7 @@ def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_g
     eng = Engine(w.dtype, w.seq, gpu_util, max_num_seqs, block_size, adapter_shape(shape, w), lora_sync,
                  peak_tflops=peak, hbm_gbs=hbm_gbs, intra_bw=intra_bw, efficiency=efficiency)
     roll = rollout_options(shape, gpus, per_node, mem, eng)
+    fleet = None if replicas is None else fleet_option(shape, replicas, engine_tp, gpus, per_node, mem, eng)
     where = placement(fit[0].memory if fit else None, shape, gpus, per_node, mem, eng, rollout_seqs, roll)
     peak_note = "given" if peak_tflops is not None else f"an H100 SXM's dense {w.dtype} peak (--peak-tflops to change)"
     assumptions = [
@@ -201,4 +204,7 @@ def make_plan(shape: ModelShape, name: str, w: Workload, *, gpus: int, gpu_mem_g
                            f"{w.base_dtype or w.dtype}; engine sync.lora={lora_sync} (" + (
                                "a second copy of the targeted base weights on the engine)" if lora_sync == "merge"
                                else "the adapters kept apart: stacked A, per-part B)"))
-    return Plan(name, gpus, mem, assumptions, fit + over, roll, where.where, where.reason, where.engine_tp)
+    if fleet is not None:
+        assumptions.append(f"rollout fleet: {replicas} replicas x engine tp {engine_tp} = {fleet.processes} engine "
+                           "ranks, each a process on a GPU of its own; tokens/s over all replicas")
+    return Plan(name, gpus, mem, assumptions, fit + over, roll, where.where, where.reason, where.engine_tp, fleet=fleet)

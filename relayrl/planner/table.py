@@ -56,5 +56,12 @@ def render(plan: Plan, top: int = 15) -> str:
                  else "  (no sequence fits)")
         lines.append(f"  {r.tp:>3} {r.replicas:>8} {r.weight_bytes / GIB:11.2f} {r.kv_bytes / GIB:8.2f} "
                      f"{r.concurrent_per_replica:>12} {r.concurrent_total:>10}{speed}")
+    if plan.fleet is not None:
+        f, o = plan.fleet, plan.fleet.option
+        speed = (f"{o.tokens_per_s:,.0f} tokens/s over all replicas ({o.tokens_per_s / f.replicas:,.0f} each), "
+                 f"{o.concurrent_total} sequences at once" if o.fits else "no sequence fits a replica")
+        lines += ["", f"rollout fleet: {f.replicas} replicas x engine tp {f.tp} = {f.processes} engine processes "
+                  f"(GPUs); per replica {f.replica_bytes / GIB:.2f} GiB (per rank: weights {o.weight_bytes / GIB:.2f} "
+                  f"+ KV {o.kv_bytes / GIB:.2f}), {o.concurrent_per_replica} sequences; {speed}"]
     lines += ["", f"placement: {plan.placement} — {plan.placement_reason}"]
     return "\n".join(lines)

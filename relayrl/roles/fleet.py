@@ -52,8 +52,10 @@ from relayrl.rollout.router import Router
 from relayrl.single_controller.liveness import GroupOptions
 
 # the engine's figures, fleet-wide: counters add up; a peak is the highest replica's (with its utilisation)
-SUMMED = ("engine/preemptions", "engine/reprefills", "engine/prefill_tokens", "engine/forked_samples")
+SUMMED = ("engine/preemptions", "engine/reprefills", "engine/prefill_tokens", "engine/forked_samples",
+          "engine/prefix_lookup_tokens")
 PEAK = "engine/peak_blocks_used"
+QUEUE_PEAKS = ("engine/peak_running", "engine/peak_waiting")  # fleet-wide: the busiest replica's
 
 SERVING, STARTING, JOINING, DRAINING, LOST, RETIRED = "serving", "starting", "joining", "draining", "lost", "retired"
 ACTIVE = (SERVING, STARTING, JOINING)  # what counts towards the fleet's size (`relayrl fleet --replicas N`)
@@ -481,13 +483,19 @@ class RolloutFleet:
             top = max(stats, key=lambda s: s.get(PEAK, 0.0))
             out[PEAK] = top[PEAK]
             out["engine/block_utilisation_at_peak"] = top.get("engine/block_utilisation_at_peak", 0.0)
-        prompt_tokens = {r: self.router.counters[r].prompt_tokens for r in per}
+        # each replica's rate weighed by the tokens its engine looked up (every turn of an episode), else by the
+        # prompt tokens routed to it
+        prompt_tokens = {r: s.get("engine/prefix_lookup_tokens", self.router.counters[r].prompt_tokens)
+                         for r, s in per.items()}
         if any("engine/prefix_hit_rate" in s for s in stats):
             total = sum(prompt_tokens.values())
             out["engine/prefix_hit_rate"] = (sum(s.get("engine/prefix_hit_rate", 0.0) * prompt_tokens[r]
                                                  for r, s in per.items()) / total if total else 0.0)
         for key in {k for s in stats for k in s if k.startswith("engine/expert")}:
             out[key] = max(s.get(key, 0.0) for s in stats)
+        for key in QUEUE_PEAKS:
+            if any(key in s for s in stats):
+                out[key] = max(s.get(key, 0.0) for s in stats)
         for r, s in sorted(per.items()):
             c, pre = self.router.counters[r], f"fleet/replica{r}/"
             out |= {pre + "requests": float(c.requests), pre + "tokens": float(self.tokens[r]),
@@ -495,7 +503,9 @@ class RolloutFleet:
                     pre + "kv_peak": s.get(PEAK, 0.0),
                     pre + "prefix_hit_rate": s.get("engine/prefix_hit_rate", 0.0),
                     pre + "router_hit_rate": c.hit_rate, pre + "by_affinity": float(c.by_affinity),
-                    pre + "version": float(self.slots[r].role.weights_version)}
+                    pre + "version": float(self.slots[r].role.weights_version),
+                    pre + "running_peak": s.get("engine/peak_running", 0.0),
+                    pre + "queue_peak": s.get("engine/peak_waiting", 0.0)}
             out |= {pre + k: v for k, v in self.live.get(r, {}).items()}
         return out
 

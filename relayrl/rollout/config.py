@@ -15,6 +15,18 @@ from relayrl.config import Config
 Dtype = Literal["float32", "bfloat16"]
 
 
+class RouterConfig(Config):
+    """How a fleet's router (relayrl.rollout.router) weighs a replica's cached prefix against the load."""
+
+    # the share of a prompt a replica must hold in its prefix cache (whole KV blocks) for the request to go there
+    # rather than to the least loaded replica (SGLang's router: 0.3-0.5)
+    cache_threshold: float = Field(0.5, ge=0, le=1)
+    # tokens of outstanding work the replica holding the prefix may carry beyond the least loaded one...
+    balance_abs: int = Field(256, ge=0)
+    # ...or this multiple of the least loaded one's; past both, the request goes to the least loaded replica
+    balance_rel: float = Field(1.25, ge=1)
+
+
 class RolloutConfig(Config):
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=2)  # samples per prompt: a group of one has no baseline
@@ -38,6 +50,8 @@ class RolloutConfig(Config):
     # how many times each replica of a fleet is restarted after its process died or stopped (then the run goes on
     # without it; none left: a checkpoint and a non-zero exit)
     replica_restarts: int = Field(2, ge=0)
+    # with replicas > 1: how the router weighs a replica's cached prefix against its load
+    router: RouterConfig = Field(default_factory=RouterConfig)
     # MoE models: where the engine's experts sit over its tp ranks, each expert's width sharded (tp) or whole experts
     # per rank (ep; relayrl.engine.moe). The same results either way
     expert_placement: Literal["tp", "ep"] = "tp"

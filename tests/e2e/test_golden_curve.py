@@ -55,7 +55,9 @@ VOLATILE = ("time/", "throughput/", "rollout/straggler_share", "eval/time")
 THREAD_TIMED = {"env_episodes": ("engine/", "mismatch/", "is/weight_mean"),
                 # the stream's thread admits the next batch beside the update: how far it got when the step's
                 # engine figures are read (the KV blocks' peak) is timing, seen on a loaded machine (2 runs in 4)
-                "one_step_off": ("engine/peak_blocks_used", "engine/block_utilisation_at_peak")}
+                "one_step_off": ("engine/peak_blocks_used", "engine/block_utilisation_at_peak",
+                                 # and so are the most sequences running and queued at once, and the lookups
+                                 "engine/peak_running", "engine/peak_waiting", "engine/prefix_lookup_tokens")}
 
 
 def fingerprint() -> str:

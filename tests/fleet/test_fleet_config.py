@@ -44,10 +44,14 @@ def test_on_ray_each_replica_s_worker_group_runs_on_ray():
     assert group_options(cfg({"replicas": 2}, FLEET).parallel).backend == "local"
 
 
-def test_episodes_are_refused_with_replicas():
-    with pytest.raises(ConfigError, match=r"rollout.replicas=2 routes single-turn requests only.*rollout.replicas=1"):
-        cfg({"replicas": 2}, FLEET, env={"name": "tests.fixtures.envs:TwoTurns"},
-            data={"task": "calculator", "chat_template": "always"})
+def test_episodes_run_on_replicas_in_lockstep_only():
+    """env: and rollout.agent episodes run on a fleet (each replica's worker its own agent loop); streaming is still
+    refused for a fleet, episodes or not."""
+    calc = {"task": "calculator", "chat_template": "always"}
+    assert cfg({"replicas": 2}, FLEET, env={"name": "calculator"}, data=calc).episodes
+    assert cfg({"replicas": 2, "agent": "env:calculator"}, FLEET, data=calc).rollout.replicas == 2
+    with pytest.raises(ConfigError, match="rollout.replicas=2 .* set rollout.mode=sync"):
+        cfg({"replicas": 2, "agent": "env:calculator", "mode": "one_step_off"}, FLEET, data=calc)
 
 
 def test_replicas_must_be_at_least_one():
@@ -80,3 +84,19 @@ def test_colocated_replicas_refused_in_one_line(parallel, rollout, names):
     msg = str(info.value)
     assert "\n" not in msg and names in msg and msg.endswith(
         "parallel.placement=disaggregated parallel.rollout_worker=true (or rollout.replicas=1)")
+
+
+def test_router_knobs_default_to_the_router_s_and_are_validated_in_one_line():
+    from relayrl.rollout import router
+
+    knobs = RunConfig().rollout.router
+    assert (knobs.cache_threshold, knobs.balance_abs, knobs.balance_rel) == (
+        router.CACHE_THRESHOLD, router.BALANCE_ABS, router.BALANCE_REL)
+    got = cfg({"replicas": 2, "router": {"cache_threshold": 0.3, "balance_abs": 0, "balance_rel": 2}}, FLEET)
+    assert got.rollout.router.to_dict() == {"cache_threshold": 0.3, "balance_abs": 0, "balance_rel": 2.0}
+    for key, bad in [("cache_threshold", 1.5), ("cache_threshold", -0.1), ("balance_abs", -1), ("balance_rel", 0.5),
+                     ("balance_abs", "lots"), ("affinity", 1)]:
+        with pytest.raises(ConfigError) as info:
+            cfg({"replicas": 2, "router": {key: bad}}, FLEET)
+        assert "\n" not in str(info.value) and f"rollout.router.{key}" in str(info.value)
+

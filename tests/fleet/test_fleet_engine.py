@@ -149,3 +149,32 @@ def test_a_bad_call_gets_the_engine_s_own_error(model_dir):
         assert all(f.router.load(r) == 0 for r in range(2)) and sum(c.requests for c in f.router.counters) == 0
     finally:
         f.close()
+
+
+@pytest.mark.unit
+def test_each_replica_reports_the_most_sequences_it_ran_and_queued(model_dir):
+    """max_num_seqs 2: one engine given the 6 prompts (a sample each) runs 2 and queues 4 after its first schedule;
+    two replicas get 3 each (least outstanding work) and run 2, queue 1. Fleet-wide: the busiest replica's."""
+    one_params = [SamplingParams(n=1, temperature=1.0, max_tokens=8, seed=100 + i) for i in range(len(PROMPTS))]
+    one = LLMEngine.from_pretrained(model_dir, num_blocks=64, block_size=BLOCK, seed=0, max_num_seqs=2)
+    try:
+        one.generate(PROMPTS, one_params)
+        st = one.stats()
+        assert (st["engine/peak_running"], st["engine/peak_waiting"]) == (2.0, 4.0)
+        one.reset_stats()
+        assert (one.stats()["engine/peak_running"], one.stats()["engine/peak_waiting"]) == (0.0, 0.0)
+    finally:
+        one.close()
+    tok = load_tokenizer(model_dir)
+    f = RolloutFleet([RolloutRole.inline(lambda: LLMEngine.from_pretrained(model_dir, num_blocks=64, block_size=BLOCK,
+                                                                           seed=0, max_num_seqs=2), tok)
+                      for _ in range(2)], Router(2, BLOCK))
+    try:
+        f.generate(PROMPTS, one_params)
+        stats = f.stats()
+        for r in range(2):
+            assert stats[f"fleet/replica{r}/requests"] == 3.0
+            assert (stats[f"fleet/replica{r}/running_peak"], stats[f"fleet/replica{r}/queue_peak"]) == (2.0, 1.0)
+        assert (stats["engine/peak_running"], stats["engine/peak_waiting"]) == (2.0, 1.0)
+    finally:
+        f.close()

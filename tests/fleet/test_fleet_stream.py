@@ -270,7 +270,7 @@ def test_a_fleet_streams_in_rollout_workers(mode):
     ({"replicas": 2}, FLEET, {"algo": {"filter_groups": True}}, "set algo.filter_groups=false"),
     ({"replicas": 2}, FLEET, {"env": {"name": "tests.fixtures.envs:TwoTurns"},
                               "data": {"task": "calculator", "chat_template": "always"}},
-     "multi-turn episodes (env:, rollout.agent) run on one engine: set rollout.replicas=1"),
+     "multi-turn episodes (env:, rollout.agent) on its replicas' agent loops in lockstep: set rollout.mode=sync"),
 ])
 def test_what_a_streaming_fleet_cannot_run_is_refused_in_one_line(rollout, parallel, more, says):
     with pytest.raises(ConfigError) as info:

@@ -79,6 +79,8 @@ def test_cli_text_prints_every_assumption(capsys):
     (["--preset", "tiny-gqa", "--gpus", "0"], "--gpus must be >= 1"),
     (["--preset", "tiny-gqa", "--lora-sync", "merge"], "--lora-sync needs --lora-rank"),
     (["--preset", "tiny-gqa", "--efficiency", "0"], "--efficiency must be in (0, 1]"),
+    (["--preset", "tiny-gqa", "--replicas", "2", "--engine-tp", "2"],
+     "= 4 engine ranks, one GPU each, but --gpus is 2"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(capsys, argv, msg):
     base = {"--gpus": "2", "--gpu-mem": "80", "--seq": "64", "--micro-batch": "1"}
@@ -97,3 +99,19 @@ def test_cli_efficiency_scales_step_times(capsys):
     a, b = half["train"][0]["time"], {o["layout"]: o["time"] for o in full["train"]}[half["train"][0]["layout"]]
     assert a["compute_s"] == pytest.approx(2 * b["compute_s"])
     assert any("kernel efficiency 0.5" in x for x in half["assumptions"])
+
+
+def test_cli_plans_a_fleet(capsys):
+    """--replicas 2: two engines of one rank on the 2 GPUs, one replica's memory 0.9 x 1 GiB (its weights and the KV
+    they leave), twice one engine's tokens per second (the rollout table's tp-1 row: 2 replicas of the 2 GPUs)."""
+    plan = _plan(capsys, "--replicas", "2")
+    f = plan["fleet"]
+    assert (f["replicas"], f["tp"], f["processes"]) == (2, 1, 2)
+    assert f["replica_bytes"] == int(0.9 * 2**30)
+    tp1 = {r["tp"]: r for r in plan["rollout"]}[1]  # gpus // 1 = 2 replicas: the same fleet
+    assert f["option"]["tokens_per_s"] == pytest.approx(tp1["tokens_per_s"]) and tp1["replicas"] == 2
+    one = _plan(capsys, "--replicas", "1")["fleet"]["option"]
+    assert f["option"]["tokens_per_s"] == pytest.approx(2 * one["tokens_per_s"])
+    assert main(["plan", "--preset", "tiny-gqa", "--gpus", "2", "--gpu-mem", "1", "--seq", "64", "--micro-batch", "1",
+                 "--replicas", "2"]) == 0
+    assert "rollout fleet: 2 replicas x engine tp 1 = 2 engine processes (GPUs)" in capsys.readouterr().out

@@ -113,3 +113,45 @@ def test_decode_roofline_by_hand():
     # TP 2 adds 2 all-reduces per layer of e x batch x h, 2 (t-1)/t of it per rank, at 450 GB/s
     step2, _ = decode_time(shape, 2, 4096, 0, eng)
     assert step2 == pytest.approx(step / 2 + 2 * 28 * 2 * 2 * 4096 * 3584 / 2 / 450e9)
+
+
+def test_a_fleet_is_replicas_engines_of_tp_ranks_by_hand():
+    """rollout.replicas N x rollout.tp T: N x T engine processes (a GPU each), one replica's memory T x (weights + KV
+    per rank), the tokens per second of all N replicas; refused in one line when the ranks outnumber the GPUs."""
+    from relayrl.errors import ConfigError
+    from relayrl.planner.rollout import decode_time, fleet_option
+
+    shape, eng = preset("tiny-gqa"), Engine("bfloat16", seq=64, max_num_seqs=8)
+    # tp 1: a rank's KV budget 0.9 x 1e6 - W1 = 862,624 B = 842 blocks of 1024 B (16 tokens x 64 B), 4 per
+    # 64-token sequence: 210 sequences, capped at max_num_seqs 8
+    f = fleet_option(shape, 3, 1, 4, 4, 1_000_000, eng)
+    assert (f.replicas, f.tp, f.processes) == (3, 1, 3)
+    assert (f.option.weight_bytes, f.option.kv_bytes) == (W1, 900_000 - W1)
+    assert f.replica_bytes == 900_000
+    assert (f.option.concurrent_per_replica, f.option.concurrent_total) == (8, 24)
+    step, _ = decode_time(shape, 1, 8, 32, eng)  # 8 sequences at a mean context of 64 / 2
+    assert f.option.tokens_per_s == pytest.approx(3 * 8 / step)
+    # tp 2: 2 replicas of 2 ranks, each rank W2 + its KV; one replica 2 x 900,000 B
+    f = fleet_option(shape, 2, 2, 4, 4, 1_000_000, eng)
+    assert (f.processes, f.option.weight_bytes, f.replica_bytes) == (4, W2, 1_800_000)
+    step2, _ = decode_time(shape, 2, 8, 32, eng)
+    assert f.option.tokens_per_s == pytest.approx(2 * 8 / step2)
+    for args, msg in [((3, 2, 4, 4), "--replicas 3 x --engine-tp 2 = 6 engine ranks, one GPU each, but --gpus is 4"),
+                      ((1, 3, 4, 4), "--engine-tp 3 does not divide"), ((1, 2, 4, 1), "more than the 1 GPUs of a node"),
+                      ((0, 1, 4, 4), "--replicas must be >= 1")]:
+        with pytest.raises(ConfigError, match=msg.replace("(", r"\(")) as info:
+            fleet_option(shape, *args, 1_000_000, eng)
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("replicas, tp, devices, sequences, per_replica, want", [
+    (2, 1, 2, 128, 32, 2.0),  # 4 rounds of 32 on one replica, 2 on each of two
+    (4, 1, 2, 128, 32, 2.0),  # 1 round each, but 4 replicas share 2 devices: 4 x 2 / 4
+    (3, 1, 4, 40, 32, 2.0),  # one replica: 2 rounds (32 + 8); three: 14 each in 1 round, the third adds nothing
+    (2, 1, 4, 16, 32, 1.0),  # one replica already runs all 16 at once
+    (2, 2, 2, 128, 32, 1.0),  # 2 ranks a replica on 2 devices: the second replica shares them (2 x 1 / 2)
+])
+def test_fleet_speedup_by_hand(replicas, tp, devices, sequences, per_replica, want):
+    from relayrl.planner.rollout import fleet_speedup
+
+    assert fleet_speedup(replicas, tp, devices, sequences, per_replica) == want
