@@ -1,6 +1,7 @@
 """Rollout throughput of a fleet of engine replicas against one engine (issue 35, deliverable 6).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_fleet.py                     1 vs 2 replicas (and 4: --replicas 1 2 4)
+    OMP_NUM_THREADS=1 python benchmarks/bench_fleet.py --fault             and a replica of 2 killed mid-rollout
 
 The same workload, in one run, on fleets of N replicas (relayrl.roles.fleet: each replica an LLMEngine in a rollout
 worker process of its own, one torch thread each, behind the router): --prompts distinct random prompts, --n seeded
@@ -14,6 +15,12 @@ Beside each measured ratio, the planner's prediction (relayrl.planner.rollout.fl
 --max-num-seqs sequences (or fewer, if the KV cache holds fewer: relayrl.planner.kv.engine_kv) each replica runs
 its share of the workload in, with replicas beyond the cores sharing them; and the tokens/s it implies from the
 1-replica measurement.
+
+--fault: 2 replicas run the workload; part way through (--fault-at of the no-fault call's time) replica 1 is
+killed (SIGKILL). The call still returns every output, equal to the no-fault call's (replica 1's requests run again
+on replica 0 from their prompts), and the time from the kill to the call's completion is reported beside the rest of
+the no-fault call at that point (what the loss cost), with the lost replica's restart: the seconds until its new
+process has built its engine (it would join at the next weight sync).
 
 On a machine shared with other work the ratio shows the cores left to the run: report the load average beside it.
 The replicas' own CPU time is printed too (tokens per CPU-second of the replica processes, summed): the fleet's
@@ -79,6 +86,50 @@ def measure(model_dir: Path, replicas: int, args, ids, params) -> tuple[float, f
         fleet.close()
 
 
+def fault(model_dir: Path, args, ids, params) -> None:
+    """Replica 1 of 2 killed part way through the workload: the time from its death to the call's completion."""
+    import signal
+    import threading
+
+    engine_kwargs = dict(block_size=16, kv_cache_bytes=args.kv_mb << 20, max_num_seqs=args.max_num_seqs, seed=0)
+    fleet = RolloutFleet.own_processes(2, model_dir, engine_kwargs, GroupOptions(threads=1),
+                                       load_tokenizer(model_dir), block_size=16)
+    fleet.notice = lambda line: print(f"  fleet: {line}", flush=True)
+    try:
+        fleet.generate(ids[:2], params[:2])
+        t0 = time.perf_counter()
+        want = fleet.generate(ids, params)
+        clean = time.perf_counter() - t0
+        kill_at = args.fault_at * clean
+        killed: list[float] = []
+
+        def kill() -> None:
+            os.kill(fleet.replicas[1].group._pids[0], signal.SIGKILL)
+            killed.append(time.perf_counter())
+
+        timer = threading.Timer(kill_at, kill)
+        t0 = time.perf_counter()
+        timer.start()
+        got = fleet.generate(ids, params)
+        end = time.perf_counter()
+        timer.join()
+        same = [[s.token_ids for s in o.samples] for o in got] == [[s.token_ids for s in o.samples] for o in want]
+        after, rest = end - killed[0], clean - kill_at
+        print(f"fault: replica 1 of 2 killed {kill_at:.2f} s into a {clean:.2f} s call; the call ended {after:.2f} s "
+              f"after the kill (the rest of the no-fault call: {rest:.2f} s; x{after / rest:.2f}), {fleet.rerouted} "
+              f"requests run again on replica 0, every output equal to the no-fault call's: {same}", flush=True)
+        t1 = time.perf_counter()
+        while fleet.slots[1].state == "starting" and time.perf_counter() - t1 < 300:
+            fleet.maintain()
+            time.sleep(0.1)
+        print(f"fault: the restarted replica 1 was built {time.perf_counter() - killed[0]:.1f} s after the kill "
+              f"(state {fleet.slots[1].state}: it joins at the next weight sync)", flush=True)
+        if not same:
+            sys.exit("the fleet lost or changed a sample when a replica died")
+    finally:
+        fleet.close()
+
+
 def planned_capacity(model_dir: Path, args) -> int:
     """The sequences of the workload's length one replica runs at once, as the planner counts them: its KV cache's
     (--kv-mb) blocks, at most --max-num-seqs."""
@@ -99,6 +150,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences a replica runs at once (its capacity)")
     ap.add_argument("--kv-mb", type=int, default=64, help="each replica's KV cache")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fault", action="store_true", help="also kill a replica of 2 mid-rollout (see above)")
+    ap.add_argument("--fault-at", type=float, default=0.3, help="when, as a share of the no-fault call")
     args = ap.parse_args()
     if 1 not in args.replicas:
         args.replicas = [1, *args.replicas]
@@ -126,6 +179,8 @@ def main() -> None:
                   f"{os.getloadavg()[0]:.2f})", flush=True)
             if not same:
                 sys.exit("the fleet sampled differently from one replica")
+        if args.fault:
+            fault(model_dir, args, ids, params)
 
 
 if __name__ == "__main__":
