@@ -101,9 +101,11 @@ def fleet_fault(tmp: Path, sig: int) -> dict:
     finally:
         run.kill()
     samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().splitlines()]
-    per_step: dict[int, int] = {}
+    done = {m["step"] for m in ms[:-1]}  # the last step's samples may be unwritten when the run was stopped
+    per_step: dict[int, int] = dict.fromkeys(done, 0)
     for r in samples:
-        per_step[r["step"]] = per_step.get(r["step"], 0) + 1
+        if r["split"] == "train" and r["step"] in done:
+            per_step[r["step"]] += 1
     whole = all(n == 4 for n in per_step.values())
     ok = code is None and noticed is not None and joined is not None and whole
     return {"survived": ok, "lost": sum(4 - n for n in per_step.values()), "seconds": noticed or float("nan"),
