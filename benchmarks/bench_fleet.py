@@ -16,10 +16,10 @@ Beside each measured ratio, the planner's prediction (relayrl.planner.rollout.fl
 its share of the workload in, with replicas beyond the cores sharing them; and the tokens/s it implies from the
 1-replica measurement.
 
---fault: 2 replicas run the workload; part way through (--fault-at of the no-fault call's time) replica 1 is
-killed (SIGKILL). The call still returns every output, equal to the no-fault call's (replica 1's requests run again
-on replica 0 from their prompts), and the time from the kill to the call's completion is reported beside the rest of
-the no-fault call at that point (what the loss cost), with the lost replica's restart: the seconds until its new
+--fault: 2 replicas run the workload; part way through (--fault-at of the no-fault call's time) replica 1 is killed
+(SIGKILL). The call still returns every output, equal to the no-fault call's (replica 1's requests run again on replica
+0, resumed from the tokens it had reported), and the time from the kill to the call's completion is reported beside the
+rest of the no-fault call at that point (what the loss cost), with the lost replica's restart: the seconds until its new
 process has built its engine (it would join at the next weight sync).
 
 On a machine shared with other work the ratio shows the cores left to the run: report the load average beside it.

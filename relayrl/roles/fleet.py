@@ -21,8 +21,10 @@ Each replica (a numbered slot; numbers are never reused) is in one state:
     draining   asked to leave (`relayrl fleet --replicas N` lower): takes no new request; closed at a sync point once
                it holds nothing (lockstep: the next one; streaming: once it finished what it held)
     lost       its process died or stopped (kill -9 is seen at once, SIGSTOP within parallel.heartbeat_timeout_s):
-               the requests it held are routed again to the replicas in service and run from their prompts — their
-               seeds give the same samples, so none is lost or duplicated (counted: fleet/rerouted_requests); it is
+               the requests it held are routed again to the replicas in service and resume there from the tokens it
+               had reported (generate runs in rounds of GENERATE_STEPS engine steps, relayrl.roles.fleet_stepper:
+               re-prefilled, each sample's seeded stream advanced past them), so every sample is the one it would
+               have been, none lost or duplicated (counted: fleet/rerouted_requests, fleet/reprefilled_tokens); it is
                restarted at once, up to rollout.replica_restarts times, after which the run goes on without it and
                says so
     retired    drained, or past its restarts
@@ -59,6 +61,7 @@ QUEUE_PEAKS = ("engine/peak_running", "engine/peak_waiting")  # fleet-wide: the 
 
 SERVING, STARTING, JOINING, DRAINING, LOST, RETIRED = "serving", "starting", "joining", "draining", "lost", "retired"
 ACTIVE = (SERVING, STARTING, JOINING)  # what counts towards the fleet's size (`relayrl fleet --replicas N`)
+GENERATE_STEPS = 64  # engine steps a replica runs per call of the fleet's generate (its progress reported between)
 
 
 class FleetLostError(RunFault):
@@ -135,6 +138,7 @@ class RolloutFleet:
         self.busy = [0.0] * len(replicas)  # seconds each spent in generate calls since then
         self.lost_total = self.restarts_total = 0  # over the run
         self.rerouted = 0  # requests routed again since the last reset_stats (their replica was lost)
+        self.reprefilled = 0  # the tokens those had generated, resumed from (re-prefilled) on another replica
         self.recovery_s = 0.0  # from the first loss noticed in a generate call to its end, since the last reset
         self.partial: str | None = None  # the engines' setting for requests in flight across a sync (streaming)
         self.holding: Callable[[int], int] = lambda r: 0  # requests replica r holds (a stream's stepper tells)
@@ -358,8 +362,13 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]):
-        """Each prompt routed among the replicas in service (relayrl.rollout.router), each replica's share run by
-        it at once; outputs in order. A share whose replica is lost is routed again among the others."""
+        """Each prompt routed among the replicas in service (relayrl.rollout.router), every replica running its share
+        at once, in rounds of GENERATE_STEPS engine steps (one call per replica per round: relayrl.roles.fleet_stepper,
+        which keeps the tokens each request has generated); outputs in the prompts' order. A replica lost on the way
+        is taken out of service and its requests resume on the others from the tokens they had (re-prefilled: their
+        streams continue, so every sample is the one it would have been)."""
+        from relayrl.roles.fleet_stepper import FleetStepper  # it builds on this module
+
         if isinstance(prompts, (str, bytes)) or (not isinstance(params, SamplingParams)
                                                   and len(list(params)) != len(list(prompts))):
             if not self.serving:
@@ -367,51 +376,22 @@ class RolloutFleet:
             return self.slots[self.serving[0]].role.generate(prompts, params)  # the engine's own one-line error
         prompts = list(prompts)
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        ids = [self._ids(p) for p in prompts]
-        work = [len(x) + sp.n * sp.max_tokens for x, sp in zip(ids, params, strict=True)]
-        outputs: list = [None] * len(prompts)
-        todo, first_loss = list(range(len(prompts))), None
-        while todo:
-            among = self.serving
-            if not among:
-                raise self.exhausted()
-            shares: dict[int, list[int]] = {}
-            for i in todo:
-                shares.setdefault(self.router.route(ids[i], work[i], among), []).append(i)
-            try:
-                done, failed = settle({r: self._pool.submit(self._generate_on, r, [prompts[i] for i in share],
-                                                            [params[i] for i in share])
-                                       for r, share in shares.items()})
-            finally:
-                for r, share in shares.items():
-                    for i in share:
-                        self.router.done(r, work[i])
-            todo, other = [], None
-            for r, e in failed.items():
-                if not isinstance(e, RunFault):
-                    other = other or e
-                    continue
-                first_loss = first_loss or time.perf_counter()
-                self.lose(r, e)
-                todo += shares[r]
-                self.rerouted += len(shares[r])
-            if other is not None:
-                raise other
-            for r, outs in done.items():
-                for i, out in zip(shares[r], outs, strict=True):
-                    outputs[i] = out
-                    self.tokens[r] += sum(len(s.token_ids) for s in out.samples)
-            todo.sort()
+        stepper = FleetStepper(self, GENERATE_STEPS, until_done=True, owner=False)
+        rids = [stepper.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        outputs, lost, first_loss = {}, self.lost_total, None
+        try:
+            while stepper.has_unfinished():
+                for o in stepper.step():
+                    outputs[o.request_id] = o
+                if first_loss is None and self.lost_total > lost:
+                    first_loss = time.perf_counter()
+        finally:
+            for p in stepper.placed.values():  # a failed call's work leaves the router's load (a lost one's left)
+                if self.slots[p.replica].state not in (LOST, RETIRED):
+                    self.router.done(p.replica, p.work)
         if first_loss is not None:
             self.recovery_s += time.perf_counter() - first_loss
-        return outputs
-
-    def _generate_on(self, r: int, prompts: list, params: list[SamplingParams]):
-        t0 = time.perf_counter()
-        try:
-            return self.slots[r].role.generate(prompts, params)
-        finally:
-            self.busy[r] += time.perf_counter() - t0
+        return [outputs[rid] for rid in rids]
 
     def _ids(self, prompt) -> list[int]:
         """The token ids the router keys a prompt by (relayrl's sources send ids; a string is tokenized as is)."""
@@ -474,7 +454,9 @@ class RolloutFleet:
         out: dict[str, float] = {"fleet/replicas": float(len(self.serving)),
                                  "fleet/replicas_starting": float(len(self.numbered(STARTING, JOINING))),
                                  "fleet/lost": float(self.lost_total), "fleet/restarts": float(self.restarts_total),
-                                 "fleet/rerouted_requests": float(self.rerouted), "fleet/recovery_s": self.recovery_s}
+                                 "fleet/rerouted_requests": float(self.rerouted),
+                                 "fleet/reprefilled_tokens": float(self.reprefilled),
+                                 "fleet/recovery_s": self.recovery_s}
         stats = list(per.values())
         for key in SUMMED:
             if any(key in s for s in stats):
@@ -514,7 +496,7 @@ class RolloutFleet:
         self.router.reset_counters()
         self.tokens = [0] * len(self.slots)
         self.busy = [0.0] * len(self.slots)
-        self.rerouted, self.recovery_s = 0, 0.0
+        self.rerouted, self.reprefilled, self.recovery_s = 0, 0, 0.0
 
     def close(self) -> None:
         """Close every replica, each on its own (one that fails must not keep the others' processes alive); one

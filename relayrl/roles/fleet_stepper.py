@@ -24,7 +24,8 @@ matters when a replica joins late: restarted after a fault, or added while the r
 Faults and elastic replicas are the fleet's (relayrl.roles.fleet: its replicas' states): a replica the fleet does
 not have in service takes no new request; one found lost in an advance is taken out of service (RolloutFleet.lose:
 restarted at the next sync point, this being a driver thread) and what it held is routed again among the others,
-from the prompts (reroute: a request's seed samples the same tokens under the same weights); a draining replica
+from the tokens each had generated, as the replica's advances reported them (reroute: re-prefilled there, the
+samples' seeded streams advanced past them, so every sample is the one it would have been); a draining replica
 finishes what it holds (the fleet closes it at a sync point once it holds nothing: RolloutFleet.holding).
 
 Like the rest of relayrl.roles, it may import relayrl.rollout and the layers below; never the loop or the jobs.
@@ -64,27 +65,49 @@ def serving_replicas(versions: Sequence[int]) -> list[int]:
 @dataclass
 class Placed:
     """A request from add_request until it comes back: its replica, its work (the router's load), what it is (to
-    route it again if its replica is lost), and whether its replica has it yet."""
+    route it again if its replica is lost: its prompt as given, its ids, its params, and the tokens its samples
+    generated so far, as the replica's advances reported them), and whether its replica has it yet."""
 
     replica: int
     work: int
     ids: list[int]
     params: SamplingParams
+    prompt: object = None  # as the caller gave it (ids, or a string the replica's engine encodes); None: ids
     sent: bool = False
+    prior: list | None = None  # per sample [token ids, logprobs, versions] generated so far
+    carried: int = 0  # of those, the tokens it came to this replica with (generated on a lost one)
+
+    def grow(self, delta: list[tuple]) -> None:
+        if self.prior is None:
+            self.prior = [([], [], []) for _ in delta]
+        for (toks, lps, vs), (t, lp, v) in zip(self.prior, delta, strict=True):
+            toks += t
+            lps += lp
+            vs += v
+
+    @property
+    def generated(self) -> int:
+        return sum(len(t) for t, _, _ in self.prior) if self.prior else 0
 
 
 class FleetStepper:
     """The replicas of a fleet as one StepEngine (see the module docstring)."""
 
-    def __init__(self, fleet: RolloutFleet, max_steps: int = ADVANCE_STEPS):
+    def __init__(self, fleet: RolloutFleet, max_steps: int = ADVANCE_STEPS, *, until_done: bool = False,
+                 owner: bool = True):
+        """until_done: an advance runs its replica's requests to the end (max_steps engine steps at most) instead of
+        returning at the first one finished (the fleet's generate); owner: the stream's stepper, which tells the fleet
+        what each replica holds (RolloutFleet.holding)."""
         if max_steps < 1:
             raise ValueError(f"a fleet stepper needs max_steps >= 1, got {max_steps}")
-        self.fleet, self.max_steps = fleet, max_steps
+        self.fleet, self.max_steps, self.until_done = fleet, max_steps, until_done
         self.tokenizer = fleet.tokenizer
         self._ids = itertools.count()
         self.placed: dict[int, Placed] = {}  # request id -> where it is, until it comes back
         self.rerouted = 0  # requests routed again after their replica was lost
-        fleet.holding = self.holds  # a draining replica is closed only once it holds nothing
+        self.reprefilled = 0  # tokens they had generated, resumed from on another replica
+        if owner:
+            fleet.holding = self.holds  # a draining replica is closed only once it holds nothing
 
     # ---- what every replica's engine does with requests in flight across a weight update ----
     @property
@@ -115,12 +138,17 @@ class FleetStepper:
         rid = next(self._ids) if request_id is None else request_id
         if rid in self.placed:
             raise ValueError(f"request id {rid} is already in flight on the fleet")
-        self.placed[rid] = self._route(ids, params)
+        self.placed[rid] = self._route(ids, params, None if ids is prompt else prompt)
         return rid
 
-    def _route(self, ids: list[int], params: SamplingParams) -> Placed:
+    def _route(self, ids: list[int], params: SamplingParams, prompt=None, prior: list | None = None) -> Placed:
         work = len(ids) + params.n * params.max_tokens
-        return Placed(self.fleet.router.route(ids, work, among=self.in_service()), work, ids, params)
+        among = self.in_service()
+        if not among:
+            raise self.fleet.exhausted()
+        carried = sum(len(t) for t, _, _ in prior) if prior else 0
+        return Placed(self.fleet.router.route(ids, work, among=among), work, ids, params, prompt, prior=prior,
+                      carried=carried)
 
     def has_unfinished(self) -> bool:
         return bool(self.placed)
@@ -150,14 +178,17 @@ class FleetStepper:
     # ---- a replica lost ----
     def reroute(self, r: int) -> int:
         """Replica r is lost (the fleet has it out of service), with what it held: every request placed on it (sent or
-        not) is routed again among the replicas in service, from its prompt: its own seed samples the same tokens
+        not) is routed again among the replicas in service, resumed from the tokens it had reported (prior: its
+        prompt and those re-prefilled, its samples' streams advanced past them): its own seed samples the same tokens
         under the same weights. Returns how many moved (also counted in `rerouted` and the fleet's figures)."""
         moved = [rid for rid, p in self.placed.items() if p.replica == r]
         if moved and not self.in_service():
             raise self.fleet.exhausted()
         for rid in moved:  # (r's load left the router with it: RolloutFleet.lose cleared it)
             p = self.placed[rid]
-            self.placed[rid] = self._route(p.ids, p.params)
+            self.placed[rid] = self._route(p.ids, p.params, p.prompt, p.prior)  # resumed from what it generated
+            self.reprefilled += p.generated
+            self.fleet.reprefilled += p.generated
         self.rerouted += len(moved)
         self.fleet.rerouted += len(moved)
         return len(moved)
@@ -168,7 +199,8 @@ class FleetStepper:
         sent: dict[int, list[tuple[int, list[int], SamplingParams]]] = {r: [] for r in which}
         for rid, p in self.placed.items():
             if p.replica in sent and not p.sent:
-                sent[p.replica].append((rid, p.ids, p.params))
+                prior = [tuple(x) for x in p.prior] if p.prior else None
+                sent[p.replica].append((rid, p.ids if p.prompt is None else p.prompt, p.params, prior))
                 p.sent = True
         done, failed = settle({r: self.fleet._pool.submit(self._advance_on, r, sent[r], aborts.get(r, []), steps)
                                for r in which})
@@ -182,13 +214,16 @@ class FleetStepper:
             for o in out.finished + out.aborted:
                 p = self.placed.pop(o.request_id)
                 self.fleet.router.done(r, p.work)
-                self.fleet.tokens[r] += sum(len(s.token_ids) for s in o.samples)
+                self.fleet.tokens[r] += sum(len(s.token_ids) for s in o.samples) - p.carried
+            for rid, delta in (out.progress or {}).items():
+                if rid in self.placed:
+                    self.placed[rid].grow(delta)
             self.fleet.live[r] = {"queue": float(out.waiting), "running": float(out.running)}
         return done
 
     def _advance_on(self, r: int, new: list, aborts: list[int], steps: int) -> Advanced:
         t0 = time.perf_counter()
         try:
-            return self.fleet.replicas[r].advance(new, aborts, steps)
+            return self.fleet.replicas[r].advance(new, aborts, steps, self.until_done)
         finally:
             self.fleet.busy[r] += time.perf_counter() - t0

@@ -45,13 +45,16 @@ from relayrl.single_controller.worker_group import WorkerGroup
 
 class Advanced(NamedTuple):
     """What one RolloutWorker.advance call did: the requests it finished and those it aborted (what they produced so
-    far), the engine steps it ran, and the engine's queue after it (sequences waiting, sequences running)."""
+    far), the engine steps it ran, the engine's queue after it (sequences waiting, sequences running), and the tokens
+    each request still running generated since the last call (its progress: per sample (token ids, logprobs,
+    versions)), which the fleet keeps so that a request whose replica is lost resumes from them on another."""
 
     finished: list[RequestOutput]
     aborted: list[RequestOutput]
     steps: int
     waiting: int
     running: int
+    progress: dict | None = None
 
 
 def set_partial(engine: LLMEngine, partial: str | None) -> None:
@@ -93,21 +96,36 @@ class RolloutWorker(Worker):
         return out
 
     @dispatch(Dispatch.RANK_ZERO)
-    def advance(self, new: list[tuple[int, list[int], SamplingParams]], aborts: list[int], max_steps: int) -> Advanced:
+    def advance(self, new: list[tuple], aborts: list[int], max_steps: int, until_done: bool = False) -> Advanced:
         """A fleet's stepper (relayrl.roles.fleet_stepper) in one call, not one per engine step: queue the new
-        requests (each under the stepper's id), drop the aborted ones, then step the engine until a request finishes
-        or `max_steps` steps have run (engine steps, not seconds: what each call returns does not depend on timing)."""
+        requests (rid, prompt, params[, prior]: each under the stepper's id, resumed from `prior` when another
+        replica had begun it), drop the aborted ones, then step the engine until a request finishes (until_done:
+        until none is left) or `max_steps` steps have run (engine steps, not seconds: what each call returns does
+        not depend on timing). The running requests' new tokens since the last call come back as their progress."""
         engine = self.engine
-        for rid, ids, params in new:
-            engine.add_request(ids, params, request_id=rid)
+        reported = self.__dict__.setdefault("_reported", {})  # rid -> tokens each sample has reported
+        for rid, ids, params, *rest in new:
+            prior = rest[0] if rest else None
+            engine.add_request(ids, params, request_id=rid, prior=prior)
+            reported[rid] = [len(p[0]) for p in prior] if prior else [0] * params.n
         aborted = engine.abort(aborts) if aborts else []
         finished: list = []
         steps = 0
-        while not finished and steps < max_steps and engine.has_unfinished():
-            finished = engine.step()
+        while (until_done or not finished) and steps < max_steps and engine.has_unfinished():
+            finished += engine.step()
             steps += 1
+        for o in finished + aborted:
+            reported.pop(o.request_id, None)
+        progress = {}
+        for rid, seqs in engine.requests.samples.items():
+            seen = reported.get(rid)
+            if seen is None or not any(len(q.completion_token_ids) > k for q, k in zip(seqs, seen, strict=True)):
+                continue
+            progress[rid] = [(list(q.completion_token_ids[k:]), list(q.logprobs[k:]), list(q.versions[k:]))
+                             for q, k in zip(seqs, seen, strict=True)]
+            reported[rid] = [len(q.completion_token_ids) for q in seqs]
         s = engine.scheduler
-        return Advanced(finished, aborted, steps, len(s.waiting), len(s.running))
+        return Advanced(finished, aborted, steps, len(s.waiting), len(s.running), progress)
 
     @dispatch(Dispatch.RANK_ZERO, deadline="control")
     def start_agent(self, cfg: EnvConfig | RolloutConfig) -> None:
@@ -209,9 +227,9 @@ class RolloutRole:
     def wake(self) -> None:
         self._engine(LLMEngine.wake)
 
-    def advance(self, new: list[tuple[int, list[int], SamplingParams]], aborts: list[int], max_steps: int) -> Advanced:
-        """RolloutWorker.advance: new requests in, aborted ones out, engine steps until one finishes."""
-        return self.group.call(RolloutWorker.advance, new, aborts, max_steps)
+    def advance(self, new: list[tuple], aborts: list[int], max_steps: int, until_done: bool = False) -> Advanced:
+        """RolloutWorker.advance: new requests in, aborted ones out, engine steps until one (or every one) finishes."""
+        return self.group.call(RolloutWorker.advance, new, aborts, max_steps, until_done)
 
     def set_partial(self, partial: str | None) -> None:
         self._engine(set_partial, partial)

@@ -112,20 +112,20 @@ def test_the_replicas_generate_at_once(model_dir):
     f = fleet(model_dir, 2)
     inside, peak, lock = [0], [0], threading.Lock()
     for role in f.replicas:
-        real = role.generate
+        real = role.advance  # the fleet's generate calls each replica in rounds (relayrl.roles.fleet_stepper)
 
-        def slow(prompts, ps, real=real):
+        def slow(*args, real=real):
             with lock:
                 inside[0] += 1
                 peak[0] = max(peak[0], inside[0])
             time.sleep(0.3)  # long enough for the other replica's call to start meanwhile, if they run at once
             try:
-                return real(prompts, ps)
+                return real(*args)
             finally:
                 with lock:
                     inside[0] -= 1
 
-        role.generate = slow
+        role.advance = slow
     try:
         f.generate(PROMPTS[:2], params()[:2])
         assert peak[0] == 2

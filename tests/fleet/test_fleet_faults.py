@@ -1,10 +1,10 @@
-"""A fleet's replicas lost, restarted, added and drained (relayrl.roles.fleet), each replica a rollout worker process
-of its own: a replica killed (kill -9) or stopped (SIGSTOP) in the middle of a generate call is noticed (at once; within
-the heartbeat deadline), its requests run again on the others from their prompts and give exactly the samples the
-call gives without a fault; the lost replica is restarted, up to rollout.replica_restarts times, and joins at the next
-sync point once built; with none left the call stops in one line naming every loss. The whole-run cases (the step
-finishes and the run trains as without the fault, the checkpoint when none is left, `relayrl fleet`) are in
-tests/faults/test_fleet_run_faults.py."""
+"""A fleet's replicas lost, restarted, added and drained (relayrl.roles.fleet), each replica a rollout worker process of
+its own: a replica killed (kill -9) or stopped (SIGSTOP) in the middle of a generate call is noticed (at once; within
+the heartbeat deadline), its requests move to the others and resume from the tokens it had reported (re-prefilled, their
+seeded streams advanced past them), giving exactly the samples the call gives without a fault; the lost replica is
+restarted, up to rollout.replica_restarts times, and joins at the next sync point once built; with none left the call
+stops in one line naming every loss. The whole-run cases (the step finishes and the run trains as without the fault, the
+checkpoint when none is left, `relayrl fleet`) are in tests/faults/test_fleet_run_faults.py."""
 
 from __future__ import annotations
 
@@ -125,7 +125,9 @@ def test_a_replica_lost_mid_generate_loses_no_sample_and_is_restarted(model_dir,
         killer.join()
         assert tokens(got) == tokens(want)  # every request answered once, with the samples its seed gives
         s = fleet.stats()
-        assert s["fleet/rerouted_requests"] == 4  # replica 1's share ran again on replica 0
+        assert s["fleet/rerouted_requests"] == 4  # replica 1's share moved to replica 0...
+        # ...resumed from the tokens replica 1 had reported (rounds of 64 engine steps): re-prefilled, not redone
+        assert 0 < s["fleet/reprefilled_tokens"] < 4 * 2 * 400
         assert s["fleet/lost"] == 1 and s["fleet/restarts"] == 1 and s["fleet/replicas"] == 1
         assert s["fleet/replicas_starting"] == 1 and 0 < s["fleet/recovery_s"] < took
         assert "fleet/replica1/requests" not in s  # out of service: no figures

@@ -281,8 +281,9 @@ def test_what_a_streaming_fleet_cannot_run_is_refused_in_one_line(rollout, paral
 # ---------------------------------------------------------------------------- replicas leaving and coming back
 @pytest.mark.equivalence
 def test_a_lost_replica_s_requests_run_on_the_others_and_sample_the_same(model_dir):
-    """Replica 1 is lost mid-generation: what it held (sent or not) is routed again and regenerated from the prompts on
-    replica 0 — the same tokens as one engine, as every request carries its seed; replica 1 is never stepped again."""
+    """Replica 1 is lost mid-generation: what it held (sent or not) is routed again and resumed from what it had
+    reported on replica 0 — the same tokens as one engine, as every request carries its seed; replica 1 is never
+    stepped again."""
     want = engine(model_dir).generate(PROMPTS, params())
     f = fleet(model_dir, 2)
     try:
@@ -294,6 +295,9 @@ def test_a_lost_replica_s_requests_run_on_the_others_and_sample_the_same(model_d
         stuck = f.replicas[1].local_engine()
         f.lose(1, WorkerLostError("rollout1 worker rank 0 (pid 1) died"))  # as an advance reports it; no restarts
         assert s.reroute(1) == 2 and s.rerouted == 2  # request 1 (3 tokens in) and request 3 (not sent)
+        # request 1 resumes on replica 0 from the 3 tokens each of its 3 samples had (re-prefilled, its streams
+        # advanced past them): the same samples as one engine's below
+        assert s.reprefilled == 9 and [len(t) for t, _, _ in s.placed[ids[1]].prior] == [3, 3, 3]
         assert [s.placed[i].replica for i in ids] == [0, 0, 0, 0, 0] and s.in_service() == [0]
         assert f.router.load(1) == 0 and f.stats()["fleet/rerouted_requests"] == 2
         got, _ = drain(s)
