@@ -93,7 +93,7 @@ def fault(model_dir: Path, args, ids, params) -> None:
 
     engine_kwargs = dict(block_size=16, kv_cache_bytes=args.kv_mb << 20, max_num_seqs=args.max_num_seqs, seed=0)
     fleet = RolloutFleet.own_processes(2, model_dir, engine_kwargs, GroupOptions(threads=1),
-                                       load_tokenizer(model_dir), block_size=16)
+                                       load_tokenizer(model_dir), block_size=16, max_restarts=args.fault_restarts)
     fleet.notice = lambda line: print(f"  fleet: {line}", flush=True)
     try:
         fleet.generate(ids[:2], params[:2])
@@ -117,8 +117,11 @@ def fault(model_dir: Path, args, ids, params) -> None:
         after, rest = end - killed[0], clean - kill_at
         print(f"fault: replica 1 of 2 killed {kill_at:.2f} s into a {clean:.2f} s call; the call ended {after:.2f} s "
               f"after the kill (the rest of the no-fault call: {rest:.2f} s; x{after / rest:.2f}), {fleet.rerouted} "
-              f"requests run again on replica 0, every output equal to the no-fault call's: {same}", flush=True)
+              f"requests moved to replica 0, resumed from {fleet.reprefilled} tokens replica 1 had generated "
+              f"(re-prefilled), every output equal to the no-fault call's: {same}", flush=True)
         t1 = time.perf_counter()
+        if args.fault_restarts == 0:
+            return
         while fleet.slots[1].state == "starting" and time.perf_counter() - t1 < 300:
             fleet.maintain()
             time.sleep(0.1)
@@ -152,6 +155,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fault", action="store_true", help="also kill a replica of 2 mid-rollout (see above)")
     ap.add_argument("--fault-at", type=float, default=0.3, help="when, as a share of the no-fault call")
+    ap.add_argument("--fault-restarts", type=int, default=2, help="restarts of the lost replica (0: none; on 2 "
+                    "cores its engine's build shares them with the replica left)")
     args = ap.parse_args()
     if 1 not in args.replicas:
         args.replicas = [1, *args.replicas]

@@ -61,7 +61,7 @@ QUEUE_PEAKS = ("engine/peak_running", "engine/peak_waiting")  # fleet-wide: the 
 
 SERVING, STARTING, JOINING, DRAINING, LOST, RETIRED = "serving", "starting", "joining", "draining", "lost", "retired"
 ACTIVE = (SERVING, STARTING, JOINING)  # what counts towards the fleet's size (`relayrl fleet --replicas N`)
-GENERATE_STEPS = 64  # engine steps a replica runs per call of the fleet's generate (its progress reported between)
+GENERATE_STEPS = 16  # engine steps a replica runs per call of the fleet's generate (its progress reported between)
 
 
 class FleetLostError(RunFault):

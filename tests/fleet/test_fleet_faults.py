@@ -126,7 +126,7 @@ def test_a_replica_lost_mid_generate_loses_no_sample_and_is_restarted(model_dir,
         assert tokens(got) == tokens(want)  # every request answered once, with the samples its seed gives
         s = fleet.stats()
         assert s["fleet/rerouted_requests"] == 4  # replica 1's share moved to replica 0...
-        # ...resumed from the tokens replica 1 had reported (rounds of 64 engine steps): re-prefilled, not redone
+        # ...resumed from the tokens replica 1 had reported (rounds of 16 engine steps): re-prefilled, not redone
         assert 0 < s["fleet/reprefilled_tokens"] < 4 * 2 * 400
         assert s["fleet/lost"] == 1 and s["fleet/restarts"] == 1 and s["fleet/replicas"] == 1
         assert s["fleet/replicas_starting"] == 1 and 0 < s["fleet/recovery_s"] < took
