@@ -12,6 +12,7 @@ pytestmark = pytest.mark.e2e
 FLEET = {"backend": "local", "placement": "disaggregated", "rollout_worker": True, "device": "cpu"}
 
 
+@pytest.mark.slow  # ~4 s (two replica processes): `make bench`; CI: the knobs' validation (test_fleet_config.py)
 def test_the_build_passes_the_knobs_to_the_fleet_s_router(tmp_path):
     """build_engine starts a fleet whose router weighs prefixes and load as rollout.router says (two replica
     processes of a tiny model)."""

@@ -85,6 +85,7 @@ def test_two_tensor_parallel_replicas_on_four_trainer_ranks(tmp_path):
             assert m[f"fleet/replica{r}/canary_gap"] <= 1e-3
 
 
+@pytest.mark.slow  # ~6 s: `make bench`; the colocated run above (sleep level 2) covers a colocated fleet's sync in CI
 def test_lora_adapters_alone_reach_each_colocated_replica_after_the_first_sync(tmp_path):
     """With LoRA each replica's first sync takes base + adapters, every later one the adapters alone, by its own
     plan at its offset; the same run as one engine in one process."""

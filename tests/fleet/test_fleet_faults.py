@@ -148,6 +148,7 @@ def test_a_replica_lost_mid_generate_loses_no_sample_and_is_restarted(model_dir,
     assert gone(pid_of(fleet, 0)) and gone(pid_of(fleet, 1))
 
 
+@pytest.mark.slow  # ~7 s: `make bench`; CI: the same error from inline replicas (the restart cap's test below)
 def test_no_replica_left_stops_the_call_in_one_line_naming_each_loss(model_dir):
     fleet, notices = start(model_dir, 2, restarts=0)
     pids = [pid_of(fleet, r) for r in range(2)]

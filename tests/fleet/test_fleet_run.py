@@ -142,3 +142,44 @@ def test_a_replica_lost_mid_transfer_is_left_out_and_the_run_trains_as_without_t
     hit = next(m for m in got if m["fleet/lost"] == 1)  # the step whose sync lost it: run on replica 0 alone
     assert hit["fleet/replicas"] == 1 and hit["fleet/replica0/requests"] == P and hit["sync/skipped"] == 0
     assert "fleet/replica1/sync_bytes" not in hit and hit["fleet/replica0/canary_gap"] <= 1e-3
+
+
+def test_a_killed_replica_is_restarted_and_joins_at_a_sync_verified_at_the_step_s_version(tmp_path, monkeypatch):
+    """In a 4-step run on 2 replicas, replica 1's process is killed as step 2's rollout begins: the step runs on
+    replica 0; the restart builds beside the run and (the sync point made to wait for its build here, so that the
+    join lands at step 3 whatever the machine's speed) joins at step 3's sync — the whole base by the plan, the
+    fleet's version, its canary checked — and serves step 4. (The same run against one without the fault, sample
+    for sample, from outside the process: tests/faults/test_fleet_run_faults.py, `make bench`.)"""
+    import os
+    import signal
+
+    from relayrl.roles.fleet import STARTING, RolloutFleet
+
+    real_generate, real_maintain, calls = RolloutFleet.generate, RolloutFleet.maintain, []
+
+    def killed_on_step_2(self, prompts, params):
+        calls.append(1)
+        if len(calls) == 3:  # the first evaluation's, step 1's, then step 2's
+            os.kill(self.replicas[1].group._pids[0], signal.SIGKILL)
+            time.sleep(0.5)
+        return real_generate(self, prompts, params)
+
+    def built_first(self):
+        for r in self.numbered(STARTING):
+            if self.slots[r].starting is not None:
+                self.slots[r].starting.result()
+        return real_maintain(self)
+
+    monkeypatch.setattr(RolloutFleet, "generate", killed_on_step_2)
+    monkeypatch.setattr(RolloutFleet, "maintain", built_first)
+    cfg = cfg_for(tmp_path, "killed", rollout={"replicas": 2}, parallel=FLEET,
+                  reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]},
+                  run={"steps": 4, "save_every": 0}, eval={"every": 0})
+    ms = step_metrics(Path(train(cfg, show_progress=False)["run_dir"]))
+    assert [m["fleet/replicas"] for m in ms] == [2, 1, 2, 2]
+    assert ms[1]["fleet/lost"] == 1 and ms[1]["fleet/rerouted_requests"] >= 1 and ms[1]["fleet/restarts"] == 1
+    assert [m["fleet/joined"] for m in ms] == [0, 0, 1, 0]
+    j = ms[2]
+    assert j["fleet/replica1/version"] == j["fleet/replica0/version"] == 3
+    assert j["fleet/replica1/canary_gap"] <= 1e-3 and j["fleet/replica1/sync_bytes"] == j["sync/bytes_per_replica"]
+    assert ms[3]["fleet/replica1/requests"] > 0 and ms[3]["fleet/replica1/version"] == 4

@@ -69,6 +69,7 @@ def _replicas(rank: int, world: int, store) -> list:
     return out
 
 
+@pytest.mark.slow  # ~7 s on 4 processes: `make bench`; CI: the colocated fleet run (tests/fleet/test_fleet_colocated)
 @pytest.mark.equivalence
 def test_each_colocated_replica_gets_its_full_weights_from_the_sharded_trainer():
     store = serve_store()
