@@ -29,7 +29,10 @@ def test_ranks_beyond_tp_host_nothing_and_a_borrowed_group_outlives_its_ranks():
         assert group.call(RunnerWorker.free_memory)[1] is None  # rank 1 hosts no runner
         ranks = WorkerRanks.of(group, 1)
         assert ranks.call_all(_tp) == [(0, 1)]
-        assert ranks.free_memory() == group.call(RunnerWorker.free_memory)[0] > 0
+        # rank 0's free device memory (rank 1 hosts none): the machine's free memory, read twice, moves by a few
+        # pages between the two reads (a run of the suite saw 32 KB of 18.6 GB)
+        got, rank0 = ranks.free_memory(), group.call(RunnerWorker.free_memory)[0]
+        assert rank0 > 0 and abs(got - rank0) <= 2**20 + rank0 // 1000
         ranks.close()  # the group's owner stops it, not the engine
         assert ranks.call(_tp) == (0, 1)
 
