@@ -319,7 +319,9 @@ def assert_close_scaled(actual, expected, what, rel=REL):
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("case", sorted(CASES))
+# fsdp4 (~18 s) runs in `make bench`: FSDP over 4 ranks stays in CI within hsdp2x2 and tp2_fsdp2, FSDP alone in fsdp2
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "fsdp4" else c
+                                  for c in sorted(CASES)])
 def test_layout_matches_single_process(case):
     world_size, degrees, _, config = CASES[case][:4]
     ranks = _case_results(world_size, case)

@@ -92,6 +92,7 @@ def test_two_rank_layouts_held_bytes_equal_the_plan():
         assert_held_equals_plan(run, mc, per_rank)
 
 
+@pytest.mark.slow  # ~14 s: `make bench`; CI: the two-rank layouts' held bytes against the plan (above)
 def test_four_rank_layouts_held_bytes_equal_the_plan():
     hsdp, fsdp_tp = LAYOUTS["hsdp2x2"], LAYOUTS["fsdp2_tp2"]
     runs = [(hsdp, ODD), (fsdp_tp, TP_MODEL), (fsdp_tp.with_lora(3), TP_MODEL)]
