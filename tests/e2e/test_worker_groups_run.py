@@ -26,7 +26,7 @@ def test_local_worker_groups_match_single_process(tmp_path):
     assert_same_metrics(step_metrics(tp["run_dir"]), step_metrics(ref["run_dir"]))
 
 
-@pytest.mark.slow  # ~10 s (Ray's start): `make bench`; CI: local worker groups (above), Ray's in tests/single_controller
+@pytest.mark.slow  # ~10 s (Ray's start): `make bench`; CI: local worker groups (above), Ray in single_controller
 def test_ray_worker_groups_match_single_process(tmp_path):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
