@@ -29,14 +29,14 @@ Like the rest of relayrl.roles, it may import relayrl.rollout and the layers bel
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from relayrl.data import DataConfig, Example
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.envs.config import EnvConfig
 from relayrl.envs.episode import Trajectory
 from relayrl.errors import RunFault
-from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet import RolloutFleet, settle
 from relayrl.roles.rollout_worker import EpisodeRole
 from relayrl.rollout.config import RolloutConfig
 from relayrl.rollout.prompts import encode_prompt
@@ -141,13 +141,3 @@ class FleetEpisodes:
         for role in self._roles:
             role.close()  # each worker's loop closes with the worker, before its engine
 
-
-def settle(futures: dict[int, Future]) -> tuple[dict[int, object], dict[int, BaseException]]:
-    """Every future waited for: (results, errors), each by key."""
-    done, failed = {}, {}
-    for k, f in futures.items():
-        try:
-            done[k] = f.result()
-        except BaseException as e:
-            failed[k] = e
-    return done, failed
