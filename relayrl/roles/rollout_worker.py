@@ -119,11 +119,12 @@ class RolloutWorker(Worker):
         progress = {}
         for rid, seqs in engine.requests.samples.items():
             seen = reported.get(rid)
-            if seen is None or not any(len(q.completion_token_ids) > k for q, k in zip(seqs, seen, strict=True)):
+            if seen is None or not any(q.num_completion_tokens > k for q, k in zip(seqs, seen, strict=True)):
                 continue
-            progress[rid] = [(list(q.completion_token_ids[k:]), list(q.logprobs[k:]), list(q.versions[k:]))
-                             for q, k in zip(seqs, seen, strict=True)]
-            reported[rid] = [len(q.completion_token_ids) for q in seqs]
+            start = [q.num_prompt_tokens + k for q, k in zip(seqs, seen, strict=True)]  # the new tokens only
+            progress[rid] = [(q.token_ids[i:], q.logprobs[k:], q.versions[k:])
+                             for q, i, k in zip(seqs, start, seen, strict=True)]
+            reported[rid] = [q.num_completion_tokens for q in seqs]
         s = engine.scheduler
         return Advanced(finished, aborted, steps, len(s.waiting), len(s.running), progress)
 
