@@ -68,19 +68,6 @@ class FleetLostError(RunFault):
     """No replica of the fleet is left in service: the run stops (a checkpoint of its last finished step is saved)."""
 
 
-def wait_all(futures: list[Future]) -> list:
-    """Every future's result, in order; the first error raised only after all of them ended."""
-    out, error = [], None
-    for f in futures:
-        try:
-            out.append(f.result())
-        except BaseException as e:
-            error = error or e
-    if error is not None:
-        raise error
-    return out
-
-
 def settle(futures: dict[int, Future]) -> tuple[dict[int, object], dict[int, BaseException]]:
     """Every future waited for: (results, errors), each by key."""
     done, failed = {}, {}
@@ -353,7 +340,7 @@ class RolloutFleet:
 
     @property
     def versions(self) -> list[int]:
-        """Each replica's in service (and joining) version, by number."""
+        """The weights version of each replica in service or joining, in replica-number order."""
         return [self.slots[r].role.weights_version for r in self.numbered(SERVING, JOINING)]
 
     @property
