@@ -13,7 +13,12 @@ the 27M model's micro-batch shapes, forward + backward (benchmarks/RESULTS.md): 
 
 Where it applies (else the eager formula, the same code): plain fp32 CPU tensors (not DTensors: tensor / sequence
 parallelism keeps torch's sharded ops), autocast off, at least MIN_NUMEL elements (the tests' tiny models stay
-eager), not already inside a compiled region, and compiling on. Whether it is on is not this module's choice: it
+eager), not in inference mode, not already inside a compiled region, and compiling on. Inference mode is the
+rollout engine's forward (relayrl.engine.model_runner): forward alone the fused SwiGLU gains 1.1-1.4x and RMSNorm
+0.7-1.5x on a prefill's rows, under 1% of its step, while the first batch past MIN_NUMEL would stall the step that
+meets it for the compile (3 s with inductor's disk cache warm, 18 s cold, measured on bench_fleet's model when a
+lost replica's requests were re-prefilled beside running ones); so the engine stays eager.
+Whether it is on is not this module's choice: it
 is made once per process by relayrl.parallel.cpu_kernels (RELAYRL_COMPILE=auto|off) and handed here as an argument,
 `use_compile(on)`, by relayrl.single_controller.process_setup.configure_process, which every relayrl process that
 runs models calls when it starts; until then it is on (auto, the variable's default): this module reads no
@@ -83,7 +88,8 @@ def applies(*tensors: torch.Tensor) -> bool:
     return (tensors[0].numel() >= MIN_NUMEL
             and all(t.device.type == "cpu" and t.dtype == torch.float32 and not isinstance(t, DTensor)
                     for t in tensors)
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() and enabled())
+            and not torch.is_autocast_enabled("cpu") and not torch.is_inference_mode_enabled()
+            and not torch.compiler.is_compiling() and enabled())
 
 
 def _run(name: str, fn: Callable, *args):

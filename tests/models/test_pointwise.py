@@ -85,6 +85,10 @@ def test_where_it_does_not_apply_it_is_the_eager_formula(monkeypatch):
     assert pw.applies(big) and not pw.applies(big[:100]) and not pw.applies(big.double())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not pw.applies(big)
+    with torch.inference_mode():  # the rollout engine's forward: no compile stalls a rollout step
+        assert not pw.applies(big)
+    with torch.no_grad():  # the trainer's forward without gradients (old logprobs, the reference) still fuses
+        assert pw.applies(big)
     pw.use_compile(False)  # what RELAYRL_COMPILE=off hands the models (relayrl.parallel.cpu_kernels)
     assert not pw.applies(big) and not pw.enabled()
     assert torch.equal(pw.rms_norm(big.reshape(-1, 64), torch.ones(64), 1e-5),
