@@ -154,7 +154,15 @@ class RunConfig(Config):
     @model_validator(mode="after")
     def _replicas_fit(self) -> RunConfig:
         r, p = self.rollout, self.parallel
-        if r.replicas == 1:
+        if r.replicas_max is not None:
+            grow = f"rollout.replicas_max={r.replicas_max} grows a fleet of rollout workers on a Ray cluster"
+            if r.replicas_max < r.replicas:
+                raise ValueError(f"{grow}: it must be at least rollout.replicas={r.replicas}")
+            if not (p.backend == "ray" and p.rollout_worker and p.placement == "disaggregated"):
+                raise ValueError(f"{grow} (as its nodes join): set parallel.backend=ray parallel.rollout_worker=true "
+                                 "parallel.placement=disaggregated; on local processes resize a live run with "
+                                 "`relayrl fleet RUN_DIR --replicas N`")
+        if r.replicas == 1 and r.replicas_max is None:
             return self
         if p.placement == "colocated" and not p.rollout_worker and r.backend == "relayrl":
             return self._colocated_replicas_fit()

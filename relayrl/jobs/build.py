@@ -91,10 +91,11 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
     tokenizer = load_tokenizer(src)
     if par.rollout_worker:  # a tensor-parallel engine's own group, started in the worker, traces there too
         worker_kwargs = {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)}
-        if r.replicas > 1:  # a fleet: each replica in a rollout worker of its own, behind a router
+        if r.replicas > 1 or r.replicas_max is not None:  # a fleet: replicas in rollout workers, behind a router
             return RolloutFleet.own_processes(r.replicas, src, worker_kwargs, options, tokenizer, device=device,
                                               block_size=r.block_size, router=r.router.to_dict(),
-                                              max_restarts=r.replica_restarts)
+                                              max_restarts=r.replica_restarts, replicas_max=r.replicas_max,
+                                              cpus_per_replica=r.replica_cpus)
         return RolloutRole.own_process(src, worker_kwargs, options, tokenizer, device=device)
     if par.placement == "disaggregated":
         if par.backend == "none":  # the trainer is in this process; the engine's ranks are processes all the same

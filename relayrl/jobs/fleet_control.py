@@ -8,8 +8,11 @@
                                            state's replicas, the fleet's size, losses, restarts, weights version
     relayrl fleet RUN_DIR                  prints RUN_DIR/fleet.json
 
+On Ray, rollout.replicas_max grows the fleet by itself: between two steps, one replica more when the cluster has room
+for it (a node joined; RolloutFleet.autoscale), up to that many; a request from the command sets that ceiling.
 The trainer does not wait for a replica being added: its process builds the engine while steps run, and it joins
-at the first weight sync after it is built. Only a run started as a fleet (rollout.replicas >= 2) has one to resize.
+at the first weight sync after it is built. Only a run started as a fleet (rollout.replicas >= 2, or
+rollout.replicas_max) has one to resize.
 
 It may import every layer below the CLI, and it must never import relayrl.cli.
 """
@@ -72,6 +75,7 @@ def fleet_control(engine, run_dir: Path) -> None:
             engine.resize(n)
         if error is not None:
             engine.notice(error)
+    engine.autoscale()  # rollout.replicas_max on Ray: one more replica when a node with room joined
     _write_json(run_dir / STATUS, {**engine.status(), "request": applied, "error": error, "time": time.time()})
 
 
@@ -98,7 +102,7 @@ def read_status(run_dir: str | os.PathLike[str]) -> dict:
     status = _read_json(run_dir / STATUS)
     if status is None:
         raise UserError(f"{run_dir} has no fleet status ({STATUS}): the run is not a rollout fleet "
-                        "(rollout.replicas >= 2) or has not begun its first step")
+                        "(rollout.replicas >= 2, or rollout.replicas_max) or has not begun its first step")
     return status
 
 

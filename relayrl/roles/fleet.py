@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 from relayrl.engine.sampling_params import SamplingParams
 from relayrl.errors import RunFault
@@ -101,6 +102,7 @@ class Replica:
     role: RolloutRole | None
     state: str
     restarts: int = 0
+    waiting: bool = False  # lost, its restart waiting for room on the cluster (a Ray node to join)
     starting: Future | None = None  # the start of its (new) process: a RolloutRole once its engine is built
     group: object | None = None  # that process's worker group, while it starts (close() stops it unwaited)
     reason: str = ""  # why it was lost (one line)
@@ -111,15 +113,22 @@ class RolloutFleet:
 
     def __init__(self, replicas: list[RolloutRole], router: Router, *,
                  spawn: Callable[[str], object] | None = None, max_restarts: int = 2,
-                 notice: Callable[[str], None] = stderr_notice, losable: bool = True):
+                 notice: Callable[[str], None] = stderr_notice, losable: bool = True,
+                 room: Callable[[], int] | None = None, spawn_anywhere: bool = False,
+                 replicas_max: int | None = None):
         """spawn(name): start one more rollout worker's process (its engine builds in it; RolloutRole.ready waits
         for it) — what restarts a lost replica and adds one; None: neither (a fleet of given roles). losable=False:
-        a replica's loss is the run's (a colocated fleet's replicas are the trainer's own ranks): lose() re-raises."""
+        a replica's loss is the run's (a colocated fleet's replicas are the trainer's own ranks): lose() re-raises.
+        room(): how many more replicas the cluster could place now (Ray: relayrl.single_controller.backends.ray.room);
+        None: no limit known (local processes). spawn_anywhere: spawn may run on any thread (a Ray actor does not
+        die with the thread that started it; a local process does), so a start runs wholly on a thread of the
+        fleet. replicas_max: grow, one replica at a time, while room() has room (autoscale())."""
         if len(replicas) != router.replicas:
             raise ValueError(f"{len(replicas)} replicas for a router of {router.replicas}")
         self.slots = [Replica(role, SERVING) for role in replicas]
         self.router, self.spawn, self.max_restarts, self.notice = router, spawn, max_restarts, notice
-        self.losable = losable
+        self.losable, self.room, self.spawn_anywhere, self.replicas_max = losable, room, spawn_anywhere, replicas_max
+        self._grown: int | None = None  # the replica autoscale() added last (it adds another once this one serves)
         self.tokenizer, self.pad_id = replicas[0].tokenizer, replicas[0].pad_id
         self.tokens = [0] * len(replicas)  # tokens each generated since the last reset_stats
         self.busy = [0.0] * len(replicas)  # seconds each spent in generate calls since then
@@ -137,12 +146,22 @@ class RolloutFleet:
     @classmethod
     def own_processes(cls, n: int, model_dir, engine_kwargs: dict, options: GroupOptions, tokenizer,
                       device: str = "cpu", block_size: int = 16, router: dict | None = None,
-                      max_restarts: int = 2) -> RolloutFleet:
+                      max_restarts: int = 2, replicas_max: int | None = None,
+                      cpus_per_replica: float = 0.1) -> RolloutFleet:
         """n replicas, each the engine loaded from `model_dir` in a rollout worker of its own: all started, then
         all waited for (they build at once; on a failure every one is stopped). Lost replicas are restarted the
-        same way, up to max_restarts times each; router: the Router's keyword arguments."""
+        same way, up to max_restarts times each; router: the Router's keyword arguments. On Ray (options.backend)
+        a restart or an added replica waits for room on the cluster, and replicas_max grows the fleet into it;
+        cpus_per_replica: what Ray reserves for each (rollout.replica_cpus)."""
         def spawn(name: str):
-            return RolloutRole.start_process(model_dir, engine_kwargs, options, device, name)
+            return RolloutRole.start_process(model_dir, engine_kwargs, options, device, name, cpus_per_replica)
+
+        room = None
+        if options.backend == "ray":
+            from relayrl.single_controller.backends.ray import room as ray_room
+            from relayrl.single_controller.resource_pool import ResourcePool
+
+            room = partial(ray_room, ResourcePool([1], device=device, cpus_per_process=cpus_per_replica))
 
         groups = []
         try:
@@ -160,7 +179,8 @@ class RolloutFleet:
             for g in groups:
                 g.shutdown(raise_errors=False)
             raise
-        return cls(started, Router(n, block_size, **(router or {})), spawn=spawn, max_restarts=max_restarts)
+        return cls(started, Router(n, block_size, **(router or {})), spawn=spawn, max_restarts=max_restarts,
+                   room=room, spawn_anywhere=room is not None, replicas_max=replicas_max)
 
     # ------------------------------------------------------------------ the replicas and their states
     @property
@@ -184,7 +204,8 @@ class RolloutFleet:
         """Each state's replicas, by number, and the losses and restarts so far (relayrl fleet prints it)."""
         out: dict = {state: self.numbered(state) for state in (SERVING, STARTING, JOINING, DRAINING, LOST, RETIRED)}
         out |= {"size": self.size, "lost_total": self.lost_total, "restarts_total": self.restarts_total,
-                "version": self.weights_version,
+                "version": self.weights_version, "replicas_max": self.replicas_max,
+                "waiting": [r for r, s in enumerate(self.slots) if s.state == LOST and s.waiting],
                 "reasons": {str(r): s.reason for r, s in enumerate(self.slots) if s.reason}}
         return out
 
@@ -207,7 +228,7 @@ class RolloutFleet:
             f"its requests move to replica(s) {', '.join(map(str, left))}" if left else "no replica is left"))
         if draining:
             slot.state = RETIRED  # it was leaving anyway: not restarted
-        elif threading.current_thread() is threading.main_thread():
+        elif self.spawn_anywhere or threading.current_thread() is threading.main_thread():
             self._restart(r)
 
     def _restart(self, r: int) -> None:
@@ -218,14 +239,24 @@ class RolloutFleet:
             self.notice(f"rollout replica {r} is not restarted {tries}; the run goes on with "
                         f"{len(self.numbered(*ACTIVE))} replica(s)")
             return
+        if self.room is not None and self.room() < 1:  # e.g. its node left the cluster: not a failed restart
+            if not slot.waiting:
+                slot.waiting = True
+                self.notice(f"rollout replica {r} waits for room on the cluster to restart (looked for at each sync)")
+            return
+        slot.waiting = False
         slot.restarts += 1
         self.restarts_total += 1
         self._start(r)
 
     def _start(self, r: int) -> None:
-        """Replica r's new process, started from this (the main) thread; its engine builds in it, waited for by a
-        thread of the fleet."""
+        """Replica r's new process, started from this (the main) thread, its engine built in it and waited for
+        by a thread of the fleet; with spawn_anywhere, started by that thread too."""
         slot = self.slots[r]
+        if self.spawn_anywhere:
+            slot.state, slot.group = STARTING, None
+            slot.starting = self._starts.submit(self._spawn_ready, slot, f"rollout{r}")
+            return
         try:
             group = self.spawn(f"rollout{r}")
         except Exception as e:  # e.g. no memory for another process: counts as a failed restart
@@ -236,13 +267,46 @@ class RolloutFleet:
             slot.starting = self._starts.submit(RolloutRole.ready, group, self.tokenizer)
         slot.state = STARTING
 
+    def _spawn_ready(self, slot: Replica, name: str) -> RolloutRole:
+        group = slot.group = self.spawn(name)
+        return RolloutRole.ready(group, self.tokenizer)
+
     def resize(self, n: int) -> None:
         """The fleet's size becomes n (>= 1): replicas added (started now, joining at a sync once built) or the
-        highest-numbered ones drained (starting ones first). From the driver's main thread."""
+        highest-numbered ones drained (starting ones first). From the driver's main thread. A growing fleet's
+        ceiling (replicas_max) becomes n: autoscale() does not undo what was asked."""
         if n < 1:
             raise ValueError(f"a fleet needs at least 1 replica, got {n}")
         if self.spawn is None and n > self.size:
             raise ValueError("this fleet cannot start replicas (it was given its roles)")
+        if self.replicas_max is not None:
+            self.replicas_max, self._grown = n, None
+        self._add_or_drain(n)
+
+    def autoscale(self) -> int | None:
+        """Between two steps (main thread): a growing fleet (replicas_max, on a cluster whose room it can measure)
+        adds one replica when the cluster has room for it (a node joined) and none is starting, none lost waits
+        for room, and the replica it added last serves (one that never came up stops the growth, in one line).
+        Returns the replica added, or None."""
+        if self.replicas_max is None or self.room is None or self.size >= self.replicas_max:
+            return None
+        if self.numbered(STARTING, LOST):
+            return None
+        if self._grown is not None and self.slots[self._grown].state != SERVING:
+            if self.slots[self._grown].state == RETIRED:
+                self.notice(f"the fleet stops growing: replica {self._grown}, added when the cluster had room, did "
+                            f"not come up ({self.slots[self._grown].reason or 'retired'})")
+                self.replicas_max = self.size
+            return None
+        if self.room() < 1:
+            return None
+        self.notice(f"the cluster has room for another rollout replica (up to rollout.replicas_max="
+                    f"{self.replicas_max})")
+        self._add_or_drain(self.size + 1)
+        self._grown = len(self.slots) - 1
+        return self._grown
+
+    def _add_or_drain(self, n: int) -> None:
         while self.size < n:
             r = self.router.add()
             self.slots.append(Replica(None, STARTING))
@@ -275,7 +339,7 @@ class RolloutFleet:
                 if slot.state == DRAINING:
                     slot.state = RETIRED
                     continue
-                slot.reason = f"its restart failed: {one_line(e)}"
+                slot.reason = f"its {'re' if slot.restarts else ''}start failed: {one_line(e)}"
                 self.notice(f"rollout replica {r} did not start: {one_line(e)}")
                 self._restart(r)
                 continue

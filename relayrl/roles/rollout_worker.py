@@ -180,10 +180,11 @@ class RolloutRole:
 
     @staticmethod
     def start_process(model_dir, engine_kwargs: dict, options: GroupOptions, device: str = "cpu",
-                      name: str = "rollout") -> WorkerGroup:
+                      name: str = "rollout", cpus: float = 0.1) -> WorkerGroup:
         """own_process's start without the wait: a fleet starts every replica's worker, then waits for all
-        (from the driver's thread: a worker dies with the thread that started it, relayrl.parallel.launch)."""
-        return WorkerGroup.start(ResourcePool([1], device=device, name=name), RolloutWorker,
+        (from the driver's thread: a worker dies with the thread that started it, relayrl.parallel.launch).
+        cpus: what Ray reserves for it (ResourcePool.cpus_per_process)."""
+        return WorkerGroup.start(ResourcePool([1], device=device, name=name, cpus_per_process=cpus), RolloutWorker,
                                  (str(model_dir), engine_kwargs), options=options)
 
     @classmethod

@@ -47,6 +47,13 @@ class RolloutConfig(Config):
     # the replicas are stepped together under the staleness bound, relayrl.roles.fleet_stepper), or colocated in
     # lockstep: replica k in trainer ranks k*tp..k*tp+tp-1 (relayrl.roles.fleet_colocated)
     replicas: int = Field(1, ge=1)
+    # on a Ray cluster (parallel.backend ray, rollout workers): grow the fleet, one replica at a time between steps,
+    # up to this many while Ray has room for another (nodes that join); None: the fleet's size changes only by
+    # `relayrl fleet RUN_DIR --replicas N` (which also sets this ceiling on a growing fleet)
+    replicas_max: int | None = Field(None, ge=1)
+    # the CPUs Ray reserves for each replica's rollout worker (with a GPU each on cuda): on a CPU cluster, what one
+    # replica uses (its torch threads), so that a node's room counts whole replicas; a fraction packs them
+    replica_cpus: float = Field(0.1, gt=0)
     # how many times each replica of a fleet is restarted after its process died or stopped (then the run goes on
     # without it; none left: a checkpoint and a non-zero exit)
     replica_restarts: int = Field(2, ge=0)

@@ -32,6 +32,30 @@ def _ray():
     return ray
 
 
+def bundle_of(pool: ResourcePool) -> dict[str, float]:
+    """What each of the pool's processes reserves: its CPUs, and a GPU on cuda."""
+    return {"CPU": pool.cpus_per_process} | ({"GPU": 1} if pool.device_type == "cuda" else {})
+
+
+def room(pool: ResourcePool) -> int:
+    """How many more one-node groups like `pool` Ray could place now: node by node, the copies of its processes'
+    bundles the node's free resources hold (what a node that joined the cluster adds; what placement groups
+    already reserved is not free). Per node from Ray's state, else (that view unavailable) from the cluster's
+    total, which can overcount a cluster whose free resources are split over nodes."""
+    ray = _ray()
+    need = bundle_of(pool)
+    per_process = len(pool.processes_per_node) == 1 and pool.processes_per_node[0]
+    if not per_process:
+        raise ValueError(f"room() counts one-node pools; {pool.processes_per_node} spans nodes")
+    try:
+        from ray._private.state import available_resources_per_node  # Ray's own view, per node
+
+        nodes = list(available_resources_per_node().values())
+    except (ImportError, AttributeError):
+        nodes = [ray.available_resources()]
+    return sum(int(min(free.get(k, 0.0) / v for k, v in need.items()) + 1e-9) // per_process for free in nodes)
+
+
 class RayBackend:
     def __init__(self, pool: ResourcePool, ready_timeout_s: float = 300.0):
         ray = _ray()
@@ -42,8 +66,8 @@ class RayBackend:
             ray.init()  # RAY_ADDRESS / a running cluster, else a local one
         self.pool, self._ray = pool, ray
         self._remove_pg = remove_placement_group
-        gpus = 1 if pool.device_type == "cuda" else 0
-        bundle = {"CPU": pool.cpus_per_process} | ({"GPU": gpus} if gpus else {})
+        bundle = bundle_of(pool)
+        gpus = int(bundle.get("GPU", 0))
         self.pgs = [placement_group([bundle] * n, strategy="STRICT_PACK") for n in pool.processes_per_node]
         self.actors: list[Any] = []
         try:
