@@ -114,7 +114,8 @@ class WorkerRanks:
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int, *, device: str = "cpu",
                  options: GroupOptions | None = None, expert_placement: str = "tp"):
-        pool = ResourcePool([tp_size], device=device, name="rollout-tp")
+        kind, _, index = str(device).partition(":")  # cuda:3: ranks on cuda:3..3+tp-1 (a fleet's replica's GPUs)
+        pool = ResourcePool([tp_size], device=kind, name="rollout-tp", device_offset=[int(index or 0)])
         self.group: GroupHandle = WorkerGroup(pool, RunnerWorker, cfg, dtype, expert_placement, options=options)
         self.tp, self.owned = tp_size, True
 

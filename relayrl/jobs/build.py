@@ -31,6 +31,7 @@ from relayrl.data import PromptSampler, build_datasets
 from relayrl.engine import LLMEngine
 from relayrl.engine.protocols import RolloutEngine
 from relayrl.engine.tp_workers import RunnerWorker, colocated_ranks
+from relayrl.errors import ConfigError
 from relayrl.jobs.base_model import base_model_dir, check_datasets
 from relayrl.jobs.preflight import check_fits_model, check_roles, sync_transport
 from relayrl.models import load_config
@@ -41,7 +42,7 @@ from relayrl.observe.trace import trace_dir
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import RewardConfig
 from relayrl.rewards.protocol import Scorer
-from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet import RolloutFleet, replica_devices
 from relayrl.roles.fleet_colocated import ColocatedFleetWeightSync, colocated_fleet
 from relayrl.roles.fleet_episodes import FleetEpisodes
 from relayrl.roles.fleet_stepper import FleetStepper
@@ -61,6 +62,21 @@ from relayrl.sync.protocol import WeightSync
 from relayrl.trainer.policy import Policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_gpus(cfg: RunConfig, device: str, count: int | None = None) -> list[int] | None:
+    """Disaggregated engines on one node's GPUs as local processes: the first GPU of each engine replica's
+    rollout.tp GPUs, after the trainer's ranks on cuda:0.. (relayrl.roles.fleet.replica_devices); None where the
+    device is not a GPU or Ray places the processes (each actor sees its own GPUs as cuda:0..). count: the node's
+    GPUs (default: torch's count)."""
+    par = cfg.parallel
+    if device != "cuda" or par.backend == "ray" or (par.placement == "colocated" and not par.rollout_worker):
+        return None
+    count = torch.cuda.device_count() if count is None else count
+    try:
+        return replica_devices(count, 1 if par.backend == "none" else par.world_size, cfg.rollout.tp)
+    except ValueError as e:
+        raise ConfigError(f"rollout.tp: {e}") from None
 
 
 def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPolicy,
@@ -89,19 +105,21 @@ def build_engine(cfg: RunConfig, src: Path, model: ModelConfig, policy: GroupPol
                   record_routing=records_routing(model))
     device = resolve_device(par.device)  # colocated ranks take the actor's device instead
     tokenizer = load_tokenizer(src)
+    gpus = engine_gpus(cfg, device)  # local processes on GPUs: the engines' after the trainer's
+    first = device if gpus is None else f"{device}:{gpus[0]}"
     if par.rollout_worker:  # a tensor-parallel engine's own group, started in the worker, traces there too
         worker_kwargs = {**kwargs, "group_options": GroupOptions(trace_dir=options.trace_dir)}
         if r.replicas > 1 or r.replicas_max is not None:  # a fleet: replicas in rollout workers, behind a router
             return RolloutFleet.own_processes(r.replicas, src, worker_kwargs, options, tokenizer, device=device,
                                               block_size=r.block_size, router=r.router.to_dict(),
                                               max_restarts=r.replica_restarts, replicas_max=r.replicas_max,
-                                              cpus_per_replica=r.replica_cpus)
-        return RolloutRole.own_process(src, worker_kwargs, options, tokenizer, device=device)
+                                              cpus_per_replica=r.replica_cpus, gpus=gpus, tp=r.tp)
+        return RolloutRole.own_process(src, worker_kwargs, options, tokenizer, device=first, gpus=r.tp)
     if par.placement == "disaggregated":
         if par.backend == "none":  # the trainer is in this process; the engine's ranks are processes all the same
             options = dataclasses.replace(options, backend="local")
         return RolloutRole.inline(partial(LLMEngine, model, tokenizer, own_processes=True, group_options=options,
-                                          device=device, **kwargs), tokenizer)
+                                          device=first, **kwargs), tokenizer)
     if r.replicas > 1:
         return colocated_fleet(policy.roles["engine"], r.replicas, r.tp, partial(LLMEngine, model, tokenizer, **kwargs),
                                tokenizer, r.block_size)

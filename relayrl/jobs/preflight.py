@@ -127,9 +127,14 @@ def check_fits_machine(cfg: RunConfig, model: ModelConfig, machine: tuple[int, s
     r = cfg.rollout
     if r.backend != "relayrl":
         return
+    device = resolve_device(cfg.parallel.device)
+    if device == "cuda" and machine is None:  # the engines' GPUs after the trainer's (relayrl.jobs.build.engine_gpus)
+        from relayrl.jobs.build import engine_gpus
+
+        engine_gpus(cfg, device)
     weights, kv = engine_weight_bytes(plan_shape(model), r.tp, r.engine_dtype), r.kv_cache_bytes or 0
     replica = r.tp * (weights + kv)
-    have, what = machine or machine_memory(resolve_device(cfg.parallel.device))
+    have, what = machine or machine_memory(device)
     if r.replicas * replica > have:
         raise ConfigError(
             f"rollout.replicas={r.replicas} engines of rollout.tp={r.tp} ranks need {r.replicas * replica / GIB:.2f} "

@@ -87,6 +87,18 @@ def adopt_version(engine, version: int) -> None:
     engine.weights_version = engine.block_manager.version = version
 
 
+def replica_devices(count: int, trainer: int, tp: int) -> list[int]:
+    """The first GPU of each place a replica of `tp` ranks takes on a node of `count` GPUs beside `trainer` trainer
+    ranks on cuda:0..trainer-1 (local processes): tp consecutive GPUs after the trainer's, as many groups as fit; where
+    not even one group fits after them, groups over all of the node's GPUs from cuda:0 (shared with the trainer's
+    processes, as on a one-GPU machine). Replicas beyond the groups share them, place p on group p mod their number.
+    A node with fewer GPUs than tp: ValueError (the preflight says it in one line first)."""
+    if count < tp:
+        raise ValueError(f"an engine of rollout.tp={tp} ranks needs {tp} GPUs; the node has {count}")
+    start = trainer if count - trainer >= tp else 0
+    return list(range(start, start + (count - start) // tp * tp, tp))
+
+
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -102,6 +114,7 @@ class Replica:
     role: RolloutRole | None
     state: str
     restarts: int = 0
+    place: int = 0  # which of the machine's device groups it takes (spawn), kept across its restarts
     waiting: bool = False  # lost, its restart waiting for room on the cluster (a Ray node to join)
     starting: Future | None = None  # the start of its (new) process: a RolloutRole once its engine is built
     group: object | None = None  # that process's worker group, while it starts (close() stops it unwaited)
@@ -116,7 +129,8 @@ class RolloutFleet:
                  notice: Callable[[str], None] = stderr_notice, losable: bool = True,
                  room: Callable[[], int] | None = None, spawn_anywhere: bool = False,
                  replicas_max: int | None = None):
-        """spawn(name): start one more rollout worker's process (its engine builds in it; RolloutRole.ready waits
+        """spawn(name, place): start one more rollout worker's process (at `place`: which of the machine's device
+        groups it takes, relayrl.roles.fleet.replica_devices) (its engine builds in it; RolloutRole.ready waits
         for it) — what restarts a lost replica and adds one; None: neither (a fleet of given roles). losable=False:
         a replica's loss is the run's (a colocated fleet's replicas are the trainer's own ranks): lose() re-raises.
         room(): how many more replicas the cluster could place now (Ray: relayrl.single_controller.backends.ray.room);
@@ -125,7 +139,7 @@ class RolloutFleet:
         fleet. replicas_max: grow, one replica at a time, while room() has room (autoscale())."""
         if len(replicas) != router.replicas:
             raise ValueError(f"{len(replicas)} replicas for a router of {router.replicas}")
-        self.slots = [Replica(role, SERVING) for role in replicas]
+        self.slots = [Replica(role, SERVING, place=r) for r, role in enumerate(replicas)]
         self.router, self.spawn, self.max_restarts, self.notice = router, spawn, max_restarts, notice
         self.losable, self.room, self.spawn_anywhere, self.replicas_max = losable, room, spawn_anywhere, replicas_max
         self._grown: int | None = None  # the replica autoscale() added last (it adds another once this one serves)
@@ -147,14 +161,17 @@ class RolloutFleet:
     def own_processes(cls, n: int, model_dir, engine_kwargs: dict, options: GroupOptions, tokenizer,
                       device: str = "cpu", block_size: int = 16, router: dict | None = None,
                       max_restarts: int = 2, replicas_max: int | None = None,
-                      cpus_per_replica: float = 0.1) -> RolloutFleet:
+                      cpus_per_replica: float = 0.1, gpus: list[int] | None = None, tp: int = 1) -> RolloutFleet:
         """n replicas, each the engine loaded from `model_dir` in a rollout worker of its own: all started, then
         all waited for (they build at once; on a failure every one is stopped). Lost replicas are restarted the
         same way, up to max_restarts times each; router: the Router's keyword arguments. On Ray (options.backend)
         a restart or an added replica waits for room on the cluster, and replicas_max grows the fleet into it;
-        cpus_per_replica: what Ray reserves for each (rollout.replica_cpus)."""
-        def spawn(name: str):
-            return RolloutRole.start_process(model_dir, engine_kwargs, options, device, name, cpus_per_replica)
+        cpus_per_replica: what Ray reserves for each (rollout.replica_cpus), with tp GPUs on cuda. gpus (local
+        processes on cuda): the first GPU of each place a replica takes (replica_devices); a replica keeps its place
+        across restarts, one added takes the first place no replica holds, else shares place p mod their number."""
+        def spawn(name: str, place: int):
+            where = device if not gpus else f"{device}:{gpus[place % len(gpus)]}"
+            return RolloutRole.start_process(model_dir, engine_kwargs, options, where, name, cpus_per_replica, tp)
 
         room = None
         if options.backend == "ray":
@@ -166,7 +183,7 @@ class RolloutFleet:
         groups = []
         try:
             for r in range(n):
-                groups.append(spawn(f"rollout{r}"))
+                groups.append(spawn(f"rollout{r}", r))
         except BaseException:
             for g in groups:
                 g.shutdown(raise_errors=False)
@@ -255,10 +272,10 @@ class RolloutFleet:
         slot = self.slots[r]
         if self.spawn_anywhere:
             slot.state, slot.group = STARTING, None
-            slot.starting = self._starts.submit(self._spawn_ready, slot, f"rollout{r}")
+            slot.starting = self._starts.submit(self._spawn_ready, slot, f"rollout{r}", slot.place)
             return
         try:
-            group = self.spawn(f"rollout{r}")
+            group = self.spawn(f"rollout{r}", slot.place)
         except Exception as e:  # e.g. no memory for another process: counts as a failed restart
             slot.starting = Future()
             slot.starting.set_exception(e)
@@ -267,8 +284,8 @@ class RolloutFleet:
             slot.starting = self._starts.submit(RolloutRole.ready, group, self.tokenizer)
         slot.state = STARTING
 
-    def _spawn_ready(self, slot: Replica, name: str) -> RolloutRole:
-        group = slot.group = self.spawn(name)
+    def _spawn_ready(self, slot: Replica, name: str, place: int) -> RolloutRole:
+        group = slot.group = self.spawn(name, place)
         return RolloutRole.ready(group, self.tokenizer)
 
     def resize(self, n: int) -> None:
@@ -309,7 +326,9 @@ class RolloutFleet:
     def _add_or_drain(self, n: int) -> None:
         while self.size < n:
             r = self.router.add()
-            self.slots.append(Replica(None, STARTING))
+            held = {s.place for s in self.slots if s.state != RETIRED}  # a lost one keeps its place for its restart
+            self.slots.append(Replica(None, STARTING, place=next(p for p in range(len(self.slots) + 1)
+                                                                  if p not in held)))
             self.tokens.append(0)
             self.busy.append(0.0)
             self._start(r)

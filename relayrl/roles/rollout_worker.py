@@ -174,18 +174,21 @@ class RolloutRole:
 
     @classmethod
     def own_process(cls, model_dir, engine_kwargs: dict, options: GroupOptions, tokenizer,
-                    device: str = "cpu") -> RolloutRole:
-        """The engine loaded from `model_dir` in a rollout worker of its own, on `device`."""
-        return cls.ready(cls.start_process(model_dir, engine_kwargs, options, device), tokenizer)
+                    device: str = "cpu", gpus: int = 1) -> RolloutRole:
+        """The engine loaded from `model_dir` in a rollout worker of its own, on `device` (start_process)."""
+        return cls.ready(cls.start_process(model_dir, engine_kwargs, options, device, gpus=gpus), tokenizer)
 
     @staticmethod
     def start_process(model_dir, engine_kwargs: dict, options: GroupOptions, device: str = "cpu",
-                      name: str = "rollout", cpus: float = 0.1) -> WorkerGroup:
+                      name: str = "rollout", cpus: float = 0.1, gpus: int = 1) -> WorkerGroup:
         """own_process's start without the wait: a fleet starts every replica's worker, then waits for all
         (from the driver's thread: a worker dies with the thread that started it, relayrl.parallel.launch).
-        cpus: what Ray reserves for it (ResourcePool.cpus_per_process)."""
-        return WorkerGroup.start(ResourcePool([1], device=device, name=name, cpus_per_process=cpus), RolloutWorker,
-                                 (str(model_dir), engine_kwargs), options=options)
+        device: "cpu", "cuda" or "cuda:i" (local processes: the worker on cuda:i, its engine's tensor-parallel ranks
+        on cuda:i..); cpus / gpus: what Ray reserves for it (a GPU per tensor-parallel rank of its engine)."""
+        kind, _, first = device.partition(":")
+        pool = ResourcePool([1], device=kind, name=name, cpus_per_process=cpus, gpus_per_process=gpus,
+                            device_offset=[int(first or 0)])
+        return WorkerGroup.start(pool, RolloutWorker, (str(model_dir), engine_kwargs), options=options)
 
     @classmethod
     def ready(cls, group: WorkerGroup, tokenizer) -> RolloutRole:

@@ -35,7 +35,9 @@ class ResourcePool:
 
     device_offset[i] is the first local device index the pool uses on node i (split_pool sets it so
     that two pools on one node do not share GPUs). cpus_per_process is what the Ray backend reserves
-    per process; a fraction lets several CPU workers share a core.
+    per process; a fraction lets several CPU workers share a core. gpus_per_process: the GPUs the Ray
+    backend reserves per process on cuda (a process that starts a group of its own, e.g. a rollout worker
+    whose engine has tensor-parallel ranks, sees them all: its ranks take cuda:0..).
     """
 
     processes_per_node: list[int]
@@ -44,6 +46,7 @@ class ResourcePool:
     name: str = ""
     device_offset: list[int] | None = None
     cpus_per_process: float = 0.1
+    gpus_per_process: int = 1
     node_ids: list[int] | None = None  # which node of the original pool each entry is (split_pool)
 
     def __post_init__(self) -> None:
@@ -59,6 +62,8 @@ class ResourcePool:
             raise ValueError("ResourcePool: device_offset and node_ids need one entry per node")
         if self.cpus_per_process < 0:
             raise ValueError(f"ResourcePool: cpus_per_process must be >= 0, got {self.cpus_per_process}")
+        if self.gpus_per_process < 1:
+            raise ValueError(f"ResourcePool: gpus_per_process must be >= 1, got {self.gpus_per_process}")
 
     @property
     def world_size(self) -> int:
@@ -108,6 +113,7 @@ def split_pool(pool: ResourcePool, sizes: Mapping[str, int]) -> Placement:
         out[role] = ResourcePool(
             [len(per_node[i]) for i in nodes], device=pool.device, name=role,
             device_offset=[pool.device_offset[i] + per_node[i][0] for i in nodes],
-            cpus_per_process=pool.cpus_per_process, node_ids=[pool.node_ids[i] for i in nodes])
+            cpus_per_process=pool.cpus_per_process, gpus_per_process=pool.gpus_per_process,
+            node_ids=[pool.node_ids[i] for i in nodes])
         start += n
     return out

@@ -47,7 +47,7 @@ def grow_fleet(model_dir, cluster: Cluster, replicas_max: int, restarts: int = 1
     def build():
         return LLMEngine.from_pretrained(model_dir, num_blocks=64, block_size=16, seed=0)
 
-    def spawn(name: str):  # on a thread of the fleet (spawn_anywhere, as on Ray)
+    def spawn(name: str, place: int):  # on a thread of the fleet (spawn_anywhere, as on Ray)
         if cluster.fail:
             raise RuntimeError("the engine would not build")
         cluster.free -= 1

@@ -63,7 +63,7 @@ def inline_fleet(model_dir, n: int, restarts: int = 1) -> tuple[RolloutFleet, li
     def build():
         return LLMEngine.from_pretrained(model_dir, num_blocks=64, block_size=16, seed=0)
 
-    def spawn(name: str):
+    def spawn(name: str, place: int):
         return WorkerGroup.start(ResourcePool([1], name=name), RolloutWorker, (build,),
                                  options=GroupOptions(backend="inline"))
 

@@ -1,9 +1,11 @@
 """Ray backend: one Ray actor per rank, each running the same WorkerHost as a local process.
 
-    pool [4, 4] → placement group per node, STRICT_PACK, bundles {CPU: cpus_per_process, GPU: 1 on cuda}
+    pool [4, 4] → placement group per node, STRICT_PACK, bundles {CPU: cpus_per_process, GPU: gpus_per_process
+                  on cuda}
                → actor of rank r in bundle (its node's group, its local rank)
 
-Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so a worker's device is cuda:0. The driver
+Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so a worker's device is cuda:0 (an actor of several GPUs
+sees them as cuda:0.., for the group it starts). The driver
 hosts the rendezvous store at its node's IP (that interface only, behind the run's token gate:
 relayrl.parallel.rendezvous): run the driver on a node of the cluster (`ray job submit` does).
 relayrl must be importable on every node. Calls are actor method calls; a payload comes back as
@@ -33,8 +35,8 @@ def _ray():
 
 
 def bundle_of(pool: ResourcePool) -> dict[str, float]:
-    """What each of the pool's processes reserves: its CPUs, and a GPU on cuda."""
-    return {"CPU": pool.cpus_per_process} | ({"GPU": 1} if pool.device_type == "cuda" else {})
+    """What each of the pool's processes reserves: its CPUs, and its GPUs on cuda."""
+    return {"CPU": pool.cpus_per_process} | ({"GPU": pool.gpus_per_process} if pool.device_type == "cuda" else {})
 
 
 def room(pool: ResourcePool) -> int:
