@@ -19,12 +19,12 @@ from relayrl.single_controller.backends.ray import room
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.single_controller.resource_pool import ResourcePool
 
-pytestmark = [pytest.mark.faults, pytest.mark.slow]  # ~1 min: three raylets and three actors' torch imports
+pytestmark = [pytest.mark.faults, pytest.mark.slow]  # ~40 s, ~75 s: raylets, actors' imports, two 100-step runs
 
 PROMPTS = [[5 + i, 6, 7, 8 + i] for i in range(6)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster():
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
@@ -110,3 +110,49 @@ def test_the_fleet_grows_onto_a_node_that_joins_and_waits_for_one_when_its_node_
         assert fleet.serving == [0, 1] and fleet.router.counters[1].requests == 3
     finally:
         fleet.close()
+
+
+def test_a_training_run_grows_its_fleet_onto_a_node_that_joins_and_trains_as_one_engine(tmp_path, monkeypatch,
+                                                                                       cluster, model_dir):
+    """The whole run (relayrl train's loop: the fleet grown between two steps by relayrl.jobs.fleet_control): a run
+    of 1 replica with rollout.replicas_max 2 on a cluster with no room for a second; a node joins once the fleet is
+    built; the second replica starts, joins at a sync verified at the step's version and serves, and the run's samples
+    and step metrics are those of one engine in a rollout worker on local processes."""
+    import json
+
+    from relayrl.jobs.train import train
+
+    from helpers import assert_same_metrics, cfg_for, step_metrics
+
+    built = RolloutFleet.own_processes.__func__
+
+    def own_processes(cls, *args, **kwargs):  # the fleet is up: now a node with room for one more replica joins
+        fleet = built(cls, *args, **kwargs)
+        cluster.add_node(num_cpus=1)
+        return fleet
+
+    def run(name: str, **sections):
+        cfg = cfg_for(tmp_path, name, algo={"kl_coef": 0.05},
+                      reward={"functions": [{"name": "tests.fixtures.rewards:share_of_sevens"}]},
+                      run={"steps": 100, "save_every": 0, "samples_every": 1, "samples_per_step": 16}, **sections)
+        run_dir = Path(train(cfg, show_progress=False)["run_dir"])
+        rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+        return step_metrics(run_dir), [r for r in rows if r["split"] == "train"]
+
+    worker = {"placement": "disaggregated", "rollout_worker": True}
+    one, one_samples = run("local1", parallel={"backend": "local", **worker})
+    # the head's 1 CPU: the trainer's actors (0.1 each) and replica 0's rollout worker (rollout.replica_cpus 0.6);
+    # a replica's build on the new node spans ~50 of the 100 steps
+    monkeypatch.setattr(RolloutFleet, "own_processes", classmethod(own_processes))
+    got, samples = run("ray_grow", parallel={"backend": "ray", **worker},
+                       rollout={"replicas": 1, "replicas_max": 2, "replica_cpus": 0.6})
+    grown = [m for m in got if m["fleet/replicas"] == 2]
+    assert grown, [m["fleet/replicas"] for m in got]  # it joined before the run's end
+    first = grown[0]
+    assert first["fleet/joined"] == 1 and first["fleet/replica1/version"] == first["step"]
+    assert first["fleet/replica1/canary_gap"] <= 1e-3
+    assert first["fleet/replica1/sync_bytes"] == first["sync/bytes_per_replica"]
+    assert all(m["fleet/replicas"] == 2 for m in got[got.index(first):])
+    assert sum(m.get("fleet/replica1/requests", 0) for m in grown) > 0  # it served
+    assert samples == one_samples
+    assert_same_metrics(got, one)
