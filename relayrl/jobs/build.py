@@ -42,9 +42,10 @@ from relayrl.observe.trace import trace_dir
 from relayrl.parallel.device import resolve_device
 from relayrl.rewards import RewardConfig
 from relayrl.rewards.protocol import Scorer
-from relayrl.roles.fleet import RolloutFleet, replica_devices
+from relayrl.roles.fleet import RolloutFleet
 from relayrl.roles.fleet_colocated import ColocatedFleetWeightSync, colocated_fleet
 from relayrl.roles.fleet_episodes import FleetEpisodes
+from relayrl.roles.fleet_replicas import replica_devices
 from relayrl.roles.fleet_stepper import FleetStepper
 from relayrl.roles.fleet_sync import FleetWeightSync
 from relayrl.roles.group_policy import GroupPolicy, group_options
@@ -66,9 +67,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def engine_gpus(cfg: RunConfig, device: str, count: int | None = None) -> list[int] | None:
     """Disaggregated engines on one node's GPUs as local processes: the first GPU of each engine replica's
-    rollout.tp GPUs, after the trainer's ranks on cuda:0.. (relayrl.roles.fleet.replica_devices); None where the
-    device is not a GPU or Ray places the processes (each actor sees its own GPUs as cuda:0..). count: the node's
-    GPUs (default: torch's count)."""
+    rollout.tp GPUs, after the trainer's ranks on cuda:0.. (relayrl.roles.fleet_replicas.replica_devices); None
+    where the device is not a GPU or Ray places the processes (each actor sees its own GPUs as cuda:0..). count:
+    the node's GPUs (default: torch's count)."""
     par = cfg.parallel
     if device != "cuda" or par.backend == "ray" or (par.placement == "colocated" and not par.rollout_worker):
         return None

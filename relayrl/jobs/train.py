@@ -53,7 +53,8 @@ from relayrl.observe.samples import SampleLog, samples_path
 from relayrl.observe.trace import open_tracer
 from relayrl.rewards import TrainerState
 from relayrl.rewards.naming import held_out_metric
-from relayrl.roles.fleet import FleetLostError, RolloutFleet
+from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet_replicas import FleetLostError
 from relayrl.rollout.evaluate import evaluate_set
 from relayrl.rollout.sample_rows import train_rows
 from relayrl.single_controller.process_setup import configure_process

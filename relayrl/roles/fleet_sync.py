@@ -38,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from relayrl.errors import RunFault
 from relayrl.roles import sync_steps as steps
-from relayrl.roles.fleet import JOINING, SERVING, FleetLostError, RolloutFleet, adopt_version, settle
+from relayrl.roles.fleet import RolloutFleet, adopt_version, settle
+from relayrl.roles.fleet_replicas import JOINING, SERVING, FleetLostError
 from relayrl.roles.weight_sync import PlannedWeightSync
 from relayrl.trainer.policy import Policy
 

@@ -208,7 +208,7 @@ def test_the_train_job_checkpoints_its_last_step_when_the_fleet_is_lost_and_resu
     steps 3 and 4 exactly as the run without the fault (the sampler was put back: step 3's prompts were not skipped)."""
     from relayrl.engine import LLMEngine
     from relayrl.jobs.train import train
-    from relayrl.roles.fleet import FleetLostError
+    from relayrl.roles.fleet_replicas import FleetLostError
 
     from helpers import cfg_for, step_metrics
 

@@ -1,9 +1,9 @@
-"""A fleet that grows into a cluster's room (rollout.replicas_max; relayrl.roles.fleet RolloutFleet.autoscale): between
-two steps, one replica more when the cluster has room for it (on Ray: a node joined; relayrl.single_controller.backends
-.ray.room), none while one starts or a lost one waits for room; a replica lost when the cluster has no room left (its
-node left) waits for room without spending a restart, and restarts once there is. Here the cluster is a counter of free
-replica slots and the replicas are inline engines (the bookkeeping in a second); the same on a Ray cluster whose nodes
-join and leave: tests/fleet/test_fleet_ray_nodes.py (slow)."""
+"""A fleet that grows into a cluster's room (rollout.replicas_max; relayrl.roles.fleet_replicas
+ReplicaStates.autoscale): between two steps, one replica more when the cluster has room for it (on Ray: a node joined;
+relayrl.single_controller.backends.ray.room), none while one starts or a lost one waits for room; a replica lost when
+the cluster has no room left (its node left) waits for room without spending a restart, and restarts once there is.
+Here the cluster is a counter of free replica slots and the replicas are inline engines (the bookkeeping in a second);
+the same on a Ray cluster whose nodes join and leave: tests/fleet/test_fleet_ray_nodes.py (slow)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from relayrl.controller.config import RunConfig
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.models.tokenizer import load_tokenizer
-from relayrl.roles.fleet import JOINING, LOST, RETIRED, STARTING, RolloutFleet
+from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet_replicas import JOINING, LOST, RETIRED, STARTING
 from relayrl.roles.rollout_worker import RolloutRole, RolloutWorker
 from relayrl.rollout.router import Router
 from relayrl.single_controller.liveness import GroupOptions, WorkerLostError

@@ -1,5 +1,5 @@
 """Where a fleet's replicas compute on GPUs, checked without one (the pools and device strings a run would start):
-local processes take tp consecutive GPUs each after the trainer's ranks (relayrl.roles.fleet.replica_devices,
+local processes take tp consecutive GPUs each after the trainer's ranks (relayrl.roles.fleet_replicas.replica_devices,
 relayrl.jobs.build.engine_gpus), the rollout worker on the first and its engine's tensor-parallel ranks on the next
 ones (relayrl.engine.tp_workers.WorkerRanks); a replica keeps its GPUs across restarts and one added takes the GPUs no
 replica holds; on Ray each rollout worker's actor reserves a GPU per tensor-parallel rank (the bundle) and sees them
@@ -12,7 +12,8 @@ import pytest
 from relayrl.controller.config import RunConfig
 from relayrl.errors import ConfigError
 from relayrl.jobs.build import engine_gpus
-from relayrl.roles.fleet import RETIRED, RolloutFleet, replica_devices
+from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet_replicas import RETIRED, replica_devices
 from relayrl.single_controller.backends.ray import bundle_of
 from relayrl.single_controller.resource_pool import ResourcePool
 

@@ -17,7 +17,8 @@ import pytest
 
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.models.tokenizer import load_tokenizer
-from relayrl.roles.fleet import DRAINING, JOINING, LOST, RETIRED, SERVING, STARTING, FleetLostError, RolloutFleet
+from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet_replicas import DRAINING, JOINING, LOST, RETIRED, SERVING, STARTING, FleetLostError
 from relayrl.roles.rollout_worker import RolloutRole, RolloutWorker
 from relayrl.rollout.router import Router
 from relayrl.single_controller.liveness import GroupOptions, WorkerLostError

@@ -14,7 +14,8 @@ import pytest
 
 from relayrl.engine import SamplingParams
 from relayrl.models.tokenizer import load_tokenizer
-from relayrl.roles.fleet import LOST, STARTING, RolloutFleet
+from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet_replicas import LOST, STARTING
 from relayrl.single_controller.backends.ray import room
 from relayrl.single_controller.liveness import GroupOptions
 from relayrl.single_controller.resource_pool import ResourcePool

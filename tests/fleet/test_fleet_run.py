@@ -153,7 +153,8 @@ def test_a_killed_replica_is_restarted_and_joins_at_a_sync_verified_at_the_step_
     import os
     import signal
 
-    from relayrl.roles.fleet import STARTING, RolloutFleet
+    from relayrl.roles.fleet import RolloutFleet
+    from relayrl.roles.fleet_replicas import STARTING
 
     real_generate, real_maintain, calls = RolloutFleet.generate, RolloutFleet.maintain, []
 

@@ -16,7 +16,8 @@ from relayrl.controller.config import RunConfig
 from relayrl.engine import LLMEngine, SamplingParams
 from relayrl.errors import ConfigError
 from relayrl.models.tokenizer import load_tokenizer
-from relayrl.roles.fleet import DRAINING, RETIRED, FleetLostError, RolloutFleet
+from relayrl.roles.fleet import RolloutFleet
+from relayrl.roles.fleet_replicas import DRAINING, RETIRED, FleetLostError
 from relayrl.roles.fleet_stepper import FleetStepper, serving_replicas
 from relayrl.roles.rollout_worker import RolloutRole
 from relayrl.rollout.router import Router
