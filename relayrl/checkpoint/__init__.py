@@ -20,6 +20,7 @@ from relayrl.checkpoint.layout import (
     latest_checkpoint,
     latest_valid_checkpoint,
     list_checkpoints,
+    step_dir_name,
 )
 from relayrl.checkpoint.manifest import verify_checkpoint
 from relayrl.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -40,5 +41,6 @@ __all__ = [
     "restore_rng_state",
     "save_checkpoint",
     "save_distributed",
+    "step_dir_name",
     "verify_checkpoint",
 ]

@@ -37,7 +37,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from relayrl.checkpoint import capture_rng_state, latest_valid_checkpoint, restore_rng_state
+from relayrl.checkpoint import (
+    capture_rng_state,
+    latest_checkpoint,
+    latest_valid_checkpoint,
+    restore_rng_state,
+    step_dir_name,
+)
 from relayrl.controller.config import RunConfig
 from relayrl.controller.driver import Driver
 from relayrl.errors import UserError
@@ -201,15 +207,14 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
         roles.engine.notice = lambda line: progress.write(f"relayrl: {line}")
     try:
         first = None
-        saved = [start if ckpt is not None else None]  # the step the newest checkpoint holds
         try:
             if start == 0:
                 with tracer.span("eval", step=0):
                     first = _eval(driver, roles, eval_set, cfg, run_dir, logger, samples)
-            last = _steps(driver, roles, cfg, run_dir, src, eval_set, logger, samples, progress, tracer, saved,
-                          first)
+            last = _steps(driver, roles, cfg, run_dir, src, eval_set, logger, samples, progress, tracer, first)
         except FleetLostError:  # no rollout replica is left: the trainer is whole at its last step; save it
-            if saved[0] != driver.step:
+            newest = latest_checkpoint(run_dir)
+            if newest is None or newest.name != step_dir_name(driver.step):
                 _save(driver, run_dir, cfg, src)
             raise
         final = load_pretrained(src)  # the policy's weights, wherever it runs, as a HF directory
@@ -224,9 +229,9 @@ def _run(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path,
 
 
 def _steps(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Path, eval_set, logger, samples,
-           progress, tracer, saved: list, last):
+           progress, tracer, last):
     """The steps to run.steps, each logged, evaluated and checkpointed as the config says; returns the last
-    evaluation. saved[0]: the step of the newest checkpoint."""
+    evaluation."""
     while driver.step < cfg.run.steps:
         fleet_control(roles.engine, run_dir)  # relayrl fleet RUN_DIR --replicas N, between two steps
         with tracer.span("step", step=driver.step + 1):  # the driver's stages nest inside it
@@ -247,7 +252,6 @@ def _steps(driver: Driver, roles: Roles, cfg: RunConfig, run_dir: Path, src: Pat
         if done or (cfg.run.save_every and driver.step % cfg.run.save_every == 0):
             with tracer.span("checkpoint", step=driver.step):
                 _save(driver, run_dir, cfg, src)
-            saved[0] = driver.step
     return last
 
 

@@ -91,10 +91,8 @@ class ColocatedFleetWeightSync(FleetWeightSync):
             s.syncs += 1
         self.syncs += 1
         self._synced = (which, [])
-        out = syncs[0].figures(specs[0], steps.total([x for part in parts for x in part]), t0)
-        per_trainer_rank = [sum(part[t].bytes_sent for part in parts) for t in range(len(parts[0]))]
-        out["sync/trainer_rank_bytes_sent_max"] = float(max(per_trainer_rank))
-        out["sync/bytes_per_replica"] = float(self.replica_bytes(specs[0]))
+        out = self._figures(syncs, specs[0], [x for part in parts for x in part],
+                            [sum(part[t].bytes_sent for part in parts) for t in range(len(parts[0]))], t0)
         for r, part in zip(which, parts, strict=True):  # what replica r's ranks took in: received, and copied in place
             out[f"fleet/replica{r}/sync_bytes"] = float(sum(x.bytes_received + x.bytes_copied for x in part))
             out[f"fleet/replica{r}/sync_bytes_copied"] = float(sum(x.bytes_copied for x in part))

@@ -104,8 +104,6 @@ class FleetStepper:
         self.tokenizer = fleet.tokenizer
         self._ids = itertools.count()
         self.placed: dict[int, Placed] = {}  # request id -> where it is, until it comes back
-        self.rerouted = 0  # requests routed again after their replica was lost
-        self.reprefilled = 0  # tokens they had generated, resumed from on another replica
         if owner:
             fleet.holding = self.holds  # a draining replica is closed only once it holds nothing
 
@@ -180,16 +178,14 @@ class FleetStepper:
         """Replica r is lost (the fleet has it out of service), with what it held: every request placed on it (sent or
         not) is routed again among the replicas in service, resumed from the tokens it had reported (prior: its
         prompt and those re-prefilled, its samples' streams advanced past them): its own seed samples the same tokens
-        under the same weights. Returns how many moved (also counted in `rerouted` and the fleet's figures)."""
+        under the same weights. Returns how many moved (counted in the fleet's figures: rerouted, reprefilled)."""
         moved = [rid for rid, p in self.placed.items() if p.replica == r]
         if moved and not self.in_service():
             raise self.fleet.exhausted()
         for rid in moved:  # (r's load left the router with it: RolloutFleet.lose cleared it)
             p = self.placed[rid]
             self.placed[rid] = self._route(p.ids, p.params, p.prompt, p.prior)  # resumed from what it generated
-            self.reprefilled += p.generated
             self.fleet.reprefilled += p.generated
-        self.rerouted += len(moved)
         self.fleet.rerouted += len(moved)
         return len(moved)
 

@@ -70,6 +70,15 @@ class FleetWeightSync:
         """What the plan moves into one replica: its whole shard (every engine rank's), in the engine's dtype."""
         return sum(spec.plan.bytes_per_dst_rank(spec.dtype).values())
 
+    def _figures(self, syncs: list, spec, stats: list, sent_per_trainer_rank: list[int], t0: float
+                 ) -> dict[str, float]:
+        """A fanned-out sync's figures: one replica's (by its plan `spec`) over every replica's `stats` together
+        (bytes_between_processes: all of them), the most any trainer rank sent, and what one replica takes in."""
+        out = syncs[0].figures(spec, steps.total(stats), t0)
+        out["sync/trainer_rank_bytes_sent_max"] = float(max(sent_per_trainer_rank))
+        out["sync/bytes_per_replica"] = float(self.replica_bytes(spec))
+        return out
+
     def _members(self) -> tuple[list[int], list[int]]:
         """The fleet maintained; each replica's sync group matched to it: (replicas in service, replicas joining)."""
         joining = self.fleet.maintain()
@@ -142,11 +151,8 @@ class FleetWeightSync:
             s.syncs += 1
         self.syncs += 1
         self._synced = (which, [r for r in joining if r in which])
-        total = steps.total([x for r in which for x in received[r] + sent[r]])
-        out = syncs[0].figures(specs[which[0]], total, t0)  # bytes_between_processes: every replica's together
-        per_trainer_rank = [sum(sent[r][t].bytes_sent for r in which) for t in range(len(sent[which[0]]))]
-        out["sync/trainer_rank_bytes_sent_max"] = float(max(per_trainer_rank))
-        out["sync/bytes_per_replica"] = float(self.replica_bytes(specs[which[0]]))
+        out = self._figures(syncs, specs[which[0]], [x for r in which for x in received[r] + sent[r]],
+                            [sum(sent[r][t].bytes_sent for r in which) for t in range(len(sent[which[0]]))], t0)
         out["fleet/joined"] = float(len([r for r in joining if r in which]))
         for r in which:
             out[f"fleet/replica{r}/sync_bytes"] = float(sum(x.bytes_received for x in received[r]))

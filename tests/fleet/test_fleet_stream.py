@@ -295,10 +295,10 @@ def test_a_lost_replica_s_requests_run_on_the_others_and_sample_the_same(model_d
         assert [s.placed[i].replica for i in ids] == [0, 1, 0, 1, 0]
         stuck = f.replicas[1].local_engine()
         f.lose(1, WorkerLostError("rollout1 worker rank 0 (pid 1) died"))  # as an advance reports it; no restarts
-        assert s.reroute(1) == 2 and s.rerouted == 2  # request 1 (3 tokens in) and request 3 (not sent)
+        assert s.reroute(1) == 2 and f.rerouted == 2  # request 1 (3 tokens in) and request 3 (not sent)
         # request 1 resumes on replica 0 from the 3 tokens each of its 3 samples had (re-prefilled, its streams
         # advanced past them): the same samples as one engine's below
-        assert s.reprefilled == 9 and [len(t) for t, _, _ in s.placed[ids[1]].prior] == [3, 3, 3]
+        assert f.reprefilled == 9 and [len(t) for t, _, _ in s.placed[ids[1]].prior] == [3, 3, 3]
         assert [s.placed[i].replica for i in ids] == [0, 0, 0, 0, 0] and s.in_service() == [0]
         assert f.router.load(1) == 0 and f.stats()["fleet/rerouted_requests"] == 2
         got, _ = drain(s)
