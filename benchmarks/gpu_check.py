@@ -26,6 +26,12 @@
    others. With vllm importable, the same loop with rollout.backend=vllm beside it (parity: the gap, the
    rollout's time, rewards) and greedy tokens of both engines compared.
 
+7. fleet: 2 engine replicas, each in a rollout worker process (relayrl.roles.fleet), on the node's GPUs as a run
+   places them (relayrl.roles.fleet_replicas.replica_devices after a trainer of one rank: cuda:1.. where the node
+   has more than one GPU, else both on cuda:0): each replica's device, tokens/s of the fleet against one replica,
+   and the share of samples equal to one in-process engine's (seeded; on a GPU, batch-dependent kernels may round
+   differently, so it is reported, not asserted).
+
 --small shrinks every model (the 0.5B shape to 2 layers of width 112, its vocabulary kept) and the loops' work
 so that the CPU smoke test takes a minute or two.
 """
@@ -368,6 +374,45 @@ def check_grpo_05b(device: str, small: bool, steps: int | None) -> dict:
     return res
 
 
+def engine_device(engine: LLMEngine) -> str:
+    """Where a rollout worker's engine computes (run in the worker: RolloutRole._engine)."""
+    return str(next(iter(engine.runner.model.parameters())).device)
+
+
+def check_fleet(path: str, device: str) -> dict:
+    from relayrl.models.tokenizer import load_tokenizer
+    from relayrl.roles.fleet import RolloutFleet
+    from relayrl.roles.fleet_replicas import replica_devices
+    from relayrl.single_controller.liveness import GroupOptions
+
+    kind = device.split(":")[0]
+    gpus = replica_devices(torch.cuda.device_count(), 1, 1) if kind == "cuda" else None
+    ids = prompts(16)
+    params = [SamplingParams(n=4, temperature=1.0, max_tokens=32, seed=100 + i, ignore_eos=True) for i in range(16)]
+    one = LLMEngine.from_pretrained(path, device=device, seed=0)
+    want = [[s.token_ids for s in o.samples] for o in one.generate(ids, params)]
+    del one
+    out: dict = {}
+    for n in (1, 2):
+        fleet = RolloutFleet.own_processes(n, path, {"seed": 0}, GroupOptions(threads=1), load_tokenizer(path),
+                                           device=kind, gpus=gpus)
+        try:
+            fleet.generate(ids[:n], params[:n])  # warm-up
+            t = time.perf_counter()
+            outs = fleet.generate(ids, params)
+            wall = time.perf_counter() - t
+            got = [[s.token_ids for s in o.samples] for o in outs]
+            out[f"replicas{n}_tokens_per_s"] = round(sum(len(x) for g in got for x in g) / wall, 1)
+            out[f"replicas{n}_devices"] = [role._engine(engine_device) for role in fleet.replicas]
+            out[f"replicas{n}_samples_equal_to_one_engine"] = round(
+                sum(a == b for ga, gb in zip(got, want, strict=True) for a, b in zip(ga, gb, strict=True))
+                / sum(len(g) for g in want), 3)
+        finally:
+            fleet.close()
+    out["ratio_2_vs_1"] = round(out["replicas2_tokens_per_s"] / out["replicas1_tokens_per_s"], 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -382,7 +427,7 @@ def main() -> None:
     checks = (("nccl", check_nccl), ("greedy_fp32", check_greedy), ("bf16", check_bf16),
               ("throughput", check_throughput), ("sync", check_sync),
               ("grpo_demo", lambda p, d: check_grpo_demo(d, a.small, a.steps)),
-              ("grpo_0.5b", lambda p, d: check_grpo_05b(d, a.small, a.steps)))
+              ("grpo_0.5b", lambda p, d: check_grpo_05b(d, a.small, a.steps)), ("fleet", check_fleet))
     for name, fn in checks:
         if a.only and name not in a.only:
             continue
