@@ -23,6 +23,9 @@ rest of the no-fault call at that point (what the loss cost), with the lost repl
 process has built its engine (it would join at the next weight sync).
 
 On a machine shared with other work the ratio shows the cores left to the run: report the load average beside it.
+The machine's own scaling is printed first (--no-probe skips it): the rate of one process multiplying the model's
+widths' matrices in a loop, against two such processes at once: what two one-thread processes get out of this
+machine this minute, whatever they run (a host's other tenants, shared caches, the boost clock of two busy cores).
 The replicas' own CPU time is printed too (tokens per CPU-second of the replica processes, summed): the fleet's
 overhead, which the machine's load does not move; the wall-clock ratio is what an idle 2-core machine is judged by.
 """
@@ -58,6 +61,36 @@ def workload(prompts: int, n: int, max_tokens: int, prompt_len: int, vocab: int,
     params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed * 1000 + i)
               for i in range(prompts)]
     return ids, params
+
+
+def _matmul_loop(secs: float, hidden: int, out) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    ws = [torch.randn(hidden, 3 * hidden) for _ in range(8)]
+    x, n, t0 = torch.randn(32, hidden), 0, time.perf_counter()
+    while time.perf_counter() - t0 < secs:
+        for w in ws:
+            x @ w
+        n += 1
+    out.put(n / (time.perf_counter() - t0))
+
+
+def machine_scaling(hidden: int, secs: float = 4.0) -> float:
+    """Two one-thread processes' summed rate of a decode-shaped matmul loop over one process's (see the docstring)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rates = []
+    for k in (1, 2):
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_matmul_loop, args=(secs, hidden, q)) for _ in range(k)]
+        for p in procs:
+            p.start()
+        rates.append(sum(q.get() for _ in procs))
+        for p in procs:
+            p.join()
+    return rates[1] / rates[0]
 
 
 def cpu_seconds(engine) -> float:
@@ -154,6 +187,7 @@ def main() -> None:
     ap.add_argument("--kv-mb", type=int, default=64, help="each replica's KV cache")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fault", action="store_true", help="also kill a replica of 2 mid-rollout (see above)")
+    ap.add_argument("--no-probe", action="store_true", help="skip the machine's own two-process scaling")
     ap.add_argument("--fault-at", type=float, default=0.3, help="when, as a share of the no-fault call")
     ap.add_argument("--fault-restarts", type=int, default=2, help="restarts of the lost replica (0: none; on 2 "
                     "cores its engine's build shares them with the replica left)")
@@ -169,6 +203,10 @@ def main() -> None:
         print(f"workload: {args.prompts} prompts x {args.n} samples x {args.max_tokens} tokens, model width "
               f"{args.hidden} x 4 layers, {args.max_num_seqs} sequences at once per replica; load average before: "
               f"{os.getloadavg()[0]:.2f}")
+        if not args.no_probe:
+            scaling = machine_scaling(args.hidden)
+            print(f"machine: two one-thread matmul loops (width {args.hidden}) run at x{scaling:.2f} one loop's rate",
+                  flush=True)
         per_replica, cores = planned_capacity(model_dir, args), len(os.sched_getaffinity(0))
         print(f"planner: a replica runs {per_replica} sequences at once; {cores} cores, a one-thread replica each")
         figures, ref = {}, None
