@@ -258,9 +258,9 @@ class ReplicaStates:
                 if slot.state == DRAINING:
                     slot.state = RETIRED
                     continue
-                slot.reason = f"its {'re' if slot.restarts else ''}start failed: {one_line(e)}"
+                slot.state, slot.reason = LOST, f"its {'re' if slot.restarts else ''}start failed: {one_line(e)}"
                 self.notice(f"rollout replica {r} did not start: {one_line(e)}")
-                self._restart(r)
+                self._restart(r)  # again (lost until it starts: waiting for room, it is tried at each sync), or retired
                 continue
             slot.starting, slot.group, slot.role = None, None, role
             if slot.state == DRAINING:

@@ -132,6 +132,30 @@ def test_a_replica_lost_with_no_room_waits_for_room_without_spending_a_restart(m
 
 
 @pytest.mark.faults
+def test_a_start_that_failed_when_the_room_is_gone_waits_for_room_then_starts(model_dir):
+    cluster = Cluster(free=1)
+    fleet, notices = grow_fleet(model_dir, cluster, replicas_max=2, restarts=1)
+    try:
+        cluster.fail = True
+        assert fleet.autoscale() == 1
+        with pytest.raises(RuntimeError):
+            fleet.slots[1].starting.result(timeout=60)
+        cluster.fail, cluster.free = False, 0  # its node left meanwhile: no room for the second try
+        assert fleet.maintain() == []
+        slot = fleet.slots[1]
+        assert slot.state == LOST and slot.waiting and slot.restarts == 0  # lost, waiting: not stuck starting
+        assert notices[-2:] == ["rollout replica 1 did not start: the engine would not build",
+                                "rollout replica 1 waits for room on the cluster to restart (looked for at each sync)"]
+        cluster.free = 1
+        fleet.maintain()
+        assert slot.restarts == 1 and slot.state in (STARTING, JOINING)
+        slot.starting is None or slot.starting.result(timeout=60)
+        assert fleet.maintain() == [1]
+    finally:
+        fleet.close()
+
+
+@pytest.mark.faults
 def test_a_grown_replica_that_never_comes_up_stops_the_growth_in_one_line(model_dir):
     cluster = Cluster(free=4)
     fleet, notices = grow_fleet(model_dir, cluster, replicas_max=4, restarts=0)
