@@ -11,19 +11,22 @@ on Intel CPUs only; on AMD it takes its AVX2 path, half the rate of a core with 
 (benchmarks/bench_linear.py, each machine in benchmarks/RESULTS.md): on an Intel Xeon with AVX-512 MKL is at full
 rate and oneDNN 0.6-1.0x of it; on AMD Zen 5 oneDNN is about twice MKL's rate for all three products; on AMD Zen 4
 (AVX-512 run at half width) oneDNN's forward is 1.1-1.4x MKL's, and interleaved in one process the 27M model's
-update ran 1.03-1.09x and the 25m model's rollout 1.08x faster. So the choice is a rule where the CPU is known,
-the same in every process of a machine (a data-parallel group's ranks all run the same kernels, and a rerun rounds
-as the run before it):
+update ran 1.03-1.09x and the 25m model's rollout 1.08x faster; on AMD Zen 3 (AVX2, no AVX-512: MKL's AVX2 path is
+the CPU's full rate) oneDNN's forward measured 0.97-1.22x, dx 0.77-0.87x, dw 0.64-0.79x of MKL's. So the choice is a
+rule where the CPU is known, the same in every process of a machine (a data-parallel group's ranks all run the same
+kernels, and a rerun rounds as the run before it):
 
     Intel (vendor GenuineIntel)              all three products on torch's kernel (MKL)
     AMD (AuthenticAMD) with AVX-512          all three on oneDNN
+    AMD without AVX-512 (Zen 3 and before)   all three on torch's kernel
     any other CPU                            measured (measure_kernels: a 1024 x 1024 x 512 case, best of a few
                                              calls of each kernel, about 0.2 s); a product runs on oneDNN only
                                              where it wins by WIN (25%)
 
 The measurement is the fallback, not the default, because it flips: on the Zen 4 machine three processes in a row
 measured the forward at 1.35x, 1.22x and 1.47x against the 1.25 margin, so each chose differently and rounded
-differently. Where torch has no oneDNN every product stays on torch's kernel.
+differently (on a Zen 3 host, before its rule, a context-parallel run and the one-process run it is tested against
+differed in their loss beyond 1e-4 so). Where torch has no oneDNN every product stays on torch's kernel.
 
     RELAYRL_CPU_LINEAR   auto (the rule above; the default) | measure (always measure) | torch | onednn (fixed)
     RELAYRL_COMPILE      auto (the pointwise pieces fused where they apply; the default) | off (always eager)
@@ -116,8 +119,8 @@ def rule(vendor: str, capability: str) -> dict[str, bool] | None:
     (torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", ...)."""
     if vendor == "GenuineIntel":
         return dict.fromkeys(PRODUCTS, False)
-    if vendor == "AuthenticAMD" and capability.startswith("AVX512"):
-        return dict.fromkeys(PRODUCTS, True)
+    if vendor == "AuthenticAMD":
+        return dict.fromkeys(PRODUCTS, capability.startswith("AVX512"))
     return None
 
 

@@ -34,7 +34,11 @@ def single(tmp_path_factory):
 def test_a_cp2_run_takes_the_one_process_steps(tmp_path, single, mode):
     got = train(_cfg(tmp_path, f"cp2_{mode}", backend="local", cp=2, cp_mode=mode), show_progress=False)
     metrics = step_metrics(got["run_dir"])
-    assert_same_metrics(metrics, single)
+    # the loss (~1e-3) is a mean of per-token terms of order 1 that cancel (advantages of both signs), so its error
+    # is theirs, not a share of its small value: Ulysses' attention over half the heads per rank rounds the
+    # logprobs apart by ~1e-7, which moved the loss by 1.25e-6 on a Zen 3 host (ring: 3e-7; the grad norm agreed to
+    # 5e-6 of itself there)
+    assert_same_metrics(metrics, single, abs_tol={"loss": 5e-6} if mode == "ulysses" else None)
     assert all(m["sync/canary_gap"] <= 1e-5 for m in metrics)  # the sync read the dp_shard x cp shards right
 
 

@@ -6,9 +6,9 @@ not meant to change numerics is shown not to, to the last bit.
 
 Exact means on the machine it was recorded on: the CPU's kernels (MKL or oneDNN, their blocking) round fp32 sums
 in their own order, and one flipped sample changes everything after it. So a curve is stored per machine
-fingerprint (CPU model, torch version, threads), recorded *before* a refactor's first move; on a machine with no
-curve the test is skipped and says how to record one. CI runs on the machine of the session that submits, whose
-curve that session recorded.
+fingerprint (CPU model, torch version, threads, the CPU's vector capability), recorded *before* a refactor's first
+move; on a machine with no curve the test is skipped and says how to record one. CI runs on the machine of the
+session that submits, whose curve that session recorded.
 
 The runs cover the loop's branches that a structural change could disturb: synchronous GRPO with a KL term,
 one-step-off (the streaming source), PPO with a critic, ReMax's greedy baseline with DAPO's group filter, and an
@@ -69,7 +69,9 @@ def fingerprint() -> str:
                 break
     except OSError:
         pass
-    return f"{model} | torch {torch.__version__} | {THREADS} threads"
+    # the CPU's vector width picks the kernels' code (relayrl.parallel.cpu_kernels: AMD with AVX-512 runs oneDNN,
+    # without it torch's): two hosts of one model name (an EPYC with and without AVX-512) round apart
+    return f"{model} | torch {torch.__version__} | {THREADS} threads | {torch.backends.cpu.get_cpu_capability()}"
 
 
 def curve_path() -> Path:
