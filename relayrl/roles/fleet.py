@@ -108,7 +108,8 @@ class RolloutFleet(ReplicaStates):
             from relayrl.single_controller.backends.ray import room as ray_room
             from relayrl.single_controller.resource_pool import ResourcePool
 
-            room = partial(ray_room, ResourcePool([1], device=device, cpus_per_process=cpus_per_replica))
+            room = partial(ray_room, ResourcePool([1], device=device, cpus_per_process=cpus_per_replica,
+                                                  gpus_per_process=tp))  # what start_process reserves
 
         groups = []
         try:

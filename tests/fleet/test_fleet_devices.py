@@ -106,3 +106,21 @@ def test_a_replica_keeps_its_place_across_restarts_and_one_added_takes_a_free_on
         assert spawned[-1] == ("rollout4", 3)
     finally:
         fleet.close()
+
+
+def test_rays_room_counts_whole_replicas_node_by_node(monkeypatch):
+    """relayrl.single_controller.backends.ray.room over Ray's per-node free resources (faked here): a replica of
+    rollout.tp=2 on cuda reserves its CPUs and 2 GPUs on one node; free resources split over nodes do not add up."""
+    pytest.importorskip("ray")
+    import ray._private.state as state
+
+    from relayrl.single_controller.backends.ray import room
+
+    nodes = {"a": {"CPU": 3.0, "GPU": 4.0}, "b": {"CPU": 8.0, "GPU": 1.0}, "c": {"CPU": 0.5, "GPU": 2.0}}
+    monkeypatch.setattr(state, "available_resources_per_node", lambda: nodes)
+    gpu = ResourcePool([1], device="cuda", cpus_per_process=1.0, gpus_per_process=2)
+    assert room(gpu) == 2  # node a: 2 (its 4 GPUs); b: 1 GPU is not 2; c: half a CPU is not one
+    assert room(ResourcePool([1], device="cpu", cpus_per_process=1.0)) == 3 + 8 + 0
+    assert room(ResourcePool([2], device="cpu", cpus_per_process=1.0)) == 1 + 4 + 0  # a group of 2 on one node
+    with pytest.raises(ValueError, match="one-node pools"):
+        room(ResourcePool([1, 1], device="cpu"))

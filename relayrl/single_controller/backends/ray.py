@@ -46,16 +46,16 @@ def room(pool: ResourcePool) -> int:
     total, which can overcount a cluster whose free resources are split over nodes."""
     ray = _ray()
     need = bundle_of(pool)
-    per_process = len(pool.processes_per_node) == 1 and pool.processes_per_node[0]
-    if not per_process:
+    if len(pool.processes_per_node) != 1:
         raise ValueError(f"room() counts one-node pools; {pool.processes_per_node} spans nodes")
+    processes = pool.processes_per_node[0]
     try:
         from ray._private.state import available_resources_per_node  # Ray's own view, per node
 
         nodes = list(available_resources_per_node().values())
     except (ImportError, AttributeError):
         nodes = [ray.available_resources()]
-    return sum(int(min(free.get(k, 0.0) / v for k, v in need.items()) + 1e-9) // per_process for free in nodes)
+    return sum(int(min(free.get(k, 0.0) / v for k, v in need.items()) + 1e-9) // processes for free in nodes)
 
 
 class RayBackend:
