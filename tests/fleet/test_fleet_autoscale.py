@@ -66,6 +66,14 @@ def params() -> list[SamplingParams]:
     return [SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3 + i) for i in range(len(PROMPTS))]
 
 
+def grow_into_a_failed_start(fleet: RolloutFleet, cluster: Cluster) -> None:
+    """autoscale() adds replica 1, whose engine will not build (its start fails on the fleet's thread)."""
+    cluster.fail = True
+    assert fleet.autoscale() == 1
+    with pytest.raises(RuntimeError):
+        fleet.slots[1].starting.result(timeout=60)
+
+
 def tokens(outs):
     return [[s.token_ids for s in o.samples] for o in outs]
 
@@ -136,10 +144,7 @@ def test_a_start_that_failed_when_the_room_is_gone_waits_for_room_then_starts(mo
     cluster = Cluster(free=1)
     fleet, notices = grow_fleet(model_dir, cluster, replicas_max=2, restarts=1)
     try:
-        cluster.fail = True
-        assert fleet.autoscale() == 1
-        with pytest.raises(RuntimeError):
-            fleet.slots[1].starting.result(timeout=60)
+        grow_into_a_failed_start(fleet, cluster)
         cluster.fail, cluster.free = False, 0  # its node left meanwhile: no room for the second try
         assert fleet.maintain() == []
         slot = fleet.slots[1]
@@ -160,10 +165,7 @@ def test_a_grown_replica_that_never_comes_up_stops_the_growth_in_one_line(model_
     cluster = Cluster(free=4)
     fleet, notices = grow_fleet(model_dir, cluster, replicas_max=4, restarts=0)
     try:
-        cluster.fail = True
-        assert fleet.autoscale() == 1
-        with pytest.raises(RuntimeError):
-            fleet.slots[1].starting.result(timeout=60)
+        grow_into_a_failed_start(fleet, cluster)
         fleet.maintain()  # its start failed; no restarts left: retired
         assert fleet.slots[1].state == RETIRED
         assert fleet.autoscale() is None and fleet.replicas_max == 1
